@@ -1,0 +1,193 @@
+"""asyncio thin client: many concurrent requests over one DEALER socket.
+
+Primitives: :class:`AsyncCacheClient`, with the same ops and fail-open
+behaviour as :class:`~lmcache_client.client.CacheClient` (each op a coroutine).
+Replies are matched to requests by id by one reader task, so calls from many
+tasks may be in flight at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from . import calls
+from .calls import Call, LookupResult
+from .client import COPY_THRESHOLD, DEFAULT_ADDRESS, FailOpen, namespace_string, new_dealer
+from .errors import DaemonUnavailable
+from .keys import chunk_keys
+from .namespace import Namespace
+from .protocol import PutStatus, Reply, decode_reply, encode_request
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class AsyncCacheClient:
+    """Non-blocking client of one daemon; use ``async with`` or call ``close()``."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        namespace: Namespace | str | None = None,
+        *,
+        timeout_s: float = 5.0,
+        fail_open: bool = True,
+        chunk_size: int | None = None,
+        hwm: int = 64,
+        context: zmq.asyncio.Context | None = None,
+    ):
+        self.address = address
+        self.namespace = namespace_string(namespace)
+        self.chunk_size = chunk_size or (namespace.chunk_size if isinstance(namespace, Namespace) else None)
+        self.timeout_s = timeout_s
+        self._hwm = hwm
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[tuple[Reply, list[Any]]]] = {}
+        self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
+        self._fail = FailOpen(fail_open, address)
+        self._closed = False
+
+    async def __aenter__(self) -> AsyncCacheClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def failures(self) -> int:
+        return self._fail.failures
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._drop_socket(DaemonUnavailable("client closed"))
+
+    async def _drop_socket(self, err: Exception) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        if self._sock is None:
+            self._sock = new_dealer(self._ctx, self.address, self._hwm)  # type: ignore[assignment]
+            self._reader = asyncio.get_running_loop().create_task(self._read_replies(self._sock))
+        return self._sock  # type: ignore[return-value]
+
+    async def _read_replies(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                reply = decode_reply(frames[0].buffer)
+            except ValueError:
+                logger.warning("dropping a reply that is not protocol v1")
+                continue
+            fut = self._pending.pop(reply.id, None) if reply.id is not None else None
+            if fut is not None and not fut.done():
+                fut.set_result((reply, [f.buffer for f in frames[1:]]))
+
+    async def _run(self, call: Call[T], timeout_s: float | None = None) -> T:
+        timeout = timeout_s or self.timeout_s
+        request_id = next(self._ids) & (2**64 - 1)
+        frames = encode_request(call.op, request_id, call.namespace, call.keys, call.payloads, **call.fields)
+        big = any(memoryview(f).nbytes >= COPY_THRESHOLD for f in frames[1:])
+        sock = self._socket()
+        fut: asyncio.Future[tuple[Reply, list[Any]]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = fut
+        tracker: zmq.MessageTracker | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                # Waits while there is no connection (IMMEDIATE) or the HWM is reached.
+                tracker = await sock.send_multipart(frames, copy=not big, track=big)
+                reply, payloads = await fut
+        except (TimeoutError, DaemonUnavailable) as err:
+            self._pending.pop(request_id, None)
+            await self._abandon(tracker, timeout)
+            failure = err if isinstance(err, DaemonUnavailable) else DaemonUnavailable(
+                f"no reply from {self.address} within {timeout}s"
+            )
+            return self._fail.failed(call, failure)
+        self._fail.succeeded()
+        return call.result(reply, payloads)
+
+    async def _abandon(self, tracker: zmq.MessageTracker | None, timeout_s: float) -> None:
+        if tracker is None or tracker.done:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not tracker.done and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        if not tracker.done:
+            logger.warning("a zero-copy send to %s is still pending; resetting the socket", self.address)
+            await self._drop_socket(DaemonUnavailable("socket reset after a stuck send"))
+
+    def _ns(self, namespace: Namespace | str | None) -> str:
+        ns = namespace_string(namespace) or self.namespace
+        if not ns:
+            raise ValueError("no namespace: pass namespace= here or to the client")
+        return ns
+
+    # -- ops (see CacheClient for their meaning) -----------------------------------
+    async def hello(self, client_name: str = "lmcache-client-py-async") -> dict[str, Any]:
+        return await self._run(calls.hello(client_name))
+
+    async def ping(self, timeout_s: float | None = None) -> float:
+        return await self._run(calls.ping(), timeout_s)
+
+    async def put(
+        self, keys: Sequence[bytes], payloads: Sequence[Any], *, namespace: Namespace | str | None = None
+    ) -> list[PutStatus]:
+        return await self._run(calls.put(self._ns(namespace), keys, payloads))
+
+    async def get(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[Any | None]:
+        return await self._run(calls.get(self._ns(namespace), keys))
+
+    async def lookup(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> LookupResult:
+        return await self._run(calls.lookup(self._ns(namespace), keys))
+
+    async def lookup_tokens(self, tokens: Sequence[int], *, namespace: Namespace | str | None = None) -> int:
+        if self.chunk_size is None:
+            raise ValueError("lookup_tokens needs chunk_size (pass it or a Namespace to the client)")
+        keys = chunk_keys(tokens, self.chunk_size)
+        if not keys:
+            return 0
+        return (await self.lookup(keys, namespace=namespace)).hit_chunks * self.chunk_size
+
+    async def exists(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
+        return await self._run(calls.exists(self._ns(namespace), keys))
+
+    async def delete(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
+        return await self._run(calls.delete(self._ns(namespace), keys))
+
+    async def pin(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
+        return await self._run(calls.pin(self._ns(namespace), keys))
+
+    async def unpin(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
+        return await self._run(calls.unpin(self._ns(namespace), keys))
+
+    async def clear(self, *, namespace: Namespace | str | None = None, all_namespaces: bool = False) -> int:
+        return await self._run(calls.clear(None if all_namespaces else self._ns(namespace)))
+
+    async def stats(self, *, namespace: Namespace | str | None = None) -> dict[str, Any]:
+        return await self._run(calls.stats(namespace_string(namespace)))

@@ -1,0 +1,140 @@
+"""What each operation sends and how its reply is read, shared by both clients.
+
+A :class:`Call` holds the request (op, namespace, keys, payloads, fields), a
+``parse`` function from the reply to the result, and, for the data ops an
+engine calls in its inference path, the ``miss`` result to return instead of
+raising when the daemon is unreachable (fail-open).
+
+The sync and asyncio clients differ only in how they move frames; every
+op's meaning lives here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+from .errors import ServerError
+from .protocol import ErrorCode, Op, PutStatus, Reply
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupResult:
+    """How many leading keys are cached, and where each key was found."""
+
+    hit_chunks: int
+    tiers: list[str | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call(Generic[T]):
+    op: Op
+    parse: Callable[[Reply, list[Any]], T]
+    namespace: str | None = None
+    keys: Sequence[bytes] | None = None
+    payloads: Sequence[Any] = ()
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    miss: Callable[[], T] | None = None
+    """Fail-open result; None means the call raises when the daemon is unreachable."""
+
+    def result(self, reply: Reply, payloads: list[Any]) -> T:
+        if not reply.ok:
+            if reply.code == ErrorCode.BUSY and self.miss is not None:
+                return self.miss()
+            raise ServerError(reply.code if reply.code is not None else -1, reply.message)
+        return self.parse(reply, payloads)
+
+
+def _field(reply: Reply, name: str) -> Any:
+    try:
+        return reply.fields[name]
+    except KeyError:
+        raise ServerError(ErrorCode.INTERNAL, f"reply lacks field {name!r}") from None
+
+
+def hello(client_name: str) -> Call[dict[str, Any]]:
+    return Call(Op.HELLO, lambda r, _: dict(r.fields), fields={"client": client_name})
+
+
+def ping() -> Call[float]:
+    sent = time.perf_counter()
+    return Call(Op.PING, lambda r, _: time.perf_counter() - sent)
+
+
+def put(namespace: str, keys: Sequence[bytes], payloads: Sequence[Any]) -> Call[list[PutStatus]]:
+    if len(keys) != len(payloads):
+        raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
+    n = len(keys)
+    return Call(
+        Op.PUT,
+        lambda r, _: [PutStatus(s) for s in _field(r, "status")],
+        namespace,
+        keys,
+        payloads,
+        miss=lambda: [PutStatus.FAILED] * n,
+    )
+
+
+def get(namespace: str, keys: Sequence[bytes]) -> Call[list[Any | None]]:
+    n = len(keys)
+
+    def parse(reply: Reply, payloads: list[Any]) -> list[Any | None]:
+        found = _field(reply, "found")
+        if len(found) != n or sum(map(bool, found)) != len(payloads):
+            raise ServerError(ErrorCode.INTERNAL, "get reply does not match its payloads")
+        it = iter(payloads)
+        return [next(it) if hit else None for hit in found]
+
+    return Call(Op.GET, parse, namespace, keys, miss=lambda: [None] * n)
+
+
+def lookup(namespace: str, keys: Sequence[bytes]) -> Call[LookupResult]:
+    n = len(keys)
+    return Call(
+        Op.LOOKUP,
+        lambda r, _: LookupResult(int(_field(r, "hits")), list(_field(r, "tiers"))),
+        namespace,
+        keys,
+        miss=lambda: LookupResult(0, [None] * n),
+    )
+
+
+def exists(namespace: str, keys: Sequence[bytes]) -> Call[list[bool]]:
+    n = len(keys)
+    return Call(
+        Op.EXISTS,
+        lambda r, _: [bool(x) for x in _field(r, "exists")],
+        namespace,
+        keys,
+        miss=lambda: [False] * n,
+    )
+
+
+def _bool_list(field: str) -> Callable[[Reply, list[Any]], list[bool]]:
+    return lambda r, _: [bool(x) for x in _field(r, field)]
+
+
+def delete(namespace: str, keys: Sequence[bytes]) -> Call[list[bool]]:
+    return Call(Op.DELETE, _bool_list("deleted"), namespace, keys)
+
+
+def pin(namespace: str, keys: Sequence[bytes]) -> Call[list[bool]]:
+    return Call(Op.PIN, _bool_list("pinned"), namespace, keys)
+
+
+def unpin(namespace: str, keys: Sequence[bytes]) -> Call[list[bool]]:
+    return Call(Op.UNPIN, _bool_list("unpinned"), namespace, keys)
+
+
+def clear(namespace: str | None) -> Call[int]:
+    """Clear one namespace, or every namespace when ``namespace`` is None."""
+    fields = {} if namespace is not None else {"all": True}
+    return Call(Op.CLEAR, lambda r, _: int(_field(r, "removed")), namespace, fields=fields)
+
+
+def stats(namespace: str | None = None) -> Call[dict[str, Any]]:
+    return Call(Op.STATS, lambda r, _: dict(_field(r, "stats")), namespace)

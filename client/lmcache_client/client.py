@@ -1,0 +1,254 @@
+"""Synchronous thin client (one DEALER socket; not thread-safe: one per thread).
+
+Primitives: :class:`CacheClient` with ``hello, ping, put, get, get_into,
+lookup, lookup_tokens, exists, delete, clear, pin, unpin, stats``, and
+``put_tensors``/``get_tensors`` via :mod:`lmcache_client.tensors`.
+
+Fail-open: with ``fail_open=True`` (the default) a daemon that is down, slow
+or BUSY costs the caller at most ``timeout_s`` and the data ops answer like a
+miss (get -> None, lookup -> 0 hits, put -> FAILED); the outage is logged once
+and counted in ``client.failures``.  Admin ops (delete, clear, pin, stats)
+always raise :class:`~lmcache_client.errors.DaemonUnavailable`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import zmq
+
+from . import calls
+from .calls import Call, LookupResult
+from .errors import DaemonUnavailable
+from .keys import chunk_keys
+from .namespace import Namespace
+from .protocol import PutStatus, decode_reply, encode_request
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:65432"
+COPY_THRESHOLD = 64 * 1024
+"""Payloads at least this large are sent zero-copy (pyzmq copies smaller ones anyway)."""
+
+
+class FailOpen:
+    """Outage bookkeeping shared by the sync and asyncio clients."""
+
+    def __init__(self, enabled: bool, address: str):
+        self.enabled = enabled
+        self.address = address
+        self.failures = 0
+        self._down = False
+
+    def failed(self, call: Call[T], err: DaemonUnavailable) -> T:
+        self.failures += 1
+        if not self._down:
+            self._down = True
+            logger.warning("lmcache daemon at %s unavailable (%s); serving misses", self.address, err)
+        if self.enabled and call.miss is not None:
+            return call.miss()
+        raise err
+
+    def succeeded(self) -> None:
+        if self._down:
+            self._down = False
+            logger.info("lmcache daemon at %s reachable again", self.address)
+
+
+def namespace_string(namespace: Namespace | str | None) -> str | None:
+    return namespace.wire() if isinstance(namespace, Namespace) else namespace
+
+
+def new_dealer(ctx: zmq.Context[Any], address: str, hwm: int) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # IMMEDIATE: queue only on completed connections, so a dead daemon is
+    # noticed at send time instead of messages piling up for later delivery.
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.connect(address)
+    return sock
+
+
+class CacheClient:
+    """Blocking client of one lmcache-server daemon.
+
+    ``namespace`` (a :class:`Namespace` or its wire string) is the default for
+    data ops; every op also takes ``namespace=`` to override it.
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        namespace: Namespace | str | None = None,
+        *,
+        timeout_s: float = 5.0,
+        fail_open: bool = True,
+        chunk_size: int | None = None,
+        hwm: int = 64,
+        context: zmq.Context[Any] | None = None,
+    ):
+        self.address = address
+        self.namespace = namespace_string(namespace)
+        self.chunk_size = chunk_size or (namespace.chunk_size if isinstance(namespace, Namespace) else None)
+        self.timeout_s = timeout_s
+        self._hwm = hwm
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket[Any] | None = new_dealer(self._ctx, address, hwm)
+        self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
+        self._fail = FailOpen(fail_open, address)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def failures(self) -> int:
+        """Requests that found the daemon unreachable (answered fail-open or raised)."""
+        return self._fail.failures
+
+    # -- transport -----------------------------------------------------------------
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._sock = new_dealer(self._ctx, self.address, self._hwm)
+
+    def _roundtrip(self, frames: list[Any], request_id: int, timeout_s: float) -> tuple[Any, list[Any]]:
+        if self._sock is None:
+            raise RuntimeError("client is closed")
+        sock = self._sock
+        deadline = time.monotonic() + timeout_s
+        big = any(memoryview(f).nbytes >= COPY_THRESHOLD for f in frames[1:])
+        while True:
+            try:
+                tracker = sock.send_multipart(frames, zmq.NOBLOCK, copy=not big, track=big)
+                break
+            except zmq.Again:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not sock.poll(remaining * 1000, zmq.POLLOUT):
+                    raise DaemonUnavailable(f"no connection to {self.address}") from None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(remaining * 1000, zmq.POLLIN):
+                self._abandon(tracker, timeout_s)
+                raise DaemonUnavailable(f"no reply from {self.address} within {timeout_s}s")
+            reply_frames = sock.recv_multipart(copy=False)
+            try:
+                reply = decode_reply(reply_frames[0].buffer)
+            except ValueError:
+                logger.warning("dropping a reply that is not protocol v1")
+                continue
+            if reply.id == request_id:
+                return reply, [f.buffer for f in reply_frames[1:]]
+            # A late reply to a request that already timed out: not ours.
+
+    def _abandon(self, tracker: zmq.MessageTracker | None, timeout_s: float) -> None:
+        """After a timeout: make sure zmq no longer reads the caller's buffers."""
+        if tracker is not None and not tracker.done:
+            try:
+                tracker.wait(timeout_s)
+            except zmq.NotDone:
+                logger.warning("a zero-copy send to %s is still pending; resetting the socket", self.address)
+        self._reset()
+
+    def _run(self, call: Call[T], timeout_s: float | None = None) -> T:
+        request_id = next(self._ids) & (2**64 - 1)
+        frames = encode_request(
+            call.op, request_id, call.namespace, call.keys, call.payloads, **call.fields
+        )
+        try:
+            reply, payloads = self._roundtrip(frames, request_id, timeout_s or self.timeout_s)
+        except DaemonUnavailable as err:
+            return self._fail.failed(call, err)
+        self._fail.succeeded()
+        return call.result(reply, payloads)
+
+    def _ns(self, namespace: Namespace | str | None) -> str:
+        ns = namespace_string(namespace) or self.namespace
+        if not ns:
+            raise ValueError("no namespace: pass namespace= here or to the client")
+        return ns
+
+    # -- ops -----------------------------------------------------------------------
+    def hello(self, client_name: str = "lmcache-client-py") -> dict[str, Any]:
+        """Version handshake; returns the server's capabilities and limits."""
+        return self._run(calls.hello(client_name))
+
+    def ping(self, timeout_s: float | None = None) -> float:
+        """Round-trip time in seconds; raises DaemonUnavailable if there is no answer."""
+        return self._run(calls.ping(), timeout_s)
+
+    def put(
+        self, keys: Sequence[bytes], payloads: Sequence[Any], *, namespace: Namespace | str | None = None
+    ) -> list[PutStatus]:
+        """Store one payload per key.  Do not modify the payload buffers until it returns."""
+        return self._run(calls.put(self._ns(namespace), keys, payloads))
+
+    def get(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[Any | None]:
+        """One read-only buffer (memoryview) per key, None for a miss."""
+        return self._run(calls.get(self._ns(namespace), keys))
+
+    def lookup(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> LookupResult:
+        """How many leading keys are cached, and the tier holding each key."""
+        return self._run(calls.lookup(self._ns(namespace), keys))
+
+    def lookup_tokens(self, tokens: Sequence[int], *, namespace: Namespace | str | None = None) -> int:
+        """Number of leading tokens whose KV chunks are cached (a multiple of chunk_size)."""
+        if self.chunk_size is None:
+            raise ValueError("lookup_tokens needs chunk_size (pass it or a Namespace to the client)")
+        keys = chunk_keys(tokens, self.chunk_size)
+        if not keys:
+            return 0
+        return self.lookup(keys, namespace=namespace).hit_chunks * self.chunk_size
+
+    def exists(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
+        return self._run(calls.exists(self._ns(namespace), keys))
+
+    def delete(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
+        return self._run(calls.delete(self._ns(namespace), keys))
+
+    def pin(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
+        """Keep these chunks from eviction until unpinned (False: not stored)."""
+        return self._run(calls.pin(self._ns(namespace), keys))
+
+    def unpin(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
+        return self._run(calls.unpin(self._ns(namespace), keys))
+
+    def clear(self, *, namespace: Namespace | str | None = None, all_namespaces: bool = False) -> int:
+        """Remove every chunk of the namespace (or of all of them); returns how many."""
+        return self._run(calls.clear(None if all_namespaces else self._ns(namespace)))
+
+    def stats(self, *, namespace: Namespace | str | None = None) -> dict[str, Any]:
+        return self._run(calls.stats(namespace_string(namespace)))
+
+    def put_tensors(
+        self, keys: Sequence[bytes], tensors: Sequence[Any], *, namespace: Namespace | str | None = None
+    ) -> list[PutStatus]:
+        """Put torch tensors (CPU) without copying them into bytes first."""
+        from .tensors import tensor_bytes
+
+        return self.put(keys, [tensor_bytes(t) for t in tensors], namespace=namespace)
+
+    def get_into(
+        self, keys: Sequence[bytes], out: Sequence[Any], *, namespace: Namespace | str | None = None
+    ) -> list[bool]:
+        """Copy each hit into the matching CPU tensor of ``out``; True where it was a hit."""
+        from .tensors import copy_into
+
+        bufs = self.get(keys, namespace=namespace)
+        return [buf is not None and copy_into(t, buf) for t, buf in zip(out, bufs)]

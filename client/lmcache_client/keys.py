@@ -1,0 +1,76 @@
+"""Canonical chunk keys: a SHA-256 hash chain over the token ids of full chunks.
+
+Algorithm (version 1), identical in every process, host and Python version:
+
+    prev_0 = 32 zero bytes
+    key_i  = SHA-256( b"lmcache-chunk-v1" || prev_i || u32le(tokens of chunk i) )
+    prev_{i+1} = key_i
+
+where ``u32le`` packs each token id as an unsigned 32-bit little-endian
+integer and chunk ``i`` covers tokens ``[i*chunk_size, (i+1)*chunk_size)``.
+Only full chunks get keys: a trailing partial chunk is always recomputed.
+Because each key folds in every earlier chunk, a key names a whole prefix.
+
+Primitives: :func:`chunk_keys` (tokens -> keys), :func:`chain_key` (one step),
+and :class:`ChunkHasher`, which remembers the chunk size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+
+from .protocol.codes import KEY_BYTES
+
+KEY_DOMAIN = b"lmcache-chunk-v1"
+ROOT_KEY = bytes(KEY_BYTES)
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def _pack_tokens(tokens: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error:
+        bad = next(t for t in tokens if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN_ID))
+        raise ValueError(f"token id {bad!r} is not an unsigned 32-bit integer") from None
+
+
+def chain_key(prev: bytes, chunk_tokens: Sequence[int]) -> bytes:
+    """The key of one chunk given the key of the chunk before it (ROOT_KEY for the first)."""
+    if len(prev) != KEY_BYTES:
+        raise ValueError(f"previous key must be {KEY_BYTES} bytes, got {len(prev)}")
+    return hashlib.sha256(KEY_DOMAIN + prev + _pack_tokens(chunk_tokens)).digest()
+
+
+def chunk_keys(tokens: Sequence[int] | Iterable[int], chunk_size: int) -> list[bytes]:
+    """Keys of every full chunk of ``tokens``, in order."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if hasattr(tokens, "tolist"):  # torch tensors and numpy arrays
+        seq: Sequence[int] = tokens.tolist()
+    elif isinstance(tokens, Sequence):
+        seq = tokens
+    else:
+        seq = list(tokens)
+    keys: list[bytes] = []
+    prev = ROOT_KEY
+    for start in range(0, len(seq) - chunk_size + 1, chunk_size):
+        prev = chain_key(prev, seq[start : start + chunk_size])
+        keys.append(prev)
+    return keys
+
+
+class ChunkHasher:
+    """Chunk keys for one chunk size: ``ChunkHasher(256).keys(token_ids)``."""
+
+    def __init__(self, chunk_size: int):
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.chunk_size = chunk_size
+
+    def keys(self, tokens: Sequence[int] | Iterable[int]) -> list[bytes]:
+        return chunk_keys(tokens, self.chunk_size)
+
+    def full_chunks(self, num_tokens: int) -> int:
+        return num_tokens // self.chunk_size

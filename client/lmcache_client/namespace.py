@@ -1,0 +1,94 @@
+"""Namespaces: which chunks may be shared.
+
+Two engines share chunks only if they would compute identical KV bytes for the
+same tokens: same model, same KV layout, same tensor-parallel shard.  The
+namespace string folds all of that together, plus an optional tenant salt so
+two tenants never see each other's chunks.  The server treats it as opaque.
+
+Primitive: :class:`Namespace` and its :meth:`Namespace.wire` string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .protocol.codes import MAX_NAMESPACE_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    """Model id + KV layout + tp rank/size + optional tenant.
+
+    ``wire()`` gives the canonical string, e.g.
+    ``meta-llama/Llama-3.1-8B|bfloat16|L32|KV8|D128|tp0of1|c256``.
+    """
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    chunk_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    tenant: str = ""
+    layout: str = ""
+    """Free-form layout tag (e.g. "mla" or an adapter's own tensor layout)."""
+
+    def __post_init__(self) -> None:
+        if not self.model or "|" in self.model:
+            raise ValueError(f"model must be non-empty and must not contain '|': {self.model!r}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+        if "|" in self.tenant or "|" in self.layout or "|" in self.dtype:
+            raise ValueError("dtype, tenant and layout must not contain '|'")
+        if len(self.wire().encode()) > MAX_NAMESPACE_BYTES:
+            raise ValueError(f"namespace longer than {MAX_NAMESPACE_BYTES} bytes")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token on this shard (2 x layers x heads x dim x dtype)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _dtype_bytes(self.dtype)
+
+    def wire(self) -> str:
+        parts = [
+            self.model,
+            self.dtype,
+            f"L{self.num_layers}",
+            f"KV{self.num_kv_heads}",
+            f"D{self.head_dim}",
+            f"tp{self.tp_rank}of{self.tp_size}",
+            f"c{self.chunk_size}",
+        ]
+        if self.layout:
+            parts.append(f"layout={self.layout}")
+        if self.tenant:
+            parts.append(f"tenant={self.tenant}")
+        return "|".join(parts)
+
+    def __str__(self) -> str:
+        return self.wire()
+
+
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+
+def _dtype_bytes(dtype: str) -> int:
+    name = dtype.removeprefix("torch.")
+    try:
+        return _DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}") from None

@@ -1,0 +1,36 @@
+"""Wire protocol v1 (one definition, imported by the server too).
+
+- codes: PROTOCOL_VERSION, KEY_BYTES, Op, ErrorCode, PutStatus
+- messages: encode/decode of request and reply frames, ProtocolError, Limits
+"""
+
+from .codes import KEY_BYTES, MAX_NAMESPACE_BYTES, PROTOCOL_VERSION, ErrorCode, Op, PutStatus
+from .messages import (
+    Limits,
+    ProtocolError,
+    Reply,
+    Request,
+    decode_reply,
+    decode_request,
+    encode_error,
+    encode_reply,
+    encode_request,
+)
+
+__all__ = [
+    "KEY_BYTES",
+    "MAX_NAMESPACE_BYTES",
+    "PROTOCOL_VERSION",
+    "ErrorCode",
+    "Limits",
+    "Op",
+    "ProtocolError",
+    "PutStatus",
+    "Reply",
+    "Request",
+    "decode_reply",
+    "decode_request",
+    "encode_error",
+    "encode_reply",
+    "encode_request",
+]

@@ -1,0 +1,81 @@
+"""Stable numeric codes of wire protocol v1: operations, error codes, put statuses.
+
+The integer values are part of the protocol: never renumber, only append.
+"""
+
+from __future__ import annotations
+
+import enum
+
+PROTOCOL_VERSION = 1
+"""The protocol version carried in every header as ``v``."""
+
+KEY_BYTES = 32
+"""Every chunk key is exactly this many bytes (a SHA-256 digest, see keys.py)."""
+
+MAX_NAMESPACE_BYTES = 512
+"""Longest namespace, in UTF-8 bytes."""
+
+
+class Op(str, enum.Enum):
+    """Operation names, sent as the header's ``op`` string."""
+
+    HELLO = "hello"
+    PING = "ping"
+    PUT = "put"
+    GET = "get"
+    LOOKUP = "lookup"
+    EXISTS = "exists"
+    DELETE = "delete"
+    CLEAR = "clear"
+    PIN = "pin"
+    UNPIN = "unpin"
+    STATS = "stats"
+
+
+class ErrorCode(enum.IntEnum):
+    """Error codes of an error reply (header ``code``); ``name`` is sent too."""
+
+    MALFORMED = 1
+    """The header frame is not a msgpack map, or a field has the wrong type."""
+    UNSUPPORTED_VERSION = 2
+    """The header's ``v`` is not a protocol version the server speaks."""
+    UNKNOWN_OP = 3
+    """The header's ``op`` is not an operation of this version."""
+    BAD_REQUEST = 4
+    """A required field is missing or a value is out of range."""
+    BAD_KEY = 5
+    """A key is not exactly KEY_BYTES bytes."""
+    PAYLOAD_MISMATCH = 6
+    """The number of payload frames does not match the op (put: one per key)."""
+    TOO_LARGE = 7
+    """The message, a frame or the header is larger than the server accepts."""
+    TOO_MANY_KEYS = 8
+    """More keys in one request than the server's max_keys_per_request."""
+    BAD_NAMESPACE = 9
+    """The namespace is missing, empty, too long or not valid UTF-8."""
+    BUSY = 10
+    """The in-flight byte budget is spent: retry later (or treat as a miss)."""
+    SHUTTING_DOWN = 11
+    """The server is draining and accepts no new requests."""
+    INTERNAL = 12
+    """A bug in the server; the message says no more than that."""
+
+    @property
+    def retryable(self) -> bool:
+        return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN)
+
+
+class PutStatus(enum.IntEnum):
+    """Per-key outcome of a put, in the reply's ``status`` list."""
+
+    STORED = 0
+    """Stored now; visible to readers from this reply on."""
+    EXISTS = 1
+    """Already stored under this key; nothing written (put is idempotent)."""
+    NO_SPACE = 2
+    """Not stored: no room even after eviction (pinned or leased chunks fill the pool)."""
+    TOO_LARGE = 3
+    """Not stored: the chunk is larger than any tier can hold."""
+    FAILED = 4
+    """Not stored: the client could not reach the server (client-side only, never sent)."""

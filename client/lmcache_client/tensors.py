@@ -1,0 +1,54 @@
+"""torch helpers: chunk bytes <-> tensors without extra copies (torch is optional).
+
+Primitives:
+
+- :func:`tensor_bytes`: a zero-copy uint8 view of a contiguous CPU tensor, to put.
+- :func:`copy_into`: one memcpy from a received buffer into a CPU tensor.
+- :func:`as_tensor`: a tensor of the given dtype/shape over a received buffer
+  (copied once, so the result is writable and owns its memory).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as err:  # pragma: no cover - exercised only without torch
+        raise ImportError("tensor helpers need torch: pip install 'lmcache-client[torch]'") from err
+    return torch
+
+
+def tensor_bytes(tensor: Any) -> memoryview:
+    """The bytes of a CPU tensor as a memoryview, without a copy when it is contiguous."""
+    torch = _torch()
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor is on {tensor.device}; move it to CPU (pinned) memory first")
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def copy_into(tensor: Any, buf: Any) -> bool:
+    """Copy ``buf`` into a contiguous CPU tensor of exactly the same byte size."""
+    torch = _torch()
+    src = memoryview(buf).cast("B")
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("copy_into needs a contiguous CPU tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if src.nbytes != nbytes:
+        raise ValueError(f"chunk is {src.nbytes} bytes but the tensor holds {nbytes}")
+    dst = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    dst[:] = src
+    return True
+
+
+def as_tensor(buf: Any, dtype: Any, shape: tuple[int, ...] | None = None) -> Any:
+    """A new tensor with ``buf``'s bytes, of ``dtype`` and optional ``shape``."""
+    torch = _torch()
+    src = memoryview(buf).cast("B")
+    out = torch.empty(src.nbytes, dtype=torch.uint8)
+    memoryview(out.numpy())[:] = src
+    result = out.view(dtype)
+    return result.reshape(shape) if shape is not None else result

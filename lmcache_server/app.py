@@ -1,0 +1,86 @@
+"""Composition root and lifecycle: build every component, serve, drain, shut down.
+
+startup (pool, tiers, store, metrics, sockets, HTTP) -> serve until SIGTERM or
+SIGINT -> drain in-flight requests for ``drain_timeout_s`` -> close everything
+-> exit code 0.  Nothing here is global: the registry, the config and the
+ZeroMQ context are created here and passed down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from lmcache_client.memtune import tune_malloc
+
+from .config import ServerConfig
+from .metrics import ServerMetrics, StoreCollector
+from .server.admission import ByteBudget
+from .server.handlers import Handlers
+from .server.http import HttpEndpoint
+from .server.zmq_server import ZmqServer
+from .storage import MemoryPool, MemoryTier, TieredStore
+
+logger = logging.getLogger(__name__)
+
+
+class App:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.ready = False
+        self._stop: asyncio.Event | None = None
+
+    def request_stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    async def run(self) -> int:
+        """Run until a stop signal; return the process exit code."""
+        c = self.config
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        if c.malloc_tuning and not tune_malloc():
+            logger.info("malloc tuning not applied (not glibc?)")
+        pool = MemoryPool(c.max_local_cpu_size, c.pin_memory)
+        store = TieredStore(MemoryTier(pool, int(c.max_local_cpu_size * c.max_pinned_fraction)))
+        budget = ByteBudget(c.max_inflight_bytes)
+        metrics = ServerMetrics(self.registry)
+        self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))
+        context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
+        server = ZmqServer(c, Handlers(store, c, budget), budget, metrics, context)
+        http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready)
+        try:
+            server.bind()
+            if c.metrics_port:
+                await http.start()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+            self.ready = True
+            logger.info("lmcache-server ready: %s", c.summary())
+            serving = loop.create_task(server.serve())
+            stopping = loop.create_task(self._stop.wait())
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if serving.done():
+                serving.result()  # re-raise what killed the receive loop
+            serving.cancel()
+            self.ready = False
+            logger.info("stopping: draining in-flight requests (up to %.1fs)", c.drain_timeout_s)
+            if await server.drain(c.drain_timeout_s):
+                logger.info("drained cleanly")
+            else:
+                logger.warning("drain timed out; cancelled the rest")
+        finally:
+            self.ready = False
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            server.close()
+            await http.close()
+            await store.close()
+            context.term()
+        logger.info("lmcache-server stopped")
+        return 0

@@ -1,0 +1,95 @@
+"""Command line: ``lmcache-server --config server.yaml [flags]`` (also ``python -m lmcache_server``).
+
+Flags override environment variables, which override the file (see config.py).
+Exit codes: 0 after a clean stop, 2 for a refused configuration, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__
+from .config import FIELDS, ConfigError, load_config
+
+logger = logging.getLogger("lmcache_server")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmcache-server",
+        description="Standalone KV-cache server for LLM inference engines (ZeroMQ).",
+        epilog="Every config key can also be set as LMCACHE_<KEY> in the environment. "
+        "Precedence: flags > environment > config file > defaults.",
+    )
+    p.add_argument("--config", metavar="PATH", help="YAML config file (default: $LMCACHE_CONFIG, else none)")
+    p.add_argument("--listen", action="append", metavar="ENDPOINT",
+                   help="tcp://HOST:PORT or ipc:///PATH to bind (repeatable; replaces the configured list)")
+    p.add_argument("--max-local-cpu-size", metavar="SIZE", help='memory pool size, e.g. 8 (GB) or "8GiB"')
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="HTTP port of /metrics (0 disables)")
+    p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="set any config key (repeatable); VALUE is read as YAML")
+    p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    p.add_argument("--version", action="version", version=f"lmcache-server {__version__}")
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError("--set", item, "KEY=VALUE")
+        out[key.strip()] = yaml.safe_load(value) if value else None
+    if args.listen:
+        out["listen"] = args.listen
+    if args.max_local_cpu_size is not None:
+        size = args.max_local_cpu_size
+        out["max_local_cpu_size"] = float(size) if size.replace(".", "", 1).isdigit() else size
+    if args.metrics_port is not None:
+        out["metrics_port"] = args.metrics_port
+    if args.log_level is not None:
+        out["log_level"] = args.log_level
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config, overrides=_overrides(args))
+    except ConfigError as err:
+        logger.error("refusing to start: %s", err)
+        return 2
+    logging.getLogger().setLevel(config.log_level)
+    if args.print_config:
+        for name in FIELDS:
+            print(f"{name}: {getattr(config, name)!r}")
+        return 0
+
+    from .app import App
+
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep running without it
+        runner = asyncio.run
+    try:
+        return int(runner(App(config).run()))
+    except ConfigError as err:
+        logger.error("refusing to start: %s", err)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

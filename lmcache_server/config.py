@@ -1,0 +1,297 @@
+"""Server configuration: one typed, frozen dataclass, validated once at the edge.
+
+Sources, lowest to highest precedence:
+
+1. built-in defaults (the field defaults below),
+2. the YAML file given by ``--config`` (or ``LMCACHE_CONFIG``),
+3. environment variables ``LMCACHE_<KEY>`` (e.g. ``LMCACHE_MAX_LOCAL_CPU_SIZE=8GiB``),
+4. command-line flags (``--listen``, ``--set key=value``, ...).
+
+Unknown keys are an error in every source.  A bad value raises
+:class:`ConfigError` naming the key, the value, where it came from and what was
+expected.  Primitives: :class:`ServerConfig`, :func:`load_config`,
+:func:`parse_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import urllib.parse
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "LMCACHE_"
+ENV_CONFIG_PATH = "LMCACHE_CONFIG"
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A config value was refused: names the key, the value, its source and what was expected."""
+
+    def __init__(self, key: str, value: Any, expected: str, source: str = ""):
+        where = f" (from {source})" if source else ""
+        super().__init__(f"config key '{key}'{where}: got {value!r}; expected {expected}")
+        self.key = key
+        self.value = value
+        self.expected = expected
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from ``40`` / ``2.5`` (GB in LMCache's sense: 2**30 bytes) or ``"40GiB"``, ``"512MB"``, ``"1048576B"``."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a size")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError("sizes must be finite and not negative")
+        return int(value * 1024**3)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match:
+            number, unit = match.groups()
+            factor = _SIZE_UNITS.get(unit.lower())
+            if factor is not None:
+                return int(float(number) * factor) if unit else int(float(number) * 1024**3)
+    raise ValueError("not a size")
+
+
+def _size(minimum: int = 0) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        size = parse_size(value)
+        if size < minimum:
+            raise ValueError(f"at least {minimum} bytes")
+        return size
+
+    return parse
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ValueError
+        return value
+
+    return parse
+
+
+def _float(lo: float, hi: float) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            raise ValueError
+        return float(value)
+
+    return parse
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if isinstance(value, str) and value.lower() in options:
+            return value.lower()
+        raise ValueError
+
+    return parse
+
+
+def _optional(inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda value: None if value in (None, "") else inner(value)
+
+
+def _file_url(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError
+    parsed = urllib.parse.urlparse(value)
+    if parsed.scheme != "file" or not parsed.path:
+        raise ValueError
+    return value
+
+
+def _redis_url(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError
+    parsed = urllib.parse.urlparse(value)
+    if parsed.scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+        raise ValueError
+    if parsed.scheme == "unix" and not parsed.path:
+        raise ValueError
+    if parsed.scheme != "unix" and not parsed.hostname:
+        raise ValueError
+    return value
+
+
+def parse_listen_address(value: str) -> str:
+    """Validate one ZeroMQ endpoint: ``tcp://HOST:PORT`` or ``ipc:///path``."""
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return value
+    if value.startswith("tcp://"):
+        host, sep, port = value[len("tcp://") :].rpartition(":")
+        if sep and host and port.isdigit() and 1 <= int(port) <= 65535:
+            return value
+    raise ValueError
+
+
+def _listen(value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError
+    return tuple(parse_listen_address(str(item).strip()) for item in items)
+
+
+def _host(value: Any) -> str:
+    if not isinstance(value, str) or not value or any(c in value for c in "/ "):
+        raise ValueError
+    return value
+
+
+def _field(default: Any, parse: Callable[[Any], Any], expected: str, doc: str) -> Any:
+    return dataclasses.field(default=default, metadata={"parse": parse, "expected": expected, "doc": doc})
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Every setting of the daemon.  Sizes are bytes; ``None`` means "off"."""
+
+    # -- LMCache-compatible keys -----------------------------------------------------
+    chunk_size: int = _field(256, _int(1, 1 << 20), "an integer number of tokens, 1..1048576",
+                             "Tokens per chunk; advertised to clients in hello and used for token metrics.")
+    local_cpu: bool = _field(True, _bool, "true or false", "Enable the CPU memory tier.")
+    max_local_cpu_size: int = _field(5 * 1024**3, _size(1 << 20), 'a size of at least 1 MiB, e.g. 40 (GB) or "40GiB"',
+                                     "Memory pool size; allocated once at start, never exceeded.")
+    local_disk: str | None = _field(None, _optional(_file_url), "a file:// URL such as file:///var/cache/lmcache",
+                                    "Disk spill directory (the disk tier; not built yet).")
+    max_local_disk_size: int = _field(0, _size(), 'a size, e.g. 100 (GB) or "100GiB"', "Disk tier bound.")
+    remote_url: str | None = _field(None, _optional(_redis_url),
+                                    "a redis://, rediss://, unix:// or redis+cluster:// URL",
+                                    "Redis uplink (the Redis tier; not built yet).")
+    remote_serde: str = _field("naive", _choice("naive", "cachegen"), "naive or cachegen",
+                               "Encoding of chunks sent to the remote tier.")
+    save_decode_cache: bool = _field(False, _bool, "true or false",
+                                     "Hint to clients: also store KV produced while decoding.")
+    # -- the server's own keys -------------------------------------------------------
+    listen: tuple[str, ...] = _field(("tcp://127.0.0.1:65432",), _listen,
+                                     "a list of tcp://HOST:PORT or ipc:///PATH endpoints",
+                                     "ZeroMQ endpoints the daemon binds (ROUTER).")
+    metrics_host: str = _field("127.0.0.1", _host, "a host name or IP address", "Address of the HTTP metrics server.")
+    metrics_port: int = _field(9464, _int(0, 65535), "a port 1..65535, or 0 to disable",
+                               "Port of /metrics and /healthz (0 disables it).")
+    max_message_size: int = _field(512 * 1024**2, _size(4096), 'a size of at least 4 KiB, e.g. "512MiB"',
+                                   "Largest request accepted (header + payloads); larger gets TOO_LARGE.")
+    max_inflight_bytes: int = _field(1024**3, _size(1 << 20), 'a size of at least 1 MiB, e.g. "1GiB"',
+                                     "Payload bytes being handled or sent at once; above it requests get BUSY.")
+    max_keys_per_request: int = _field(4096, _int(1, 1 << 20), "an integer 1..1048576", "Keys in one request.")
+    max_pinned_fraction: float = _field(0.5, _float(0.0, 1.0), "a number from 0 to 1",
+                                        "Share of the memory pool that pinned chunks may fill.")
+    zmq_hwm: int = _field(256, _int(1, 1 << 20), "an integer 1..1048576",
+                          "ZeroMQ send/receive high-water marks, in messages per peer.")
+    zmq_io_threads: int = _field(1, _int(1, 64), "an integer 1..64", "ZeroMQ I/O threads.")
+    drain_timeout_s: float = _field(10.0, _float(0.0, 3600.0), "seconds, 0..3600",
+                                    "On SIGTERM/SIGINT, how long in-flight requests may finish.")
+    pin_memory: str = _field("auto", _choice("auto", "on", "off"), "auto, on or off",
+                             "Page-lock the pool for GPU DMA (auto: when CUDA is available).")
+    malloc_tuning: bool = _field(True, _bool, "true or false",
+                                 "Keep glibc from mmap/munmap-ing every large receive buffer.")
+    cache_policy: str = _field("lru", _choice("lru"), "lru", "Eviction policy of the memory tier.")
+    log_level: str = _field("INFO", _choice("debug", "info", "warning", "error"),
+                            "DEBUG, INFO, WARNING or ERROR", "Log verbosity.")
+
+    def __post_init__(self) -> None:
+        # Keys whose tiers are not built yet are refused, never silently ignored.
+        if self.local_disk is not None:
+            raise ConfigError("local_disk", self.local_disk,
+                              "no value: the disk tier is not built yet (issue #3); remove the key")
+        if self.remote_url is not None:
+            raise ConfigError("remote_url", self.remote_url,
+                              "no value: the Redis uplink is not built yet (issue #3); remove the key")
+        if self.remote_serde == "cachegen":
+            raise ConfigError("remote_serde", "cachegen", "naive (the cachegen codec is not built)")
+        if not self.local_cpu:
+            raise ConfigError("local_cpu", False, "true: the memory tier is the only tier built so far")
+        if self.max_message_size > self.max_inflight_bytes:
+            raise ConfigError("max_message_size", self.max_message_size,
+                              f"at most max_inflight_bytes ({self.max_inflight_bytes})")
+        object.__setattr__(self, "log_level", self.log_level.upper())
+
+    def summary(self) -> str:
+        """One log line with the effective settings."""
+        gib = 1024**3
+        return (
+            f"listen={','.join(self.listen)} memory={self.max_local_cpu_size / gib:.2f}GiB "
+            f"policy={self.cache_policy} chunk_size={self.chunk_size} "
+            f"disk={self.local_disk or 'off'} remote={self.remote_url or 'off'} "
+            f"metrics={'off' if not self.metrics_port else f'http://{self.metrics_host}:{self.metrics_port}'} "
+            f"max_message={self.max_message_size >> 20}MiB inflight_budget={self.max_inflight_bytes >> 20}MiB"
+        )
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+
+
+def _parse_env_value(raw: str) -> Any:
+    """Env values are YAML scalars: ``8``, ``true``, ``"8GiB"``, ``tcp://a:1,ipc:///b``."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError("--config", path, f"a readable YAML file ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError("--config", path, f"valid YAML ({err})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("--config", path, "a YAML mapping of key: value")
+    return data
+
+
+def load_config(
+    path: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServerConfig:
+    """Merge defaults, file, ``LMCACHE_*`` env and overrides; validate; return the config."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get(ENV_CONFIG_PATH) or None
+    raw: dict[str, tuple[Any, str]] = {}
+    if path:
+        for key, value in _read_file(path).items():
+            raw[str(key)] = (value, f"file {path}")
+    for name, value in environ.items():
+        if name.startswith(ENV_PREFIX) and name != ENV_CONFIG_PATH:
+            raw[name[len(ENV_PREFIX) :].lower()] = (_parse_env_value(value), f"env {name}")
+    for key, value in (overrides or {}).items():
+        raw[key] = (value, "command line")
+
+    values: dict[str, Any] = {}
+    for key, (value, source) in raw.items():
+        spec = FIELDS.get(key)
+        if spec is None:
+            raise ConfigError(key, value, f"a known key ({', '.join(sorted(FIELDS))})", source)
+        try:
+            values[key] = spec.metadata["parse"](value)
+        except (ValueError, TypeError):
+            raise ConfigError(key, value, spec.metadata["expected"], source) from None
+    return ServerConfig(**values)

@@ -1,0 +1,1 @@
+"""The server: ZeroMQ front end, request handlers, admission control, HTTP endpoint."""

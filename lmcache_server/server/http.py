@@ -1,0 +1,76 @@
+"""A minimal HTTP endpoint on the event loop: /metrics, /healthz, /readyz.
+
+No thread, no framework: Prometheus and probes send tiny GET requests.
+
+- ``/metrics``: Prometheus text format from the injected registry.
+- ``/healthz``: 200 while the process runs its event loop.
+- ``/readyz``: 200 once every tier is initialised and the sockets are bound;
+  503 before that and while draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from ..config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_MAX_REQUEST_BYTES = 8192
+
+
+class HttpEndpoint:
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool]):
+        self.host = host
+        self.port = port
+        self.registry = registry
+        self.ready = ready
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        except OSError as err:
+            raise ConfigError("metrics_port", self.port, f"a free port on {self.host} ({err.strerror})") from None
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            if len(head) > _MAX_REQUEST_BYTES:
+                raise ValueError("request too large")
+            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            status, ctype, body = self._route(method, path.split("?", 1)[0])
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
+            status, ctype, body = "400 Bad Request", "text/plain", b"bad request\n"
+        try:
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode() + body
+            )
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"only GET\n"
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        if path == "/healthz":
+            return "200 OK", "text/plain", b"ok\n"
+        if path == "/readyz":
+            if self.ready():
+                return "200 OK", "text/plain", b"ready\n"
+            return "503 Service Unavailable", "text/plain", b"not ready\n"
+        return "404 Not Found", "text/plain", b"not found\n"

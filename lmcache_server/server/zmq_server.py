@@ -1,0 +1,248 @@
+"""The ZeroMQ front end: one ROUTER socket, one event loop, exactly one reply per request.
+
+Flow per message: split the envelope -> decode and validate the header
+(errors become error replies) -> admission (byte budget, task cap; BUSY
+when spent) -> a handler task -> one reply.  Get replies send chunk bytes
+straight from the memory pool (zero-copy); each chunk stays leased, and its
+bytes stay counted against the budget, until ZeroMQ reports the send done.
+
+Lifecycle: :meth:`bind` -> :meth:`serve` (until cancelled) -> :meth:`drain`
+(answer SHUTTING_DOWN to newcomers while in-flight requests finish) ->
+:meth:`close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from lmcache_client.protocol import ErrorCode, Limits, ProtocolError, decode_request, encode_error, encode_reply
+
+from ..config import ConfigError, ServerConfig
+from ..metrics import ServerMetrics
+from ..storage import Chunk
+from .admission import ByteBudget
+from .handlers import Handlers, Outcome
+
+logger = logging.getLogger(__name__)
+
+ZERO_COPY_THRESHOLD = 64 * 1024
+"""Payloads smaller than this are copied into the reply (cheaper than tracking them)."""
+MAX_CONCURRENT_REQUESTS = 4096
+HARD_FRAME_LIMIT_FACTOR = 2
+"""libzmq drops the connection of a peer sending one frame larger than this
+many times max_message_size (it must not even allocate it); frames between
+1x and 2x get a TOO_LARGE error reply."""
+
+
+def split_envelope(frames: list[Any]) -> tuple[list[bytes], list[Any]]:
+    """ROUTER frames -> (envelope to echo, request frames).
+
+    The envelope is the peer identity, plus the empty delimiter a REQ socket
+    adds; a request header is never empty, so an empty frame 1 is a delimiter.
+    """
+    if len(frames) >= 2 and len(frames[1]) == 0:
+        return [frames[0].bytes, b""], frames[2:]
+    return [frames[0].bytes], frames[1:]
+
+
+class _Outgoing:
+    __slots__ = ("tracker", "chunks", "budget_bytes", "sent_at")
+
+    def __init__(self, tracker: zmq.MessageTracker, chunks: list[Chunk], budget_bytes: int):
+        self.tracker = tracker
+        self.chunks = chunks
+        self.budget_bytes = budget_bytes
+        self.sent_at = time.monotonic()
+
+
+class ZmqServer:
+    def __init__(
+        self,
+        config: ServerConfig,
+        handlers: Handlers,
+        budget: ByteBudget,
+        metrics: ServerMetrics,
+        context: zmq.asyncio.Context,
+    ):
+        self.config = config
+        self.handlers = handlers
+        self.budget = budget
+        self.metrics = metrics
+        self.context = context
+        self.limits = Limits(
+            max_header_bytes=max(64 * 1024, config.max_keys_per_request * 40 + 4096),
+            max_keys=config.max_keys_per_request,
+            max_message_bytes=config.max_message_size,
+        )
+        self.sock: zmq.asyncio.Socket | None = None
+        # Replies go out through a blocking shadow of the same socket: ROUTER
+        # sends never wait, and this avoids a Future per reply.
+        self._send_sock: zmq.Socket[Any] | None = None
+        self.draining = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._outgoing: list[_Outgoing] = []
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+    def bind(self) -> None:
+        sock = self.context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.RCVHWM, self.config.zmq_hwm)
+        sock.setsockopt(zmq.SNDHWM, self.config.zmq_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_size * HARD_FRAME_LIMIT_FACTOR)
+        sock.setsockopt(zmq.IPV6, 1)
+        # Heartbeats drop dead peers, which frees replies (and leases) queued to them.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 5_000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        for address in self.config.listen:
+            try:
+                sock.bind(address)
+            except zmq.ZMQError as err:
+                sock.close(linger=0)
+                expected = "a free address (port already in use)" if err.errno == zmq.EADDRINUSE else (
+                    f"an address this host can bind ({err.strerror})"
+                )
+                raise ConfigError("listen", address, expected) from None
+        self.sock = sock
+        self._send_sock = zmq.Socket.shadow(sock.underlying)
+
+    async def serve(self) -> None:
+        """Receive and dispatch requests until cancelled."""
+        assert self.sock is not None, "bind() first"
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            self._dispatch(frames)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests, let in-flight ones finish; True if all did in time."""
+        self.draining = True
+        refuser = asyncio.get_running_loop().create_task(self.serve())
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (self._tasks or self._outgoing) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            refuser.cancel()
+        clean = not self._tasks and not self._outgoing
+        for task in list(self._tasks):
+            task.cancel()
+        return clean
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self.sock is not None:
+            self._send_sock = None
+            self.sock.close(linger=0)
+            self.sock = None
+        for out in self._outgoing:
+            self._finish(out)
+        self._outgoing.clear()
+
+    # -- requests ------------------------------------------------------------------
+    def _dispatch(self, frames: list[Any]) -> None:
+        started = time.perf_counter()
+        envelope, body = split_envelope(frames)
+        try:
+            request = decode_request(body, self.limits)
+        except ProtocolError as err:
+            logger.debug("refused a request: %s", err)
+            self._reply_error(envelope, err.request_id, err.code, err.message, "invalid", started)
+            return
+        op = request.op.value
+        if self.draining:
+            self._reply_error(envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started)
+            return
+        size = request.payload_bytes
+        if len(self._tasks) >= MAX_CONCURRENT_REQUESTS or not self.budget.try_acquire(size):
+            self.metrics.busy.inc()
+            self._reply_error(envelope, request.id, ErrorCode.BUSY, "in-flight budget spent; retry", op, started)
+            return
+        self.metrics.received_bytes.inc(size)
+        task = asyncio.get_running_loop().create_task(self._run(envelope, request, size, started))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, envelope: list[bytes], request: Any, size: int, started: float) -> None:
+        op = request.op.value
+        try:
+            outcome = await self.handlers.handle(request)
+        except ProtocolError as err:
+            if err.code == ErrorCode.BUSY:
+                self.metrics.busy.inc()
+            self._reply_error(envelope, request.id, err.code, err.message, op, started)
+            return
+        except asyncio.CancelledError:
+            self._reply_error(envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started)
+            raise
+        except Exception:
+            logger.exception("unhandled error in %s", op)
+            self._reply_error(envelope, request.id, ErrorCode.INTERNAL, "internal error", op, started)
+            return
+        finally:
+            self.budget.release(size)
+        self._reply(envelope, request.id, outcome, op, started)
+
+    def _reply(self, envelope: list[bytes], request_id: int, outcome: Outcome, op: str, started: float) -> None:
+        frames: list[Any] = encode_reply(request_id, **outcome.fields)
+        tracked: list[zmq.Frame] = []
+        for chunk in outcome.chunks:
+            if chunk.nbytes >= ZERO_COPY_THRESHOLD:
+                frame = zmq.Frame(chunk.data, copy=False, track=True)
+                tracked.append(frame)
+                frames.append(frame)
+            else:
+                frames.append(bytes(chunk.data))
+        self.metrics.sent_bytes.inc(outcome.budget_bytes)
+        out = _Outgoing(zmq.MessageTracker(*tracked), outcome.chunks, outcome.budget_bytes)
+        try:
+            self._send(envelope + frames)
+        finally:
+            if tracked:
+                self._outgoing.append(out)
+            else:
+                self._finish(out)
+        self.metrics.observe(op, "ok", time.perf_counter() - started)
+
+    def _reply_error(
+        self, envelope: list[bytes], request_id: int | None, code: ErrorCode, message: str, op: str, started: float
+    ) -> None:
+        self._send(envelope + encode_error(request_id, code, message))
+        self.metrics.observe(op, code.name, time.perf_counter() - started)
+
+    def _send(self, frames: list[Any]) -> None:
+        if self._send_sock is None:
+            return
+        try:
+            # ROUTER sends never block: a peer over its high-water mark loses the
+            # reply (clients keep fewer than zmq_hwm requests outstanding).
+            self._send_sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as err:
+            logger.warning("could not send a reply: %s", err)
+
+    # -- leases of zero-copy replies -----------------------------------------------
+    def _finish(self, out: _Outgoing) -> None:
+        for chunk in out.chunks:
+            chunk.release()
+        self.budget.release(out.budget_bytes)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.001 if self._outgoing else 0.01)
+            if not self._outgoing:
+                continue
+            pending = []
+            for out in self._outgoing:
+                if out.tracker.done:
+                    self._finish(out)
+                else:
+                    pending.append(out)
+            self._outgoing = pending

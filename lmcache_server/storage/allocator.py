@@ -1,0 +1,98 @@
+"""Extent allocator over one fixed-size pool: best fit, coalescing, page-aligned.
+
+KV chunks are large (MiBs) and mostly of a handful of sizes, so a contiguous
+best-fit allocator with immediate coalescing keeps external fragmentation low
+while letting every chunk be one contiguous range (one zero-copy frame, one
+DMA).  Offsets and sizes are multiples of ALIGNMENT.
+
+Primitives: :meth:`ExtentAllocator.alloc` (offset or None: no room),
+:meth:`ExtentAllocator.free`, and the accounting properties
+(``allocated_bytes``, ``free_bytes``, ``largest_free``, ``fragmentation``).
+
+Cost: O(log n + n_free) per call, with n_free the number of free extents
+(a few hundred at most for a pool of MiB-sized chunks).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+ALIGNMENT = 4096
+
+
+def aligned(size: int) -> int:
+    return (size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+class ExtentAllocator:
+    def __init__(self, capacity: int):
+        self.capacity = capacity // ALIGNMENT * ALIGNMENT
+        if self.capacity <= 0:
+            raise ValueError(f"pool of {capacity} bytes is smaller than one {ALIGNMENT}-byte page")
+        self._by_start: dict[int, int] = {0: self.capacity}  # start -> size
+        self._by_end: dict[int, int] = {self.capacity: 0}  # end -> start
+        self._sizes: list[tuple[int, int]] = [(self.capacity, 0)]  # sorted (size, start)
+        self._used: dict[int, int] = {}  # start -> size of live allocations
+        self.allocated_bytes = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.allocated_bytes
+
+    @property
+    def largest_free(self) -> int:
+        return self._sizes[-1][0] if self._sizes else 0
+
+    @property
+    def free_extents(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def fragmentation(self) -> float:
+        """1 - largest free extent / free bytes: 0 when free space is one extent."""
+        free = self.free_bytes
+        return 0.0 if free == 0 else 1.0 - self.largest_free / free
+
+    def alloc(self, size: int) -> int | None:
+        """Offset of a new extent of at least ``size`` bytes, or None when no free extent fits."""
+        need = aligned(max(size, 1))
+        i = bisect.bisect_left(self._sizes, (need, -1))
+        if i == len(self._sizes):
+            return None
+        extent_size, start = self._sizes.pop(i)
+        del self._by_start[start]
+        del self._by_end[start + extent_size]
+        if extent_size > need:
+            self._add_free(start + need, extent_size - need)
+        self._used[start] = need
+        self.allocated_bytes += need
+        return start
+
+    def free(self, offset: int) -> None:
+        size = self._used.pop(offset)
+        self.allocated_bytes -= size
+        start, end = offset, offset + size
+        # Coalesce with the free neighbours on both sides.
+        before = self._by_end.get(start)
+        if before is not None:
+            self._remove_free(before, start - before)
+            start = before
+        after_size = self._by_start.get(end)
+        if after_size is not None:
+            self._remove_free(end, after_size)
+            end += after_size
+        self._add_free(start, end - start)
+
+    def size_of(self, offset: int) -> int:
+        return self._used[offset]
+
+    def _add_free(self, start: int, size: int) -> None:
+        self._by_start[start] = size
+        self._by_end[start + size] = start
+        bisect.insort(self._sizes, (size, start))
+
+    def _remove_free(self, start: int, size: int) -> None:
+        del self._by_start[start]
+        del self._by_end[start + size]
+        i = bisect.bisect_left(self._sizes, (size, start))
+        del self._sizes[i]

@@ -1,0 +1,74 @@
+"""The storage interface every tier implements, and the types it speaks.
+
+Primitives:
+
+- :class:`ChunkKey`: (namespace, 32-byte digest); opaque to the tiers.
+- :class:`Chunk`: a readable view of a stored chunk; ``release()`` it when done
+  (a memory-tier chunk is leased: its bytes cannot be reused until released).
+- :class:`Tier`: ``get`` (miss = None), ``put`` (a PutStatus), ``contains``,
+  ``delete``, ``clear``, ``close``, plus ``peek`` and ``stats`` for lookups
+  and introspection.  Promotion and spill between tiers live in
+  the tiered store, written once, not in the tiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from lmcache_client.protocol import PutStatus
+
+
+class ChunkKey(NamedTuple):
+    namespace: str
+    digest: bytes
+
+
+class Chunk:
+    """A stored chunk's bytes; a context manager that releases its lease on exit."""
+
+    __slots__ = ("data", "tier", "_release")
+
+    def __init__(self, data: memoryview, tier: str, release: Callable[[], None] | None = None):
+        self.data = data
+        self.tier = tier
+        self._release = release
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def release(self) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+    def __enter__(self) -> Chunk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Tier(Protocol):
+    """One storage tier.  Every method may be called only from the event loop."""
+
+    name: str
+
+    async def get(self, key: ChunkKey) -> Chunk | None: ...
+
+    async def put(self, key: ChunkKey, data: Any) -> PutStatus: ...
+
+    async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
+
+    async def delete(self, key: ChunkKey) -> bool: ...
+
+    async def clear(self, namespace: str | None) -> int: ...
+
+    async def close(self) -> None: ...
+
+    def peek(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is stored, without touching recency or hit counters."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...

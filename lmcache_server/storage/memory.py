@@ -1,0 +1,231 @@
+"""The memory tier: chunks in the fixed pool, LRU eviction, leases and pins.
+
+- Space comes from :class:`ExtentAllocator` over :class:`MemoryPool`; a put that
+  does not fit evicts least-recently-used chunks until it does, or answers
+  NO_SPACE when only pinned or leased chunks are left.
+- A chunk handed out by :meth:`get` is *leased* until its :class:`Chunk` is
+  released (the server releases it once ZeroMQ has finished sending it).
+  Eviction skips leased chunks; deleting one hides it at once and frees its
+  bytes when the last lease ends, so bytes are never overwritten under a reader.
+- Pinned chunks are kept out of the LRU list altogether (never evicted) and
+  may fill at most ``max_pinned_bytes``.
+
+Why LRU: it is O(1) and the expected default; the policy interface (issue #8)
+replaces it where a workload shows something better.
+
+Accounting is exact: ``stored_bytes`` counts payload bytes, ``allocated_bytes``
+what the allocator handed out (payload rounded up to 4 KiB pages).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from lmcache_client.protocol import PutStatus
+
+from .allocator import ExtentAllocator
+from .base import Chunk, ChunkKey
+from .pool import MemoryPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Entry:
+    key: ChunkKey
+    offset: int
+    size: int
+    leases: int = 0
+    pinned: bool = False
+    dead: bool = False  # removed from the index; free the extent when the last lease ends
+
+
+@dataclasses.dataclass
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    stores: int = 0
+    rejections: int = 0
+
+
+class MemoryTier:
+    name = "memory"
+
+    def __init__(self, pool: MemoryPool, max_pinned_bytes: int):
+        self.pool = pool
+        self.allocator = ExtentAllocator(pool.size)
+        self.max_pinned_bytes = max_pinned_bytes
+        self.counters = TierCounters()
+        self._index: dict[ChunkKey, _Entry] = {}
+        self._lru: collections.OrderedDict[ChunkKey, _Entry] = collections.OrderedDict()
+        self._by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
+        self.stored_bytes = 0
+        self.pinned_bytes = 0
+        self.leased_chunks = 0
+
+    # -- reads ---------------------------------------------------------------------
+    async def get(self, key: ChunkKey) -> Chunk | None:
+        entry = self._index.get(key)
+        if entry is None:
+            self.counters.misses += 1
+            return None
+        self.counters.hits += 1
+        if not entry.pinned:
+            self._lru.move_to_end(key)
+        entry.leases += 1
+        if entry.leases == 1:
+            self.leased_chunks += 1
+        view = self.pool.view[entry.offset : entry.offset + entry.size]
+        return Chunk(view, self.name, lambda: self._release(entry))
+
+    def _release(self, entry: _Entry) -> None:
+        entry.leases -= 1
+        if entry.leases == 0:
+            self.leased_chunks -= 1
+            if entry.dead:
+                self.allocator.free(entry.offset)
+
+    async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [k in self._index for k in keys]
+
+    def peek(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is stored, without touching recency or counters."""
+        return key in self._index
+
+    # -- writes --------------------------------------------------------------------
+    async def put(self, key: ChunkKey, data: Any) -> PutStatus:
+        src = memoryview(data).cast("B")
+        existing = self._index.get(key)
+        if existing is not None:
+            if not existing.pinned:
+                self._lru.move_to_end(key)
+            return PutStatus.EXISTS
+        size = src.nbytes
+        if size > self.allocator.capacity:
+            self.counters.rejections += 1
+            return PutStatus.TOO_LARGE
+        offset = self._allocate(size)
+        if offset is None:
+            self.counters.rejections += 1
+            return PutStatus.NO_SPACE
+        # Copy first, index after: a chunk is visible only once complete.
+        self.pool.view[offset : offset + size] = src
+        entry = _Entry(key, offset, size)
+        self._index[key] = entry
+        self._lru[key] = entry
+        self._account(entry, +1)
+        self.counters.stores += 1
+        return PutStatus.STORED
+
+    def _allocate(self, size: int) -> int | None:
+        offset = self.allocator.alloc(size)
+        if offset is not None:
+            return offset
+        # Evict from the LRU end until the allocation fits.  Leased chunks are
+        # skipped (moved to the MRU end: they are being read right now).
+        skipped = 0
+        while self._lru and skipped < len(self._lru):
+            key, entry = next(iter(self._lru.items()))
+            if entry.leases:
+                self._lru.move_to_end(key)
+                skipped += 1
+                continue
+            self._remove(entry)
+            self.counters.evictions += 1
+            self.counters.evicted_bytes += entry.size
+            offset = self.allocator.alloc(size)
+            if offset is not None:
+                return offset
+        return None
+
+    async def delete(self, key: ChunkKey) -> bool:
+        entry = self._index.get(key)
+        if entry is None:
+            return False
+        self._remove(entry)
+        return True
+
+    async def clear(self, namespace: str | None) -> int:
+        victims = [e for k, e in self._index.items() if namespace is None or k.namespace == namespace]
+        for entry in victims:
+            self._remove(entry)
+        return len(victims)
+
+    def _remove(self, entry: _Entry) -> None:
+        del self._index[entry.key]
+        if entry.pinned:
+            self.pinned_bytes -= entry.size
+        else:
+            del self._lru[entry.key]
+        self._account(entry, -1)
+        if entry.leases:
+            entry.dead = True
+        else:
+            self.allocator.free(entry.offset)
+
+    def _account(self, entry: _Entry, sign: int) -> None:
+        self.stored_bytes += sign * entry.size
+        counts = self._by_namespace.setdefault(entry.key.namespace, [0, 0])
+        counts[0] += sign
+        counts[1] += sign * entry.size
+        if counts[0] == 0:
+            del self._by_namespace[entry.key.namespace]
+
+    # -- pins ----------------------------------------------------------------------
+    def pin(self, key: ChunkKey) -> bool:
+        entry = self._index.get(key)
+        if entry is None:
+            return False
+        if entry.pinned:
+            return True
+        if self.pinned_bytes + entry.size > self.max_pinned_bytes:
+            return False
+        entry.pinned = True
+        self.pinned_bytes += entry.size
+        del self._lru[key]
+        return True
+
+    def unpin(self, key: ChunkKey) -> bool:
+        entry = self._index.get(key)
+        if entry is None or not entry.pinned:
+            return False
+        entry.pinned = False
+        self.pinned_bytes -= entry.size
+        self._lru[key] = entry
+        return True
+
+    # -- introspection -------------------------------------------------------------
+    @property
+    def chunks(self) -> int:
+        return len(self._index)
+
+    def namespaces(self) -> dict[str, tuple[int, int]]:
+        return {ns: (c[0], c[1]) for ns, c in self._by_namespace.items()}
+
+    def stats(self) -> dict[str, Any]:
+        a = self.allocator
+        return {
+            "capacity_bytes": a.capacity,
+            "stored_bytes": self.stored_bytes,
+            "allocated_bytes": a.allocated_bytes,
+            "free_bytes": a.free_bytes,
+            "largest_free_bytes": a.largest_free,
+            "free_extents": a.free_extents,
+            "fragmentation": round(a.fragmentation, 4),
+            "chunks": self.chunks,
+            "pinned_bytes": self.pinned_bytes,
+            "leased_chunks": self.leased_chunks,
+            "page_locked": self.pool.pinned,
+            **dataclasses.asdict(self.counters),
+        }
+
+    async def close(self) -> None:
+        self._index.clear()
+        self._lru.clear()
+        self.pool.close()

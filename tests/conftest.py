@@ -1,0 +1,128 @@
+"""Fixtures: the real daemon process on free ports, real clients, real sockets.
+
+``daemon_factory(**config)`` starts ``python -m lmcache_server`` with the given
+config keys (as ``--set key=value``) on a free TCP port and an ipc socket in the
+test's temp dir, waits until it answers ping, and kills it at teardown even
+when the test failed.  ``daemon`` is one started with defaults (64 MiB pool).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lmcache_client import CacheClient, DaemonUnavailable
+
+NAMESPACE = "test-model|float16|L2|KV2|D64|tp0of1|c16"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Daemon:
+    """One daemon process; ``address`` is its TCP endpoint, ``ipc_address`` its ipc one."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], env: dict[str, str] | None = None):
+        self.workdir = workdir
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.ipc_address = f"ipc://{workdir}/lmcache.sock"
+        self.config = {
+            "listen": [self.address, self.ipc_address],
+            "metrics_port": self.metrics_port,
+            "max_local_cpu_size": "64MiB",
+            "drain_timeout_s": 5,
+            **config,
+        }
+        self.config_path = workdir / "server.yaml"
+        self.log_path = workdir / "daemon.log"
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 20.0) -> Daemon:
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+        env.update(self.env or {})
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_server", "--config", str(self.config_path)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        deadline = time.monotonic() + timeout_s
+        with CacheClient(self.address, timeout_s=0.5, fail_open=False) as probe:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+                try:
+                    probe.ping(timeout_s=0.5)
+                    return self
+                except DaemonUnavailable:
+                    time.sleep(0.05)
+        raise RuntimeError(f"daemon did not answer within {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if hasattr(self, "_log"):
+            self._log.close()
+
+    def client(self, **kwargs: Any) -> CacheClient:
+        kwargs.setdefault("timeout_s", 10.0)
+        kwargs.setdefault("fail_open", False)
+        return CacheClient(kwargs.pop("address", self.address), kwargs.pop("namespace", NAMESPACE), **kwargs)
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    started: list[Daemon] = []
+
+    def start(env: dict[str, str] | None = None, **config: Any) -> Daemon:
+        workdir = tmp_path / f"daemon{len(started)}"
+        workdir.mkdir()
+        daemon = Daemon(workdir, config, env)
+        started.append(daemon)
+        return daemon.start()
+
+    yield start
+    for daemon in started:
+        daemon.kill()
+
+
+@pytest.fixture
+def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    return daemon_factory()
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[CacheClient]:
+    with daemon.client() as c:
+        yield c
