@@ -10,6 +10,7 @@ Primitives:
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 
@@ -21,26 +22,35 @@ def _torch() -> Any:
     return torch
 
 
+def _byte_view(tensor: Any) -> memoryview:
+    """A writable memoryview over a contiguous CPU tensor's storage (no numpy needed).
+
+    The view keeps the tensor alive: the ctypes array it wraps holds a reference.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    array._owner = tensor  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")
+
+
 def tensor_bytes(tensor: Any) -> memoryview:
     """The bytes of a CPU tensor as a memoryview, without a copy when it is contiguous."""
-    torch = _torch()
+    _torch()
     if tensor.device.type != "cpu":
         raise ValueError(f"tensor is on {tensor.device}; move it to CPU (pinned) memory first")
-    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    return _byte_view(tensor.detach().contiguous())
 
 
 def copy_into(tensor: Any, buf: Any) -> bool:
     """Copy ``buf`` into a contiguous CPU tensor of exactly the same byte size."""
-    torch = _torch()
+    _torch()
     src = memoryview(buf).cast("B")
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("copy_into needs a contiguous CPU tensor")
     nbytes = tensor.numel() * tensor.element_size()
     if src.nbytes != nbytes:
         raise ValueError(f"chunk is {src.nbytes} bytes but the tensor holds {nbytes}")
-    dst = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-    dst[:] = src
+    _byte_view(tensor)[:] = src
     return True
 
 
@@ -49,6 +59,6 @@ def as_tensor(buf: Any, dtype: Any, shape: tuple[int, ...] | None = None) -> Any
     torch = _torch()
     src = memoryview(buf).cast("B")
     out = torch.empty(src.nbytes, dtype=torch.uint8)
-    memoryview(out.numpy())[:] = src
+    _byte_view(out)[:] = src
     result = out.view(dtype)
     return result.reshape(shape) if shape is not None else result

@@ -81,9 +81,6 @@ class ZmqServer:
             max_message_bytes=config.max_message_size,
         )
         self.sock: zmq.asyncio.Socket | None = None
-        # Replies go out through a blocking shadow of the same socket: ROUTER
-        # sends never wait, and this avoids a Future per reply.
-        self._send_sock: zmq.Socket[Any] | None = None
         self.draining = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._outgoing: list[_Outgoing] = []
@@ -110,7 +107,6 @@ class ZmqServer:
                 )
                 raise ConfigError("listen", address, expected) from None
         self.sock = sock
-        self._send_sock = zmq.Socket.shadow(sock.underlying)
 
     async def serve(self) -> None:
         """Receive and dispatch requests until cancelled."""
@@ -140,7 +136,6 @@ class ZmqServer:
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self.sock is not None:
-            self._send_sock = None
             self.sock.close(linger=0)
             self.sock = None
         for out in self._outgoing:
@@ -219,14 +214,22 @@ class ZmqServer:
         self.metrics.observe(op, code.name, time.perf_counter() - started)
 
     def _send(self, frames: list[Any]) -> None:
-        if self._send_sock is None:
+        if self.sock is None:
             return
-        try:
-            # ROUTER sends never block: a peer over its high-water mark loses the
-            # reply (clients keep fewer than zmq_hwm requests outstanding).
-            self._send_sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as err:
-            logger.warning("could not send a reply: %s", err)
+        # ROUTER sends never block: a peer over its high-water mark loses the
+        # reply (clients keep fewer than zmq_hwm requests outstanding).  The
+        # send goes through the asyncio socket (not a shadow) so that it
+        # re-checks for queued incoming messages: ZeroMQ's fd is edge-triggered.
+        sent = self.sock.send_multipart(frames, copy=False)
+        if sent.done():
+            self._log_send_error(sent)
+        else:
+            sent.add_done_callback(self._log_send_error)
+
+    @staticmethod
+    def _log_send_error(sent: Any) -> None:
+        if not sent.cancelled() and sent.exception() is not None:
+            logger.warning("could not send a reply: %s", sent.exception())
 
     # -- leases of zero-copy replies -----------------------------------------------
     def _finish(self, out: _Outgoing) -> None:

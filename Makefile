@@ -1,0 +1,42 @@
+# lmcache-server developer commands.  `make run` and `make test` work on a
+# fresh machine with Python 3.11+: each creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Pinned: an unpinned torch would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup setup-test run test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml client/pyproject.toml
+	$(BIN)/pip install -q -e ./client -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q "$(TORCH)" -e ./client -e ".[test,dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+## Run the daemon on the built-in defaults (CPU memory tier, tcp://127.0.0.1:65432).
+run: setup
+	$(BIN)/lmcache-server $(ARGS)
+
+## Run the test suite against real daemon processes.
+test: setup-test
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup-test
+	$(BIN)/ruff check lmcache_server client tests benchmarks
+	$(BIN)/mypy lmcache_server client/lmcache_client
+
+bench: setup-test
+	$(BIN)/python benchmarks/bench_throughput.py --json bench-results/throughput.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

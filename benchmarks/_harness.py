@@ -1,0 +1,248 @@
+"""Shared plumbing of the benchmarks: child processes, timing, and the raw ZeroMQ echo server.
+
+Primitives:
+
+- :class:`Processes`: starts child processes (daemon, echo server, redis-server)
+  in their own sessions with ``PR_SET_PDEATHSIG``, and stops every one of them
+  (SIGTERM, then SIGKILL) from a ``finally``, also on Ctrl-C or SIGTERM.
+- :func:`free_port`, :func:`wait_until`.
+- :func:`measure`: warm-up calls, then ``reps`` timed repetitions of ``calls``
+  calls each; returns a :class:`Stats` of MiB/s (median, min, max).
+- :func:`redis_client`: redis-py with the hiredis *parser* but the pure-Python
+  *serializer* (the hiredis serializer copies every large value into one bytes
+  object before sending; the Python one sends memoryviews as they are).
+- :func:`echo_server_main`: the raw pyzmq ROUTER baseline, run as
+  ``python benchmarks/_harness.py echo-server ENDPOINT...``.  Protocol:
+
+  ``[b"put", payload...]``       -> ``[b"ok"]``              (tiny ack)
+  ``[b"get SIZE COUNT"]``        -> ``[b"ok", payload...]``  (COUNT frames of SIZE
+                                    bytes from preallocated buffers, sent zero-copy)
+  ``[b"hello"]``                 -> ``[b"tuned=0|1"]``       (whether tune_malloc applied)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+MIB = 1024 * 1024
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, alive: Callable[[], None]) -> None:
+    """Poll ``predicate`` until true; ``alive`` raises if the process behind it died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive()
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not ready within {timeout_s:.0f}s")
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    name = ctypes.util.find_library("c")
+    if name:
+        ctypes.CDLL(name).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        rc = self.proc.poll()
+        if rc is not None:
+            raise RuntimeError(f"{self.name} exited with code {rc}; log tail:\n{self.log_tail()}")
+
+
+class Processes:
+    """Every child process the benchmark starts; :meth:`stop_all` ends them all."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.children: list[Child] = []
+        self._logs: list[IO[bytes]] = []
+
+    def start(self, name: str, argv: Sequence[str]) -> Child:
+        log_path = self.workdir / f"{name}.log"
+        log = open(log_path, "wb")  # noqa: SIM115 - closed in stop_all
+        self._logs.append(log)
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
+            preexec_fn=_die_with_parent,  # and they go if we are SIGKILLed
+        )
+        child = Child(name, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def stop(self, child: Child, timeout_s: float = 10.0) -> None:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+            try:
+                child.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            try:
+                self.stop(child)
+            except Exception as err:  # keep stopping the others
+                print(f"warning: could not stop {child.name}: {err}", file=sys.stderr)
+        for log in self._logs:
+            log.close()
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into KeyboardInterrupt so ``finally`` blocks run."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+# -- timing --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Throughput of one cell in MiB/s over the timed repetitions."""
+
+    median: float
+    low: float
+    high: float
+    reps: int
+
+    def spread(self) -> str:
+        return f"[{self.low:,.0f}..{self.high:,.0f}]"
+
+
+def measure(call: Callable[[], None], bytes_per_call: int, calls: int, reps: int, warmup: int) -> Stats:
+    """``warmup`` untimed calls, then ``reps`` repetitions of ``calls`` timed calls."""
+    for _ in range(warmup):
+        call()
+    rates: list[float] = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        elapsed = time.perf_counter() - start
+        rates.append(bytes_per_call * calls / MIB / elapsed)
+    return Stats(statistics.median(rates), min(rates), max(rates), reps)
+
+
+def filled_buffer(size: int, seed: int) -> bytearray:
+    """``size`` bytes of a non-zero pattern, every page written (no shared zero pages)."""
+    block = bytes((seed * 131 + i * 7 + 1) % 251 + 1 for i in range(4096))
+    out = bytearray(size)
+    view = memoryview(out)
+    for offset in range(0, size, 4096):
+        n = min(4096, size - offset)
+        view[offset : offset + n] = block[:n]
+    return out
+
+
+# -- redis-py -----------------------------------------------------------------------------
+def redis_client(port: int) -> Any:
+    """redis-py client: hiredis parser, pure-Python serializer (large values not copied)."""
+    import redis
+    from redis._parsers import Encoder, _HiredisParser
+    from redis.connection import PythonRespSerializer
+
+    # The Python serializer is stateless; 6000 is redis-py's own buffer cutoff.
+    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    pool = redis.ConnectionPool(
+        host="127.0.0.1",
+        port=port,
+        parser_class=_HiredisParser,
+        command_packer=packer,
+        socket_timeout=60,
+        protocol=2,
+    )
+    client = redis.Redis(connection_pool=pool)
+    conn = pool.get_connection()
+    try:
+        assert isinstance(conn._parser, _HiredisParser), type(conn._parser)
+        assert isinstance(conn._command_packer, PythonRespSerializer), type(conn._command_packer)
+    finally:
+        pool.release(conn)
+    return client
+
+
+# -- the raw ZeroMQ echo server -----------------------------------------------------------
+def echo_server_main(endpoints: Sequence[str]) -> int:
+    """Blocking ROUTER loop; SIGTERM ends it."""
+    import zmq
+
+    from lmcache_client.memtune import tune_malloc
+
+    tuned = tune_malloc()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.ROUTER)
+    # The daemon's ROUTER options that matter for throughput.
+    sock.setsockopt(zmq.RCVHWM, 256)
+    sock.setsockopt(zmq.SNDHWM, 256)
+    sock.setsockopt(zmq.LINGER, 0)
+    for endpoint in endpoints:
+        sock.bind(endpoint)
+    print(f"echo server on {' '.join(endpoints)}; malloc tuned: {tuned}", flush=True)
+    payloads: list[memoryview] = []
+    payload_key: tuple[int, int] = (0, 0)
+    try:
+        while True:
+            frames = sock.recv_multipart(copy=False)
+            ident, header = frames[0], frames[1].bytes
+            if header == b"put":
+                sock.send_multipart([ident, b"ok"])
+            elif header.startswith(b"get "):
+                size, count = (int(x) for x in header.split()[1:3])
+                if payload_key != (size, count):  # preallocate once per shape, outside the hot path
+                    payloads = [memoryview(filled_buffer(size, i)) for i in range(count)]
+                    payload_key = (size, count)
+                sock.send_multipart([ident, b"ok", *payloads], copy=False)
+            elif header == b"hello":
+                sock.send_multipart([ident, b"tuned=%d" % tuned])
+            else:
+                sock.send_multipart([ident, b"error"])
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "echo-server":
+        sys.exit(echo_server_main(sys.argv[2:]))
+    print(f"usage: {os.path.basename(sys.argv[0])} echo-server ENDPOINT...", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,496 @@
+"""Throughput of the lmcache-server daemon against its transport limit, Redis and memcpy.
+
+What is measured (MiB/s of chunk payload, median over repetitions), for chunks of
+1, 4, 16 and 32 MiB, always in batches of ``BATCH`` = 8 chunks per request:
+
+``daemon``   ``python -m lmcache_server`` (started here) through the sync
+             :class:`lmcache_client.CacheClient`, over tcp and over ipc.
+             put: 8 chunks under fresh keys per request (a put of a stored key
+             is a no-op, so keys are never reused; the pool evicts LRU once
+             full, as it would in service); every status must be STORED.
+             get: the 8 chunks are put first, then the same 8 keys are read
+             again and again; every key must be a hit.
+``zmq-echo`` the transport limit: a raw pyzmq DEALER -> ROUTER exchange over
+             the same transport with the same socket options.  put: the client
+             sends the 8 payload frames, the server answers a tiny ack.  get:
+             the client sends a tiny request, the server answers with 8 payload
+             frames from preallocated buffers, sent zero-copy.
+``redis``    a ``redis-server`` started here on a free port (no persistence,
+             ``maxmemory`` = the daemon's pool, allkeys-lru), through redis-py
+             with the hiredis parser and the pure-Python serializer (the hiredis
+             serializer copies each large value first).  put = MSET of 8 fresh
+             keys, get = MGET of 8 keys, over tcp.
+``memcpy``   single-thread copy of the same 8 chunks between preallocated,
+             already-touched buffers (memoryview slice assignment); the copy
+             into freshly mapped destinations (page faults included) is printed
+             beside it as ``memcpy-cold``, but only the former is a table row.
+
+Fairness: every process that receives large messages (this client, the echo
+server, the daemon) runs with :func:`lmcache_client.memtune.tune_malloc`.  All
+servers run at once and each (size, op) is measured for every system back to
+back, so drift hits all of them alike.  Before timing, the daemon's pool and
+Redis are filled once to their memory limit (untimed), so puts are measured in
+the steady state of a full cache rather than while first touching fresh memory.
+
+Each cell: ``--warmup`` untimed requests, then ``--reps`` repetitions of enough
+requests to move about ``--rep-mib`` MiB; the table shows the median rate.
+Targets (at ``--target-mib``, 16 by default): daemon >= 0.8x zmq-echo on the
+same transport, and >= 3x Redis, for put and get.
+
+Run: ``python benchmarks/bench_throughput.py [--quick] [--sizes 1,4,16,32] [--json out.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import mmap
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from lmcache_client import CacheClient
+from lmcache_client.client import new_dealer
+from lmcache_client.memtune import tune_malloc
+from lmcache_client.protocol import PutStatus
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import (  # noqa: E402
+    MIB,
+    Child,
+    Processes,
+    Stats,
+    filled_buffer,
+    free_port,
+    measure,
+    raise_on_sigterm,
+    redis_client,
+    wait_until,
+)
+
+BATCH = 8
+NAMESPACE = "bench-throughput"
+TRANSPORTS = ("tcp", "ipc")
+OPS = ("put", "get")
+ECHO_RATIO_TARGET = 0.8
+REDIS_RATIO_TARGET = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    sizes_mib: tuple[int, ...]
+    reps: int
+    warmup: int
+    rep_mib: int
+    pool_bytes: int
+    target_mib: int
+    json_path: Path | None
+    redis_server: str | None
+    profile_daemon: Path | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    system: str  # daemon | zmq-echo | redis | memcpy
+    transport: str  # tcp | ipc | -
+    op: str  # put | get
+    size_bytes: int
+    stats: Stats
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "system": self.system,
+            "transport": self.transport,
+            "op": self.op,
+            "size_bytes": self.size_bytes,
+            "mib_per_s": round(self.stats.median, 1),
+        }
+
+
+class KeyGen:
+    """Fresh 32-byte keys, never repeated within one run."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count(1)
+
+    def batch(self, n: int = BATCH) -> list[bytes]:
+        return [next(self._counter).to_bytes(32, "big") for _ in range(n)]
+
+
+class Bench:
+    def __init__(self, opts: Options, procs: Processes, workdir: Path):
+        self.opts = opts
+        self.procs = procs
+        self.workdir = workdir
+        self.rows: list[Row] = []
+        self.notes: list[str] = []
+        self.keys = KeyGen()
+        max_size = max(opts.sizes_mib) * MIB
+        # One set of source chunks; smaller sizes are prefixes of it.
+        self.sources = [memoryview(filled_buffer(max_size, i)) for i in range(BATCH)]
+        self.endpoints: dict[str, dict[str, str]] = {}
+        self.daemon: dict[str, CacheClient] = {}
+        self.echo: dict[str, zmq.Socket[Any]] = {}
+        self.redis: Any = None
+        self.cold_memcpy: dict[int, Stats] = {}
+        self._cell = 0
+        self._cells = len(opts.sizes_mib) * (1 + len(OPS) * (2 * len(TRANSPORTS) + (1 if opts.redis_server else 0)))
+
+    # -- setup ---------------------------------------------------------------------------
+    def start(self) -> None:
+        o = self.opts
+        batch_bytes = BATCH * max(o.sizes_mib) * MIB
+        if 2 * batch_bytes > o.pool_bytes:
+            raise SystemExit(f"--pool-size must hold at least two batches ({2 * batch_bytes >> 20} MiB)")
+        for system in ("echo", "daemon"):
+            self.endpoints[system] = {
+                "tcp": f"tcp://127.0.0.1:{free_port()}",
+                "ipc": f"ipc://{self.workdir}/{system}.sock",
+            }
+        py = sys.executable
+        echo = self.procs.start(
+            "zmq-echo", [py, str(Path(__file__).resolve().parent / "_harness.py"), "echo-server",
+                         *self.endpoints["echo"].values()],
+        )  # fmt: skip
+        max_message = max(512 * MIB, batch_bytes + MIB)
+        daemon_argv = [
+            "-m", "lmcache_server",
+            "--listen", self.endpoints["daemon"]["tcp"],
+            "--listen", self.endpoints["daemon"]["ipc"],
+            "--metrics-port", "0",
+            "--max-local-cpu-size", f"{o.pool_bytes}B",
+            "--set", "malloc_tuning=true",
+            "--set", f"max_message_size={max_message}B",
+            "--set", f"max_inflight_bytes={max(1024 * MIB, 2 * max_message)}B",
+        ]  # fmt: skip
+        if o.profile_daemon is not None:
+            daemon_argv = ["-m", "cProfile", "-o", str(o.profile_daemon), *daemon_argv]
+        daemon = self.procs.start("daemon", [py, *daemon_argv])
+        redis_proc: Child | None = None
+        redis_port = free_port()
+        if o.redis_server:
+            redis_proc = self.procs.start(
+                "redis",
+                [o.redis_server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory", str(o.pool_bytes),
+                 "--maxmemory-policy", "allkeys-lru", "--logfile", ""],
+            )  # fmt: skip
+
+        # Clients (zmq contexts and threads) only after every fork above.
+        tuned = tune_malloc()
+        for transport in TRANSPORTS:
+            client = CacheClient(self.endpoints["daemon"][transport], NAMESPACE, timeout_s=60, fail_open=False)
+            wait_until(lambda c=client: _pings(c), 60, f"daemon on {transport}", daemon.check_alive)
+            self.daemon[transport] = client
+            sock = new_dealer(zmq.Context.instance(), self.endpoints["echo"][transport], 64)
+            sock.setsockopt(zmq.RCVTIMEO, 60_000)
+            sock.setsockopt(zmq.SNDTIMEO, 60_000)
+            self.echo[transport] = sock
+        self.echo["tcp"].send(b"hello")
+        echo_tuned = self.echo["tcp"].recv() == b"tuned=1"
+        echo.check_alive()
+        daemon_log = daemon.log_tail(200)
+        daemon_tuned = "malloc tuning not applied" not in daemon_log
+        self.notes.append(
+            f"glibc malloc tuning (lmcache_client.memtune.tune_malloc) applied: bench client={tuned}, "
+            f"zmq-echo server={echo_tuned}, daemon={daemon_tuned} (malloc_tuning=true)"
+        )
+        if redis_proc is not None:
+            self.redis = redis_client(redis_port)
+            wait_until(lambda: _redis_pings(self.redis), 30, "redis-server", redis_proc.check_alive)
+            version = self.redis.info("server").get("redis_version", "?")
+            self.notes.append(
+                f"redis-server {version} on tcp port {redis_port}: maxmemory={o.pool_bytes >> 20} MiB allkeys-lru, "
+                "no persistence; redis-py with hiredis parser + PythonRespSerializer; MSET/MGET of 8"
+            )
+        self._prime()
+
+    def _prime(self) -> None:
+        """Fill the daemon's pool and Redis to their limits once (untimed): steady state."""
+        chunk = self.sources[0].nbytes
+        calls = -(-self.opts.pool_bytes // (BATCH * chunk)) + 1
+        t0 = time.perf_counter()
+        client = self.daemon["tcp"]
+        for _ in range(calls):
+            _expect_stored(client.put(self.keys.batch(), self.sources))
+        if self.redis is not None:
+            for _ in range(calls):
+                self.redis.mset(dict(zip(self.keys.batch(), self.sources)))
+        self.progress(f"primed the daemon pool and redis with {calls * BATCH * chunk >> 20} MiB each "
+                      f"in {time.perf_counter() - t0:.1f}s (untimed)")  # fmt: skip
+
+    # -- running -------------------------------------------------------------------------
+    def progress(self, line: str) -> None:
+        print(line, flush=True)
+
+    def cell(self, system: str, transport: str, op: str, size: int, call: Callable[[], None]) -> Stats:
+        o = self.opts
+        batch_bytes = BATCH * size
+        calls = max(1, round(o.rep_mib * MIB / batch_bytes))
+        stats = measure(call, batch_bytes, calls, o.reps, o.warmup)
+        self.rows.append(Row(system, transport, op, size, stats))
+        self._cell += 1
+        self.progress(
+            f"[{self._cell:2d}/{self._cells}] {system:8s} {transport:3s} {op} {size >> 20:3d} MiB x{BATCH}: "
+            f"{stats.median:8,.0f} MiB/s {stats.spread()}  ({o.reps} reps x {calls} requests)"
+        )
+        return stats
+
+    def run(self) -> None:
+        for size_mib in self.opts.sizes_mib:
+            self.run_memcpy(size_mib * MIB)
+        for size_mib in self.opts.sizes_mib:
+            size = size_mib * MIB
+            payloads = [s[:size] for s in self.sources]
+            for op in OPS:
+                for transport in TRANSPORTS:
+                    self.cell("zmq-echo", transport, op, size, self.echo_call(transport, op, payloads))
+                    self.cell("daemon", transport, op, size, self.daemon_call(transport, op, payloads))
+                if self.redis is not None:
+                    self.cell("redis", "tcp", op, size, self.redis_call(op, payloads))
+
+    def run_memcpy(self, size: int) -> None:
+        src = [s[:size] for s in self.sources]
+        dst = [memoryview(filled_buffer(size, 99)) for _ in range(BATCH)]
+
+        def warm() -> None:
+            for d, s in zip(dst, src):
+                d[:] = s
+
+        def cold() -> None:
+            for s in src:
+                with mmap.mmap(-1, size) as m:
+                    memoryview(m)[:] = s
+
+        self.cell("memcpy", "-", "put", size, warm)
+        stats = measure(cold, BATCH * size, max(1, round(self.opts.rep_mib * MIB / (BATCH * size))),
+                        self.opts.reps, self.opts.warmup)  # fmt: skip
+        self.progress(f"     memcpy-cold (fresh mmap destination) {size >> 20:3d} MiB: "
+                      f"{stats.median:8,.0f} MiB/s {stats.spread()}")  # fmt: skip
+        self.cold_memcpy[size] = stats
+
+    def daemon_call(self, transport: str, op: str, payloads: list[memoryview]) -> Callable[[], None]:
+        client = self.daemon[transport]
+        size = payloads[0].nbytes
+        if op == "put":
+            return lambda: _expect_stored(client.put(self.keys.batch(), payloads))
+        keys = self.keys.batch()
+        _expect_stored(client.put(keys, payloads))
+
+        def get() -> None:
+            bufs = client.get(keys)
+            if any(b is None or memoryview(b).nbytes != size for b in bufs):
+                raise AssertionError(f"daemon get missed: {[b is not None for b in bufs]}")
+
+        return get
+
+    def echo_call(self, transport: str, op: str, payloads: list[memoryview]) -> Callable[[], None]:
+        sock = self.echo[transport]
+        if op == "put":
+
+            def put() -> None:
+                sock.send_multipart([b"put", *payloads], copy=False)
+                if sock.recv() != b"ok":
+                    raise AssertionError("echo put not acknowledged")
+
+            return put
+        request = b"get %d %d" % (payloads[0].nbytes, BATCH)
+
+        def get() -> None:
+            sock.send(request)
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) != BATCH + 1:
+                raise AssertionError(f"echo get returned {len(frames)} frames")
+
+        return get
+
+    def redis_call(self, op: str, payloads: list[memoryview]) -> Callable[[], None]:
+        r = self.redis
+        size = payloads[0].nbytes
+        if op == "put":
+
+            def put() -> None:
+                if not r.mset(dict(zip(self.keys.batch(), payloads))):
+                    raise AssertionError("redis MSET failed")
+
+            return put
+        keys = self.keys.batch()
+        r.mset(dict(zip(keys, payloads)))
+
+        def get() -> None:
+            values = r.mget(keys)
+            if any(v is None or len(v) != size for v in values):
+                raise AssertionError(f"redis MGET missed: {[v is not None for v in values]}")
+
+        return get
+
+    def close(self) -> None:
+        for sock in self.echo.values():
+            sock.close(linger=0)
+        for client in self.daemon.values():
+            client.close()
+        if self.redis is not None:
+            self.redis.close()
+
+    # -- report --------------------------------------------------------------------------
+    def rate(self, system: str, transport: str, op: str, size: int) -> float | None:
+        for row in self.rows:
+            if (row.system, row.transport, row.op, row.size_bytes) == (system, transport, op, size):
+                return row.stats.median
+        return None
+
+    def report(self) -> bool:
+        """Print the table and the targets; True if every target passed."""
+        print()
+        for note in self.notes:
+            print(f"note: {note}")
+        has_redis = self.redis is not None
+        head = f"{'op':3s} {'size':>6s} {'memcpy':>8s}"
+        for t in TRANSPORTS:
+            head += f" | {'echo-' + t:>9s} {'daemon-' + t:>10s} {'d/echo':>6s}"
+        if has_redis:
+            head += f" | {'redis':>7s} " + " ".join(f"{'d-' + t + '/redis':>12s}" for t in TRANSPORTS)
+        print(f"\nMiB/s, median of {self.opts.reps} repetitions; {BATCH} chunks per request")
+        print(head)
+        print("-" * len(head))
+        for op in OPS:
+            for size_mib in self.opts.sizes_mib:
+                size = size_mib * MIB
+                line = f"{op:3s} {size_mib:3d} MiB {_fmt(self.rate('memcpy', '-', 'put', size)):>8s}"
+                redis = self.rate("redis", "tcp", op, size)
+                for t in TRANSPORTS:
+                    echo, daemon = self.rate("zmq-echo", t, op, size), self.rate("daemon", t, op, size)
+                    line += f" | {_fmt(echo):>9s} {_fmt(daemon):>10s} {_ratio(daemon, echo):>6s}"
+                if has_redis:
+                    line += f" | {_fmt(redis):>7s} " + " ".join(
+                        f"{_ratio(self.rate('daemon', t, op, size), redis):>12s}" for t in TRANSPORTS
+                    )
+                print(line)
+        cold = ", ".join(f"{s >> 20} MiB {v.median:,.0f}" for s, v in sorted(self.cold_memcpy.items()))
+        print(f"memcpy-cold (fresh mmap destination, page faults included), MiB/s: {cold}")
+        return self.targets()
+
+    def targets(self) -> bool:
+        size = self.opts.target_mib * MIB
+        if self.opts.target_mib not in self.opts.sizes_mib:
+            print(f"\ntargets not evaluated: {self.opts.target_mib} MiB not among --sizes")
+            return True
+        print(f"\ntargets at {self.opts.target_mib} MiB:")
+        ok = True
+        for op in OPS:
+            redis = self.rate("redis", "tcp", op, size)
+            for t in TRANSPORTS:
+                daemon = self.rate("daemon", t, op, size)
+                echo = self.rate("zmq-echo", t, op, size)
+                checks = [("zmq-echo " + t, echo, ECHO_RATIO_TARGET)]
+                if redis is not None:
+                    checks.append(("redis " + ("GET" if op == "get" else "SET"), redis, REDIS_RATIO_TARGET))
+                for name, base, want in checks:
+                    ratio = daemon / base if daemon and base else 0.0
+                    passed = ratio >= want
+                    ok &= passed
+                    print(f"  {'PASS' if passed else 'MISS'}  daemon {t} {op}: {_fmt(daemon)} MiB/s = "
+                          f"{ratio:.2f}x {name} ({_fmt(base)} MiB/s), target >= {want}x")  # fmt: skip
+        return ok
+
+    def write_json(self, path: Path) -> None:
+        path.write_text(json.dumps([r.as_json() for r in self.rows], indent=1) + "\n")
+        print(f"wrote {len(self.rows)} rows to {path}")
+
+
+def _pings(client: CacheClient) -> bool:
+    try:
+        client.ping(timeout_s=0.5)
+        return True
+    except Exception:
+        return False
+
+
+def _redis_pings(r: Any) -> bool:
+    try:
+        return bool(r.ping())
+    except Exception:
+        return False
+
+
+def _expect_stored(statuses: Sequence[PutStatus]) -> None:
+    if any(s != PutStatus.STORED for s in statuses):
+        raise AssertionError(f"daemon put not stored: {[PutStatus(s).name for s in statuses]}")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return "-" if not num or not den else f"{num / den:.2f}x"
+
+
+def _parse_args(argv: Sequence[str] | None) -> Options:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--sizes", default="1,4,16,32", help="chunk sizes in MiB, comma-separated (default 1,4,16,32)")
+    p.add_argument("--quick", action="store_true", help="short run: 3 reps, 1 warm-up, ~64 MiB per rep")
+    p.add_argument("--reps", type=int, help="timed repetitions per cell (default 9; quick: 3)")
+    p.add_argument("--warmup", type=int, help="untimed requests per cell (default 2; quick: 1)")
+    p.add_argument("--rep-mib", type=int, help="MiB moved per repetition, at least one request (default 192)")
+    p.add_argument("--pool-size", default="2GiB", help="daemon pool and redis maxmemory (default 2GiB)")
+    p.add_argument("--target-mib", type=int, default=16, help="chunk size the targets are checked at (default 16)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--redis-server", default=shutil.which("redis-server"), help="redis-server binary ('' to skip)")
+    p.add_argument("--profile-daemon", type=Path, metavar="PATH",
+                   help="run the daemon under cProfile, writing its stats to PATH")  # fmt: skip
+    a = p.parse_args(argv)
+    from lmcache_server.config import parse_size
+
+    sizes = tuple(int(s) for s in a.sizes.split(",") if s.strip())
+    if not sizes or min(sizes) < 1:
+        p.error("--sizes needs positive integers")
+    return Options(
+        sizes_mib=sizes,
+        reps=a.reps or (3 if a.quick else 9),
+        warmup=a.warmup if a.warmup is not None else (1 if a.quick else 2),
+        rep_mib=a.rep_mib or (64 if a.quick else 192),
+        pool_bytes=parse_size(a.pool_size),
+        target_mib=a.target_mib,
+        json_path=a.json,
+        redis_server=a.redis_server or None,
+        profile_daemon=a.profile_daemon.resolve() if a.profile_daemon else None,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = _parse_args(argv)
+    raise_on_sigterm()
+    started = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
+    procs = Processes(workdir)
+    bench: Bench | None = None
+    try:
+        bench = Bench(opts, procs, workdir)
+        bench.start()
+        bench.run()
+        passed = bench.report()
+        if opts.json_path is not None:
+            bench.write_json(opts.json_path)
+        print(f"\ntotal {time.perf_counter() - started:.0f}s; targets {'all PASS' if passed else 'MISSED'}")
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping the servers", file=sys.stderr)
+        return 130
+    finally:
+        if bench is not None:
+            bench.close()
+        procs.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Configuration: sizes, precedence file < env < flags, and refusals with clear messages."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmcache_server.config import ConfigError, ServerConfig, load_config, parse_size
+
+from .conftest import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 1024**3
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(40, 40 * GiB), (2.5, int(2.5 * GiB)), ("40GiB", 40 * GiB), ("40", 40 * GiB), ("512MiB", 512 << 20),
+     ("1GB", 10**9), ("1048576B", 1 << 20), ("4 KiB", 4096), ("0", 0)],
+)
+def test_parse_size(value: object, expected: int) -> None:
+    assert parse_size(value) == expected
+
+
+@pytest.mark.parametrize("value", [-1, "-1GiB", "lots", "1XB", True, None, float("nan")])
+def test_parse_size_rejects(value: object) -> None:
+    with pytest.raises(ValueError):
+        parse_size(value)
+
+
+def test_defaults_are_valid() -> None:
+    c = ServerConfig()
+    assert c.chunk_size == 256 and c.local_cpu and c.max_local_cpu_size == 5 * GiB
+    assert c.listen == ("tcp://127.0.0.1:65432",)
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"chunk_size": 128, "max_local_cpu_size": 2, "metrics_port": 9000}))
+    env = {"LMCACHE_MAX_LOCAL_CPU_SIZE": "3GiB", "LMCACHE_METRICS_PORT": "9001", "PATH": "/bin"}
+    c = load_config(str(path), env, {"metrics_port": 9002})
+    assert c.chunk_size == 128  # file
+    assert c.max_local_cpu_size == 3 * GiB  # env beats file
+    assert c.metrics_port == 9002  # flag beats env
+    # LMCACHE_CONFIG names the file when --config is not given.
+    assert load_config(None, {"LMCACHE_CONFIG": str(path)}).chunk_size == 128
+
+
+def test_env_values_are_typed() -> None:
+    env = {"LMCACHE_SAVE_DECODE_CACHE": "true", "LMCACHE_LISTEN": "tcp://127.0.0.1:1,ipc:///tmp/x.sock"}
+    c = load_config(None, env)
+    assert c.save_decode_cache is True
+    assert c.listen == ("tcp://127.0.0.1:1", "ipc:///tmp/x.sock")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fragment"),
+    [
+        ({"max_local_cpu_size": -1}, "max_local_cpu_size", "expected a size"),
+        ({"max_local_cpu_size": "12 bananas"}, "max_local_cpu_size", "40GiB"),
+        ({"chunk_size": 0}, "chunk_size", "1..1048576"),
+        ({"chunk_size": "256"}, "chunk_size", "integer"),
+        ({"listen": ["tcp://localhost"]}, "listen", "tcp://HOST:PORT"),
+        ({"listen": ["http://127.0.0.1:80"]}, "listen", "ipc:///PATH"),
+        ({"metrics_port": 70000}, "metrics_port", "1..65535"),
+        ({"remote_url": "mysql://db"}, "remote_url", "redis://"),
+        ({"local_disk": "/var/cache"}, "local_disk", "file://"),
+        ({"log_level": "loud"}, "log_level", "DEBUG"),
+        ({"chunksize": 256}, "chunksize", "a known key"),
+        ({"local_disk": "file:///var/cache/lmcache"}, "local_disk", "not built yet"),
+        ({"remote_url": "redis://localhost:6379"}, "remote_url", "not built yet"),
+        ({"remote_serde": "cachegen"}, "remote_serde", "cachegen codec is not built"),
+        ({"local_cpu": False}, "local_cpu", "only tier"),
+        ({"max_message_size": "2GiB", "max_inflight_bytes": "1GiB"}, "max_message_size", "max_inflight_bytes"),
+    ],
+)
+def test_bad_values_name_key_value_and_expectation(overrides: dict[str, object], key: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {}, overrides)
+    assert info.value.key == key
+    assert f"'{key}'" in str(info.value) and fragment in str(info.value)
+
+
+def test_unknown_keys_in_file_and_env(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("max_local_cpu_size: 1\nmax_local_cpu_sizee: 2\n")
+    with pytest.raises(ConfigError, match="max_local_cpu_sizee.*from file"):
+        load_config(str(path), {})
+    with pytest.raises(ConfigError, match="chunk_sise.*env LMCACHE_CHUNK_SISE"):
+        load_config(None, {"LMCACHE_CHUNK_SISE": "4"})
+
+
+def test_file_must_be_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(str(path), {})
+    with pytest.raises(ConfigError, match="readable"):
+        load_config(str(tmp_path / "missing.yaml"), {})
+
+
+def test_shipped_example_config_is_valid() -> None:
+    c = load_config(str(REPO / "deploy" / "server.yaml"), {})
+    assert c.local_cpu
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-m", "lmcache_server", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_cli_refuses_bad_value_with_exit_code_2() -> None:
+    out = run_cli("--set", "max_local_cpu_size=-5")
+    assert out.returncode == 2
+    assert "max_local_cpu_size" in out.stderr and "-5" in out.stderr and "expected" in out.stderr
+
+
+def test_cli_refuses_port_in_use() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = run_cli("--listen", f"tcp://127.0.0.1:{port}", "--metrics-port", "0", "--max-local-cpu-size", "16MiB")
+        assert out.returncode == 2
+        assert "'listen'" in out.stderr and "in use" in out.stderr
+        out = run_cli("--listen", f"tcp://127.0.0.1:{free_port()}", "--metrics-port", str(port),
+                      "--max-local-cpu-size", "16MiB")
+        assert out.returncode == 2
+        assert "'metrics_port'" in out.stderr
+
+
+def test_cli_print_config_shows_effective_values() -> None:
+    out = run_cli("--print-config", "--max-local-cpu-size", "3GiB", "--set", "chunk_size=64")
+    assert out.returncode == 0, out.stderr
+    assert f"max_local_cpu_size: {3 * GiB}" in out.stdout
+    assert "chunk_size: 64" in out.stdout

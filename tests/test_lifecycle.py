@@ -1,0 +1,119 @@
+"""Lifecycle: graceful shutdown, restarts under a connected client, fail-open clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from lmcache_client import AsyncCacheClient, CacheClient, DaemonUnavailable, PutStatus
+from lmcache_client.protocol import KEY_BYTES
+
+from .conftest import NAMESPACE, Daemon, free_port
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_cleanly_with_exit_0(daemon: Daemon, sig: int) -> None:
+    with daemon.client() as c:
+        c.put([os.urandom(KEY_BYTES)], [b"x" * 100_000])
+    assert daemon.stop(sig) == 0
+    log = daemon.log()
+    assert "lmcache-server ready" in log and "drained cleanly" in log and "lmcache-server stopped" in log
+
+
+def test_startup_logs_one_config_line(daemon: Daemon) -> None:
+    lines = [line for line in daemon.log().splitlines() if "lmcache-server ready" in line]
+    assert len(lines) == 1
+    assert daemon.address in lines[0] and "memory=0.06GiB" in lines[0] and "policy=lru" in lines[0]
+
+
+def test_requests_in_flight_during_shutdown_all_get_replies(daemon: Daemon) -> None:
+    """Clients hammering the daemon while it stops see replies or SHUTTING_DOWN/
+    unavailable, never a hang past their timeout or wrong data."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    payload = os.urandom(256 * 1024)
+
+    def hammer() -> None:
+        with daemon.client(timeout_s=3.0, fail_open=True) as c:
+            while not stop.is_set():
+                key = [os.urandom(KEY_BYTES)]
+                try:
+                    if c.put(key, [payload]) == [PutStatus.STORED]:
+                        got = c.get(key)[0]
+                        assert got is None or bytes(got) == payload
+                except BaseException as err:  # noqa: BLE001 - collected and re-raised below
+                    errors.append(err)
+                    return
+
+    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    assert daemon.stop(signal.SIGTERM) == 0
+    stop.set()
+    for t in threads:
+        t.join(15)
+    server_errors = [e for e in errors if "SHUTTING_DOWN" not in str(e)]
+    assert not server_errors, server_errors
+
+
+def test_client_survives_daemon_restart(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory()
+    key = [os.urandom(KEY_BYTES)]
+    with CacheClient(daemon.address, NAMESPACE, timeout_s=0.5) as c:
+        assert c.put(key, [b"before"]) == [PutStatus.STORED]
+        daemon.stop()
+        # Down: data ops answer like misses, fast, and are counted; admin ops raise.
+        started = time.monotonic()
+        assert c.get(key) == [None]
+        assert c.lookup(key).hit_chunks == 0
+        assert c.put(key, [b"x"]) == [PutStatus.FAILED]
+        assert c.exists(key) == [False]
+        assert time.monotonic() - started < 4 * 0.5 + 1.0
+        assert c.failures >= 4
+        with pytest.raises(DaemonUnavailable):
+            c.stats()
+        # Same port, new process: the same client object recovers by itself.
+        daemon.start()
+        deadline = time.monotonic() + 10
+        while c.put(key, [b"after"]) != [PutStatus.STORED]:
+            assert time.monotonic() < deadline, "client never reconnected"
+            time.sleep(0.1)
+        assert bytes(c.get(key)[0]) == b"after"
+
+
+def test_async_client_fails_open_and_recovers(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory()
+
+    async def main() -> None:
+        async with AsyncCacheClient(daemon.address, NAMESPACE, timeout_s=0.5) as c:
+            key = [os.urandom(KEY_BYTES)]
+            assert await c.put(key, [b"v1"]) == [PutStatus.STORED]
+            daemon.stop()
+            assert await c.get(key) == [None]
+            assert (await c.lookup(key)).hit_chunks == 0
+            with pytest.raises(DaemonUnavailable):
+                await c.ping()
+            daemon.start()
+            deadline = time.monotonic() + 10
+            while await c.put(key, [b"v2"]) != [PutStatus.STORED]:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            assert bytes((await c.get(key))[0]) == b"v2"
+
+    asyncio.run(main())
+
+
+def test_unreachable_daemon_costs_at_most_the_timeout() -> None:
+    with CacheClient(f"tcp://127.0.0.1:{free_port()}", NAMESPACE, timeout_s=0.3) as c:
+        started = time.monotonic()
+        assert c.get([os.urandom(KEY_BYTES)]) == [None]
+        assert time.monotonic() - started < 1.0
+    with CacheClient(f"tcp://127.0.0.1:{free_port()}", NAMESPACE, timeout_s=0.3, fail_open=False) as c:
+        with pytest.raises(DaemonUnavailable):
+            c.get([os.urandom(KEY_BYTES)])
