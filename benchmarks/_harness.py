@@ -6,8 +6,10 @@ Primitives:
   in their own sessions with ``PR_SET_PDEATHSIG``, and stops every one of them
   (SIGTERM, then SIGKILL) from a ``finally``, also on Ctrl-C or SIGTERM.
 - :func:`free_port`, :func:`wait_until`.
-- :func:`measure`: warm-up calls, then ``reps`` timed repetitions of ``calls``
-  calls each; returns a :class:`Stats` of MiB/s (median, min, max).
+- :func:`measure` / :func:`measure_group`: warm-up calls, then ``reps`` timed
+  repetitions of ``calls`` calls each (interleaved across the members of a
+  group); a :class:`Stats` of MiB/s (median, min, max) per member.
+- :class:`CpuMeter`: how much CPU other processes took meanwhile (noise check).
 - :func:`redis_client`: redis-py with the hiredis *parser* but the pure-Python
   *serializer* (the hiredis serializer copies every large value into one bytes
   object before sending; the Python one sends memoryviews as they are).
@@ -150,16 +152,70 @@ class Stats:
 
 def measure(call: Callable[[], None], bytes_per_call: int, calls: int, reps: int, warmup: int) -> Stats:
     """``warmup`` untimed calls, then ``reps`` repetitions of ``calls`` timed calls."""
-    for _ in range(warmup):
-        call()
-    rates: list[float] = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(calls):
+    return measure_group([call], bytes_per_call, calls, reps, warmup)[0]
+
+
+def measure_group(
+    members: Sequence[Callable[[], None]], bytes_per_call: int, calls: int, reps: int, warmup: int
+) -> list[Stats]:
+    """Like :func:`measure` for several systems at once, interleaved: repetition i
+    of every member runs before repetition i+1 of any, so a burst of outside load
+    lands on all of them alike instead of on whichever happened to be running."""
+    for call in members:
+        for _ in range(warmup):
             call()
-        elapsed = time.perf_counter() - start
-        rates.append(bytes_per_call * calls / MIB / elapsed)
-    return Stats(statistics.median(rates), min(rates), max(rates), reps)
+    rates: list[list[float]] = [[] for _ in members]
+    for _ in range(reps):
+        for call, out in zip(members, rates):
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            out.append(bytes_per_call * calls / MIB / (time.perf_counter() - start))
+    return [Stats(statistics.median(r), min(r), max(r), reps) for r in rates]
+
+
+class CpuMeter:
+    """CPU time the whole host spent busy, and how much of it our processes used.
+
+    The rest is outside load (other jobs on the machine), which makes figures noisy.
+    """
+
+    def __init__(self, pids: Callable[[], Sequence[int]]):
+        self._pids = pids
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._t0 = time.monotonic()
+        self._host0 = self._host_busy()
+        self._ours0 = self._ours()
+
+    @staticmethod
+    def _host_busy() -> float:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return float(sum(fields[:8]) - idle)
+
+    def _ours(self) -> float:
+        t = os.times()
+        total = (t.user + t.system) * self._tick
+        for pid in self._pids():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    def outside_load(self) -> float:
+        """Cores' worth of CPU used by processes other than ours since construction."""
+        elapsed = time.monotonic() - self._t0
+        other = (self._host_busy() - self._host0) - (self._ours() - self._ours0)
+        return max(0.0, other / self._tick / elapsed) if elapsed > 0 else 0.0
+
+
+def load_average() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
 
 
 def filled_buffer(size: int, seed: int) -> bytearray:
@@ -181,7 +237,7 @@ def redis_client(port: int) -> Any:
     from redis.connection import PythonRespSerializer
 
     # The Python serializer is stateless; 6000 is redis-py's own buffer cutoff.
-    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)  # type: ignore[no-untyped-call]
     pool = redis.ConnectionPool(
         host="127.0.0.1",
         port=port,

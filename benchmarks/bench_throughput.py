@@ -20,15 +20,21 @@ What is measured (MiB/s of chunk payload, median over repetitions), for chunks o
              with the hiredis parser and the pure-Python serializer (the hiredis
              serializer copies each large value first).  put = MSET of 8 fresh
              keys, get = MGET of 8 keys, over tcp.
-``memcpy``   single-thread copy of the same 8 chunks between preallocated,
-             already-touched buffers (memoryview slice assignment); the copy
-             into freshly mapped destinations (page faults included) is printed
-             beside it as ``memcpy-cold``, but only the former is a table row.
+``memcpy``   single-thread copy of the same 8 chunks into preallocated,
+             already-touched destinations (memoryview slice assignment, i.e.
+             memcpy; 8 chunks of 4+ MiB exceed the L3 cache, so this is the
+             cache-cold, page-warm copy).  The copy into freshly mmapped
+             destinations (page faults included) is printed beside it as
+             ``memcpy-fresh`` but is not a row.  memcpy has no direction: its
+             one row per size carries op "put", and the table shows it for both.
 
 Fairness: every process that receives large messages (this client, the echo
 server, the daemon) runs with :func:`lmcache_client.memtune.tune_malloc`.  All
 servers run at once and each (size, op) is measured for every system back to
-back, so drift hits all of them alike.  Before timing, the daemon's pool and
+back, their repetitions interleaved, so drift and bursts of outside load hit
+all of them alike.  The script reports how much CPU other processes used
+during the run: on a 2-core machine anything above ~0.1 core makes the
+figures noisy.  Before timing, the daemon's pool and
 Redis are filled once to their memory limit (untimed), so puts are measured in
 the steady state of a full cache rather than while first touching fresh memory.
 
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import mmap
@@ -66,11 +73,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     MIB,
     Child,
+    CpuMeter,
     Processes,
     Stats,
     filled_buffer,
     free_port,
-    measure,
+    load_average,
+    measure_group,
     raise_on_sigterm,
     redis_client,
     wait_until,
@@ -140,9 +149,10 @@ class Bench:
         self.daemon: dict[str, CacheClient] = {}
         self.echo: dict[str, zmq.Socket[Any]] = {}
         self.redis: Any = None
-        self.cold_memcpy: dict[int, Stats] = {}
+        self.fresh_memcpy: dict[int, Stats] = {}
         self._cell = 0
-        self._cells = len(opts.sizes_mib) * (1 + len(OPS) * (2 * len(TRANSPORTS) + (1 if opts.redis_server else 0)))
+        self.cpu: CpuMeter | None = None
+        self._cells = len(opts.sizes_mib) * (2 + len(OPS) * (2 * len(TRANSPORTS) + (1 if opts.redis_server else 0)))
 
     # -- setup ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -188,7 +198,7 @@ class Bench:
         tuned = tune_malloc()
         for transport in TRANSPORTS:
             client = CacheClient(self.endpoints["daemon"][transport], NAMESPACE, timeout_s=60, fail_open=False)
-            wait_until(lambda c=client: _pings(c), 60, f"daemon on {transport}", daemon.check_alive)
+            wait_until(functools.partial(_pings, client), 60, f"daemon on {transport}", daemon.check_alive)
             self.daemon[transport] = client
             sock = new_dealer(zmq.Context.instance(), self.endpoints["echo"][transport], 64)
             sock.setsockopt(zmq.RCVTIMEO, 60_000)
@@ -212,6 +222,7 @@ class Bench:
                 "no persistence; redis-py with hiredis parser + PythonRespSerializer; MSET/MGET of 8"
             )
         self._prime()
+        self.cpu = CpuMeter(lambda: [c.proc.pid for c in self.procs.children if c.proc.poll() is None])
 
     def _prime(self) -> None:
         """Fill the daemon's pool and Redis to their limits once (untimed): steady state."""
@@ -231,18 +242,21 @@ class Bench:
     def progress(self, line: str) -> None:
         print(line, flush=True)
 
-    def cell(self, system: str, transport: str, op: str, size: int, call: Callable[[], None]) -> Stats:
+    def group(self, op: str, size: int, members: Sequence[tuple[str, str, Callable[[], None]]]) -> list[Stats]:
+        """Measure every (system, transport, call) of one (op, size), interleaved."""
         o = self.opts
         batch_bytes = BATCH * size
         calls = max(1, round(o.rep_mib * MIB / batch_bytes))
-        stats = measure(call, batch_bytes, calls, o.reps, o.warmup)
-        self.rows.append(Row(system, transport, op, size, stats))
-        self._cell += 1
-        self.progress(
-            f"[{self._cell:2d}/{self._cells}] {system:8s} {transport:3s} {op} {size >> 20:3d} MiB x{BATCH}: "
-            f"{stats.median:8,.0f} MiB/s {stats.spread()}  ({o.reps} reps x {calls} requests)"
-        )
-        return stats
+        results = measure_group([m[2] for m in members], batch_bytes, calls, o.reps, o.warmup)
+        for (system, transport, _), stats in zip(members, results):
+            self._cell += 1
+            if system != "memcpy-fresh":
+                self.rows.append(Row(system, transport, op, size, stats))
+            self.progress(
+                f"[{self._cell:2d}/{self._cells}] {system:12s} {transport:3s} {op} {size >> 20:3d} MiB x{BATCH}: "
+                f"{stats.median:8,.0f} MiB/s {stats.spread()}  ({o.reps} reps x {calls} requests)"
+            )
+        return results
 
     def run(self) -> None:
         for size_mib in self.opts.sizes_mib:
@@ -251,31 +265,29 @@ class Bench:
             size = size_mib * MIB
             payloads = [s[:size] for s in self.sources]
             for op in OPS:
+                members = []
                 for transport in TRANSPORTS:
-                    self.cell("zmq-echo", transport, op, size, self.echo_call(transport, op, payloads))
-                    self.cell("daemon", transport, op, size, self.daemon_call(transport, op, payloads))
+                    members.append(("zmq-echo", transport, self.echo_call(transport, op, payloads)))
+                    members.append(("daemon", transport, self.daemon_call(transport, op, payloads)))
                 if self.redis is not None:
-                    self.cell("redis", "tcp", op, size, self.redis_call(op, payloads))
+                    members.append(("redis", "tcp", self.redis_call(op, payloads)))
+                self.group(op, size, members)
 
     def run_memcpy(self, size: int) -> None:
+        """One "memcpy" row (reused, already-touched destinations); fresh ones printed beside it."""
         src = [s[:size] for s in self.sources]
         dst = [memoryview(filled_buffer(size, 99)) for _ in range(BATCH)]
 
-        def warm() -> None:
+        def reused() -> None:
             for d, s in zip(dst, src):
                 d[:] = s
 
-        def cold() -> None:
+        def fresh() -> None:
             for s in src:
                 with mmap.mmap(-1, size) as m:
                     memoryview(m)[:] = s
 
-        self.cell("memcpy", "-", "put", size, warm)
-        stats = measure(cold, BATCH * size, max(1, round(self.opts.rep_mib * MIB / (BATCH * size))),
-                        self.opts.reps, self.opts.warmup)  # fmt: skip
-        self.progress(f"     memcpy-cold (fresh mmap destination) {size >> 20:3d} MiB: "
-                      f"{stats.median:8,.0f} MiB/s {stats.spread()}")  # fmt: skip
-        self.cold_memcpy[size] = stats
+        self.fresh_memcpy[size] = self.group("put", size, [("memcpy", "-", reused), ("memcpy-fresh", "-", fresh)])[1]
 
     def daemon_call(self, transport: str, op: str, payloads: list[memoryview]) -> Callable[[], None]:
         client = self.daemon[transport]
@@ -350,6 +362,10 @@ class Bench:
     def report(self) -> bool:
         """Print the table and the targets; True if every target passed."""
         print()
+        if self.cpu is not None:
+            outside = self.cpu.outside_load()
+            warn = "  WARNING: the figures are noisy; rerun on a quiet machine" if outside > 0.1 else ""
+            self.notes.append(f"CPU used by other processes while measuring: {outside:.2f} cores{warn}")
         for note in self.notes:
             print(f"note: {note}")
         has_redis = self.redis is not None
@@ -374,8 +390,8 @@ class Bench:
                         f"{_ratio(self.rate('daemon', t, op, size), redis):>12s}" for t in TRANSPORTS
                     )
                 print(line)
-        cold = ", ".join(f"{s >> 20} MiB {v.median:,.0f}" for s, v in sorted(self.cold_memcpy.items()))
-        print(f"memcpy-cold (fresh mmap destination, page faults included), MiB/s: {cold}")
+        fresh = ", ".join(f"{s >> 20} MiB {v.median:,.0f}" for s, v in sorted(self.fresh_memcpy.items()))
+        print(f"memcpy-fresh (into a freshly mmapped destination, page faults included), MiB/s: {fresh}")
         return self.targets()
 
     def targets(self) -> bool:
@@ -448,7 +464,7 @@ def _parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--profile-daemon", type=Path, metavar="PATH",
                    help="run the daemon under cProfile, writing its stats to PATH")  # fmt: skip
     a = p.parse_args(argv)
-    from lmcache_server.config import parse_size
+    from lmcache_server.config import parse_size  # the daemon's own size syntax
 
     sizes = tuple(int(s) for s in a.sizes.split(",") if s.strip())
     if not sizes or min(sizes) < 1:
@@ -470,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = _parse_args(argv)
     raise_on_sigterm()
     started = time.perf_counter()
+    load = load_average()
+    print(f"load average before start: {load:.2f}" + ("  (busy machine: expect noisy figures)" if load > 0.5 else ""))
     workdir = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
     procs = Processes(workdir)
     bench: Bench | None = None

@@ -27,13 +27,22 @@ def _parser() -> argparse.ArgumentParser:
         "Precedence: flags > environment > config file > defaults.",
     )
     p.add_argument("--config", metavar="PATH", help="YAML config file (default: $LMCACHE_CONFIG, else none)")
-    p.add_argument("--listen", action="append", metavar="ENDPOINT",
-                   help="tcp://HOST:PORT or ipc:///PATH to bind (repeatable; replaces the configured list)")
+    p.add_argument(
+        "--listen",
+        action="append",
+        metavar="ENDPOINT",
+        help="tcp://HOST:PORT or ipc:///PATH to bind (repeatable; replaces the configured list)",
+    )
     p.add_argument("--max-local-cpu-size", metavar="SIZE", help='memory pool size, e.g. 8 (GB) or "8GiB"')
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="HTTP port of /metrics (0 disables)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="set any config key (repeatable); VALUE is read as YAML")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set any config key (repeatable); VALUE is read as YAML",
+    )
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     p.add_argument("--version", action="version", version=f"lmcache-server {__version__}")
     return p

@@ -169,63 +169,104 @@ class ServerConfig:
     """Every setting of the daemon.  Sizes are bytes; ``None`` means "off"."""
 
     # -- LMCache-compatible keys -----------------------------------------------------
-    chunk_size: int = _field(256, _int(1, 1 << 20), "an integer number of tokens, 1..1048576",
-                             "Tokens per chunk; advertised to clients in hello and used for token metrics.")
+    chunk_size: int = _field(
+        256,
+        _int(1, 1 << 20),
+        "an integer number of tokens, 1..1048576",
+        "Tokens per chunk; advertised to clients in hello and used for token metrics.",
+    )
     local_cpu: bool = _field(True, _bool, "true or false", "Enable the CPU memory tier.")
-    max_local_cpu_size: int = _field(5 * 1024**3, _size(1 << 20), 'a size of at least 1 MiB, e.g. 40 (GB) or "40GiB"',
-                                     "Memory pool size; allocated once at start, never exceeded.")
-    local_disk: str | None = _field(None, _optional(_file_url), "a file:// URL such as file:///var/cache/lmcache",
-                                    "Disk spill directory (the disk tier; not built yet).")
+    max_local_cpu_size: int = _field(
+        5 * 1024**3,
+        _size(1 << 20),
+        'a size of at least 1 MiB, e.g. 40 (GB) or "40GiB"',
+        "Memory pool size; allocated once at start, never exceeded.",
+    )
+    local_disk: str | None = _field(
+        None,
+        _optional(_file_url),
+        "a file:// URL such as file:///var/cache/lmcache",
+        "Disk spill directory (the disk tier; not built yet).",
+    )
     max_local_disk_size: int = _field(0, _size(), 'a size, e.g. 100 (GB) or "100GiB"', "Disk tier bound.")
-    remote_url: str | None = _field(None, _optional(_redis_url),
-                                    "a redis://, rediss://, unix:// or redis+cluster:// URL",
-                                    "Redis uplink (the Redis tier; not built yet).")
-    remote_serde: str = _field("naive", _choice("naive", "cachegen"), "naive or cachegen",
-                               "Encoding of chunks sent to the remote tier.")
-    save_decode_cache: bool = _field(False, _bool, "true or false",
-                                     "Hint to clients: also store KV produced while decoding.")
+    remote_url: str | None = _field(
+        None,
+        _optional(_redis_url),
+        "a redis://, rediss://, unix:// or redis+cluster:// URL",
+        "Redis uplink (the Redis tier; not built yet).",
+    )
+    remote_serde: str = _field(
+        "naive", _choice("naive", "cachegen"), "naive or cachegen", "Encoding of chunks sent to the remote tier."
+    )
+    save_decode_cache: bool = _field(
+        False, _bool, "true or false", "Hint to clients: also store KV produced while decoding."
+    )
     # -- the server's own keys -------------------------------------------------------
-    listen: tuple[str, ...] = _field(("tcp://127.0.0.1:65432",), _listen,
-                                     "a list of tcp://HOST:PORT or ipc:///PATH endpoints",
-                                     "ZeroMQ endpoints the daemon binds (ROUTER).")
+    listen: tuple[str, ...] = _field(
+        ("tcp://127.0.0.1:65432",),
+        _listen,
+        "a list of tcp://HOST:PORT or ipc:///PATH endpoints",
+        "ZeroMQ endpoints the daemon binds (ROUTER).",
+    )
     metrics_host: str = _field("127.0.0.1", _host, "a host name or IP address", "Address of the HTTP metrics server.")
-    metrics_port: int = _field(9464, _int(0, 65535), "a port 1..65535, or 0 to disable",
-                               "Port of /metrics and /healthz (0 disables it).")
-    max_message_size: int = _field(512 * 1024**2, _size(4096), 'a size of at least 4 KiB, e.g. "512MiB"',
-                                   "Largest request accepted (header + payloads); larger gets TOO_LARGE.")
-    max_inflight_bytes: int = _field(1024**3, _size(1 << 20), 'a size of at least 1 MiB, e.g. "1GiB"',
-                                     "Payload bytes being handled or sent at once; above it requests get BUSY.")
+    metrics_port: int = _field(
+        9464, _int(0, 65535), "a port 1..65535, or 0 to disable", "Port of /metrics and /healthz (0 disables it)."
+    )
+    max_message_size: int = _field(
+        512 * 1024**2,
+        _size(4096),
+        'a size of at least 4 KiB, e.g. "512MiB"',
+        "Largest request accepted (header + payloads); larger gets TOO_LARGE.",
+    )
+    max_inflight_bytes: int = _field(
+        1024**3,
+        _size(1 << 20),
+        'a size of at least 1 MiB, e.g. "1GiB"',
+        "Payload bytes being handled or sent at once; above it requests get BUSY.",
+    )
     max_keys_per_request: int = _field(4096, _int(1, 1 << 20), "an integer 1..1048576", "Keys in one request.")
-    max_pinned_fraction: float = _field(0.5, _float(0.0, 1.0), "a number from 0 to 1",
-                                        "Share of the memory pool that pinned chunks may fill.")
-    zmq_hwm: int = _field(256, _int(1, 1 << 20), "an integer 1..1048576",
-                          "ZeroMQ send/receive high-water marks, in messages per peer.")
+    max_pinned_fraction: float = _field(
+        0.5, _float(0.0, 1.0), "a number from 0 to 1", "Share of the memory pool that pinned chunks may fill."
+    )
+    zmq_hwm: int = _field(
+        256, _int(1, 1 << 20), "an integer 1..1048576", "ZeroMQ send/receive high-water marks, in messages per peer."
+    )
     zmq_io_threads: int = _field(1, _int(1, 64), "an integer 1..64", "ZeroMQ I/O threads.")
-    drain_timeout_s: float = _field(10.0, _float(0.0, 3600.0), "seconds, 0..3600",
-                                    "On SIGTERM/SIGINT, how long in-flight requests may finish.")
-    pin_memory: str = _field("auto", _choice("auto", "on", "off"), "auto, on or off",
-                             "Page-lock the pool for GPU DMA (auto: when CUDA is available).")
-    malloc_tuning: bool = _field(True, _bool, "true or false",
-                                 "Keep glibc from mmap/munmap-ing every large receive buffer.")
+    drain_timeout_s: float = _field(
+        10.0, _float(0.0, 3600.0), "seconds, 0..3600", "On SIGTERM/SIGINT, how long in-flight requests may finish."
+    )
+    pin_memory: str = _field(
+        "auto",
+        _choice("auto", "on", "off"),
+        "auto, on or off",
+        "Page-lock the pool for GPU DMA (auto: when CUDA is available).",
+    )
+    malloc_tuning: bool = _field(
+        True, _bool, "true or false", "Keep glibc from mmap/munmap-ing every large receive buffer."
+    )
     cache_policy: str = _field("lru", _choice("lru"), "lru", "Eviction policy of the memory tier.")
-    log_level: str = _field("INFO", _choice("debug", "info", "warning", "error"),
-                            "DEBUG, INFO, WARNING or ERROR", "Log verbosity.")
+    log_level: str = _field(
+        "INFO", _choice("debug", "info", "warning", "error"), "DEBUG, INFO, WARNING or ERROR", "Log verbosity."
+    )
 
     def __post_init__(self) -> None:
         # Keys whose tiers are not built yet are refused, never silently ignored.
         if self.local_disk is not None:
-            raise ConfigError("local_disk", self.local_disk,
-                              "no value: the disk tier is not built yet (issue #3); remove the key")
+            raise ConfigError(
+                "local_disk", self.local_disk, "no value: the disk tier is not built yet (issue #3); remove the key"
+            )
         if self.remote_url is not None:
-            raise ConfigError("remote_url", self.remote_url,
-                              "no value: the Redis uplink is not built yet (issue #3); remove the key")
+            raise ConfigError(
+                "remote_url", self.remote_url, "no value: the Redis uplink is not built yet (issue #3); remove the key"
+            )
         if self.remote_serde == "cachegen":
             raise ConfigError("remote_serde", "cachegen", "naive (the cachegen codec is not built)")
         if not self.local_cpu:
             raise ConfigError("local_cpu", False, "true: the memory tier is the only tier built so far")
         if self.max_message_size > self.max_inflight_bytes:
-            raise ConfigError("max_message_size", self.max_message_size,
-                              f"at most max_inflight_bytes ({self.max_inflight_bytes})")
+            raise ConfigError(
+                "max_message_size", self.max_message_size, f"at most max_inflight_bytes ({self.max_inflight_bytes})"
+            )
         object.__setattr__(self, "log_level", self.log_level.upper())
 
     def summary(self) -> str:

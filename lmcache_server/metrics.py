@@ -23,18 +23,25 @@ class ServerMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.registry = registry
         self.requests = Counter(
-            "lmcache_requests", "Requests handled, by op and outcome (ok or an error code name).",
-            ["op", "outcome"], registry=registry,
+            "lmcache_requests",
+            "Requests handled, by op and outcome (ok or an error code name).",
+            ["op", "outcome"],
+            registry=registry,
         )
         self.latency = Histogram(
-            "lmcache_request_duration_seconds", "Time from receiving a request to queueing its reply.",
-            ["op"], buckets=_LATENCY_BUCKETS, registry=registry,
+            "lmcache_request_duration_seconds",
+            "Time from receiving a request to queueing its reply.",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
-        self.received_bytes = Counter("lmcache_received_payload_bytes", "Payload bytes received (puts).",
-                                      registry=registry)
+        self.received_bytes = Counter(
+            "lmcache_received_payload_bytes", "Payload bytes received (puts).", registry=registry
+        )
         self.sent_bytes = Counter("lmcache_sent_payload_bytes", "Payload bytes sent (gets).", registry=registry)
-        self.busy = Counter("lmcache_busy_rejections", "Requests answered BUSY (in-flight budget spent).",
-                            registry=registry)
+        self.busy = Counter(
+            "lmcache_busy_rejections", "Requests answered BUSY (in-flight budget spent).", registry=registry
+        )
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
         self.requests.labels(op, outcome).inc()
@@ -63,22 +70,31 @@ class StoreCollector(Collector):
         yield family(CounterMetricFamily, "lmcache_tier_hits", "Chunk reads served by the tier.", "hits")
         yield family(CounterMetricFamily, "lmcache_tier_misses", "Chunk reads the tier missed.", "misses")
         yield family(CounterMetricFamily, "lmcache_tier_evictions", "Chunks evicted from the tier.", "evictions")
-        yield family(CounterMetricFamily, "lmcache_tier_evicted_bytes", "Bytes evicted from the tier.",
-                     "evicted_bytes")
-        yield family(CounterMetricFamily, "lmcache_tier_rejected_puts", "Puts the tier could not store.",
-                     "rejections")
+        yield family(CounterMetricFamily, "lmcache_tier_evicted_bytes", "Bytes evicted from the tier.", "evicted_bytes")
+        yield family(CounterMetricFamily, "lmcache_tier_rejected_puts", "Puts the tier could not store.", "rejections")
         yield family(GaugeMetricFamily, "lmcache_tier_chunks", "Chunks stored in the tier.", "chunks")
-        yield family(GaugeMetricFamily, "lmcache_tier_stored_bytes", "Payload bytes stored in the tier.",
-                     "stored_bytes")
+        yield family(
+            GaugeMetricFamily, "lmcache_tier_stored_bytes", "Payload bytes stored in the tier.", "stored_bytes"
+        )
         yield family(GaugeMetricFamily, "lmcache_tier_capacity_bytes", "Capacity of the tier.", "capacity_bytes")
         yield family(GaugeMetricFamily, "lmcache_tier_pinned_bytes", "Pinned bytes in the tier.", "pinned_bytes")
-        yield family(GaugeMetricFamily, "lmcache_tier_fragmentation",
-                     "1 - largest free extent / free bytes of the tier's allocator.", "fragmentation")
-        yield CounterMetricFamily("lmcache_lookup_chunks", "Chunks asked about by lookups.",
-                                  value=stats["lookup_chunks"])
-        yield CounterMetricFamily("lmcache_lookup_hit_chunks", "Leading chunks lookups found cached.",
-                                  value=stats["lookup_hit_chunks"])
-        yield CounterMetricFamily("lmcache_lookup_hit_tokens", "Tokens lookups found cached (chunks x chunk_size).",
-                                  value=stats["lookup_hit_chunks"] * self.chunk_size)
-        yield GaugeMetricFamily("lmcache_inflight_bytes", "Payload bytes being handled or sent now.",
-                                value=self.inflight_bytes())
+        yield family(
+            GaugeMetricFamily,
+            "lmcache_tier_fragmentation",
+            "1 - largest free extent / free bytes of the tier's allocator.",
+            "fragmentation",
+        )
+        yield CounterMetricFamily(
+            "lmcache_lookup_chunks", "Chunks asked about by lookups.", value=stats["lookup_chunks"]
+        )
+        yield CounterMetricFamily(
+            "lmcache_lookup_hit_chunks", "Leading chunks lookups found cached.", value=stats["lookup_hit_chunks"]
+        )
+        yield CounterMetricFamily(
+            "lmcache_lookup_hit_tokens",
+            "Tokens lookups found cached (chunks x chunk_size).",
+            value=stats["lookup_hit_chunks"] * self.chunk_size,
+        )
+        yield GaugeMetricFamily(
+            "lmcache_inflight_bytes", "Payload bytes being handled or sent now.", value=self.inflight_bytes()
+        )

@@ -57,7 +57,7 @@ class Daemon:
         self.config_path.write_text(yaml.safe_dump(self.config))
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
         env.update(self.env or {})
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - held open for the process's lifetime
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lmcache_server", "--config", str(self.config_path)],
             stdout=self._log,

@@ -12,9 +12,9 @@ from lmcache_server.storage.allocator import ALIGNMENT, ExtentAllocator, aligned
 def check_invariants(a: ExtentAllocator, live: dict[int, int]) -> None:
     # Live extents never overlap and stay inside the pool.
     spans = sorted((off, off + aligned(size)) for off, size in live.items())
-    for (s1, e1), (s2, _) in zip(spans, spans[1:]):
+    for (_, e1), (s2, _) in zip(spans, spans[1:]):
         assert e1 <= s2
-    assert all(0 <= s and e <= a.capacity for s, e in spans)
+    assert all(s >= 0 and e <= a.capacity for s, e in spans)
     assert a.allocated_bytes == sum(e - s for s, e in spans)
     assert a.free_bytes == a.capacity - a.allocated_bytes
     # Free extents are coalesced: no two free extents touch.

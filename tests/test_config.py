@@ -20,8 +20,17 @@ GiB = 1024**3
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(40, 40 * GiB), (2.5, int(2.5 * GiB)), ("40GiB", 40 * GiB), ("40", 40 * GiB), ("512MiB", 512 << 20),
-     ("1GB", 10**9), ("1048576B", 1 << 20), ("4 KiB", 4096), ("0", 0)],
+    [
+        (40, 40 * GiB),
+        (2.5, int(2.5 * GiB)),
+        ("40GiB", 40 * GiB),
+        ("40", 40 * GiB),
+        ("512MiB", 512 << 20),
+        ("1GB", 10**9),
+        ("1048576B", 1 << 20),
+        ("4 KiB", 4096),
+        ("0", 0),
+    ],
 )
 def test_parse_size(value: object, expected: int) -> None:
     assert parse_size(value) == expected
@@ -111,8 +120,9 @@ def test_shipped_example_config_is_valid() -> None:
 
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     env = {"PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", "lmcache_server", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache_server", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_cli_refuses_bad_value_with_exit_code_2() -> None:
@@ -129,8 +139,9 @@ def test_cli_refuses_port_in_use() -> None:
         out = run_cli("--listen", f"tcp://127.0.0.1:{port}", "--metrics-port", "0", "--max-local-cpu-size", "16MiB")
         assert out.returncode == 2
         assert "'listen'" in out.stderr and "in use" in out.stderr
-        out = run_cli("--listen", f"tcp://127.0.0.1:{free_port()}", "--metrics-port", str(port),
-                      "--max-local-cpu-size", "16MiB")
+        out = run_cli(
+            "--listen", f"tcp://127.0.0.1:{free_port()}", "--metrics-port", str(port), "--max-local-cpu-size", "16MiB"
+        )
         assert out.returncode == 2
         assert "'metrics_port'" in out.stderr
 

@@ -92,9 +92,10 @@ class AsyncCacheClient:
         if self._closed:
             raise RuntimeError("client is closed")
         if self._sock is None:
-            self._sock = new_dealer(self._ctx, self.address, self._hwm)  # type: ignore[assignment]
-            self._reader = asyncio.get_running_loop().create_task(self._read_replies(self._sock))
-        return self._sock  # type: ignore[return-value]
+            sock: zmq.asyncio.Socket = new_dealer(self._ctx, self.address, self._hwm)
+            self._sock = sock
+            self._reader = asyncio.get_running_loop().create_task(self._read_replies(sock))
+        return self._sock
 
     async def _read_replies(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -125,8 +126,10 @@ class AsyncCacheClient:
         except (TimeoutError, DaemonUnavailable) as err:
             self._pending.pop(request_id, None)
             await self._abandon(tracker, timeout)
-            failure = err if isinstance(err, DaemonUnavailable) else DaemonUnavailable(
-                f"no reply from {self.address} within {timeout}s"
+            failure = (
+                err
+                if isinstance(err, DaemonUnavailable)
+                else DaemonUnavailable(f"no reply from {self.address} within {timeout}s")
             )
             return self._fail.failed(call, failure)
         self._fail.succeeded()

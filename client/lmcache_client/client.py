@@ -65,7 +65,8 @@ def namespace_string(namespace: Namespace | str | None) -> str | None:
     return namespace.wire() if isinstance(namespace, Namespace) else namespace
 
 
-def new_dealer(ctx: zmq.Context[Any], address: str, hwm: int) -> zmq.Socket[Any]:
+def new_dealer(ctx: zmq.Context[Any], address: str, hwm: int) -> Any:
+    """A DEALER socket connected to ``address`` (sync or asyncio, after ``ctx``'s kind)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     # IMMEDIATE: queue only on completed connections, so a dead daemon is
@@ -140,11 +141,11 @@ class CacheClient:
                 break
             except zmq.Again:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(remaining * 1000, zmq.POLLOUT):
+                if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLOUT):
                     raise DaemonUnavailable(f"no connection to {self.address}") from None
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(remaining * 1000, zmq.POLLIN):
+            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                 self._abandon(tracker, timeout_s)
                 raise DaemonUnavailable(f"no reply from {self.address} within {timeout_s}s")
             reply_frames = sock.recv_multipart(copy=False)
@@ -168,9 +169,7 @@ class CacheClient:
 
     def _run(self, call: Call[T], timeout_s: float | None = None) -> T:
         request_id = next(self._ids) & (2**64 - 1)
-        frames = encode_request(
-            call.op, request_id, call.namespace, call.keys, call.payloads, **call.fields
-        )
+        frames = encode_request(call.op, request_id, call.namespace, call.keys, call.payloads, **call.fields)
         try:
             reply, payloads = self._roundtrip(frames, request_id, timeout_s or self.timeout_s)
         except DaemonUnavailable as err:

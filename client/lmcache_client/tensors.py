@@ -29,7 +29,7 @@ def _byte_view(tensor: Any) -> memoryview:
     """
     nbytes = tensor.numel() * tensor.element_size()
     array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
-    array._owner = tensor  # type: ignore[attr-defined]
+    array._owner = tensor
     return memoryview(array).cast("B")
 
 

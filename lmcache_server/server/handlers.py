@@ -60,18 +60,20 @@ class Handlers:
 
     async def hello(self, request: Request) -> Outcome:
         c = self.config
-        return Outcome({
-            "server": "lmcache-server",
-            "server_version": __version__,
-            "protocol_version": PROTOCOL_VERSION,
-            "ops": [op.value for op in Op],
-            "key_bytes": KEY_BYTES,
-            "chunk_size": c.chunk_size,
-            "max_message_bytes": c.max_message_size,
-            "max_keys_per_request": c.max_keys_per_request,
-            "save_decode_cache": c.save_decode_cache,
-            "tiers": [t.name for t in self.store.tiers],
-        })
+        return Outcome(
+            {
+                "server": "lmcache-server",
+                "server_version": __version__,
+                "protocol_version": PROTOCOL_VERSION,
+                "ops": [op.value for op in Op],
+                "key_bytes": KEY_BYTES,
+                "chunk_size": c.chunk_size,
+                "max_message_bytes": c.max_message_size,
+                "max_keys_per_request": c.max_keys_per_request,
+                "save_decode_cache": c.save_decode_cache,
+                "tiers": [t.name for t in self.store.tiers],
+            }
+        )
 
     async def ping(self, request: Request) -> Outcome:
         return Outcome({"time": time.time()})

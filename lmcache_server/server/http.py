@@ -54,7 +54,8 @@ class HttpEndpoint:
         try:
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode() + body
+                "Connection: close\r\n\r\n".encode()
+                + body
             )
             await writer.drain()
         except ConnectionError:

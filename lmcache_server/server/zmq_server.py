@@ -102,8 +102,10 @@ class ZmqServer:
                 sock.bind(address)
             except zmq.ZMQError as err:
                 sock.close(linger=0)
-                expected = "a free address (port already in use)" if err.errno == zmq.EADDRINUSE else (
-                    f"an address this host can bind ({err.strerror})"
+                expected = (
+                    "a free address (port already in use)"
+                    if err.errno == zmq.EADDRINUSE
+                    else (f"an address this host can bind ({err.strerror})")
                 )
                 raise ConfigError("listen", address, expected) from None
         self.sock = sock
@@ -220,7 +222,7 @@ class ZmqServer:
         # reply (clients keep fewer than zmq_hwm requests outstanding).  The
         # send goes through the asyncio socket (not a shadow) so that it
         # re-checks for queued incoming messages: ZeroMQ's fd is edge-triggered.
-        sent = self.sock.send_multipart(frames, copy=False)
+        sent: Any = self.sock.send_multipart(frames, copy=False)
         if sent.done():
             self._log_send_error(sent)
         else:

@@ -57,7 +57,7 @@ class MemoryPool:
                 continue
             rc = cudart.cudaHostRegister(ctypes.c_void_p(self.address), ctypes.c_size_t(self.size), 0)
             if rc == 0:
-                self._unregister = lambda: cudart.cudaHostUnregister(ctypes.c_void_p(self.address))
+                self._unregister = lambda lib=cudart: lib.cudaHostUnregister(ctypes.c_void_p(self.address))
                 self.pinned = True
                 logger.info("memory pool page-locked with cudaHostRegister (%s)", name)
                 return ""
@@ -66,7 +66,7 @@ class MemoryPool:
             import torch
 
             if torch.cuda.is_available():
-                rt = torch.cuda.cudart()
+                rt = torch.cuda.cudart()  # type: ignore[no-untyped-call]
                 rc = int(rt.cudaHostRegister(self.address, self.size, 0))
                 if rc == 0:
                     self._unregister = lambda: rt.cudaHostUnregister(self.address)

@@ -119,9 +119,7 @@ def encode_error(request_id: int | None, code: ErrorCode, message: str) -> list[
 def _unpack_header(data: Any, limits: Limits) -> Any:
     size = _nbytes(data)
     if size > limits.max_header_bytes:
-        raise ProtocolError(
-            ErrorCode.TOO_LARGE, f"header is {size} bytes, limit {limits.max_header_bytes}"
-        )
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"header is {size} bytes, limit {limits.max_header_bytes}")
     try:
         # Explicit limits: a hostile header cannot make the unpacker allocate
         # more than the header's own size allows.
