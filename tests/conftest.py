@@ -101,20 +101,33 @@ class Daemon:
         return CacheClient(kwargs.pop("address", self.address), kwargs.pop("namespace", NAMESPACE), **kwargs)
 
 
-@pytest.fixture
-def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+def _daemons(base: Path) -> Iterator[Callable[..., Daemon]]:
     started: list[Daemon] = []
 
     def start(env: dict[str, str] | None = None, **config: Any) -> Daemon:
-        workdir = tmp_path / f"daemon{len(started)}"
+        workdir = base / f"daemon{len(started)}"
         workdir.mkdir()
         daemon = Daemon(workdir, config, env)
         started.append(daemon)
         return daemon.start()
 
-    yield start
-    for daemon in started:
-        daemon.kill()
+    try:
+        yield start
+    finally:
+        for daemon in started:
+            daemon.kill()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Start daemons that live for one test."""
+    yield from _daemons(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Daemon]]:
+    """Start daemons shared by a module's tests (for tests that only need it alive)."""
+    yield from _daemons(tmp_path_factory.mktemp("daemons"))
 
 
 @pytest.fixture

@@ -44,9 +44,11 @@ def split_envelope(frames: list[Any]) -> tuple[list[bytes], list[Any]]:
     """ROUTER frames -> (envelope to echo, request frames).
 
     The envelope is the peer identity, plus the empty delimiter a REQ socket
-    adds; a request header is never empty, so an empty frame 1 is a delimiter.
+    adds.  A REQ message always has a frame after its delimiter, so an empty
+    frame 1 followed by more frames is a delimiter; a lone empty frame is a
+    DEALER's (empty, malformed) header.
     """
-    if len(frames) >= 2 and len(frames[1]) == 0:
+    if len(frames) >= 3 and len(frames[1]) == 0:
         return [frames[0].bytes, b""], frames[2:]
     return [frames[0].bytes], frames[1:]
 

@@ -53,7 +53,8 @@ class ErrorCode(enum.IntEnum):
     TOO_MANY_KEYS = 8
     """More keys in one request than the server's max_keys_per_request."""
     BAD_NAMESPACE = 9
-    """The namespace is missing, empty, too long or not valid UTF-8."""
+    """The namespace is missing, empty, too long or not a string.  (A msgpack
+    str that is not valid UTF-8 makes the whole header MALFORMED.)"""
     BUSY = 10
     """The in-flight byte budget is spent: retry later (or treat as a miss)."""
     SHUTTING_DOWN = 11

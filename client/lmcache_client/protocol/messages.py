@@ -129,7 +129,9 @@ def _unpack_header(data: Any, limits: Limits) -> Any:
             strict_map_key=True,
             max_str_len=size,
             max_bin_len=size,
-            max_array_len=min(size, limits.max_keys + 16),
+            # Bounded by the header's size; the key count is checked after
+            # decoding so that the reply can say TOO_MANY_KEYS and echo the id.
+            max_array_len=size,
             max_map_len=64,
             max_ext_len=0,
         )
@@ -150,13 +152,14 @@ def decode_request(frames: Sequence[Any], limits: Limits) -> Request:
         raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
 
     raw_id = header.get("id")
-    request_id = raw_id if isinstance(raw_id, int) and 0 <= raw_id <= _U64_MAX else None
+    # type() is int, not isinstance: msgpack booleans are Python bools, which are ints.
+    request_id = raw_id if type(raw_id) is int and 0 <= raw_id <= _U64_MAX else None
 
     def fail(code: ErrorCode, message: str) -> ProtocolError:
         return ProtocolError(code, message, request_id)
 
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise fail(
             ErrorCode.UNSUPPORTED_VERSION,
             f"protocol version {version!r} not supported; this server speaks {PROTOCOL_VERSION}",
