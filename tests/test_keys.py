@@ -63,3 +63,13 @@ def test_namespace_wire_format() -> None:
         Namespace("m", "float16", 1, 1, 1, 16, tp_rank=2, tp_size=2)
     with pytest.raises(ValueError):
         Namespace("a|b", "float16", 1, 1, 1, 16)
+
+
+def test_namespace_dtype_spellings_share_one_namespace() -> None:
+    torch = pytest.importorskip("torch")
+    a = Namespace("m", torch.bfloat16, 2, 2, 64, 16)  # type: ignore[arg-type]
+    b = Namespace("m", "bf16", 2, 2, 64, 16)
+    c = Namespace("m", "bfloat16", 2, 2, 64, 16)
+    assert a.wire() == b.wire() == c.wire() == "m|bfloat16|L2|KV2|D64|tp0of1|c16"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        Namespace("m", "float128", 2, 2, 64, 16)

@@ -22,10 +22,10 @@ import zmq.asyncio
 from . import calls
 from .calls import Call, LookupResult
 from .client import COPY_THRESHOLD, DEFAULT_ADDRESS, FailOpen, namespace_string, new_dealer
-from .errors import DaemonUnavailable
+from .errors import DaemonUnavailable, ServerError
 from .keys import chunk_keys
 from .namespace import Namespace
-from .protocol import PutStatus, Reply, decode_reply, encode_request
+from .protocol import ErrorCode, PutStatus, Reply, decode_reply, encode_request
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +43,7 @@ class AsyncCacheClient:
         fail_open: bool = True,
         chunk_size: int | None = None,
         hwm: int = 64,
+        max_outstanding: int = 128,
         context: zmq.asyncio.Context | None = None,
     ):
         self.address = address
@@ -57,6 +58,9 @@ class AsyncCacheClient:
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._fail = FailOpen(fail_open, address)
         self._closed = False
+        # The daemon's ROUTER drops replies past its per-peer high-water mark
+        # (hello's max_outstanding_requests, 256 by default): stay below it.
+        self._slots = asyncio.Semaphore(max_outstanding)
 
     async def __aenter__(self) -> AsyncCacheClient:
         return self
@@ -67,6 +71,10 @@ class AsyncCacheClient:
     @property
     def failures(self) -> int:
         return self._fail.failures
+
+    @property
+    def busy_replies(self) -> int:
+        return self._fail.busy_replies
 
     async def close(self) -> None:
         self._closed = True
@@ -105,11 +113,20 @@ class AsyncCacheClient:
             except ValueError:
                 logger.warning("dropping a reply that is not protocol v1")
                 continue
-            fut = self._pending.pop(reply.id, None) if reply.id is not None else None
+            if reply.id is None:
+                # The daemon could not read a request's id (e.g. a header over its
+                # size limit), so the caller will time out; say why.
+                logger.warning("daemon refused an unidentifiable request: %s %s", reply.code, reply.message)
+                continue
+            fut = self._pending.pop(reply.id, None)
             if fut is not None and not fut.done():
                 fut.set_result((reply, [f.buffer for f in frames[1:]]))
 
     async def _run(self, call: Call[T], timeout_s: float | None = None) -> T:
+        async with self._slots:
+            return await self._run_one(call, timeout_s)
+
+    async def _run_one(self, call: Call[T], timeout_s: float | None = None) -> T:
         timeout = timeout_s or self.timeout_s
         request_id = next(self._ids) & (2**64 - 1)
         frames = encode_request(call.op, request_id, call.namespace, call.keys, call.payloads, **call.fields)
@@ -133,7 +150,12 @@ class AsyncCacheClient:
             )
             return self._fail.failed(call, failure)
         self._fail.succeeded()
-        return call.result(reply, payloads)
+        try:
+            return call.result(reply, payloads)
+        except ServerError as err:
+            if err.code == ErrorCode.BUSY:
+                return self._fail.busy(call, err)
+            raise
 
     async def _abandon(self, tracker: zmq.MessageTracker | None, timeout_s: float) -> None:
         if tracker is None or tracker.done:
@@ -160,7 +182,7 @@ class AsyncCacheClient:
 
     async def put(
         self, keys: Sequence[bytes], payloads: Sequence[Any], *, namespace: Namespace | str | None = None
-    ) -> list[PutStatus]:
+    ) -> list[PutStatus | int]:
         return await self._run(calls.put(self._ns(namespace), keys, payloads))
 
     async def get(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[Any | None]:

@@ -42,9 +42,9 @@ class Call(Generic[T]):
     """Fail-open result; None means the call raises when the daemon is unreachable."""
 
     def result(self, reply: Reply, payloads: list[Any]) -> T:
+        """The op's result; raises ServerError for an error reply (BUSY included:
+        the client decides whether BUSY fails open)."""
         if not reply.ok:
-            if reply.code == ErrorCode.BUSY and self.miss is not None:
-                return self.miss()
             raise ServerError(reply.code if reply.code is not None else -1, reply.message)
         return self.parse(reply, payloads)
 
@@ -65,13 +65,21 @@ def ping() -> Call[float]:
     return Call(Op.PING, lambda r, _: time.perf_counter() - sent)
 
 
-def put(namespace: str, keys: Sequence[bytes], payloads: Sequence[Any]) -> Call[list[PutStatus]]:
+def _put_status(value: int) -> PutStatus | int:
+    """A known PutStatus, or the bare int of one added by a newer server."""
+    try:
+        return PutStatus(value)
+    except ValueError:
+        return value
+
+
+def put(namespace: str, keys: Sequence[bytes], payloads: Sequence[Any]) -> Call[list[PutStatus | int]]:
     if len(keys) != len(payloads):
         raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
     n = len(keys)
     return Call(
         Op.PUT,
-        lambda r, _: [PutStatus(s) for s in _field(r, "status")],
+        lambda r, _: [_put_status(s) for s in _field(r, "status")],
         namespace,
         keys,
         payloads,

@@ -6,8 +6,9 @@ lookup, lookup_tokens, exists, delete, clear, pin, unpin, stats``, and
 
 Fail-open: with ``fail_open=True`` (the default) a daemon that is down, slow
 or BUSY costs the caller at most ``timeout_s`` and the data ops answer like a
-miss (get -> None, lookup -> 0 hits, put -> FAILED); the outage is logged once
-and counted in ``client.failures``.  Admin ops (delete, clear, pin, stats)
+miss (get -> None, lookup -> 0 hits, put -> FAILED); an outage is logged once
+and counted in ``client.failures``, BUSY replies in ``client.busy_replies``.
+With ``fail_open=False`` those raise DaemonUnavailable or ServerError(BUSY).  Admin ops (delete, clear, pin, stats)
 always raise :class:`~lmcache_client.errors.DaemonUnavailable`.
 """
 
@@ -24,10 +25,10 @@ import zmq
 
 from . import calls
 from .calls import Call, LookupResult
-from .errors import DaemonUnavailable
+from .errors import DaemonUnavailable, ServerError
 from .keys import chunk_keys
 from .namespace import Namespace
-from .protocol import PutStatus, decode_reply, encode_request
+from .protocol import ErrorCode, PutStatus, decode_reply, encode_request
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,7 +45,15 @@ class FailOpen:
         self.enabled = enabled
         self.address = address
         self.failures = 0
+        self.busy_replies = 0
         self._down = False
+
+    def busy(self, call: Call[T], err: ServerError) -> T:
+        """The daemon answered BUSY: a miss when failing open, else the error."""
+        self.busy_replies += 1
+        if self.enabled and call.miss is not None:
+            return call.miss()
+        raise err
 
     def failed(self, call: Call[T], err: DaemonUnavailable) -> T:
         self.failures += 1
@@ -123,6 +132,11 @@ class CacheClient:
         """Requests that found the daemon unreachable (answered fail-open or raised)."""
         return self._fail.failures
 
+    @property
+    def busy_replies(self) -> int:
+        """Requests the daemon answered BUSY (a miss when failing open)."""
+        return self._fail.busy_replies
+
     # -- transport -----------------------------------------------------------------
     def _reset(self) -> None:
         if self._sock is not None:
@@ -154,9 +168,10 @@ class CacheClient:
             except ValueError:
                 logger.warning("dropping a reply that is not protocol v1")
                 continue
-            if reply.id == request_id:
+            # The socket is replaced after every timeout, so nothing stale arrives
+            # here; an error reply without id (header unreadable) is ours too.
+            if reply.id == request_id or (reply.id is None and not reply.ok):
                 return reply, [f.buffer for f in reply_frames[1:]]
-            # A late reply to a request that already timed out: not ours.
 
     def _abandon(self, tracker: zmq.MessageTracker | None, timeout_s: float) -> None:
         """After a timeout: make sure zmq no longer reads the caller's buffers."""
@@ -175,7 +190,12 @@ class CacheClient:
         except DaemonUnavailable as err:
             return self._fail.failed(call, err)
         self._fail.succeeded()
-        return call.result(reply, payloads)
+        try:
+            return call.result(reply, payloads)
+        except ServerError as err:
+            if err.code == ErrorCode.BUSY:
+                return self._fail.busy(call, err)
+            raise
 
     def _ns(self, namespace: Namespace | str | None) -> str:
         ns = namespace_string(namespace) or self.namespace
@@ -194,8 +214,9 @@ class CacheClient:
 
     def put(
         self, keys: Sequence[bytes], payloads: Sequence[Any], *, namespace: Namespace | str | None = None
-    ) -> list[PutStatus]:
-        """Store one payload per key.  Do not modify the payload buffers until it returns."""
+    ) -> list[PutStatus | int]:
+        """Store one payload per key; a PutStatus per key (a bare int for a status
+        this client does not know).  Do not modify the payload buffers until it returns."""
         return self._run(calls.put(self._ns(namespace), keys, payloads))
 
     def get(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[Any | None]:
@@ -237,7 +258,7 @@ class CacheClient:
 
     def put_tensors(
         self, keys: Sequence[bytes], tensors: Sequence[Any], *, namespace: Namespace | str | None = None
-    ) -> list[PutStatus]:
+    ) -> list[PutStatus | int]:
         """Put torch tensors (CPU) without copying them into bytes first."""
         from .tensors import tensor_bytes
 

@@ -25,8 +25,10 @@ class Namespace:
 
     model: str
     dtype: str
+    """KV cache dtype; any spelling (``torch.bfloat16``, ``"bf16"``) is canonicalised."""
     num_layers: int
     num_kv_heads: int
+    """KV heads held by this shard (after tensor parallelism), as the engine's cache holds them."""
     head_dim: int
     chunk_size: int
     tp_rank: int = 0
@@ -36,6 +38,7 @@ class Namespace:
     """Free-form layout tag (e.g. "mla" or an adapter's own tensor layout)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if not self.model or "|" in self.model:
             raise ValueError(f"model must be non-empty and must not contain '|': {self.model!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_size"):
@@ -43,8 +46,8 @@ class Namespace:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
-        if "|" in self.tenant or "|" in self.layout or "|" in self.dtype:
-            raise ValueError("dtype, tenant and layout must not contain '|'")
+        if "|" in self.tenant or "|" in self.layout:
+            raise ValueError("tenant and layout must not contain '|'")
         if len(self.wire().encode()) > MAX_NAMESPACE_BYTES:
             raise ValueError(f"namespace longer than {MAX_NAMESPACE_BYTES} bytes")
 
@@ -75,20 +78,25 @@ class Namespace:
 
 _DTYPE_BYTES = {
     "float32": 4,
-    "float": 4,
     "float16": 2,
-    "half": 2,
     "bfloat16": 2,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
     "uint8": 1,
     "int8": 1,
 }
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def canonical_dtype(dtype: object) -> str:
+    """``torch.bfloat16``, ``"bf16"``, ``"bfloat16"`` -> ``"bfloat16"``: one spelling per
+    dtype, so two engines describing the same KV never land in different namespaces."""
+    name = str(dtype).removeprefix("torch.").lower()
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}")
+    return name
 
 
 def _dtype_bytes(dtype: str) -> int:
-    name = dtype.removeprefix("torch.")
-    try:
-        return _DTYPE_BYTES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}") from None
+    return _DTYPE_BYTES[canonical_dtype(dtype)]

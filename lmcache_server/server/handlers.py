@@ -70,6 +70,7 @@ class Handlers:
                 "chunk_size": c.chunk_size,
                 "max_message_bytes": c.max_message_size,
                 "max_keys_per_request": c.max_keys_per_request,
+                "max_outstanding_requests": c.zmq_hwm,
                 "save_decode_cache": c.save_decode_cache,
                 "tiers": [t.name for t in self.store.tiers],
             }
@@ -84,7 +85,8 @@ class Handlers:
 
     async def get(self, request: Request) -> Outcome:
         chunks = await self.store.get_many(self._ns(request), request.keys)
-        # A reply never exceeds max_message_size: hits past it are answered as misses.
+        # A reply's payload bytes never exceed max_message_size: hits past it are
+        # answered as misses (the client recomputes them).
         total = 0
         for i, chunk in enumerate(chunks):
             if chunk is None:

@@ -132,8 +132,11 @@ class ZmqServer:
         finally:
             refuser.cancel()
         clean = not self._tasks and not self._outgoing
-        for task in list(self._tasks):
+        # Cancelled handlers reply SHUTTING_DOWN; let them run before the socket closes.
+        stragglers = list(self._tasks)
+        for task in stragglers:
             task.cancel()
+        await asyncio.gather(*stragglers, return_exceptions=True)
         return clean
 
     def close(self) -> None:

@@ -116,10 +116,27 @@ def encode_error(request_id: int | None, code: ErrorCode, message: str) -> list[
     return [msgpack.packb(header, use_bin_type=True)]
 
 
+def _peek_id(data: Any) -> int | None:
+    """The ``id`` of a header too large to decode whole, read without
+    materialising its other values (so the error reply can still be matched)."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=_nbytes(data))
+    try:
+        unpacker.feed(data)
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "id":
+                value = unpacker.unpack()
+                return value if type(value) is int and 0 <= value <= _U64_MAX else None
+            unpacker.skip()
+    except Exception:
+        return None
+    return None
+
+
 def _unpack_header(data: Any, limits: Limits) -> Any:
     size = _nbytes(data)
     if size > limits.max_header_bytes:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"header is {size} bytes, limit {limits.max_header_bytes}")
+        message = f"header is {size} bytes, limit {limits.max_header_bytes}"
+        raise ProtocolError(ErrorCode.TOO_LARGE, message, _peek_id(data))
     try:
         # Explicit limits: a hostile header cannot make the unpacker allocate
         # more than the header's own size allows.

@@ -1,0 +1,105 @@
+"""Admission: the in-flight byte budget answers BUSY; clients handle BUSY and limits."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from lmcache_client import ErrorCode, PutStatus, ServerError
+from lmcache_client.calls import _put_status
+from lmcache_client.protocol import KEY_BYTES
+
+from .conftest import NAMESPACE
+
+MiB = 1 << 20
+
+
+def test_budget_spent_by_unsent_replies_answers_busy(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory(max_local_cpu_size="64MiB", max_inflight_bytes="8MiB", max_message_size="8MiB")
+    keys = [os.urandom(KEY_BYTES) for _ in range(2)]
+    small = [os.urandom(KEY_BYTES)]
+    with daemon.client() as c, daemon.client(fail_open=True) as lenient:
+        for key in keys:
+            c.put([key], [os.urandom(4 * MiB)])
+        c.put(small, [os.urandom(MiB)])
+        # A reader that does not drain its socket keeps 8 MiB of replies in flight.
+        slow = zmq.Context.instance().socket(zmq.DEALER)
+        slow.setsockopt(zmq.LINGER, 0)
+        slow.setsockopt(zmq.RCVBUF, 16 * 1024)
+        slow.connect(daemon.address)
+        try:
+            slow.send(msgpack.packb({"v": 1, "op": "get", "id": 1, "ns": NAMESPACE, "keys": keys}))
+            deadline = time.monotonic() + 10
+            while c.stats()["server"]["inflight_bytes"] < 8 * MiB:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with pytest.raises(ServerError) as info:
+                c.get(small)
+            assert info.value.code == ErrorCode.BUSY
+            assert lenient.get(small) == [None]  # fail-open: BUSY is a miss
+            assert lenient.busy_replies == 1 and lenient.failures == 0
+            # Small requests without payload still pass.
+            assert c.exists(small) == [True]
+            slow.recv_multipart()
+        finally:
+            slow.close(0)
+        deadline = time.monotonic() + 10
+        while c.stats()["server"]["inflight_bytes"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert c.get(small)[0] is not None
+    metrics = daemon_metrics(daemon.metrics_port)
+    assert "lmcache_busy_rejections_total 2.0" in metrics  # the strict and the lenient client
+
+
+def daemon_metrics(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+def test_oversized_request_from_client_fails_fast(daemon) -> None:  # type: ignore[no-untyped-def]
+    """A header too large to decode still gets a reply the client can match."""
+    with daemon.client(timeout_s=5) as c:
+        started = time.monotonic()
+        with pytest.raises(ServerError) as info:
+            c.lookup([os.urandom(KEY_BYTES) for _ in range(6000)])
+        assert info.value.code == ErrorCode.TOO_LARGE
+        assert time.monotonic() - started < 2
+
+
+def test_unknown_put_status_is_kept_as_int() -> None:
+    assert _put_status(0) is PutStatus.STORED
+    assert _put_status(99) == 99
+
+
+def test_http_endpoints(daemon) -> None:  # type: ignore[no-untyped-def]
+    import urllib.error
+    import urllib.request
+
+    base = f"http://127.0.0.1:{daemon.metrics_port}"
+    with urllib.request.urlopen(base + "/healthz", timeout=5) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(base + "/readyz", timeout=5) as r:
+        assert r.status == 200
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(base + "/nope", timeout=5)
+    assert info.value.code == 404
+    with daemon.client() as c:
+        key = [os.urandom(KEY_BYTES)]
+        c.put(key, [b"x" * 1000])
+        c.get(key)
+        c.get([os.urandom(KEY_BYTES)])
+        c.lookup(key)
+    text = daemon_metrics(daemon.metrics_port)
+    assert 'lmcache_requests_total{op="put",outcome="ok"} 1.0' in text
+    assert 'lmcache_tier_hits_total{tier="memory"} 1.0' in text
+    assert 'lmcache_tier_misses_total{tier="memory"} 1.0' in text
+    assert 'lmcache_tier_stored_bytes{tier="memory"} 1000.0' in text
+    assert "lmcache_lookup_hit_chunks_total 1.0" in text
+    assert 'lmcache_request_duration_seconds_bucket{le="+Inf",op="get"} 2.0' in text
