@@ -130,3 +130,19 @@ def test_delete_while_leased_frees_after_send(daemon_factory) -> None:  # type: 
         while c.stats()["tiers"]["memory"]["allocated_bytes"]:
             assert time.monotonic() < deadline, "extent of a deleted, leased chunk never freed"
             time.sleep(0.01)
+
+
+def test_no_space_refusal_evicts_nothing(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """When pinned chunks leave too little room, a put is refused without
+    evicting the unpinned chunks for nothing."""
+    daemon = daemon_factory(max_local_cpu_size="8MiB", max_pinned_fraction=1.0)
+    with daemon.client() as c:
+        pinned = [os.urandom(KEY_BYTES) for _ in range(6)]
+        c.put(pinned, [os.urandom(MiB)] * 6)
+        assert c.pin(pinned) == [True] * 6
+        loose = [os.urandom(KEY_BYTES)]
+        c.put(loose, [os.urandom(MiB)])
+        assert c.put([os.urandom(KEY_BYTES)], [os.urandom(3 * MiB)]) == [PutStatus.NO_SPACE]
+        assert c.exists(loose) == [True]
+        assert c.stats()["tiers"]["memory"]["evictions"] == 0
+        assert c.put([os.urandom(KEY_BYTES)], [os.urandom(9 * MiB)]) == [PutStatus.TOO_LARGE]

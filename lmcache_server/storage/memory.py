@@ -27,7 +27,7 @@ from typing import Any
 
 from lmcache_client.protocol import PutStatus
 
-from .allocator import ExtentAllocator
+from .allocator import ExtentAllocator, aligned
 from .base import Chunk, ChunkKey
 from .pool import MemoryPool
 
@@ -127,6 +127,8 @@ class MemoryTier:
         offset = self.allocator.alloc(size)
         if offset is not None:
             return offset
+        if (self.pinned_bytes or self.leased_chunks) and not self._could_fit(size):
+            return None  # refuse without evicting chunks for nothing
         # Evict from the LRU end until the allocation fits.  Leased chunks are
         # skipped (moved to the MRU end: they are being read right now).
         skipped = 0
@@ -143,6 +145,12 @@ class MemoryTier:
             if offset is not None:
                 return offset
         return None
+
+    def _could_fit(self, size: int) -> bool:
+        """Whether evicting every evictable chunk would free enough bytes (O(n);
+        only asked when pinned or leased chunks make the answer uncertain)."""
+        evictable = sum(self.allocator.size_of(e.offset) for e in self._lru.values() if not e.leases)
+        return self.allocator.free_bytes + evictable >= aligned(size)
 
     async def delete(self, key: ChunkKey) -> bool:
         entry = self._index.get(key)
