@@ -24,6 +24,7 @@ from .server.handlers import Handlers
 from .server.http import HttpEndpoint
 from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
+from .storage.policy import make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class App:
         if c.malloc_tuning and not tune_malloc():
             logger.info("malloc tuning not applied (not glibc?)")
         pool = MemoryPool(c.max_local_cpu_size, c.pin_memory)
-        store = TieredStore(MemoryTier(pool, int(c.max_local_cpu_size * c.max_pinned_fraction)))
+        policy = make_policy(c.cache_policy)
+        store = TieredStore(MemoryTier(pool, int(c.max_local_cpu_size * c.max_pinned_fraction), policy))
         budget = ByteBudget(c.max_inflight_bytes)
         metrics = ServerMetrics(self.registry)
         self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))

@@ -3,15 +3,16 @@
 - Space comes from :class:`ExtentAllocator` over :class:`MemoryPool`; a put that
   does not fit evicts least-recently-used chunks until it does, or answers
   NO_SPACE when only pinned or leased chunks are left.
+- Which chunk leaves is the policy's choice (:mod:`.policy`; LRU by default);
+  the tier tells it about inserts, hits and removals and asks it for victims.
 - A chunk handed out by :meth:`get` is *leased* until its :class:`Chunk` is
   released (the server releases it once ZeroMQ has finished sending it).
   Eviction skips leased chunks; deleting one hides it at once and frees its
   bytes when the last lease ends, so bytes are never overwritten under a reader.
-- Pinned chunks are kept out of the LRU list altogether (never evicted) and
+- Pinned chunks are taken out of the policy altogether (never evicted) and
   may fill at most ``max_pinned_bytes``.
-
-Why LRU: it is O(1) and the expected default; the policy interface (issue #8)
-replaces it where a workload shows something better.
+- ``on_evict(key, bytes)`` is called with an evicted chunk's bytes before its
+  extent is reused, so the tiered store can spill it to a lower tier.
 
 Accounting is exact: ``stored_bytes`` counts payload bytes, ``allocated_bytes``
 what the allocator handed out (payload rounded up to 4 KiB pages).
@@ -19,16 +20,16 @@ what the allocator handed out (payload rounded up to 4 KiB pages).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache_client.protocol import PutStatus
 
 from .allocator import ExtentAllocator, aligned
 from .base import Chunk, ChunkKey
+from .policy import EvictionPolicy, LRUPolicy
 from .pool import MemoryPool
 
 logger = logging.getLogger(__name__)
@@ -52,18 +53,26 @@ class TierCounters:
     evicted_bytes: int = 0
     stores: int = 0
     rejections: int = 0
+    skipped: int = 0
 
 
 class MemoryTier:
     name = "memory"
 
-    def __init__(self, pool: MemoryPool, max_pinned_bytes: int):
+    def __init__(
+        self,
+        pool: MemoryPool,
+        max_pinned_bytes: int,
+        policy: EvictionPolicy | None = None,
+        on_evict: Callable[[ChunkKey, memoryview], None] | None = None,
+    ):
         self.pool = pool
         self.allocator = ExtentAllocator(pool.size)
         self.max_pinned_bytes = max_pinned_bytes
+        self.policy = policy or LRUPolicy()
+        self.on_evict = on_evict
         self.counters = TierCounters()
         self._index: dict[ChunkKey, _Entry] = {}
-        self._lru: collections.OrderedDict[ChunkKey, _Entry] = collections.OrderedDict()
         self._by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
         self.stored_bytes = 0
         self.pinned_bytes = 0
@@ -77,7 +86,7 @@ class MemoryTier:
             return None
         self.counters.hits += 1
         if not entry.pinned:
-            self._lru.move_to_end(key)
+            self.policy.touched(key)
         entry.leases += 1
         if entry.leases == 1:
             self.leased_chunks += 1
@@ -99,17 +108,22 @@ class MemoryTier:
         return key in self._index
 
     # -- writes --------------------------------------------------------------------
-    async def put(self, key: ChunkKey, data: Any) -> PutStatus:
+    async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
+        """Store ``data`` under ``key``; ``parent`` is the chunk before it in its
+        prefix chain when known (a hint for the policy)."""
         src = memoryview(data).cast("B")
         existing = self._index.get(key)
         if existing is not None:
             if not existing.pinned:
-                self._lru.move_to_end(key)
+                self.policy.touched(key)
             return PutStatus.EXISTS
         size = src.nbytes
         if size > self.allocator.capacity:
             self.counters.rejections += 1
             return PutStatus.TOO_LARGE
+        if not self.policy.admit(key, size, parent):
+            self.counters.skipped += 1
+            return PutStatus.SKIPPED
         offset = self._allocate(size)
         if offset is None:
             self.counters.rejections += 1
@@ -118,7 +132,7 @@ class MemoryTier:
         self.pool.view[offset : offset + size] = src
         entry = _Entry(key, offset, size)
         self._index[key] = entry
-        self._lru[key] = entry
+        self.policy.inserted(key, size, parent)
         self._account(entry, +1)
         self.counters.stores += 1
         return PutStatus.STORED
@@ -129,15 +143,12 @@ class MemoryTier:
             return offset
         if (self.pinned_bytes or self.leased_chunks) and not self._could_fit(size):
             return None  # refuse without evicting chunks for nothing
-        # Evict from the LRU end until the allocation fits.  Leased chunks are
-        # skipped (moved to the MRU end: they are being read right now).
-        skipped = 0
-        while self._lru and skipped < len(self._lru):
-            key, entry = next(iter(self._lru.items()))
-            if entry.leases:
-                self._lru.move_to_end(key)
-                skipped += 1
-                continue
+        # Evict the policy's victims until the allocation fits; chunks being
+        # read (leased) are never victims.
+        while (key := self.policy.victim(self._is_leased)) is not None:
+            entry = self._index[key]
+            if self.on_evict is not None:
+                self.on_evict(key, self.pool.view[entry.offset : entry.offset + entry.size])
             self._remove(entry)
             self.counters.evictions += 1
             self.counters.evicted_bytes += entry.size
@@ -146,10 +157,15 @@ class MemoryTier:
                 return offset
         return None
 
+    def _is_leased(self, key: ChunkKey) -> bool:
+        return self._index[key].leases > 0
+
     def _could_fit(self, size: int) -> bool:
         """Whether evicting every evictable chunk would free enough bytes (O(n);
         only asked when pinned or leased chunks make the answer uncertain)."""
-        evictable = sum(self.allocator.size_of(e.offset) for e in self._lru.values() if not e.leases)
+        evictable = sum(
+            self.allocator.size_of(e.offset) for e in self._index.values() if not e.leases and not e.pinned
+        )
         return self.allocator.free_bytes + evictable >= aligned(size)
 
     async def delete(self, key: ChunkKey) -> bool:
@@ -170,7 +186,7 @@ class MemoryTier:
         if entry.pinned:
             self.pinned_bytes -= entry.size
         else:
-            del self._lru[entry.key]
+            self.policy.removed(entry.key)
         self._account(entry, -1)
         if entry.leases:
             entry.dead = True
@@ -196,7 +212,7 @@ class MemoryTier:
             return False
         entry.pinned = True
         self.pinned_bytes += entry.size
-        del self._lru[key]
+        self.policy.removed(key)
         return True
 
     def unpin(self, key: ChunkKey) -> bool:
@@ -205,7 +221,7 @@ class MemoryTier:
             return False
         entry.pinned = False
         self.pinned_bytes -= entry.size
-        self._lru[key] = entry
+        self.policy.inserted(key, entry.size, None)
         return True
 
     # -- introspection -------------------------------------------------------------
@@ -230,10 +246,10 @@ class MemoryTier:
             "pinned_bytes": self.pinned_bytes,
             "leased_chunks": self.leased_chunks,
             "page_locked": self.pool.pinned,
+            "policy": self.policy.name,
             **dataclasses.asdict(self.counters),
         }
 
     async def close(self) -> None:
         self._index.clear()
-        self._lru.clear()
         self.pool.close()

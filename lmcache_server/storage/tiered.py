@@ -48,7 +48,15 @@ class TieredStore:
         return out
 
     async def put_many(self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]) -> list[PutStatus]:
-        return [await self.memory.put(ChunkKey(namespace, d), p) for d, p in zip(digests, payloads)]
+        # Consecutive keys of one put are (nearly always) one prefix chain: the
+        # previous key is a hint to the eviction policy.
+        out = []
+        parent: ChunkKey | None = None
+        for digest, payload in zip(digests, payloads):
+            key = ChunkKey(namespace, digest)
+            out.append(await self.memory.put(key, payload, parent))
+            parent = key
+        return out
 
     async def lookup(self, namespace: str, digests: Sequence[bytes]) -> tuple[int, list[str | None]]:
         """Leading-hit count and the tier holding each key (None: not stored)."""

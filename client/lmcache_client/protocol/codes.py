@@ -80,3 +80,5 @@ class PutStatus(enum.IntEnum):
     """Not stored: the chunk is larger than any tier can hold."""
     FAILED = 4
     """Not stored: the client could not reach the server (client-side only, never sent)."""
+    SKIPPED = 5
+    """Not stored: the cache policy chose not to admit it (e.g. a one-off chunk)."""
