@@ -11,19 +11,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
+from pathlib import Path
 
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from lmcache_client.memtune import tune_malloc
 
-from .config import ServerConfig
+from .config import ServerConfig, disk_path
 from .metrics import ServerMetrics, StoreCollector
 from .server.admission import ByteBudget
 from .server.handlers import Handlers
 from .server.http import HttpEndpoint
 from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
+from .storage.disk import DiskTier
 from .storage.policy import make_policy
 
 logger = logging.getLogger(__name__)
@@ -49,7 +52,18 @@ class App:
             logger.info("malloc tuning not applied (not glibc?)")
         pool = MemoryPool(c.max_local_cpu_size, c.pin_memory)
         policy = make_policy(c.cache_policy)
-        store = TieredStore(MemoryTier(pool, int(c.max_local_cpu_size * c.max_pinned_fraction), policy))
+        memory = MemoryTier(pool, int(c.max_local_cpu_size * c.max_pinned_fraction), policy)
+        disk = None
+        if c.local_disk is not None:
+            disk = DiskTier(
+                Path(disk_path(c.local_disk)),
+                c.max_local_disk_size,
+                fsync=c.disk_fsync,
+                io_threads=c.disk_io_threads,
+                max_queue_bytes=c.max_spill_queue_size,
+            )
+            await disk.open()
+        store = TieredStore(memory, disk)
         budget = ByteBudget(c.max_inflight_bytes)
         metrics = ServerMetrics(self.registry)
         self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))
@@ -72,10 +86,13 @@ class App:
             serving.cancel()
             self.ready = False
             logger.info("stopping: draining in-flight requests (up to %.1fs)", c.drain_timeout_s)
+            deadline = time.monotonic() + c.drain_timeout_s
             if await server.drain(c.drain_timeout_s):
                 logger.info("drained cleanly")
             else:
                 logger.warning("drain timed out; cancelled the rest")
+            if not await store.flush(max(0.0, deadline - time.monotonic())):
+                logger.warning("drain timed out before every spill reached the disk")
         finally:
             self.ready = False
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -114,6 +114,12 @@ def _optional(inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value in (None, "") else inner(value)
 
 
+def disk_path(url: str) -> str:
+    """The directory of a ``file://`` URL (``file:///var/cache/x`` -> ``/var/cache/x``)."""
+    parsed = urllib.parse.urlparse(url)
+    return urllib.parse.unquote(parsed.netloc + parsed.path) if parsed.netloc else urllib.parse.unquote(parsed.path)
+
+
 def _file_url(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError
@@ -186,9 +192,11 @@ class ServerConfig:
         None,
         _optional(_file_url),
         "a file:// URL such as file:///var/cache/lmcache",
-        "Disk spill directory (the disk tier; not built yet).",
+        "Disk spill directory (the disk tier); unset: no disk tier.",
     )
-    max_local_disk_size: int = _field(0, _size(), 'a size, e.g. 100 (GB) or "100GiB"', "Disk tier bound.")
+    max_local_disk_size: int = _field(
+        0, _size(), 'a size, e.g. 100 (GB) or "100GiB"', "Disk tier bound, in bytes on disk (as du counts them)."
+    )
     remote_url: str | None = _field(
         None,
         _optional(_redis_url),
@@ -202,6 +210,19 @@ class ServerConfig:
         False, _bool, "true or false", "Hint to clients: also store KV produced while decoding."
     )
     # -- the server's own keys -------------------------------------------------------
+    disk_fsync: str = _field(
+        "none",
+        _choice("none", "data", "full"),
+        "none, data or full",
+        "Disk writes: none (page cache decides), data (fsync each file), full (file and directory).",
+    )
+    disk_io_threads: int = _field(2, _int(1, 64), "an integer 1..64", "Threads doing disk I/O.")
+    max_spill_queue_size: int = _field(
+        256 * 1024**2,
+        _size(1 << 20),
+        'a size of at least 1 MiB, e.g. "256MiB"',
+        "Bytes of evicted chunks waiting to be written to disk; beyond it spills are dropped.",
+    )
     listen: tuple[str, ...] = _field(
         ("tcp://127.0.0.1:65432",),
         _listen,
@@ -251,9 +272,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         # Keys whose tiers are not built yet are refused, never silently ignored.
-        if self.local_disk is not None:
+        if self.local_disk is not None and self.max_local_disk_size < 1 << 20:
             raise ConfigError(
-                "local_disk", self.local_disk, "no value: the disk tier is not built yet (issue #3); remove the key"
+                "max_local_disk_size", self.max_local_disk_size, "a size of at least 1 MiB when local_disk is set"
             )
         if self.remote_url is not None:
             raise ConfigError(
@@ -262,7 +283,7 @@ class ServerConfig:
         if self.remote_serde == "cachegen":
             raise ConfigError("remote_serde", "cachegen", "naive (the cachegen codec is not built)")
         if not self.local_cpu:
-            raise ConfigError("local_cpu", False, "true: the memory tier is the only tier built so far")
+            raise ConfigError("local_cpu", False, "true: every chunk passes through the memory tier")
         if self.max_message_size > self.max_inflight_bytes:
             raise ConfigError(
                 "max_message_size", self.max_message_size, f"at most max_inflight_bytes ({self.max_inflight_bytes})"
@@ -275,7 +296,9 @@ class ServerConfig:
         return (
             f"listen={','.join(self.listen)} memory={self.max_local_cpu_size / gib:.2f}GiB "
             f"policy={self.cache_policy} chunk_size={self.chunk_size} "
-            f"disk={self.local_disk or 'off'} remote={self.remote_url or 'off'} "
+            f"disk={self.local_disk or 'off'}"
+            f"{f' ({self.max_local_disk_size / gib:.2f}GiB)' if self.local_disk else ''} "
+            f"remote={self.remote_url or 'off'} "
             f"metrics={'off' if not self.metrics_port else f'http://{self.metrics_host}:{self.metrics_port}'} "
             f"max_message={self.max_message_size >> 20}MiB inflight_budget={self.max_inflight_bytes >> 20}MiB"
         )

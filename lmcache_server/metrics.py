@@ -64,7 +64,7 @@ class StoreCollector(Collector):
             metric = kind(name, doc, labels=["tier"])
             for tier, values in tiers.items():
                 if field in values:
-                    metric.add_metric([tier], values[field])
+                    metric.add_metric([tier], float(values[field]))
             return metric
 
         yield family(CounterMetricFamily, "lmcache_tier_hits", "Chunk reads served by the tier.", "hits")
@@ -72,6 +72,32 @@ class StoreCollector(Collector):
         yield family(CounterMetricFamily, "lmcache_tier_evictions", "Chunks evicted from the tier.", "evictions")
         yield family(CounterMetricFamily, "lmcache_tier_evicted_bytes", "Bytes evicted from the tier.", "evicted_bytes")
         yield family(CounterMetricFamily, "lmcache_tier_rejected_puts", "Puts the tier could not store.", "rejections")
+        yield family(
+            CounterMetricFamily, "lmcache_tier_promotions", "Hits in the tier copied up into memory.", "promotions"
+        )
+        yield family(
+            CounterMetricFamily, "lmcache_tier_spills", "Chunks evicted from memory written to the tier.", "spills"
+        )
+        yield family(
+            CounterMetricFamily,
+            "lmcache_tier_spills_dropped",
+            "Evicted chunks not written (queue full, degraded, too large).",
+            "spills_dropped",
+        )
+        yield family(
+            CounterMetricFamily,
+            "lmcache_tier_corrupt",
+            "Damaged or foreign records found (served as misses).",
+            "corrupt",
+        )
+        yield family(CounterMetricFamily, "lmcache_tier_write_errors", "Failed writes to the tier.", "write_errors")
+        yield family(GaugeMetricFamily, "lmcache_tier_degraded", "1 while the tier cannot be written.", "degraded")
+        yield family(
+            GaugeMetricFamily,
+            "lmcache_tier_queued_bytes",
+            "Bytes waiting in the tier's write-behind queue.",
+            "queued_bytes",
+        )
         yield family(GaugeMetricFamily, "lmcache_tier_chunks", "Chunks stored in the tier.", "chunks")
         yield family(
             GaugeMetricFamily, "lmcache_tier_stored_bytes", "Payload bytes stored in the tier.", "stored_bytes"

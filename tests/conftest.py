@@ -35,7 +35,13 @@ def free_port() -> int:
 class Daemon:
     """One daemon process; ``address`` is its TCP endpoint, ``ipc_address`` its ipc one."""
 
-    def __init__(self, workdir: Path, config: dict[str, Any], env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        config: dict[str, Any],
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ):
         self.workdir = workdir
         self.port = free_port()
         self.metrics_port = free_port()
@@ -51,6 +57,7 @@ class Daemon:
         self.config_path = workdir / "server.yaml"
         self.log_path = workdir / "daemon.log"
         self.env = env
+        self.prefix = prefix or []  # e.g. ["prlimit", "--fsize=..."] to run the daemon under limits
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 20.0) -> Daemon:
@@ -59,7 +66,7 @@ class Daemon:
         env.update(self.env or {})
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - held open for the process's lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache_server", "--config", str(self.config_path)],
+            [*self.prefix, sys.executable, "-m", "lmcache_server", "--config", str(self.config_path)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -104,10 +111,10 @@ class Daemon:
 def _daemons(base: Path) -> Iterator[Callable[..., Daemon]]:
     started: list[Daemon] = []
 
-    def start(env: dict[str, str] | None = None, **config: Any) -> Daemon:
+    def start(env: dict[str, str] | None = None, prefix: list[str] | None = None, **config: Any) -> Daemon:
         workdir = base / f"daemon{len(started)}"
         workdir.mkdir()
-        daemon = Daemon(workdir, config, env)
+        daemon = Daemon(workdir, config, env, prefix)
         started.append(daemon)
         return daemon.start()
 

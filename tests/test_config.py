@@ -81,10 +81,11 @@ def test_env_values_are_typed() -> None:
         ({"local_disk": "/var/cache"}, "local_disk", "file://"),
         ({"log_level": "loud"}, "log_level", "DEBUG"),
         ({"chunksize": 256}, "chunksize", "a known key"),
-        ({"local_disk": "file:///var/cache/lmcache"}, "local_disk", "not built yet"),
+        ({"local_disk": "file:///var/cache/lmcache"}, "max_local_disk_size", "when local_disk is set"),
+        ({"disk_fsync": "sometimes"}, "disk_fsync", "none, data or full"),
         ({"remote_url": "redis://localhost:6379"}, "remote_url", "not built yet"),
         ({"remote_serde": "cachegen"}, "remote_serde", "cachegen codec is not built"),
-        ({"local_cpu": False}, "local_cpu", "only tier"),
+        ({"local_cpu": False}, "local_cpu", "passes through the memory tier"),
         ({"max_message_size": "2GiB", "max_inflight_bytes": "1GiB"}, "max_message_size", "max_inflight_bytes"),
     ],
 )

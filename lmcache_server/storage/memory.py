@@ -163,9 +163,7 @@ class MemoryTier:
     def _could_fit(self, size: int) -> bool:
         """Whether evicting every evictable chunk would free enough bytes (O(n);
         only asked when pinned or leased chunks make the answer uncertain)."""
-        evictable = sum(
-            self.allocator.size_of(e.offset) for e in self._index.values() if not e.leases and not e.pinned
-        )
+        evictable = sum(self.allocator.size_of(e.offset) for e in self._index.values() if not e.leases and not e.pinned)
         return self.allocator.free_bytes + evictable >= aligned(size)
 
     async def delete(self, key: ChunkKey) -> bool:
@@ -228,6 +226,9 @@ class MemoryTier:
     @property
     def chunks(self) -> int:
         return len(self._index)
+
+    def keys(self) -> list[ChunkKey]:
+        return list(self._index)
 
     def namespaces(self) -> dict[str, tuple[int, int]]:
         return {ns: (c[0], c[1]) for ns, c in self._by_namespace.items()}

@@ -1,12 +1,18 @@
 """The tiered store: the batch operations the server needs, over an ordered list of tiers.
 
-Tiers are ordered fastest first (memory, then disk and Redis once built).
-Reads fall through the tiers in order; writes go to the first tier (later
-tiers are filled by spill and write-behind, issue #3).  Batching, lookup
-semantics and accounting are written here once, not in each tier.
+Tiers are ordered fastest first: memory, then disk, then (issue #3) Redis.
 
-Primitives: ``get_many``, ``put_many``, ``lookup``, ``exists``, ``delete``,
-``clear``, ``pin``, ``unpin``, ``stats``, ``close``.
+- Reads fall through the tiers in order; a hit below memory is *promoted*
+  (copied into memory) and served from the bytes just read.
+- Writes go to memory.  A chunk evicted from memory *spills* to disk through
+  the disk tier's bounded write-behind queue (never blocking the request).
+- Lower tiers are inclusive: a promoted chunk stays on disk, so evicting it
+  again costs no write.
+- lookup/exists look at every tier without touching recency.
+
+Batching, promotion, spill and lookup semantics are written here once, not in
+each tier.  Primitives: ``get_many``, ``put_many``, ``lookup``, ``exists``,
+``delete``, ``clear``, ``pin``, ``unpin``, ``stats``, ``flush``, ``close``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 from lmcache_client.protocol import PutStatus
 
 from .base import Chunk, ChunkKey, Tier
+from .disk import DiskTier
 from .memory import MemoryTier
 
 
@@ -29,21 +36,32 @@ class LookupCounters:
 
 
 class TieredStore:
-    def __init__(self, memory: MemoryTier):
+    def __init__(self, memory: MemoryTier, disk: DiskTier | None = None):
         self.memory = memory
-        self.tiers: list[Tier] = [memory]
+        self.disk = disk
+        self.lower: list[Tier] = [t for t in (disk,) if t is not None]
+        self.tiers: list[Tier] = [memory, *self.lower]
         self.lookup_counters = LookupCounters()
+        self.promotions: dict[str, int] = {t.name: 0 for t in self.lower}
+        memory.on_evict = self._spill
+
+    def _spill(self, key: ChunkKey, data: memoryview) -> None:
+        if self.disk is not None and not self.disk.peek(key):
+            self.disk.enqueue(key, data)
 
     async def get_many(self, namespace: str, digests: Sequence[bytes]) -> list[Chunk | None]:
-        """One leased Chunk per hit (release each), None per miss."""
+        """One Chunk per hit (release each: memory hits are leased), None per miss."""
         out: list[Chunk | None] = []
         for digest in digests:
             key = ChunkKey(namespace, digest)
-            chunk = None
-            for tier in self.tiers:
-                chunk = await tier.get(key)
-                if chunk is not None:
-                    break
+            chunk = await self.memory.get(key)
+            if chunk is None:
+                for tier in self.lower:
+                    chunk = await tier.get(key)
+                    if chunk is not None:
+                        if await self.memory.put(key, chunk.data) is PutStatus.STORED:
+                            self.promotions[tier.name] += 1
+                        break
             out.append(chunk)
         return out
 
@@ -58,12 +76,12 @@ class TieredStore:
             parent = key
         return out
 
+    def _where(self, key: ChunkKey) -> str | None:
+        return next((t.name for t in self.tiers if t.peek(key)), None)
+
     async def lookup(self, namespace: str, digests: Sequence[bytes]) -> tuple[int, list[str | None]]:
-        """Leading-hit count and the tier holding each key (None: not stored)."""
-        tiers: list[str | None] = []
-        for digest in digests:
-            key = ChunkKey(namespace, digest)
-            tiers.append(next((t.name for t in self.tiers if t.peek(key)), None))
+        """Leading-hit count and the fastest tier holding each key (None: not stored)."""
+        tiers = [self._where(ChunkKey(namespace, d)) for d in digests]
         hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         c = self.lookup_counters
         c.lookups += 1
@@ -72,7 +90,7 @@ class TieredStore:
         return hits, tiers
 
     async def exists(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
-        return [any(t.peek(ChunkKey(namespace, d)) for t in self.tiers) for d in digests]
+        return [self._where(ChunkKey(namespace, d)) is not None for d in digests]
 
     async def delete(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
         out = []
@@ -82,7 +100,13 @@ class TieredStore:
         return out
 
     async def clear(self, namespace: str | None) -> int:
-        return sum([await t.clear(namespace) for t in self.tiers])
+        """Chunks removed from the fastest tier holding each (a chunk in two tiers counts once)."""
+        keys: set[ChunkKey] = set()
+        for tier in self.tiers:
+            keys.update(_keys_of(tier, namespace))
+        for tier in self.tiers:
+            await tier.clear(namespace)
+        return len(keys)
 
     def pin(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
         return [self.memory.pin(ChunkKey(namespace, d)) for d in digests]
@@ -92,21 +116,43 @@ class TieredStore:
 
     def stats(self, namespace: str | None = None) -> dict[str, Any]:
         c = self.lookup_counters
+        tiers = {t.name: t.stats() for t in self.tiers}
+        for name, count in self.promotions.items():
+            tiers[name]["promotions"] = count
         out: dict[str, Any] = {
-            "tiers": {t.name: t.stats() for t in self.tiers},
+            "tiers": tiers,
             "lookups": c.lookups,
             "lookup_chunks": c.chunks_asked,
             "lookup_hit_chunks": c.chunks_hit,
             "lookup_hit_rate": round(c.chunks_hit / c.chunks_asked, 4) if c.chunks_asked else 0.0,
         }
-        namespaces = self.memory.namespaces()
+        per_tier = {t.name: t.namespaces() for t in self.tiers}
         if namespace is not None:
-            chunks, nbytes = namespaces.get(namespace, (0, 0))
-            out["namespace"] = {"name": namespace, "chunks": chunks, "stored_bytes": nbytes}
+            out["namespace"] = {"name": namespace, **_namespace_stats(per_tier, namespace)}
         else:
-            out["namespaces"] = {ns: {"chunks": c_, "stored_bytes": b} for ns, (c_, b) in namespaces.items()}
+            names = sorted({ns for counts in per_tier.values() for ns in counts})
+            out["namespaces"] = {ns: _namespace_stats(per_tier, ns) for ns in names}
         return out
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Let write-behind queues drain (shutdown); True if everything was written."""
+        return await self.disk.flush(timeout_s) if self.disk is not None else True
 
     async def close(self) -> None:
         for tier in self.tiers:
             await tier.close()
+
+
+def _keys_of(tier: Tier, namespace: str | None) -> list[ChunkKey]:
+    return [k for k in tier.keys() if namespace is None or k.namespace == namespace]  # noqa: SIM118 - a Tier is no dict
+
+
+def _namespace_stats(per_tier: dict[str, dict[str, tuple[int, int]]], namespace: str) -> dict[str, Any]:
+    memory_chunks, memory_bytes = per_tier.get("memory", {}).get(namespace, (0, 0))
+    out: dict[str, Any] = {"chunks": memory_chunks, "stored_bytes": memory_bytes}
+    for tier, counts in per_tier.items():
+        if tier != "memory":
+            chunks, nbytes = counts.get(namespace, (0, 0))
+            out[f"{tier}_chunks"] = chunks
+            out[f"{tier}_stored_bytes"] = nbytes
+    return out
