@@ -92,6 +92,20 @@ class StoreCollector(Collector):
         )
         yield family(CounterMetricFamily, "lmcache_tier_write_errors", "Failed writes to the tier.", "write_errors")
         yield family(GaugeMetricFamily, "lmcache_tier_degraded", "1 while the tier cannot be written.", "degraded")
+        yield family(GaugeMetricFamily, "lmcache_tier_up", "1 while a remote tier (Redis uplink) is connected.", "up")
+        yield family(
+            CounterMetricFamily,
+            "lmcache_tier_dropped_writes",
+            "Writes to a remote tier dropped (queue full or uplink down).",
+            "dropped_writes",
+        )
+        yield family(
+            GaugeMetricFamily,
+            "lmcache_tier_queued_writes",
+            "Chunks waiting in the tier's write-behind queue.",
+            "queued_writes",
+        )
+        yield family(CounterMetricFamily, "lmcache_tier_reconnects", "Times a remote tier reconnected.", "reconnects")
         yield family(
             GaugeMetricFamily,
             "lmcache_tier_queued_bytes",
