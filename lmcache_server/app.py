@@ -28,6 +28,7 @@ from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
 from .storage.disk import DiskTier
 from .storage.policy import make_policy
+from .storage.remote import RedisTier
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,19 @@ class App:
                 max_queue_bytes=c.max_spill_queue_size,
             )
             await disk.open()
-        store = TieredStore(memory, disk)
+        remote = None
+        if c.remote_url is not None:
+            remote = RedisTier(
+                c.remote_url,
+                key_prefix=c.remote_key_prefix,
+                ttl_s=c.remote_ttl_s,
+                timeout_s=c.remote_timeout_s,
+                max_queue_bytes=c.max_remote_queue_size,
+                username=c.remote_username,
+                password=c.remote_password,
+            )
+            await remote.open()
+        store = TieredStore(memory, disk, remote)
         budget = ByteBudget(c.max_inflight_bytes)
         metrics = ServerMetrics(self.registry)
         self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))

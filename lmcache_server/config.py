@@ -114,6 +114,14 @@ def _optional(inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value in (None, "") else inner(value)
 
 
+def redact(url: str) -> str:
+    """The URL without its password, for logs."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.password is None:
+        return url
+    return urllib.parse.urlunsplit(parsed._replace(netloc=parsed.netloc.replace(f":{parsed.password}@", ":***@")))
+
+
 def disk_path(url: str) -> str:
     """The directory of a ``file://`` URL (``file:///var/cache/x`` -> ``/var/cache/x``)."""
     parsed = urllib.parse.urlparse(url)
@@ -160,6 +168,18 @@ def _listen(value: Any) -> tuple[str, ...]:
     return tuple(parse_listen_address(str(item).strip()) for item in items)
 
 
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError
+    return value
+
+
+def _key_prefix(value: Any) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise ValueError
+    return value
+
+
 def _host(value: Any) -> str:
     if not isinstance(value, str) or not value or any(c in value for c in "/ "):
         raise ValueError
@@ -201,7 +221,7 @@ class ServerConfig:
         None,
         _optional(_redis_url),
         "a redis://, rediss://, unix:// or redis+cluster:// URL",
-        "Redis uplink (the Redis tier; not built yet).",
+        "Redis uplink shared by every node; unset: no Redis tier.",
     )
     remote_serde: str = _field(
         "naive", _choice("naive", "cachegen"), "naive or cachegen", "Encoding of chunks sent to the remote tier."
@@ -210,6 +230,25 @@ class ServerConfig:
         False, _bool, "true or false", "Hint to clients: also store KV produced while decoding."
     )
     # -- the server's own keys -------------------------------------------------------
+    remote_key_prefix: str = _field(
+        "lmcache:", _key_prefix, "a non-empty string without spaces", "Prefix of every key the daemon writes to Redis."
+    )
+    remote_ttl_s: float = _field(
+        0.0, _float(0.0, 10.0 * 365 * 86400), "seconds, 0 for no expiry", "Expiry of chunks written to Redis."
+    )
+    remote_timeout_s: float = _field(
+        2.0, _float(0.01, 600.0), "seconds, 0.01..600", "Redis connect and command timeout (bounds a remote read)."
+    )
+    max_remote_queue_size: int = _field(
+        256 * 1024**2,
+        _size(1 << 20),
+        'a size of at least 1 MiB, e.g. "256MiB"',
+        "Bytes waiting to be written to Redis; beyond it writes are dropped and counted.",
+    )
+    remote_username: str | None = _field(None, _optional(_str), "a string", "Redis ACL user (or in remote_url).")
+    remote_password: str | None = _field(
+        None, _optional(_str), "a string", "Redis password (or in remote_url); prefer LMCACHE_REMOTE_PASSWORD."
+    )
     disk_fsync: str = _field(
         "none",
         _choice("none", "data", "full"),
@@ -276,10 +315,6 @@ class ServerConfig:
             raise ConfigError(
                 "max_local_disk_size", self.max_local_disk_size, "a size of at least 1 MiB when local_disk is set"
             )
-        if self.remote_url is not None:
-            raise ConfigError(
-                "remote_url", self.remote_url, "no value: the Redis uplink is not built yet (issue #3); remove the key"
-            )
         if self.remote_serde == "cachegen":
             raise ConfigError("remote_serde", "cachegen", "naive (the cachegen codec is not built)")
         if not self.local_cpu:
@@ -298,7 +333,7 @@ class ServerConfig:
             f"policy={self.cache_policy} chunk_size={self.chunk_size} "
             f"disk={self.local_disk or 'off'}"
             f"{f' ({self.max_local_disk_size / gib:.2f}GiB)' if self.local_disk else ''} "
-            f"remote={self.remote_url or 'off'} "
+            f"remote={redact(self.remote_url) if self.remote_url else 'off'} "
             f"metrics={'off' if not self.metrics_port else f'http://{self.metrics_host}:{self.metrics_port}'} "
             f"max_message={self.max_message_size >> 20}MiB inflight_budget={self.max_inflight_bytes >> 20}MiB"
         )

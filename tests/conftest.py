@@ -9,6 +9,7 @@ when the test failed.  ``daemon`` is one started with defaults (64 MiB pool).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +31,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster-bus port (port + 10000) is valid and free too."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+                return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 class Daemon:
@@ -146,3 +163,82 @@ def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
 def client(daemon: Daemon) -> Iterator[CacheClient]:
     with daemon.client() as c:
         yield c
+
+
+# -- Redis ------------------------------------------------------------------------------
+class RedisServer:
+    """A real redis-server on a free loopback port with its own temp dir."""
+
+    def __init__(self, workdir: Path, *extra: str, port: int | None = None):
+        binary = shutil.which("redis-server")
+        if binary is None:  # fail loudly: CI installs it (see .ci/run)
+            raise RuntimeError("redis-server is not installed; the Redis tests need it")
+        self.binary = binary
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.extra = list(extra)
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.workdir), "--protected-mode", "no", *self.extra]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                assert self.proc.poll() is None, "redis-server exited at start"
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisServer]]:
+    """Three cluster-enabled redis-server nodes joined with redis-cli --cluster create."""
+    base = tmp_path_factory.mktemp("cluster")
+    nodes = [
+        RedisServer(
+            base / f"n{i}",
+            "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf",
+            port=free_cluster_port(),
+        )  # fmt: skip
+        for i in range(3)
+    ]
+    try:
+        for node in nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{n.port}" for n in nodes]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            out = subprocess.run(["redis-cli", "-p", str(nodes[0].port), "cluster", "info"],
+                                 capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+            if "cluster_state:ok" in out:
+                break
+            assert time.monotonic() < deadline, f"cluster never became ok: {out}"
+            time.sleep(0.1)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()

@@ -1,11 +1,12 @@
 """The tiered store: the batch operations the server needs, over an ordered list of tiers.
 
-Tiers are ordered fastest first: memory, then disk, then (issue #3) Redis.
+Tiers are ordered fastest first: memory, then disk, then Redis.
 
 - Reads fall through the tiers in order; a hit below memory is *promoted*
   (copied into memory) and served from the bytes just read.
 - Writes go to memory.  A chunk evicted from memory *spills* to disk through
-  the disk tier's bounded write-behind queue (never blocking the request).
+  the disk tier's bounded write-behind queue (never blocking the request);
+  every chunk stored is also queued for Redis, so other nodes see it.
 - Lower tiers are inclusive: a promoted chunk stays on disk, so evicting it
   again costs no write.
 - lookup/exists look at every tier without touching recency.
@@ -18,6 +19,7 @@ each tier.  Primitives: ``get_many``, ``put_many``, ``lookup``, ``exists``,
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +28,7 @@ from lmcache_client.protocol import PutStatus
 from .base import Chunk, ChunkKey, Tier
 from .disk import DiskTier
 from .memory import MemoryTier
+from .remote import RedisTier
 
 
 @dataclasses.dataclass
@@ -36,10 +39,11 @@ class LookupCounters:
 
 
 class TieredStore:
-    def __init__(self, memory: MemoryTier, disk: DiskTier | None = None):
+    def __init__(self, memory: MemoryTier, disk: DiskTier | None = None, remote: RedisTier | None = None):
         self.memory = memory
         self.disk = disk
-        self.lower: list[Tier] = [t for t in (disk,) if t is not None]
+        self.remote = remote
+        self.lower: list[Tier] = [t for t in (disk, remote) if t is not None]
         self.tiers: list[Tier] = [memory, *self.lower]
         self.lookup_counters = LookupCounters()
         self.promotions: dict[str, int] = {t.name: 0 for t in self.lower}
@@ -72,16 +76,31 @@ class TieredStore:
         parent: ChunkKey | None = None
         for digest, payload in zip(digests, payloads):
             key = ChunkKey(namespace, digest)
-            out.append(await self.memory.put(key, payload, parent))
+            status = await self.memory.put(key, payload, parent)
+            if self.remote is not None and status is PutStatus.STORED:
+                self.remote.enqueue(key, payload)
+            out.append(status)
             parent = key
         return out
 
     def _where(self, key: ChunkKey) -> str | None:
         return next((t.name for t in self.tiers if t.peek(key)), None)
 
+    async def _locate(self, namespace: str, digests: Sequence[bytes]) -> list[str | None]:
+        keys = [ChunkKey(namespace, d) for d in digests]
+        tiers = [self._where(k) for k in keys]
+        if self.remote is not None:
+            # One round trip for every key no local tier holds.
+            missing = [i for i, t in enumerate(tiers) if t is None]
+            found = await self.remote.exists_many([keys[i] for i in missing])
+            for i, hit in zip(missing, found):
+                if hit:
+                    tiers[i] = self.remote.name
+        return tiers
+
     async def lookup(self, namespace: str, digests: Sequence[bytes]) -> tuple[int, list[str | None]]:
         """Leading-hit count and the fastest tier holding each key (None: not stored)."""
-        tiers = [self._where(ChunkKey(namespace, d)) for d in digests]
+        tiers = await self._locate(namespace, digests)
         hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         c = self.lookup_counters
         c.lookups += 1
@@ -90,7 +109,7 @@ class TieredStore:
         return hits, tiers
 
     async def exists(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
-        return [self._where(ChunkKey(namespace, d)) is not None for d in digests]
+        return [t is not None for t in await self._locate(namespace, digests)]
 
     async def delete(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
         out = []
@@ -100,13 +119,17 @@ class TieredStore:
         return out
 
     async def clear(self, namespace: str | None) -> int:
-        """Chunks removed from the fastest tier holding each (a chunk in two tiers counts once)."""
+        """Chunks removed (a chunk in two local tiers counts once; Redis keys count
+        when no local tier held them)."""
         keys: set[ChunkKey] = set()
         for tier in self.tiers:
             keys.update(_keys_of(tier, namespace))
+        remote_removed = 0
         for tier in self.tiers:
-            await tier.clear(namespace)
-        return len(keys)
+            removed = await tier.clear(namespace)
+            if tier is self.remote:
+                remote_removed = removed
+        return max(len(keys), remote_removed)
 
     def pin(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
         return [self.memory.pin(ChunkKey(namespace, d)) for d in digests]
@@ -136,7 +159,12 @@ class TieredStore:
 
     async def flush(self, timeout_s: float) -> bool:
         """Let write-behind queues drain (shutdown); True if everything was written."""
-        return await self.disk.flush(timeout_s) if self.disk is not None else True
+        deadline = time.monotonic() + timeout_s
+        done = True
+        for tier in (self.remote, self.disk):
+            if tier is not None:
+                done = await tier.flush(max(0.0, deadline - time.monotonic())) and done
+        return done
 
     async def close(self) -> None:
         for tier in self.tiers:

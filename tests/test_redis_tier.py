@@ -1,0 +1,181 @@
+"""The Redis uplink through real daemons and real redis-server processes (single node and cluster)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import redis
+
+from lmcache_client import PutStatus
+from lmcache_client.protocol import KEY_BYTES
+
+from .conftest import Daemon, RedisServer
+
+MiB = 1 << 20
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def remote(c) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    return c.stats()["tiers"]["redis"]
+
+
+def drained(daemon: Daemon) -> Callable[[], bool]:
+    def check() -> bool:
+        with daemon.client() as c:
+            return bool(remote(c)["queued_writes"] == 0)
+
+    return check
+
+
+def test_chunk_put_on_one_daemon_is_a_hit_on_another(daemon_factory, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
+    a = daemon_factory(remote_url=redis_server.url)
+    b = daemon_factory(remote_url=redis_server.url)
+    keys = [os.urandom(KEY_BYTES) for _ in range(4)]
+    data = [os.urandom(300_000) for _ in keys]
+    with a.client() as ca, b.client() as cb:
+        assert remote(ca)["up"] is True
+        assert ca.put(keys, data) == [PutStatus.STORED] * 4
+        wait_for(drained(a))
+        assert cb.lookup(keys).tiers == ["redis"] * 4
+        assert [bytes(g) for g in cb.get(keys)] == data
+        assert cb.lookup(keys).tiers == ["memory"] * 4  # promoted
+        stats = remote(cb)
+        assert stats["hits"] == 4 and stats["promotions"] == 4
+    # Keys live under the prefix and carry the checksummed record.
+    r = redis.Redis(port=redis_server.port)
+    stored = list(r.scan_iter(match="lmcache:*"))
+    assert len(stored) == 4
+    assert r.get(stored[0])[:4] == b"LMKV"
+
+
+def test_custom_prefix_and_ttl(daemon_factory, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
+    a = daemon_factory(remote_url=redis_server.url, remote_key_prefix="team1/", remote_ttl_s=1.5)
+    key = [os.urandom(KEY_BYTES)]
+    with a.client() as c:
+        c.put(key, [b"short-lived" * 1000])
+        wait_for(drained(a))
+    r = redis.Redis(port=redis_server.port)
+    [rkey] = list(r.scan_iter(match="team1/*"))
+    assert 0 < r.pttl(rkey) <= 1500
+    wait_for(lambda: not r.exists(rkey), timeout_s=10)
+    b = daemon_factory(remote_url=redis_server.url, remote_key_prefix="team1/")
+    with b.client() as c:
+        assert c.get(key) == [None]
+
+
+def test_damaged_value_is_a_miss(daemon_factory, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
+    a = daemon_factory(remote_url=redis_server.url)
+    b = daemon_factory(remote_url=redis_server.url)
+    keys = [os.urandom(KEY_BYTES) for _ in range(3)]
+    with a.client() as c:
+        c.put(keys, [os.urandom(50_000) for _ in keys])
+        wait_for(drained(a))
+    r = redis.Redis(port=redis_server.port)
+    rkeys = sorted(r.scan_iter(match="lmcache:*"))
+    value = bytearray(r.get(rkeys[0]))
+    value[-1] ^= 0xFF
+    r.set(rkeys[0], bytes(value))  # flipped payload byte
+    r.set(rkeys[1], b"garbage")  # foreign value
+    other = r.get(rkeys[2])
+    with b.client() as c:
+        got = c.get(keys)
+        assert sum(g is None for g in got) == 2
+        assert remote(c)["corrupt"] == 2
+    assert r.get(rkeys[2]) == other  # the good one stays
+    assert not r.exists(rkeys[0]) and not r.exists(rkeys[1])  # the damaged ones are removed
+
+
+def test_redis_killed_mid_load_then_restarted(daemon_factory, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory(remote_url=redis_server.url, remote_timeout_s=0.5)
+    payload = os.urandom(64_000)
+    with daemon.client() as c:
+        for _ in range(20):
+            assert c.put([os.urandom(KEY_BYTES)], [payload]) == [PutStatus.STORED]
+        redis_server.stop()
+        # No request fails because Redis failed: puts, gets and lookups go on.
+        keys = [os.urandom(KEY_BYTES) for _ in range(40)]
+        for key in keys:
+            assert c.put([key], [payload]) == [PutStatus.STORED]
+            assert bytes(c.get([key])[0]) == payload
+            assert c.lookup([key, os.urandom(KEY_BYTES)]).hit_chunks == 1
+        assert c.get([os.urandom(KEY_BYTES)]) == [None]
+        wait_for(lambda: remote(c)["up"] is False)
+        assert remote(c)["dropped_writes"] > 0
+        redis_server.start()  # same port
+        wait_for(lambda: remote(c)["up"] is True, timeout_s=30)
+        assert remote(c)["reconnects"] >= 1
+        late = [os.urandom(KEY_BYTES)]
+        c.put(late, [payload])
+        wait_for(drained(daemon))
+    r = redis.Redis(port=redis_server.port)
+    assert len(list(r.scan_iter(match="lmcache:*"))) >= 1
+    log = daemon.log()
+    assert log.count("Redis uplink") >= 2 and "down" in log and "restored" in log
+
+
+def test_daemon_starts_and_serves_with_redis_down(daemon_factory, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
+    redis_server.stop()
+    daemon = daemon_factory(remote_url=redis_server.url, remote_timeout_s=0.3)
+    with daemon.client() as c:
+        assert remote(c)["up"] is False
+        key = [os.urandom(KEY_BYTES)]
+        assert c.put(key, [b"x" * 1000]) == [PutStatus.STORED]
+        assert c.get(key)[0] is not None
+        redis_server.start()
+        wait_for(lambda: remote(c)["up"] is True, timeout_s=30)
+
+
+def test_password_from_url_and_wrong_password(daemon_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server = RedisServer(tmp_path / "auth", "--requirepass", "s3cret").start()
+    try:
+        good = daemon_factory(remote_url=f"redis://:s3cret@127.0.0.1:{server.port}")
+        bad = daemon_factory(remote_url=f"redis://:wrong@127.0.0.1:{server.port}", remote_timeout_s=0.3)
+        with good.client() as c:
+            assert remote(c)["up"] is True
+        with bad.client() as c:
+            assert remote(c)["up"] is False
+            key = [os.urandom(KEY_BYTES)]
+            assert c.put(key, [b"still serving"]) == [PutStatus.STORED]
+        assert "s3cret" not in good.log() and "wrong" not in bad.log()
+        # The password can come from the environment instead of the URL.
+        env = daemon_factory(remote_url=f"redis://127.0.0.1:{server.port}", env={"LMCACHE_REMOTE_PASSWORD": "s3cret"})
+        with env.client() as c:
+            assert remote(c)["up"] is True
+    finally:
+        server.stop()
+
+
+def test_clear_removes_remote_keys(daemon_factory, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
+    a = daemon_factory(remote_url=redis_server.url)
+    with a.client() as c, a.client(namespace="other-ns") as other:
+        c.put([os.urandom(KEY_BYTES) for _ in range(3)], [b"a"] * 3)
+        other.put([os.urandom(KEY_BYTES)], [b"b"])
+        wait_for(drained(a))
+        assert c.clear() == 3
+    r = redis.Redis(port=redis_server.port)
+    assert len(list(r.scan_iter(match="lmcache:*"))) == 1
+
+
+def test_sharing_through_redis_cluster(daemon_factory, redis_cluster: list[RedisServer]) -> None:  # type: ignore[no-untyped-def]
+    url = f"redis+cluster://127.0.0.1:{redis_cluster[0].port}"
+    a = daemon_factory(remote_url=url)
+    b = daemon_factory(remote_url=f"redis+cluster://127.0.0.1:{redis_cluster[1].port}")
+    keys = [os.urandom(KEY_BYTES) for _ in range(12)]
+    data = [os.urandom(20_000) for _ in keys]
+    with a.client() as ca, b.client() as cb:
+        assert remote(ca)["up"] is True
+        ca.put(keys, data)
+        wait_for(drained(a))
+        assert cb.lookup(keys).hit_chunks == 12
+        assert [bytes(g) for g in cb.get(keys)] == data
+    # The keys are spread over the nodes' slots.
+    per_node = [redis.Redis(port=n.port).dbsize() for n in redis_cluster]
+    assert sum(per_node) == 12 and sum(1 for n in per_node if n) >= 2
