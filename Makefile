@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # Pinned: an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup setup-test run test lint bench clean
+.PHONY: setup setup-test system-deps run test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +23,16 @@ $(VENV)/.installed-test: $(VENV)/.installed
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
 
+## redis-server, promtool/prometheus, docker-compose: installed with apt-get when missing (as root).
+system-deps:
+	bash scripts/system-deps.sh
+
 ## Run the daemon on the built-in defaults (CPU memory tier, tcp://127.0.0.1:65432).
 run: setup
 	$(BIN)/lmcache-server $(ARGS)
 
-## Run the test suite against real daemon processes.
-test: setup-test
+## Run the test suite against real daemon processes (and real redis-server, prometheus).
+test: setup-test system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup-test

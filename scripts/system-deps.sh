@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Make sure the system programs the test suite starts are installed:
+# redis-server and redis-cli (Redis tier tests), promtool and prometheus
+# (alert-rule and scrape tests), docker-compose (compose file validation).
+# Installs the missing ones with apt-get when run as root on Debian/Ubuntu;
+# otherwise says what to install and fails, so a test never silently skips.
+set -euo pipefail
+
+declare -A package_of=(
+  [redis-server]=redis-server
+  [redis-cli]=redis-tools
+  [promtool]=prometheus
+  [prometheus]=prometheus
+  [docker-compose]=docker-compose
+)
+
+missing=()
+for program in "${!package_of[@]}"; do
+  command -v "$program" >/dev/null 2>&1 || missing+=("${package_of[$program]}")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+packages=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing system packages for the tests: $packages"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # shellcheck disable=SC2086
+  apt-get install -y -qq --no-install-recommends $packages >/dev/null
+else
+  echo "the tests need these system packages: $packages (install them, e.g. sudo apt-get install $packages)" >&2
+  exit 1
+fi
