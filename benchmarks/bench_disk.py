@@ -147,7 +147,7 @@ def rebuild_time(directory: Path, entries: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, help="directory to test in (default: a temp dir under /tmp)")
-    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--sizes-mib", type=int, nargs="*", default=[4, 16])
     parser.add_argument("--total-mib", type=int, default=1024, help="bytes written per size and system")
     parser.add_argument("--rebuild-entries", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
