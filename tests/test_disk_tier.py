@@ -63,7 +63,8 @@ def test_eviction_spills_to_disk_and_hits_promote(disk_daemon) -> None:  # type:
         # Every chunk reads back right, from whichever tier holds it.
         assert [bytes(g) for g in c.get(keys)] == data
         stats = disk_stats(c)
-        assert stats["hits"] >= 16 and stats["promotions"] >= 16
+        # A batch get leases what it promotes until sent: at most a poolful (8) is promoted.
+        assert stats["hits"] >= 16 and stats["promotions"] >= 8
         assert c.stats()["tiers"]["memory"]["allocated_bytes"] <= 8 * MiB
 
 
@@ -121,9 +122,9 @@ def test_damaged_file_is_a_miss_never_wrong_bytes(disk_daemon, damage: str) -> N
         assert got == [None] * len(on_disk)
         stats = disk_stats(c)
         assert stats["corrupt"] == len(on_disk)
-        assert stats["chunks"] == len(files) - len(on_disk)
-        # The damaged files are gone, and the daemon keeps serving.
-        assert len(chunk_files(disk_daemon.root)) == len(files) - len(on_disk)
+        # The damaged files are gone (promotion attempts may have spilled others),
+        # and the daemon keeps serving.
+        assert not any(p.exists() for p in files)
         k, d = keys_and_data(1)
         assert c.put(k, d) == [PutStatus.STORED]
 

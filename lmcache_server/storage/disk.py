@@ -115,14 +115,18 @@ def _write_record(path: str, header: bytes, payload: Any, fsync: str) -> int:
     return len(header) + memoryview(payload).nbytes
 
 
-def _read_record(path: str, key: ChunkKey) -> bytearray:
+def _read_record(path: str, key: ChunkKey, out: memoryview | None = None) -> memoryview:
+    """The verified payload of the record at ``path``, read into ``out`` when given
+    (it must be exactly the payload's size) or into a new buffer."""
     with open(path, "rb", buffering=0) as f:
         head = f.read(HEADER_BLOCK)
         header = parse_header(head)
         if len(head) < header.header_len:
             raise CorruptRecord("record truncated inside its header")
         f.seek(header.header_len)
-        payload = bytearray(header.payload_len)
+        payload = memoryview(bytearray(header.payload_len)) if out is None else out
+        if payload.nbytes != header.payload_len:
+            raise CorruptRecord(f"record holds {header.payload_len} bytes, index says {payload.nbytes}")
         got = f.readinto(payload)
         if got != header.payload_len or f.read(1):
             raise CorruptRecord(f"payload is not {header.payload_len} bytes")
@@ -272,13 +276,18 @@ class DiskTier:
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [k in self._index for k in keys]
 
-    async def get(self, key: ChunkKey) -> Chunk | None:
+    def payload_size(self, key: ChunkKey) -> int | None:
+        entry = self._index.get(key)
+        return None if entry is None else entry.payload_len
+
+    async def get(self, key: ChunkKey, out: memoryview | None = None) -> Chunk | None:
+        """The chunk (read into ``out`` when given: exactly payload_size bytes), or None."""
         entry = self._index.get(key)
         if entry is None:
             self.counters.misses += 1
             return None
         try:
-            payload = await self._run(_read_record, entry.path, key)
+            payload = await self._run(_read_record, entry.path, key, out)
         except CorruptRecord as err:
             logger.warning("disk tier: %s is damaged (%s); removed, answered as a miss", entry.path, err)
             self.counters.corrupt += 1
@@ -293,7 +302,7 @@ class DiskTier:
         if key in self._index:
             self._index.move_to_end(key)
         self.counters.hits += 1
-        return Chunk(memoryview(payload), self.name)
+        return Chunk(payload, self.name)
 
     # -- writes --------------------------------------------------------------------
     def enqueue(self, key: ChunkKey, data: Any) -> bool:

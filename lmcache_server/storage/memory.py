@@ -45,6 +45,17 @@ class _Entry:
     dead: bool = False  # removed from the index; free the extent when the last lease ends
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class Reservation:
+    """Room in the pool for one chunk, not yet visible (see prepare_store)."""
+
+    key: ChunkKey
+    offset: int
+    size: int
+    parent: ChunkKey | None
+    view: memoryview
+
+
 @dataclasses.dataclass
 class TierCounters:
     hits: int = 0
@@ -87,6 +98,9 @@ class MemoryTier:
         self.counters.hits += 1
         if not entry.pinned:
             self.policy.touched(key)
+        return self._lease(entry)
+
+    def _lease(self, entry: _Entry) -> Chunk:
         entry.leases += 1
         if entry.leases == 1:
             self.leased_chunks += 1
@@ -112,12 +126,24 @@ class MemoryTier:
         """Store ``data`` under ``key``; ``parent`` is the chunk before it in its
         prefix chain when known (a hint for the policy)."""
         src = memoryview(data).cast("B")
+        reservation = self.prepare_store(key, src.nbytes, parent)
+        if not isinstance(reservation, Reservation):
+            return reservation
+        # Copy first, index after: a chunk is visible only once complete.
+        reservation.view[:] = src
+        return self.complete_store(reservation)
+
+    def prepare_store(self, key: ChunkKey, size: int, parent: ChunkKey | None = None) -> Reservation | PutStatus:
+        """Phase one of a store: room for ``size`` bytes, invisible to readers.
+
+        Returns a Reservation to fill and then :meth:`complete_store` or
+        :meth:`abort_store`, or the PutStatus explaining why there is none.
+        """
         existing = self._index.get(key)
         if existing is not None:
             if not existing.pinned:
                 self.policy.touched(key)
             return PutStatus.EXISTS
-        size = src.nbytes
         if size > self.allocator.capacity:
             self.counters.rejections += 1
             return PutStatus.TOO_LARGE
@@ -128,14 +154,30 @@ class MemoryTier:
         if offset is None:
             self.counters.rejections += 1
             return PutStatus.NO_SPACE
-        # Copy first, index after: a chunk is visible only once complete.
-        self.pool.view[offset : offset + size] = src
-        entry = _Entry(key, offset, size)
-        self._index[key] = entry
-        self.policy.inserted(key, size, parent)
+        return Reservation(key, offset, size, parent, self.pool.view[offset : offset + size])
+
+    def complete_store(self, reservation: Reservation) -> PutStatus:
+        """Phase two: make a filled reservation visible (EXISTS if the key was stored meanwhile)."""
+        r = reservation
+        if r.key in self._index:
+            self.allocator.free(r.offset)
+            return PutStatus.EXISTS
+        entry = _Entry(r.key, r.offset, r.size)
+        self._index[r.key] = entry
+        self.policy.inserted(r.key, r.size, r.parent)
         self._account(entry, +1)
         self.counters.stores += 1
         return PutStatus.STORED
+
+    def abort_store(self, reservation: Reservation) -> None:
+        self.allocator.free(reservation.offset)
+
+    def lease(self, key: ChunkKey) -> Chunk | None:
+        """A leased view of a stored chunk without counting a hit or touching recency."""
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        return self._lease(entry)
 
     def _allocate(self, size: int) -> int | None:
         offset = self.allocator.alloc(size)

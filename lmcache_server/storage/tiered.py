@@ -27,7 +27,7 @@ from lmcache_client.protocol import PutStatus
 
 from .base import Chunk, ChunkKey, Tier
 from .disk import DiskTier
-from .memory import MemoryTier
+from .memory import MemoryTier, Reservation
 from .remote import RedisTier
 
 
@@ -59,6 +59,8 @@ class TieredStore:
         for digest in digests:
             key = ChunkKey(namespace, digest)
             chunk = await self.memory.get(key)
+            if chunk is None and self.disk is not None:
+                chunk = await self._promote_from_disk(self.disk, key)
             if chunk is None:
                 for tier in self.lower:
                     chunk = await tier.get(key)
@@ -68,6 +70,22 @@ class TieredStore:
                         break
             out.append(chunk)
         return out
+
+    async def _promote_from_disk(self, disk: DiskTier, key: ChunkKey) -> Chunk | None:
+        """Read a disk chunk straight into reserved pool memory (one copy, then a
+        zero-copy send); None if it is not on disk or there is no room."""
+        size = disk.payload_size(key)
+        if size is None:
+            return None
+        reservation = self.memory.prepare_store(key, size)
+        if not isinstance(reservation, Reservation):
+            return self.memory.lease(key) if reservation is PutStatus.EXISTS else None
+        if await disk.get(key, reservation.view) is None:
+            self.memory.abort_store(reservation)
+            return None
+        if self.memory.complete_store(reservation) is PutStatus.STORED:
+            self.promotions[disk.name] += 1
+        return self.memory.lease(key)
 
     async def put_many(self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]) -> list[PutStatus]:
         # Consecutive keys of one put are (nearly always) one prefix chain: the
