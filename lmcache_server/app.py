@@ -24,11 +24,13 @@ from .metrics import ServerMetrics, StoreCollector
 from .server.admission import ByteBudget
 from .server.handlers import Handlers
 from .server.http import HttpEndpoint
+from .server.monitor import ConnectionMonitor
 from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
 from .storage.disk import DiskTier
 from .storage.policy import make_policy
 from .storage.remote import RedisTier
+from .summary import SummaryLog
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +85,18 @@ class App:
         context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
         server = ZmqServer(c, Handlers(store, c, budget), budget, metrics, context)
         http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready)
+        monitor = ConnectionMonitor(metrics)
+        summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
         try:
             server.bind()
+            monitor.start(server.sock)
             if c.metrics_port:
                 await http.start()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             self.ready = True
             logger.info("lmcache-server ready: %s", c.summary())
+            summary.start()
             serving = loop.create_task(server.serve())
             stopping = loop.create_task(self._stop.wait())
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -110,6 +116,8 @@ class App:
             self.ready = False
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+            await summary.close()
+            await monitor.close()
             server.close()
             await http.close()
             await store.close()

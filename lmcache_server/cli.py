@@ -2,6 +2,8 @@
 
 Flags override environment variables, which override the file (see config.py).
 Exit codes: 0 after a clean stop, 2 for a refused configuration, 1 otherwise.
+``lmcache-server admin COMMAND ...`` runs an admin command against a running
+daemon instead (see admin.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="lmcache-server",
         description="Standalone KV-cache server for LLM inference engines (ZeroMQ).",
         epilog="Every config key can also be set as LMCACHE_<KEY> in the environment. "
-        "Precedence: flags > environment > config file > defaults.",
+        "Precedence: flags > environment > config file > defaults. "
+        "Admin commands for a running daemon: lmcache-server admin {ping,health,stats,namespaces,clear} --help",
     )
     p.add_argument("--config", metavar="PATH", help="YAML config file (default: $LMCACHE_CONFIG, else none)")
     p.add_argument(
@@ -70,6 +73,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["admin"]:
+        from .admin import main as admin_main
+
+        return admin_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

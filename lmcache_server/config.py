@@ -308,6 +308,12 @@ class ServerConfig:
     log_level: str = _field(
         "INFO", _choice("debug", "info", "warning", "error"), "DEBUG, INFO, WARNING or ERROR", "Log verbosity."
     )
+    stats_log_interval_s: float = _field(
+        30.0,
+        _float(0.0, 86400.0),
+        "seconds, 0..86400 (0 disables)",
+        "Interval of the one-line INFO summary (hits by tier, tokens reused, throughput); 0 disables it.",
+    )
 
     def __post_init__(self) -> None:
         # Keys whose tiers are not built yet are refused, never silently ignored.

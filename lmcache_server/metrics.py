@@ -1,8 +1,13 @@
 """Prometheus metrics, on a registry the composition root injects (no globals).
 
 Primitives: :class:`ServerMetrics` (request counters and latency histograms,
-updated by the server) and :class:`StoreCollector` (tier gauges and counters
-read from the store at scrape time, so they can never drift from it).
+updated by the server; connection counts, updated by the socket monitor;
+build info and process metrics) and :class:`StoreCollector` (tier gauges and
+counters read from the store at scrape time, so they can never drift from it),
+and :func:`counter_value` (a counter's current total, for the summary log).
+
+Every family is listed in docs/operations.md; deploy/prometheus/rules.yml and
+deploy/grafana/lmcache.json use them (tests check that they name only these).
 """
 
 from __future__ import annotations
@@ -10,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from . import __version__
 from .storage import TieredStore
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -42,6 +48,21 @@ class ServerMetrics:
         self.busy = Counter(
             "lmcache_busy_rejections", "Requests answered BUSY (in-flight budget spent).", registry=registry
         )
+        self.connected_clients = Gauge(
+            "lmcache_connected_clients", "Client connections open now (ZeroMQ peers, tcp and ipc).", registry=registry
+        )
+        self.connections = Counter(
+            "lmcache_client_connections", "Client connections accepted since start.", registry=registry
+        )
+        self.disconnections = Counter(
+            "lmcache_client_disconnections",
+            "Client connections closed since start (by the client, or dropped by the heartbeat).",
+            registry=registry,
+        )
+        build = Gauge("lmcache_build_info", "Always 1; the version as a label.", ["version"], registry=registry)
+        build.labels(__version__).set(1)
+        # process_* (RSS, CPU seconds, open fds, start time) on the same registry.
+        ProcessCollector(registry=registry)
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
         self.requests.labels(op, outcome).inc()
@@ -60,10 +81,12 @@ class StoreCollector(Collector):
         stats = self.store.stats()
         tiers = stats["tiers"]
 
-        def family(kind: type, name: str, doc: str, field: str) -> Any:
+        def family(kind: type, name: str, doc: str, *fields: str) -> Any:
+            """One sample per tier, from the first of ``fields`` its stats have."""
             metric = kind(name, doc, labels=["tier"])
             for tier, values in tiers.items():
-                if field in values:
+                field = next((f for f in fields if f in values), None)
+                if field is not None:
                     metric.add_metric([tier], float(values[field]))
             return metric
 
@@ -91,6 +114,8 @@ class StoreCollector(Collector):
             "corrupt",
         )
         yield family(CounterMetricFamily, "lmcache_tier_write_errors", "Failed writes to the tier.", "write_errors")
+        yield family(CounterMetricFamily, "lmcache_tier_read_errors", "Failed reads from the tier.", "read_errors")
+        yield family(CounterMetricFamily, "lmcache_tier_stores", "Chunks written into the tier.", "stores")
         yield family(GaugeMetricFamily, "lmcache_tier_degraded", "1 while the tier cannot be written.", "degraded")
         yield family(GaugeMetricFamily, "lmcache_tier_up", "1 while a remote tier (Redis uplink) is connected.", "up")
         yield family(
@@ -104,6 +129,7 @@ class StoreCollector(Collector):
             "lmcache_tier_queued_writes",
             "Chunks waiting in the tier's write-behind queue.",
             "queued_writes",
+            "queued_spills",
         )
         yield family(CounterMetricFamily, "lmcache_tier_reconnects", "Times a remote tier reconnected.", "reconnects")
         yield family(
@@ -117,6 +143,13 @@ class StoreCollector(Collector):
             GaugeMetricFamily, "lmcache_tier_stored_bytes", "Payload bytes stored in the tier.", "stored_bytes"
         )
         yield family(GaugeMetricFamily, "lmcache_tier_capacity_bytes", "Capacity of the tier.", "capacity_bytes")
+        yield family(
+            GaugeMetricFamily,
+            "lmcache_tier_used_bytes",
+            "Bytes counted against capacity_bytes (allocator extents in memory, 4 KiB blocks on disk).",
+            "allocated_bytes",
+            "disk_bytes",
+        )
         yield family(GaugeMetricFamily, "lmcache_tier_pinned_bytes", "Pinned bytes in the tier.", "pinned_bytes")
         yield family(
             GaugeMetricFamily,
@@ -138,3 +171,10 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(
             "lmcache_inflight_bytes", "Payload bytes being handled or sent now.", value=self.inflight_bytes()
         )
+
+
+def counter_value(counter: Counter) -> float:
+    """The sum of a counter's ``_total`` samples over all its label sets."""
+    return sum(
+        sample.value for metric in counter.collect() for sample in metric.samples if sample.name.endswith("_total")
+    )
