@@ -64,6 +64,7 @@ class App:
                 fsync=c.disk_fsync,
                 io_threads=c.disk_io_threads,
                 max_queue_bytes=c.max_spill_queue_size,
+                policy=make_policy(c.cache_policy),
             )
             await disk.open()
         remote = None

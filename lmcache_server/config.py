@@ -304,7 +304,12 @@ class ServerConfig:
     malloc_tuning: bool = _field(
         True, _bool, "true or false", "Keep glibc from mmap/munmap-ing every large receive buffer."
     )
-    cache_policy: str = _field("lru", _choice("lru"), "lru", "Eviction policy of the memory tier.")
+    cache_policy: str = _field(
+        "lfuda",
+        _choice("lfuda", "lru"),
+        "lfuda or lru",
+        "Eviction policy: lfuda (frequency + recency, prefix-aware; see docs/eviction.md) or lru.",
+    )
     log_level: str = _field(
         "INFO", _choice("debug", "info", "warning", "error"), "DEBUG, INFO, WARNING or ERROR", "Log verbosity."
     )

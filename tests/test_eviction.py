@@ -25,7 +25,7 @@ def rss_bytes(pid: int) -> int:
 
 
 def test_lru_eviction_keeps_pool_bound(daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    daemon = daemon_factory(max_local_cpu_size="16MiB")
+    daemon = daemon_factory(max_local_cpu_size="16MiB", cache_policy="lru")
     with daemon.client() as c:
         keys = [os.urandom(KEY_BYTES) for _ in range(64)]
         payloads = [os.urandom(MiB) for _ in keys]

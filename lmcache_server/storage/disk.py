@@ -14,7 +14,10 @@
   damaged, truncated or foreign file is a miss, is deleted and is counted.
 - On open the index is rebuilt from the directory (headers only), so the cache
   survives restarts.  Bounded by ``max_bytes`` (bytes on disk, 4 KiB blocks, as
-  ``du`` counts them) with its own LRU.
+  ``du`` counts them); which chunk leaves is its own eviction policy's choice
+  (:mod:`.policy`, the same interface as the memory tier's; LRU unless given
+  one), told about inserts, hits and removals.  Rebuilt entries are inserted
+  oldest first, so an LRU policy starts in file-age order.
 - An unwritable directory or a full disk degrades the tier (log once, metric);
   writes are retried every ``retry_s`` and the daemon keeps serving.
 
@@ -26,7 +29,6 @@ call would multiply.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import errno
@@ -42,6 +44,7 @@ from lmcache_client.protocol import PutStatus
 
 from .base import Chunk, ChunkKey
 from .chunkfile import CorruptRecord, encode_header, parse_header, verify_payload
+from .policy import EvictionPolicy, LRUPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,10 @@ class DiskCounters:
     corrupt: int = 0
     rebuilt_entries: int = 0
     rebuild_seconds: float = 0.0
+
+
+def _never(key: ChunkKey) -> bool:
+    return False  # nothing on disk is leased: reads copy the record out
 
 
 def _path_for(root: Path, key: ChunkKey) -> str:
@@ -201,6 +208,7 @@ class DiskTier:
         io_threads: int = 2,
         max_queue_bytes: int = 256 << 20,
         retry_s: float = 30.0,
+        policy: EvictionPolicy | None = None,
     ):
         self.root = root
         self.max_bytes = max_bytes
@@ -208,9 +216,10 @@ class DiskTier:
         self.max_queue_bytes = max_queue_bytes
         self.retry_s = retry_s
         self.counters = DiskCounters()
+        self.policy = policy if policy is not None else LRUPolicy()
         self.degraded: str | None = None
         self._degraded_at = 0.0
-        self._index: collections.OrderedDict[ChunkKey, _Entry] = collections.OrderedDict()
+        self._index: dict[ChunkKey, _Entry] = {}
         self._by_namespace: dict[str, list[int]] = {}
         self.stored_bytes = 0  # payload bytes
         self.disk_bytes = 0  # as du counts them
@@ -300,7 +309,7 @@ class DiskTier:
             self.counters.misses += 1
             return None
         if key in self._index:
-            self._index.move_to_end(key)
+            self.policy.touched(key)
         self.counters.hits += 1
         return Chunk(payload, self.name)
 
@@ -337,7 +346,7 @@ class DiskTier:
 
     async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
         if key in self._index:
-            self._index.move_to_end(key)
+            self.policy.touched(key)
             return PutStatus.EXISTS
         return await self._write(key, data)
 
@@ -377,8 +386,8 @@ class DiskTier:
         return self.degraded is not None and time.monotonic() - self._degraded_at < self.retry_s
 
     async def _shrink_to(self, limit: int) -> None:
-        while self.disk_bytes > limit and self._index:
-            key, entry = next(iter(self._index.items()))
+        while self.disk_bytes > limit and (key := self.policy.victim(_never)) is not None:
+            entry = self._index[key]
             await self._drop(key, entry)
             self.counters.evictions += 1
             self.counters.evicted_bytes += entry.payload_len
@@ -386,6 +395,7 @@ class DiskTier:
     # -- removal -------------------------------------------------------------------
     def _add(self, key: ChunkKey, entry: _Entry) -> None:
         self._index[key] = entry
+        self.policy.inserted(key, entry.payload_len, None)
         self.stored_bytes += entry.payload_len
         self.disk_bytes += entry.disk_bytes
         counts = self._by_namespace.setdefault(key.namespace, [0, 0])
@@ -396,6 +406,7 @@ class DiskTier:
         if self._index.get(key) is not entry:
             return
         del self._index[key]
+        self.policy.removed(key)
         self.stored_bytes -= entry.payload_len
         self.disk_bytes -= entry.disk_bytes
         counts = self._by_namespace[key.namespace]

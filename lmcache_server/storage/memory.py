@@ -80,7 +80,7 @@ class MemoryTier:
         self.pool = pool
         self.allocator = ExtentAllocator(pool.size)
         self.max_pinned_bytes = max_pinned_bytes
-        self.policy = policy or LRUPolicy()
+        self.policy = policy if policy is not None else LRUPolicy()
         self.on_evict = on_evict
         self.counters = TierCounters()
         self._index: dict[ChunkKey, _Entry] = {}

@@ -1,0 +1,294 @@
+"""Eviction policies: unit behaviour, the offline model, and the daemon replaying a trace.
+
+The replay tests run the real daemon (``daemon_factory``) on a slice of the
+Mooncake trace (``../shared/traces``; a synthetic prefix-tree workload where
+the trace is not checked out) and check that its hit counts equal the offline
+model's for the same policy and that its lookup counters equal the replay's
+ground truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from lmcache_server.config import ConfigError, ServerConfig, load_config
+from lmcache_server.storage import ChunkKey
+from lmcache_server.storage.disk import DiskTier
+from lmcache_server.storage.policy import POLICIES, LFUDAPolicy, LRUPolicy, make_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from policy_sim import (  # noqa: E402
+    BLOCK_TOKENS,
+    DEFAULT_TRACE,
+    NAMESPACE,
+    CacheModel,
+    Request,
+    belady,
+    distinct_blocks,
+    hit_tokens,
+    load_trace,
+    replay_model,
+    simulate,
+    trace_keys,
+)
+from replay_trace import replay  # noqa: E402
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey("ns", i.to_bytes(32, "big"))
+
+
+def never(k: ChunkKey) -> bool:
+    return False
+
+
+def fill(model: CacheModel, ids: list[int], batch: bool = False) -> None:
+    keys = [key(i) for i in ids]
+    if batch:
+        model.put(keys)
+    else:
+        for k in keys:
+            model.put([k])
+
+
+# -- LRU -----------------------------------------------------------------------------------------
+def test_lru_order_touch_and_skip() -> None:
+    p = LRUPolicy()
+    for i in range(4):
+        p.inserted(key(i), 1, None)
+    p.touched(key(0))
+    assert p.victim(never) == key(1)
+    assert p.victim(lambda k: k == key(1)) == key(2)
+    p.removed(key(1))
+    assert p.victim(never) == key(2) and len(p) == 3
+
+
+# -- LFUDA ---------------------------------------------------------------------------------------
+def test_lfuda_one_offs_leave_oldest_first() -> None:
+    model = CacheModel(4, LFUDAPolicy())
+    fill(model, list(range(10)))
+    assert model.held == {key(i) for i in range(6, 10)}
+
+
+def test_lfuda_reused_chunk_outlives_one_offs_but_ages_out() -> None:
+    model = CacheModel(8, LFUDAPolicy())
+    fill(model, [100])
+    for _ in range(3):
+        model.get([key(100)])  # frequency 4
+    survived = 0
+    for i in range(200):
+        fill(model, [i])
+        if key(100) not in model.held:
+            break
+        survived += 1
+    # It outlives many one-offs (LRU would drop it after 8 puts) ...
+    assert survived > 16
+    # ... but dynamic aging evicts it once it stops being read.
+    assert survived < 200
+
+
+def test_lfuda_history_remembers_evicted_frequency() -> None:
+    policy = LFUDAPolicy()
+    model = CacheModel(4, policy)
+    fill(model, [1])
+    model.get([key(1)])
+    model.get([key(1)])
+    fill(model, list(range(10, 30)))
+    assert key(1) not in model.held
+    fill(model, [1])  # back: it enters with its old count, above the one-offs
+    fill(model, list(range(30, 36)))
+    assert key(1) in model.held
+
+
+def test_lfuda_history_is_bounded() -> None:
+    policy = LFUDAPolicy(ghost_factor=2, min_ghost=16)
+    model = CacheModel(4, policy)
+    fill(model, list(range(500)))
+    assert len(policy._ghost) == 16
+    assert policy.chunks == 4
+
+
+def test_lfuda_tails_leave_before_heads() -> None:
+    chain = [key(i) for i in range(4)]
+    held = {}
+    for name in ("lru", "lfuda"):
+        model = CacheModel(6, make_policy(name))
+        fill(model, [0, 1, 2, 3], batch=True)  # one chain: 0 <- 1 <- 2 <- 3
+        fill(model, [10, 11], batch=True)
+        fill(model, [20, 21, 22], batch=True)  # three victims
+        held[name] = model.lookup(chain), key(3) in model.held
+    # LRU drops the chain's head first: its tail stays, an orphan no lookup can reach.
+    assert held["lru"] == (0, True)
+    # lfuda drops the tail first: the head still saves a chunk of prefill.
+    assert held["lfuda"] == (1, False)
+
+
+def test_lfuda_victim_skips_without_losing_candidates() -> None:
+    p = LFUDAPolicy()
+    for i in range(3):
+        p.inserted(key(i), 1, None)
+    assert p.victim(lambda k: k == key(0)) == key(1)
+    assert p.victim(never) == key(0)  # the skipped key is still a candidate
+    assert p.victim(lambda k: True) is None
+
+
+def test_lfuda_heap_stays_compact() -> None:
+    p = LFUDAPolicy()
+    for i in range(10):
+        p.inserted(key(i), 1, None)
+    for _ in range(1000):
+        for i in range(10):
+            p.touched(key(i))
+    assert len(p._heap) <= 2 * p.chunks + 64
+    p.touched(key(99))  # unknown keys are ignored
+    p.removed(key(99))
+    assert p.chunks == 10
+
+
+def test_memory_tier_keeps_an_empty_policy() -> None:
+    from lmcache_server.storage import MemoryPool, MemoryTier
+
+    tier = MemoryTier(MemoryPool(1 << 20, "off"), 0, LFUDAPolicy())
+    assert tier.policy.name == "lfuda"  # an empty policy is not falsy
+    tier.pool.close()
+
+
+def test_policy_registry_and_config() -> None:
+    assert set(POLICIES) == {"lru", "lfuda"}
+    assert make_policy("lru").name == "lru" and make_policy("lfuda").name == "lfuda"
+    with pytest.raises(ValueError, match="unknown cache_policy"):
+        make_policy("fifo")
+    assert ServerConfig().cache_policy == "lfuda"
+    assert load_config(environ={}, overrides={"cache_policy": "LRU"}).cache_policy == "lru"
+    with pytest.raises(ConfigError, match="cache_policy"):
+        load_config(environ={}, overrides={"cache_policy": "belady"})
+
+
+def test_disk_tier_evicts_by_its_policy(tmp_path: Path) -> None:
+    async def scenario() -> tuple[set[ChunkKey], set[ChunkKey]]:
+        # 4 KiB header + 4 KiB payload = 8 KiB per chunk on disk: 6 fit in 48 KiB.
+        out = []
+        for policy in (LRUPolicy(), LFUDAPolicy()):
+            tier = DiskTier(tmp_path / policy.name, 48 * 1024, policy=policy)
+            await tier.open()
+            await tier.put(key(0), b"x" * 4096)
+            for i in range(1, 12):
+                assert (await tier.get(key(0))) is not None
+                await tier.put(key(i), b"x" * 4096)
+            out.append(set(tier.keys()))
+            await tier.close()
+        return out[0], out[1]
+
+    lru, lfuda = asyncio.run(scenario())
+    assert len(lru) == len(lfuda) == 6
+    assert key(0) in lru and key(0) in lfuda  # read before every put: both keep it
+    assert {key(i) for i in range(7, 12)} <= lru and {key(i) for i in range(7, 12)} <= lfuda
+
+
+# -- the offline model ---------------------------------------------------------------------------
+def synthetic_requests(n: int, seed: int = 7) -> list[Request]:
+    """Conversations over a shared first block: new ones, and follow-ups that extend one."""
+    rng = random.Random(seed)
+    convs: list[list[int]] = []
+    next_id = 1
+    out = []
+    for i in range(n):
+        if convs and rng.random() < 0.45:
+            j = rng.randrange(max(0, len(convs) - 60), len(convs))
+            grow = rng.randint(1, 6)
+            ids = convs[j][:-1] + list(range(next_id, next_id + grow))
+            convs[j] = ids
+        else:
+            grow = rng.randint(2, 24)
+            ids = [0, *range(next_id, next_id + grow)]
+            convs.append(ids)
+        next_id += grow
+        out.append(Request(i * 100, BLOCK_TOKENS * (len(ids) - 1) + rng.randint(1, BLOCK_TOKENS), tuple(ids)))
+    return out
+
+
+def workload(n: int) -> tuple[str, list[Request]]:
+    if DEFAULT_TRACE.exists():
+        return "trace", load_trace(DEFAULT_TRACE, n)
+    return "synthetic", synthetic_requests(n)
+
+
+def plain_lru(requests: list[Request], capacity: int) -> int:
+    """Hit tokens of textbook LRU over every block of every request (the README's reference)."""
+    from collections import OrderedDict
+
+    cache: OrderedDict[int, None] = OrderedDict()
+    total = 0
+    for r in requests:
+        hits = 0
+        for b in r.hash_ids:
+            if b not in cache:
+                break
+            hits += 1
+        total += hit_tokens(hits, r.input_length)
+        for b in r.hash_ids:
+            if b in cache:
+                cache.move_to_end(b)
+            else:
+                cache[b] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return total
+
+
+@pytest.mark.parametrize("source", ["trace", "synthetic"])
+def test_model_with_lru_is_textbook_lru_and_belady_bounds_it(source: str) -> None:
+    if source == "trace" and not DEFAULT_TRACE.exists():
+        pytest.skip(f"{DEFAULT_TRACE} not present")
+    requests = load_trace(DEFAULT_TRACE, 2000) if source == "trace" else synthetic_requests(2000)
+    capacity = max(64, distinct_blocks(requests) // 20)
+    lru = simulate(requests, capacity, "lru")
+    assert lru.hit_tokens == plain_lru(requests, capacity)
+    best = belady(requests, capacity)
+    ours = simulate(requests, capacity, "lfuda")
+    assert best.hit_tokens >= ours.hit_tokens and best.hit_tokens >= lru.hit_tokens
+    assert lru.hit_blocks <= lru.lookup_blocks == sum(len(r.hash_ids) for r in requests)
+
+
+# -- the daemon replays, and agrees with the model ------------------------------------------------
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(lmcache_lookup_\w+_total) (\S+)$", text, re.M)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["lfuda", "lru"])
+def test_daemon_replay_matches_model_and_its_metrics_match_ground_truth(daemon_factory, policy: str) -> None:  # type: ignore[no-untyped-def]
+    source, requests = workload(1200)
+    capacity = max(64, distinct_blocks(requests) // 25)  # 4%
+    block_bytes = 4096
+    daemon = daemon_factory(
+        chunk_size=BLOCK_TOKENS, max_local_cpu_size=f"{capacity * block_bytes}B", cache_policy=policy
+    )
+    with daemon.client(namespace=NAMESPACE) as client:
+        counts, _, _, _, statuses = replay(client, requests, block_bytes, progress=lambda line: None)
+        stats = client.stats()
+    model = replay_model(requests, CacheModel(capacity, make_policy(policy)), trace_keys(requests))
+    assert counts.requests == len(requests) and counts.hit_blocks > 0, source
+    # Same policy class, same semantics: the daemon's figures are the model's, exactly.
+    assert counts.hit_blocks == model.hit_blocks
+    assert counts.hit_tokens == model.hit_tokens
+    assert abs(counts.token_hit_rate - model.token_hit_rate) <= 0.01
+    assert statuses.get("STORED", 0) == model.stored_blocks
+    assert stats["tiers"]["memory"]["evictions"] == model.stored_blocks - stats["tiers"]["memory"]["chunks"]
+    # The daemon's own accounting equals the ground truth.
+    assert stats["lookup_chunks"] == counts.lookup_blocks
+    assert stats["lookup_hit_chunks"] == counts.hit_blocks
+    metrics = scrape(daemon.metrics_port)
+    assert metrics["lmcache_lookup_chunks_total"] == counts.lookup_blocks
+    assert metrics["lmcache_lookup_hit_chunks_total"] == counts.hit_blocks
+    assert metrics["lmcache_lookup_hit_tokens_total"] == BLOCK_TOKENS * counts.hit_blocks
