@@ -1,0 +1,109 @@
+"""Batched, validated chunk transfers for the engine adapters.
+
+An adapter moves many equal-sized chunk payloads per request; this module
+splits them into requests the daemon accepts (bounded keys and bytes per
+message), keeps only a *leading* run of hits on reads (a prefix is usable
+only up to its first hole), refuses payloads of the wrong size (never
+garbage into a KV cache), and turns every client failure into a miss: a
+cache that is down costs a recompute, never a failed inference request.
+
+Primitive: :class:`ChunkTransfer` with ``lookup``, ``get_prefix``, ``put``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ..client import CacheClient
+from ..errors import ClientError
+from ..namespace import Namespace
+from ..protocol import PutStatus
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH_BYTES = 64 * 1024 * 1024
+"""Payload bytes per get/put request: well under the daemon's 512 MiB default
+message cap and its 1 GiB in-flight budget, so several engines fit at once."""
+DEFAULT_MAX_BATCH_KEYS = 256
+
+
+class ChunkTransfer:
+    """Reads and writes whole chunks of ``chunk_bytes`` bytes in one namespace."""
+
+    def __init__(
+        self,
+        client: CacheClient,
+        namespace: Namespace | str,
+        chunk_bytes: int,
+        *,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        max_batch_keys: int = DEFAULT_MAX_BATCH_KEYS,
+    ):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.client = client
+        self.namespace = namespace.wire() if isinstance(namespace, Namespace) else namespace
+        self.chunk_bytes = chunk_bytes
+        self.batch_keys = max(1, min(max_batch_keys, max_batch_bytes // chunk_bytes))
+        self.errors = 0
+        """Client errors turned into misses (daemon down, refused requests)."""
+
+    def _failed(self, op: str, err: ClientError) -> None:
+        self.errors += 1
+        logger.warning("lmcache %s failed (%s); treating it as a miss", op, err)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the daemon holds (0 when it cannot be asked)."""
+        hits = 0
+        for start in range(0, len(keys), self.batch_keys):
+            batch = keys[start : start + self.batch_keys]
+            try:
+                found = self.client.lookup(batch, namespace=self.namespace).hit_chunks
+            except ClientError as err:
+                self._failed("lookup", err)
+                return hits
+            hits += found
+            if found < len(batch):
+                break
+        return hits
+
+    def get_prefix(self, keys: Sequence[bytes]) -> list[Any]:
+        """Payloads (read-only buffers) of the leading ``keys`` that are stored with the
+        right size; stops at the first miss, failure or wrong-sized payload."""
+        out: list[Any] = []
+        for start in range(0, len(keys), self.batch_keys):
+            batch = keys[start : start + self.batch_keys]
+            try:
+                bufs = self.client.get(batch, namespace=self.namespace)
+            except ClientError as err:
+                self._failed("get", err)
+                return out
+            for buf in bufs:
+                if buf is None:
+                    return out
+                if memoryview(buf).nbytes != self.chunk_bytes:
+                    logger.warning(
+                        "lmcache chunk is %d bytes, expected %d; ignoring it and what follows",
+                        memoryview(buf).nbytes,
+                        self.chunk_bytes,
+                    )
+                    return out
+                out.append(buf)
+        return out
+
+    def put(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> int:
+        """Store payloads; returns how many are stored now or were already."""
+        if len(keys) != len(payloads):
+            raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
+        stored = 0
+        for start in range(0, len(keys), self.batch_keys):
+            batch = slice(start, start + self.batch_keys)
+            try:
+                statuses = self.client.put(keys[batch], payloads[batch], namespace=self.namespace)
+            except ClientError as err:
+                self._failed("put", err)
+                continue
+            stored += sum(s in (PutStatus.STORED, PutStatus.EXISTS) for s in statuses)
+        return stored

@@ -1,0 +1,49 @@
+"""What the vLLM connector's scheduler side tells its workers, once per engine step.
+
+vLLM pickles the metadata from the scheduler process to every worker, so it
+is plain data: token ranges, chunk keys and block ids.
+
+Primitives: :class:`LoadRequest`, :class:`SaveRequest` and
+:class:`LMCacheServerConnectorMetadata` (the object vLLM carries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .vllm_compat import KVConnectorMetadata
+
+
+@dataclasses.dataclass
+class LoadRequest:
+    """Fill tokens ``[start_token, end_token)`` of a request from the daemon.
+
+    ``keys[i]`` is the key of chunk ``first_chunk + i``; the chunks cover the
+    range.  Tokens before ``start_token`` are vLLM's own prefix-cache hits and are
+    never written.
+    """
+
+    req_id: str
+    keys: list[bytes]
+    first_chunk: int
+    start_token: int
+    end_token: int
+    block_ids: list[int]
+    """The request's blocks, from its first token on."""
+
+
+@dataclasses.dataclass
+class SaveRequest:
+    """Store chunks ``first_chunk .. first_chunk + len(keys) - 1`` of a request,
+    computed in this step or earlier and still in its blocks."""
+
+    req_id: str
+    keys: list[bytes]
+    first_chunk: int
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class LMCacheServerConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    loads: list[LoadRequest] = dataclasses.field(default_factory=list)
+    saves: list[SaveRequest] = dataclasses.field(default_factory=list)
