@@ -22,10 +22,10 @@ import zmq.asyncio
 from . import calls
 from .calls import Call, LookupResult
 from .client import COPY_THRESHOLD, DEFAULT_ADDRESS, FailOpen, namespace_string, new_dealer
-from .errors import DaemonUnavailable, ServerError
+from .errors import DaemonUnavailable
 from .keys import chunk_keys
 from .namespace import Namespace
-from .protocol import ErrorCode, PutStatus, Reply, decode_reply, encode_request
+from .protocol import PutStatus, Reply, decode_reply, encode_request
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -149,13 +149,7 @@ class AsyncCacheClient:
                 else DaemonUnavailable(f"no reply from {self.address} within {timeout}s")
             )
             return self._fail.failed(call, failure)
-        self._fail.succeeded()
-        try:
-            return call.result(reply, payloads)
-        except ServerError as err:
-            if err.code == ErrorCode.BUSY:
-                return self._fail.busy(call, err)
-            raise
+        return self._fail.answered(call, reply, payloads)
 
     async def _abandon(self, tracker: zmq.MessageTracker | None, timeout_s: float) -> None:
         if tracker is None or tracker.done:

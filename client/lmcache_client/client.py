@@ -28,7 +28,7 @@ from .calls import Call, LookupResult
 from .errors import DaemonUnavailable, ServerError
 from .keys import chunk_keys
 from .namespace import Namespace
-from .protocol import ErrorCode, PutStatus, decode_reply, encode_request
+from .protocol import ErrorCode, PutStatus, Reply, decode_reply, encode_request
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,6 +63,16 @@ class FailOpen:
         if self.enabled and call.miss is not None:
             return call.miss()
         raise err
+
+    def answered(self, call: Call[T], reply: Reply, payloads: list[Any]) -> T:
+        """The result of a call the daemon answered (BUSY per the fail-open policy)."""
+        self.succeeded()
+        try:
+            return call.result(reply, payloads)
+        except ServerError as err:
+            if err.code == ErrorCode.BUSY:
+                return self.busy(call, err)
+            raise
 
     def succeeded(self) -> None:
         if self._down:
@@ -189,13 +199,7 @@ class CacheClient:
             reply, payloads = self._roundtrip(frames, request_id, timeout_s or self.timeout_s)
         except DaemonUnavailable as err:
             return self._fail.failed(call, err)
-        self._fail.succeeded()
-        try:
-            return call.result(reply, payloads)
-        except ServerError as err:
-            if err.code == ErrorCode.BUSY:
-                return self._fail.busy(call, err)
-            raise
+        return self._fail.answered(call, reply, payloads)
 
     def _ns(self, namespace: Namespace | str | None) -> str:
         ns = namespace_string(namespace) or self.namespace
