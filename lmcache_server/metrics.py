@@ -69,6 +69,42 @@ class ServerMetrics:
         self.latency.labels(op).observe(seconds)
 
 
+_C, _G = CounterMetricFamily, GaugeMetricFamily
+_TIER_FAMILIES: list[tuple[type, str, str, tuple[str, ...]]] = [
+    # (kind, name, help, the tier-stats fields it reads: the first one present)
+    (_C, "lmcache_tier_hits", "Chunk reads served by the tier.", ("hits",)),
+    (_C, "lmcache_tier_misses", "Chunk reads the tier missed.", ("misses",)),
+    (_C, "lmcache_tier_evictions", "Chunks evicted from the tier.", ("evictions",)),
+    (_C, "lmcache_tier_evicted_bytes", "Bytes evicted from the tier.", ("evicted_bytes",)),
+    (_C, "lmcache_tier_rejected_puts", "Puts the tier could not store.", ("rejections",)),
+    (_C, "lmcache_tier_promotions", "Hits in the tier copied up into memory.", ("promotions",)),
+    (_C, "lmcache_tier_spills", "Chunks evicted from memory written to the tier.", ("spills",)),
+    (_C, "lmcache_tier_spills_dropped", "Evicted chunks not written (queue full, degraded, too large).",
+     ("spills_dropped",)),
+    (_C, "lmcache_tier_corrupt", "Damaged or foreign records found (served as misses).", ("corrupt",)),
+    (_C, "lmcache_tier_write_errors", "Failed writes to the tier.", ("write_errors",)),
+    (_C, "lmcache_tier_read_errors", "Failed reads from the tier.", ("read_errors",)),
+    (_C, "lmcache_tier_stores", "Chunks written into the tier.", ("stores",)),
+    (_G, "lmcache_tier_degraded", "1 while the tier cannot be written.", ("degraded",)),
+    (_G, "lmcache_tier_up", "1 while a remote tier (Redis uplink) is connected.", ("up",)),
+    (_C, "lmcache_tier_dropped_writes", "Writes to a remote tier dropped (queue full or uplink down).",
+     ("dropped_writes",)),
+    (_G, "lmcache_tier_queued_writes", "Chunks waiting in the tier's write-behind queue.",
+     ("queued_writes", "queued_spills")),
+    (_C, "lmcache_tier_reconnects", "Times a remote tier reconnected.", ("reconnects",)),
+    (_G, "lmcache_tier_queued_bytes", "Bytes waiting in the tier's write-behind queue.", ("queued_bytes",)),
+    (_G, "lmcache_tier_chunks", "Chunks stored in the tier.", ("chunks",)),
+    (_G, "lmcache_tier_stored_bytes", "Payload bytes stored in the tier.", ("stored_bytes",)),
+    (_G, "lmcache_tier_capacity_bytes", "Capacity of the tier.", ("capacity_bytes",)),
+    (_G, "lmcache_tier_used_bytes",
+     "Bytes counted against capacity_bytes (allocator extents in memory, 4 KiB blocks on disk).",
+     ("allocated_bytes", "disk_bytes")),
+    (_G, "lmcache_tier_pinned_bytes", "Pinned bytes in the tier.", ("pinned_bytes",)),
+    (_G, "lmcache_tier_fragmentation", "1 - largest free extent / free bytes of the tier's allocator.",
+     ("fragmentation",)),
+]  # fmt: skip
+
+
 class StoreCollector(Collector):
     """Exports the store's own counters at scrape time."""
 
@@ -81,82 +117,14 @@ class StoreCollector(Collector):
         stats = self.store.stats()
         tiers = stats["tiers"]
 
-        def family(kind: type, name: str, doc: str, *fields: str) -> Any:
-            """One sample per tier, from the first of ``fields`` its stats have."""
+        for kind, name, doc, fields in _TIER_FAMILIES:
+            # One sample per tier, from the first of ``fields`` its stats have.
             metric = kind(name, doc, labels=["tier"])
             for tier, values in tiers.items():
                 field = next((f for f in fields if f in values), None)
                 if field is not None:
                     metric.add_metric([tier], float(values[field]))
-            return metric
-
-        yield family(CounterMetricFamily, "lmcache_tier_hits", "Chunk reads served by the tier.", "hits")
-        yield family(CounterMetricFamily, "lmcache_tier_misses", "Chunk reads the tier missed.", "misses")
-        yield family(CounterMetricFamily, "lmcache_tier_evictions", "Chunks evicted from the tier.", "evictions")
-        yield family(CounterMetricFamily, "lmcache_tier_evicted_bytes", "Bytes evicted from the tier.", "evicted_bytes")
-        yield family(CounterMetricFamily, "lmcache_tier_rejected_puts", "Puts the tier could not store.", "rejections")
-        yield family(
-            CounterMetricFamily, "lmcache_tier_promotions", "Hits in the tier copied up into memory.", "promotions"
-        )
-        yield family(
-            CounterMetricFamily, "lmcache_tier_spills", "Chunks evicted from memory written to the tier.", "spills"
-        )
-        yield family(
-            CounterMetricFamily,
-            "lmcache_tier_spills_dropped",
-            "Evicted chunks not written (queue full, degraded, too large).",
-            "spills_dropped",
-        )
-        yield family(
-            CounterMetricFamily,
-            "lmcache_tier_corrupt",
-            "Damaged or foreign records found (served as misses).",
-            "corrupt",
-        )
-        yield family(CounterMetricFamily, "lmcache_tier_write_errors", "Failed writes to the tier.", "write_errors")
-        yield family(CounterMetricFamily, "lmcache_tier_read_errors", "Failed reads from the tier.", "read_errors")
-        yield family(CounterMetricFamily, "lmcache_tier_stores", "Chunks written into the tier.", "stores")
-        yield family(GaugeMetricFamily, "lmcache_tier_degraded", "1 while the tier cannot be written.", "degraded")
-        yield family(GaugeMetricFamily, "lmcache_tier_up", "1 while a remote tier (Redis uplink) is connected.", "up")
-        yield family(
-            CounterMetricFamily,
-            "lmcache_tier_dropped_writes",
-            "Writes to a remote tier dropped (queue full or uplink down).",
-            "dropped_writes",
-        )
-        yield family(
-            GaugeMetricFamily,
-            "lmcache_tier_queued_writes",
-            "Chunks waiting in the tier's write-behind queue.",
-            "queued_writes",
-            "queued_spills",
-        )
-        yield family(CounterMetricFamily, "lmcache_tier_reconnects", "Times a remote tier reconnected.", "reconnects")
-        yield family(
-            GaugeMetricFamily,
-            "lmcache_tier_queued_bytes",
-            "Bytes waiting in the tier's write-behind queue.",
-            "queued_bytes",
-        )
-        yield family(GaugeMetricFamily, "lmcache_tier_chunks", "Chunks stored in the tier.", "chunks")
-        yield family(
-            GaugeMetricFamily, "lmcache_tier_stored_bytes", "Payload bytes stored in the tier.", "stored_bytes"
-        )
-        yield family(GaugeMetricFamily, "lmcache_tier_capacity_bytes", "Capacity of the tier.", "capacity_bytes")
-        yield family(
-            GaugeMetricFamily,
-            "lmcache_tier_used_bytes",
-            "Bytes counted against capacity_bytes (allocator extents in memory, 4 KiB blocks on disk).",
-            "allocated_bytes",
-            "disk_bytes",
-        )
-        yield family(GaugeMetricFamily, "lmcache_tier_pinned_bytes", "Pinned bytes in the tier.", "pinned_bytes")
-        yield family(
-            GaugeMetricFamily,
-            "lmcache_tier_fragmentation",
-            "1 - largest free extent / free bytes of the tier's allocator.",
-            "fragmentation",
-        )
+            yield metric
         yield CounterMetricFamily(
             "lmcache_lookup_chunks", "Chunks asked about by lookups.", value=stats["lookup_chunks"]
         )
