@@ -59,7 +59,8 @@ class FailOpen:
         self.failures += 1
         if not self._down:
             self._down = True
-            logger.warning("lmcache daemon at %s unavailable (%s); serving misses", self.address, err)
+            consequence = "serving misses" if self.enabled else "raising DaemonUnavailable"
+            logger.warning("lmcache daemon at %s unavailable (%s); %s", self.address, err, consequence)
         if self.enabled and call.miss is not None:
             return call.miss()
         raise err
