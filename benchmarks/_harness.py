@@ -9,7 +9,9 @@ Primitives:
 - :func:`measure` / :func:`measure_group`: warm-up calls, then ``reps`` timed
   repetitions of ``calls`` calls each (interleaved across the members of a
   group); a :class:`Stats` of MiB/s (median, min, max) per member.
-- :class:`CpuMeter`: how much CPU other processes took meanwhile (noise check).
+- :class:`CpuMeter`: how much CPU other processes took meanwhile (noise check);
+  :func:`minor_faults`: page faults of a process (receive buffers that glibc
+  handed back to the kernel fault in again on every message).
 - :func:`redis_client`: redis-py with the hiredis *parser* but the pure-Python
   *serializer* (the hiredis serializer copies every large value into one bytes
   object before sending; the Python one sends memoryviews as they are).
@@ -28,6 +30,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -87,8 +90,9 @@ class Child:
 class Processes:
     """Every child process the benchmark starts; :meth:`stop_all` ends them all."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, env: dict[str, str] | None = None):
         self.workdir = workdir
+        self.env = env
         self.children: list[Child] = []
         self._logs: list[IO[bytes]] = []
 
@@ -101,6 +105,7 @@ class Processes:
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=self.env,
             start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
             preexec_fn=_die_with_parent,  # and they go if we are SIGKILLed
         )
@@ -127,6 +132,20 @@ class Processes:
             log.close()
 
 
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(n: int) -> bool:
+    """``mallopt(M_ARENA_MAX, n)`` in this process (an experiment; children get MALLOC_ARENA_MAX).
+
+    Takes effect only for threads that have not malloc'ed yet, so call it before
+    creating any ZeroMQ context.  With n=1 libzmq's I/O thread allocates its
+    receive buffers from the main arena, where tune_malloc's settings keep them.
+    """
+    name = ctypes.util.find_library("c")
+    return bool(name) and bool(ctypes.CDLL(name).mallopt(_M_ARENA_MAX, n))
+
+
 def raise_on_sigterm() -> None:
     """Turn SIGTERM into KeyboardInterrupt so ``finally`` blocks run."""
 
@@ -139,39 +158,68 @@ def raise_on_sigterm() -> None:
 # -- timing --------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Stats:
-    """Throughput of one cell in MiB/s over the timed repetitions."""
+    """Throughput of one cell in MiB/s over the timed repetitions, and page faults
+    per GiB moved (client process, server process) during them; a buffer that is
+    page-faulted in full costs 262,144 faults per GiB (4 KiB pages)."""
 
     median: float
     low: float
     high: float
     reps: int
+    faults_per_gib: tuple[float, float] = (0.0, 0.0)
 
     def spread(self) -> str:
         return f"[{self.low:,.0f}..{self.high:,.0f}]"
 
 
+FaultProbe = Callable[[], tuple[int, int]]
+"""Minor page faults so far of (this process, the server process); see :func:`minor_faults`."""
+
+
+def minor_faults(pid: int | None) -> int:
+    """Minor page faults of a process so far, all its threads (this process if None)."""
+    if pid is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])  # field 10: minflt
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def measure(call: Callable[[], None], bytes_per_call: int, calls: int, reps: int, warmup: int) -> Stats:
     """``warmup`` untimed calls, then ``reps`` repetitions of ``calls`` timed calls."""
-    return measure_group([call], bytes_per_call, calls, reps, warmup)[0]
+    return measure_group([(call, None)], bytes_per_call, calls, reps, warmup)[0]
 
 
 def measure_group(
-    members: Sequence[Callable[[], None]], bytes_per_call: int, calls: int, reps: int, warmup: int
+    members: Sequence[tuple[Callable[[], None], FaultProbe | None]],
+    bytes_per_call: int,
+    calls: int,
+    reps: int,
+    warmup: int,
 ) -> list[Stats]:
     """Like :func:`measure` for several systems at once, interleaved: repetition i
     of every member runs before repetition i+1 of any, so a burst of outside load
-    lands on all of them alike instead of on whichever happened to be running."""
-    for call in members:
+    lands on all of them alike instead of on whichever happened to be running.
+    Each member may come with a fault probe, read around its timed repetitions."""
+    for call, _ in members:
         for _ in range(warmup):
             call()
     rates: list[list[float]] = [[] for _ in members]
+    faults = [[0, 0] for _ in members]
     for _ in range(reps):
-        for call, out in zip(members, rates):
+        for (call, probe), out, fault in zip(members, rates, faults):
+            before = probe() if probe else (0, 0)
             start = time.perf_counter()
             for _ in range(calls):
                 call()
             out.append(bytes_per_call * calls / MIB / (time.perf_counter() - start))
-    return [Stats(statistics.median(r), min(r), max(r), reps) for r in rates]
+            after = probe() if probe else (0, 0)
+            fault[0] += after[0] - before[0]
+            fault[1] += after[1] - before[1]
+    gib = bytes_per_call * calls * reps / 1024**3
+    return [Stats(statistics.median(r), min(r), max(r), reps, (f[0] / gib, f[1] / gib)) for r, f in zip(rates, faults)]
 
 
 class CpuMeter:
@@ -292,6 +340,10 @@ def echo_server_main(endpoints: Sequence[str]) -> int:
                 sock.send_multipart([ident, b"tuned=%d" % tuned])
             else:
                 sock.send_multipart([ident, b"error"])
+            # Free the received buffers now, as the daemon does once it has replied,
+            # not only when the next recv rebinds the name (that would hold two
+            # requests' worth of buffers and change how glibc reuses them).
+            del frames, ident
     finally:
         sock.close(linger=0)
         ctx.term()

@@ -32,16 +32,24 @@ Fairness: every process that receives large messages (this client, the echo
 server, the daemon) runs with :func:`lmcache_client.memtune.tune_malloc`.  All
 servers run at once and each (size, op) is measured for every system back to
 back, their repetitions interleaved, so drift and bursts of outside load hit
-all of them alike.  The script reports how much CPU other processes used
-during the run: on a 2-core machine anything above ~0.1 core makes the
-figures noisy.  Before timing, the daemon's pool and
-Redis are filled once to their memory limit (untimed), so puts are measured in
-the steady state of a full cache rather than while first touching fresh memory.
+all of them alike.  Before timing, the daemon's pool and Redis are filled once
+to their memory limit (untimed), so puts are measured in the steady state of a
+full cache rather than while first touching fresh memory.
 
 Each cell: ``--warmup`` untimed requests, then ``--reps`` repetitions of enough
 requests to move about ``--rep-mib`` MiB; the table shows the median rate.
 Targets (at ``--target-mib``, 16 by default): daemon >= 0.8x zmq-echo on the
-same transport, and >= 3x Redis, for put and get.
+same transport, and >= 3x Redis (SET for put, GET for get), for put and get,
+checked for each transport.
+
+Diagnostics printed with the figures: the CPU other processes used during the
+run (on a 2-core machine anything above ~0.1 core makes the figures noisy), and
+per cell the minor page faults per GiB moved in the client and in the server
+(262,144 = every 4 KiB page of every buffer faulted in afresh).  Cells whose
+receiving side re-faults its buffers are listed: tune_malloc does not reach
+the glibc arena of libzmq's I/O thread.  ``--malloc-arena-max 1`` (an
+experiment, off by default) sets glibc's M_ARENA_MAX=1 in every process to
+show the figures without that cost.
 
 Run: ``python benchmarks/bench_throughput.py [--quick] [--sizes 1,4,16,32] [--json out.json]``
 """
@@ -53,7 +61,9 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import mmap
+import os
 import shutil
 import sys
 import tempfile
@@ -74,12 +84,15 @@ from _harness import (  # noqa: E402
     MIB,
     Child,
     CpuMeter,
+    FaultProbe,
     Processes,
     Stats,
     filled_buffer,
     free_port,
+    limit_malloc_arenas,
     load_average,
     measure_group,
+    minor_faults,
     raise_on_sigterm,
     redis_client,
     wait_until,
@@ -91,6 +104,8 @@ TRANSPORTS = ("tcp", "ipc")
 OPS = ("put", "get")
 ECHO_RATIO_TARGET = 0.8
 REDIS_RATIO_TARGET = 3.0
+FULL_REFAULT_PER_GIB = 1024**3 // 4096
+REFAULT_WARN = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +119,7 @@ class Options:
     json_path: Path | None
     redis_server: str | None
     profile_daemon: Path | None
+    malloc_arena_max: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +168,7 @@ class Bench:
         self.fresh_memcpy: dict[int, Stats] = {}
         self._cell = 0
         self.cpu: CpuMeter | None = None
+        self.server_pids: dict[str, int] = {}
         self._cells = len(opts.sizes_mib) * (2 + len(OPS) * (2 * len(TRANSPORTS) + (1 if opts.redis_server else 0)))
 
     # -- setup ---------------------------------------------------------------------------
@@ -184,6 +201,7 @@ class Bench:
         if o.profile_daemon is not None:
             daemon_argv = ["-m", "cProfile", "-o", str(o.profile_daemon), *daemon_argv]
         daemon = self.procs.start("daemon", [py, *daemon_argv])
+        self.server_pids = {"zmq-echo": echo.proc.pid, "daemon": daemon.proc.pid}
         redis_proc: Child | None = None
         redis_port = free_port()
         if o.redis_server:
@@ -193,9 +211,16 @@ class Bench:
                  "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory", str(o.pool_bytes),
                  "--maxmemory-policy", "allkeys-lru", "--logfile", ""],
             )  # fmt: skip
+            self.server_pids["redis"] = redis_proc.proc.pid
 
         # Clients (zmq contexts and threads) only after every fork above.
         tuned = tune_malloc()
+        if o.malloc_arena_max is not None:
+            applied = limit_malloc_arenas(o.malloc_arena_max)
+            self.notes.append(f"EXPERIMENT: glibc M_ARENA_MAX={o.malloc_arena_max} in every process "
+                              f"(bench client: {applied}; children: MALLOC_ARENA_MAX)")  # fmt: skip
+        # The client logs "unavailable" once per outage; pings before the daemon is up are expected.
+        logging.getLogger("lmcache_client").setLevel(logging.ERROR)
         for transport in TRANSPORTS:
             client = CacheClient(self.endpoints["daemon"][transport], NAMESPACE, timeout_s=60, fail_open=False)
             wait_until(functools.partial(_pings, client), 60, f"daemon on {transport}", daemon.check_alive)
@@ -204,6 +229,7 @@ class Bench:
             sock.setsockopt(zmq.RCVTIMEO, 60_000)
             sock.setsockopt(zmq.SNDTIMEO, 60_000)
             self.echo[transport] = sock
+        logging.getLogger("lmcache_client").setLevel(logging.NOTSET)
         self.echo["tcp"].send(b"hello")
         echo_tuned = self.echo["tcp"].recv() == b"tuned=1"
         echo.check_alive()
@@ -232,10 +258,12 @@ class Bench:
         client = self.daemon["tcp"]
         for _ in range(calls):
             _expect_stored(client.put(self.keys.batch(), self.sources))
+        what = "the daemon's pool"
         if self.redis is not None:
+            what += " and redis"
             for _ in range(calls):
                 self.redis.mset(dict(zip(self.keys.batch(), self.sources)))
-        self.progress(f"primed the daemon pool and redis with {calls * BATCH * chunk >> 20} MiB each "
+        self.progress(f"primed {what} with {calls * BATCH * chunk >> 20} MiB "
                       f"in {time.perf_counter() - t0:.1f}s (untimed)")  # fmt: skip
 
     # -- running -------------------------------------------------------------------------
@@ -247,16 +275,25 @@ class Bench:
         o = self.opts
         batch_bytes = BATCH * size
         calls = max(1, round(o.rep_mib * MIB / batch_bytes))
-        results = measure_group([m[2] for m in members], batch_bytes, calls, o.reps, o.warmup)
+        probed = [(call, self._fault_probe(system)) for system, _, call in members]
+        names = ", ".join(f"{system} {transport}".rstrip(" -") for system, transport, _ in members)
+        self.progress(f"measuring {op} {size >> 20} MiB x{BATCH}: {names} (interleaved) ...")
+        results = measure_group(probed, batch_bytes, calls, o.reps, o.warmup)
         for (system, transport, _), stats in zip(members, results):
             self._cell += 1
             if system != "memcpy-fresh":
                 self.rows.append(Row(system, transport, op, size, stats))
+            client_faults, server_faults = stats.faults_per_gib
             self.progress(
                 f"[{self._cell:2d}/{self._cells}] {system:12s} {transport:3s} {op} {size >> 20:3d} MiB x{BATCH}: "
-                f"{stats.median:8,.0f} MiB/s {stats.spread()}  ({o.reps} reps x {calls} requests)"
+                f"{stats.median:8,.0f} MiB/s {stats.spread():17s} ({o.reps} reps x {calls} requests; "
+                f"page faults/GiB client {client_faults:,.0f} server {server_faults:,.0f})"
             )
         return results
+
+    def _fault_probe(self, system: str) -> FaultProbe:
+        server = self.server_pids.get(system)
+        return lambda: (minor_faults(None), minor_faults(server) if server else 0)
 
     def run(self) -> None:
         for size_mib in self.opts.sizes_mib:
@@ -353,19 +390,38 @@ class Bench:
             self.redis.close()
 
     # -- report --------------------------------------------------------------------------
+    def _refaulted_cells(self) -> list[str]:
+        """zmq cells whose receiving process (server for put, client for get) page-faulted its buffers."""
+        out = []
+        for row in self.rows:
+            if row.system in ("zmq-echo", "daemon"):
+                receiver = row.stats.faults_per_gib[1 if row.op == "put" else 0]
+                if receiver > REFAULT_WARN * FULL_REFAULT_PER_GIB:
+                    out.append(f"{row.system} {row.transport} {row.op} {row.size_bytes >> 20} MiB "
+                               f"({receiver / FULL_REFAULT_PER_GIB:.0%})")  # fmt: skip
+        return out
+
     def rate(self, system: str, transport: str, op: str, size: int) -> float | None:
         for row in self.rows:
             if (row.system, row.transport, row.op, row.size_bytes) == (system, transport, op, size):
                 return row.stats.median
         return None
 
-    def report(self) -> bool:
-        """Print the table and the targets; True if every target passed."""
+    def report(self) -> bool | None:
+        """Print the table and the targets; True if every target passed (None: not evaluated)."""
         print()
         if self.cpu is not None:
             outside = self.cpu.outside_load()
             warn = "  WARNING: the figures are noisy; rerun on a quiet machine" if outside > 0.1 else ""
             self.notes.append(f"CPU used by other processes while measuring: {outside:.2f} cores{warn}")
+        refaulted = self._refaulted_cells()
+        if refaulted:
+            self.notes.append(
+                f"receive buffers were page-faulted in again (> {REFAULT_WARN:.0%} of the bytes received) in "
+                f"{len(refaulted)} zmq cells: {', '.join(refaulted)}.  tune_malloc keeps the main arena's memory, "
+                "but libzmq's I/O thread allocates from its own glibc arena, whose heaps are unmapped when "
+                "emptied; rerun with --malloc-arena-max 1 for the figures without that cost"
+            )
         for note in self.notes:
             print(f"note: {note}")
         has_redis = self.redis is not None
@@ -394,11 +450,11 @@ class Bench:
         print(f"memcpy-fresh (into a freshly mmapped destination, page faults included), MiB/s: {fresh}")
         return self.targets()
 
-    def targets(self) -> bool:
+    def targets(self) -> bool | None:
         size = self.opts.target_mib * MIB
         if self.opts.target_mib not in self.opts.sizes_mib:
             print(f"\ntargets not evaluated: {self.opts.target_mib} MiB not among --sizes")
-            return True
+            return None
         print(f"\ntargets at {self.opts.target_mib} MiB:")
         ok = True
         for op in OPS:
@@ -461,8 +517,12 @@ def _parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--target-mib", type=int, default=16, help="chunk size the targets are checked at (default 16)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--redis-server", default=shutil.which("redis-server"), help="redis-server binary ('' to skip)")
-    p.add_argument("--profile-daemon", type=Path, metavar="PATH",
-                   help="run the daemon under cProfile, writing its stats to PATH")  # fmt: skip
+    p.add_argument(
+        "--profile-daemon", type=Path, metavar="PATH", help="run the daemon under cProfile, writing its stats to PATH"
+    )
+    p.add_argument("--malloc-arena-max", type=int, metavar="N",
+                   help="experiment: glibc M_ARENA_MAX=N in every process (client, echo server, daemon); "
+                        "1 keeps libzmq's I/O-thread receive buffers in the main arena")  # fmt: skip
     a = p.parse_args(argv)
     from lmcache_server.config import parse_size  # the daemon's own size syntax
 
@@ -479,6 +539,7 @@ def _parse_args(argv: Sequence[str] | None) -> Options:
         json_path=a.json,
         redis_server=a.redis_server or None,
         profile_daemon=a.profile_daemon.resolve() if a.profile_daemon else None,
+        malloc_arena_max=a.malloc_arena_max,
     )
 
 
@@ -489,7 +550,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = load_average()
     print(f"load average before start: {load:.2f}" + ("  (busy machine: expect noisy figures)" if load > 0.5 else ""))
     workdir = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
-    procs = Processes(workdir)
+    env = None
+    if opts.malloc_arena_max is not None:
+        env = {**os.environ, "MALLOC_ARENA_MAX": str(opts.malloc_arena_max)}
+    procs = Processes(workdir, env)
     bench: Bench | None = None
     try:
         bench = Bench(opts, procs, workdir)
@@ -498,7 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         passed = bench.report()
         if opts.json_path is not None:
             bench.write_json(opts.json_path)
-        print(f"\ntotal {time.perf_counter() - started:.0f}s; targets {'all PASS' if passed else 'MISSED'}")
+        verdict = "not evaluated" if passed is None else "all PASS" if passed else "MISSED"
+        print(f"\ntotal {time.perf_counter() - started:.0f}s; targets {verdict}")
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted; stopping the servers", file=sys.stderr)
