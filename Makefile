@@ -27,9 +27,10 @@ setup-test: $(VENV)/.installed-test
 system-deps:
 	bash scripts/system-deps.sh
 
-## Run the daemon on the built-in defaults (CPU memory tier, tcp://127.0.0.1:65432).
+## Run the daemon on the built-in defaults plus a disk tier in ./.lmcache/spill
+## (CPU memory + disk, no Redis; tcp://127.0.0.1:65432).  Extra flags: make run ARGS="...".
 run: setup
-	$(BIN)/lmcache-server $(ARGS)
+	$(BIN)/lmcache-server --set local_disk=file://$(CURDIR)/.lmcache/spill --set max_local_disk_size=10GiB $(ARGS)
 
 ## Run the test suite against real daemon processes (and real redis-server, prometheus).
 test: setup-test system-deps
