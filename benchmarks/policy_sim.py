@@ -143,15 +143,23 @@ class CacheModel:
                 self.policy.touched(key)
 
     def put(self, keys: Sequence[ChunkKey]) -> int:
-        """Stored count; parents are the previous key of this put, as the tiered store passes them."""
+        """Stored count; parents are the previous key of this put, as the tiered store passes them.
+
+        Like the daemon (TieredStore.prepare_puts), a put first reserves room for
+        all its new chunks, evicting as needed, and only then inserts them, so a
+        put never evicts its own chunks.
+        """
         policy, held = self.policy, self.held
-        stored = 0
         parent: ChunkKey | None = None
+        new: list[tuple[ChunkKey, ChunkKey | None]] = []
+        reserved: set[ChunkKey] = set()
         for key in keys:
             if key in held:
                 policy.touched(key)
+            elif key in reserved:
+                pass  # repeated within the put: EXISTS
             elif policy.admit(key, 1, parent):
-                if len(held) >= self.capacity:
+                if len(held) + len(new) >= self.capacity:
                     victim = policy.victim(_never)
                     if victim is None:  # nothing evictable: NO_SPACE
                         parent = key
@@ -159,11 +167,13 @@ class CacheModel:
                     held.remove(victim)
                     policy.removed(victim)
                     self.evictions += 1
-                held.add(key)
-                policy.inserted(key, 1, parent)
-                stored += 1
+                new.append((key, parent))
+                reserved.add(key)
             parent = key
-        return stored
+        for key, key_parent in new:
+            held.add(key)
+            policy.inserted(key, 1, key_parent)
+        return len(new)
 
 
 def _never(key: ChunkKey) -> bool:

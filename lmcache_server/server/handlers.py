@@ -28,6 +28,9 @@ class Outcome:
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
     budget_bytes: int = 0
     """Bytes taken from the budget for the reply; released once it is sent."""
+    after_reply: Callable[[], None] | None = None
+    """Work to finish right after the reply is queued, before any other request
+    runs (a put's copy into the pool: it overlaps the client's next transfer)."""
 
 
 class Handlers:
@@ -80,8 +83,8 @@ class Handlers:
         return Outcome({"time": time.time()})
 
     async def put(self, request: Request) -> Outcome:
-        statuses = await self.store.put_many(self._ns(request), request.keys, request.payloads)
-        return Outcome({"status": [int(s) for s in statuses]})
+        statuses, finish = self.store.prepare_puts(self._ns(request), request.keys, request.payloads)
+        return Outcome({"status": [int(s) for s in statuses]}, after_reply=finish)
 
     async def get(self, request: Request) -> Outcome:
         chunks = await self.store.get_many(self._ns(request), request.keys)

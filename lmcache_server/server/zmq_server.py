@@ -152,6 +152,10 @@ class ZmqServer:
     # -- requests ------------------------------------------------------------------
     def _dispatch(self, frames: list[Any]) -> None:
         started = time.perf_counter()
+        if self._outgoing:
+            # Release finished sends first, so a request never sees a chunk
+            # still leased by a reply its client has already received.
+            self._sweep()
         envelope, body = split_envelope(frames)
         try:
             request = decode_request(body, self.limits)
@@ -212,6 +216,8 @@ class ZmqServer:
                 self._outgoing.append(out)
             else:
                 self._finish(out)
+            if outcome.after_reply is not None:
+                outcome.after_reply()
         self.metrics.observe(op, "ok", time.perf_counter() - started)
 
     def _reply_error(
@@ -249,12 +255,14 @@ class ZmqServer:
             # Releases never delay a reply (only the reuse of leased bytes), so
             # a few milliseconds of lag costs nothing and saves wake-ups.
             await asyncio.sleep(0.005 if self._outgoing else 0.02)
-            if not self._outgoing:
-                continue
-            pending = []
-            for out in self._outgoing:
-                if out.tracker.done:
-                    self._finish(out)
-                else:
-                    pending.append(out)
-            self._outgoing = pending
+            if self._outgoing:
+                self._sweep()
+
+    def _sweep(self) -> None:
+        pending = []
+        for out in self._outgoing:
+            if out.tracker.done:
+                self._finish(out)
+            else:
+                pending.append(out)
+        self._outgoing = pending

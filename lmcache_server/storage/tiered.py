@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache_client.protocol import PutStatus
@@ -87,19 +87,52 @@ class TieredStore:
             self.promotions[disk.name] += 1
         return self.memory.lease(key)
 
-    async def put_many(self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]) -> list[PutStatus]:
+    def prepare_puts(
+        self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]
+    ) -> tuple[list[PutStatus], Callable[[], None]]:
+        """Phase one of a put: room for every chunk, and the statuses to answer.
+
+        The returned ``finish`` copies the payloads in and makes the chunks
+        visible.  The server calls it right after queueing the reply, in the
+        same event-loop step, so no other request can observe the gap, while
+        ZeroMQ's I/O thread already receives the client's next request: the
+        copy into the pool overlaps the next transfer instead of delaying it.
+        """
+        statuses: list[PutStatus] = []
+        pending: list[tuple[Reservation, Any]] = []
+        reserved: set[ChunkKey] = set()
         # Consecutive keys of one put are (nearly always) one prefix chain: the
         # previous key is a hint to the eviction policy.
-        out = []
         parent: ChunkKey | None = None
         for digest, payload in zip(digests, payloads):
             key = ChunkKey(namespace, digest)
-            status = await self.memory.put(key, payload, parent)
-            if self.remote is not None and status is PutStatus.STORED:
-                self.remote.enqueue(key, payload)
-            out.append(status)
+            if key in reserved:
+                statuses.append(PutStatus.EXISTS)  # repeated within this put
+                continue
+            src = memoryview(payload).cast("B")
+            reservation = self.memory.prepare_store(key, src.nbytes, parent)
+            if isinstance(reservation, Reservation):
+                pending.append((reservation, src))
+                reserved.add(key)
+                statuses.append(PutStatus.STORED)
+            else:
+                statuses.append(reservation)
             parent = key
-        return out
+
+        def finish() -> None:
+            for reservation, src in pending:
+                reservation.view[:] = src
+                self.memory.complete_store(reservation)
+                if self.remote is not None:
+                    self.remote.enqueue(reservation.key, src)
+
+        return statuses, finish
+
+    async def put_many(self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]) -> list[PutStatus]:
+        """Store the chunks now (prepare_puts + finish in one step)."""
+        statuses, finish = self.prepare_puts(namespace, digests, payloads)
+        finish()
+        return statuses
 
     def _where(self, key: ChunkKey) -> str | None:
         return next((t.name for t in self.tiers if t.peek(key)), None)
