@@ -122,13 +122,14 @@ def rebuild_time(directory: Path, entries: int) -> float:
     """Seconds the disk tier takes to rebuild its index from ``entries`` chunk files."""
     from lmcache_server.storage.base import ChunkKey
     from lmcache_server.storage.chunkfile import encode_header
-    from lmcache_server.storage.disk import HEADER_BLOCK, DiskTier, _path_for, _write_record
+    from lmcache_server.storage.disk import DiskTier
+    from lmcache_server.storage.diskfiles import HEADER_BLOCK, path_for, write_record
 
     payload = os.urandom(4096)
     for i in range(entries):
         key = ChunkKey(NAMESPACE, i.to_bytes(32, "little"))
         header = encode_header(key.namespace, key.digest, payload, pad_to=HEADER_BLOCK)
-        _write_record(_path_for(directory, key), header, payload, "none")
+        write_record(path_for(directory, key), header, payload, "none")
         if i and i % 20000 == 0:
             print(f"  wrote {i} files", flush=True)
     drop_page_cache()
