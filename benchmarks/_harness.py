@@ -26,18 +26,21 @@ Primitives:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
 import os
 import resource
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -144,6 +147,22 @@ def limit_malloc_arenas(n: int) -> bool:
     """
     name = ctypes.util.find_library("c")
     return bool(name) and bool(ctypes.CDLL(name).mallopt(_M_ARENA_MAX, n))
+
+
+@contextlib.contextmanager
+def workspace(prefix: str, env: dict[str, str] | None = None) -> Iterator[tuple[Processes, Path]]:
+    """A temp dir and the child processes of one benchmark run.
+
+    On exit (also on Ctrl-C or SIGTERM, see :func:`raise_on_sigterm`) every
+    child is stopped and the directory removed.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    procs = Processes(workdir, env)
+    try:
+        yield procs, workdir
+    finally:
+        procs.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def raise_on_sigterm() -> None:

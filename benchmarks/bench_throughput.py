@@ -66,7 +66,6 @@ import mmap
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -96,6 +95,7 @@ from _harness import (  # noqa: E402
     raise_on_sigterm,
     redis_client,
     wait_until,
+    workspace,
 )
 
 BATCH = 8
@@ -549,30 +549,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     load = load_average()
     print(f"load average before start: {load:.2f}" + ("  (busy machine: expect noisy figures)" if load > 0.5 else ""))
-    workdir = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
     env = None
     if opts.malloc_arena_max is not None:
         env = {**os.environ, "MALLOC_ARENA_MAX": str(opts.malloc_arena_max)}
-    procs = Processes(workdir, env)
-    bench: Bench | None = None
-    try:
-        bench = Bench(opts, procs, workdir)
-        bench.start()
-        bench.run()
-        passed = bench.report()
-        if opts.json_path is not None:
-            bench.write_json(opts.json_path)
-        verdict = "not evaluated" if passed is None else "all PASS" if passed else "MISSED"
-        print(f"\ntotal {time.perf_counter() - started:.0f}s; targets {verdict}")
-        return 0
-    except KeyboardInterrupt:
-        print("\ninterrupted; stopping the servers", file=sys.stderr)
-        return 130
-    finally:
-        if bench is not None:
-            bench.close()
-        procs.stop_all()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with workspace("lmcache-bench-", env) as (procs, workdir):
+        bench: Bench | None = None
+        try:
+            bench = Bench(opts, procs, workdir)
+            bench.start()
+            bench.run()
+            passed = bench.report()
+            if opts.json_path is not None:
+                bench.write_json(opts.json_path)
+            verdict = "not evaluated" if passed is None else "all PASS" if passed else "MISSED"
+            print(f"\ntotal {time.perf_counter() - started:.0f}s; targets {verdict}")
+            return 0
+        except KeyboardInterrupt:
+            print("\ninterrupted; stopping the servers", file=sys.stderr)
+            return 130
+        finally:
+            if bench is not None:
+                bench.close()
 
 
 if __name__ == "__main__":

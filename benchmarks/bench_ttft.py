@@ -46,10 +46,8 @@ import argparse
 import dataclasses
 import json
 import logging
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,7 +60,7 @@ from lmcache_client import CacheClient
 from lmcache_client.integrations.hf import CachedPrefill, PrefillResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Processes, free_port, load_average, raise_on_sigterm, wait_until  # noqa: E402
+from _harness import free_port, load_average, raise_on_sigterm, wait_until, workspace  # noqa: E402
 
 VOCAB = 32000
 TARGET_RATIO_AT_4K = 0.2
@@ -282,43 +280,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = load_average()
     print(f"load average before start: {load:.2f}" + ("  (busy machine: expect noisy figures)" if load > 0.5 else ""))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunk_size {opts.chunk_size}")
-    workdir = Path(tempfile.mkdtemp(prefix="lmcache-ttft-"))
-    procs = Processes(workdir)
-    bench: Bench | None = None
-    try:
-        address = f"ipc://{workdir}/daemon.sock" if opts.transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"
-        argv_ = [sys.executable, "-m", "lmcache_server", "--listen", address, "--metrics-port", "0"]
-        daemon = procs.start("daemon", [*argv_, "--max-local-cpu-size", "2GiB"])
-        logging.getLogger("lmcache_client").setLevel(logging.ERROR)  # pings before it is up fail
-        with CacheClient(address, timeout_s=0.5) as probe:
-            wait_until(lambda: _pings(probe), 60, "daemon", daemon.check_alive)
-        logging.getLogger("lmcache_client").setLevel(logging.NOTSET)
-        bench = Bench(opts, address)
-        config = bench.model.config
-        print(
-            f"model: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-            f"{config.num_attention_heads} heads, {config.num_key_value_heads} KV heads, "
-            f"MLP {config.intermediate_size}, "
-            f"{sum(p.numel() for p in bench.model.parameters()) / 1e6:.1f}M parameters, fp32, "
-            f"attention {config._attn_implementation}"
-        )
-        print(f"daemon at {address}; namespace {bench.adapter.namespace}")
-        bench.warm_up()
-        rows = bench.run()
-        report(rows)
-        print(f"load average at the end: {load_average():.2f}; total {time.perf_counter() - started:.0f}s")
-        if opts.json_path is not None:
-            opts.json_path.write_text(json.dumps([r.as_json() for r in rows], indent=1) + "\n")
-            print(f"wrote {len(rows)} rows to {opts.json_path}")
-        return 0
-    except KeyboardInterrupt:
-        print("\ninterrupted; stopping the daemon", file=sys.stderr)
-        return 130
-    finally:
-        if bench is not None:
-            bench.close()
-        procs.stop_all()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with workspace("lmcache-ttft-") as (procs, workdir):
+        bench: Bench | None = None
+        try:
+            address = f"ipc://{workdir}/daemon.sock" if opts.transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"
+            argv_ = [sys.executable, "-m", "lmcache_server", "--listen", address, "--metrics-port", "0"]
+            daemon = procs.start("daemon", [*argv_, "--max-local-cpu-size", "2GiB"])
+            logging.getLogger("lmcache_client").setLevel(logging.ERROR)  # pings before it is up fail
+            with CacheClient(address, timeout_s=0.5) as probe:
+                wait_until(lambda: _pings(probe), 60, "daemon", daemon.check_alive)
+            logging.getLogger("lmcache_client").setLevel(logging.NOTSET)
+            bench = Bench(opts, address)
+            config = bench.model.config
+            print(
+                f"model: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+                f"{config.num_attention_heads} heads, {config.num_key_value_heads} KV heads, "
+                f"MLP {config.intermediate_size}, "
+                f"{sum(p.numel() for p in bench.model.parameters()) / 1e6:.1f}M parameters, fp32, "
+                f"attention {config._attn_implementation}"
+            )
+            print(f"daemon at {address}; namespace {bench.adapter.namespace}")
+            bench.warm_up()
+            rows = bench.run()
+            report(rows)
+            print(f"load average at the end: {load_average():.2f}; total {time.perf_counter() - started:.0f}s")
+            if opts.json_path is not None:
+                opts.json_path.write_text(json.dumps([r.as_json() for r in rows], indent=1) + "\n")
+                print(f"wrote {len(rows)} rows to {opts.json_path}")
+            return 0
+        except KeyboardInterrupt:
+            print("\ninterrupted; stopping the daemon", file=sys.stderr)
+            return 130
+        finally:
+            if bench is not None:
+                bench.close()
 
 
 if __name__ == "__main__":
