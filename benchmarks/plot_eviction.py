@@ -33,7 +33,7 @@ from policy_sim import (  # noqa: E402
 
 from lmcache_server.storage.policy import POLICIES  # noqa: E402
 
-PCTS = [1, 2, 3, 5, 7, 10, 15, 20, 30, 40, 50]
+PCTS = [1, 2, 3, 5, 7, 10, 15, 20, 25, 30, 40, 50]
 STYLE = {
     "lru": ("LRU", "tab:blue", "o", "-"),
     "lfuda": ("lfuda (ours)", "tab:red", "s", "-"),

@@ -31,6 +31,9 @@ Keys: block id ``i`` becomes the 32-byte chunk digest
 ``sha256(b"lmcache-trace-block\\0" + i.to_bytes(8, "big"))`` (:func:`block_digest`).
 A trace id already names its whole prefix, so no hash chain is needed.
 
+``lfuda-no-tails`` is the ``lfuda`` policy without its put-tails rule (an
+ablation, simulated only).
+
 Usage: ``python benchmarks/policy_sim.py [--trace PATH] [--capacity-pct 2,5,10,20,50]
 [--policies lru,lfuda,belady] [--json OUT]``
 """
@@ -51,13 +54,17 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_server.storage.base import ChunkKey
-from lmcache_server.storage.policy import POLICIES, EvictionPolicy, LRUPolicy
+from lmcache_server.storage.policy import POLICIES, EvictionPolicy, LFUDAPolicy, LRUPolicy
 
 BLOCK_TOKENS = 512
 NAMESPACE = "mooncake-trace|bfloat16|L28|KV4|D128|tp0of1|c512"
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 OFFLINE_ONLY = ("belady", "oracle-reuse-lru", "oracle-count")
+# Ablations of the daemon's policies, simulated only (figures in docs/eviction.md).
+VARIANTS: dict[str, Callable[[], EvictionPolicy]] = {
+    "lfuda-no-tails": lambda: LFUDAPolicy(tails_first=False),  # lfuda before put tails went first
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -316,7 +323,8 @@ def simulate(
     keys = keys or trace_keys(requests)
     if policy in ORACLES:
         return replay_model(requests, CacheModel(capacity, ORACLES[policy](access_counts(requests, keys))), keys)
-    return replay_model(requests, CacheModel(capacity, POLICIES[policy]()), keys)
+    factory = POLICIES.get(policy) or VARIANTS[policy]
+    return replay_model(requests, CacheModel(capacity, factory()), keys)
 
 
 def _run_cell(cell: tuple[str, int]) -> tuple[str, int, Counts, float]:
@@ -352,8 +360,8 @@ def run_grid(
     _TRACE, _KEYS = requests, trace_keys(requests)
     cells = [(p, c) for p in policies for c in capacities]
     for p in policies:
-        if p not in POLICIES and p not in OFFLINE_ONLY:
-            raise ValueError(f"unknown policy {p!r}; known: {sorted([*POLICIES, *OFFLINE_ONLY])}")
+        if p not in POLICIES and p not in OFFLINE_ONLY and p not in VARIANTS:
+            raise ValueError(f"unknown policy {p!r}; known: {sorted([*POLICIES, *OFFLINE_ONLY, *VARIANTS])}")
     results: dict[tuple[str, int], Counts] = {}
     processes = processes or os.cpu_count() or 1
     if processes > 1 and len(cells) > 1:

@@ -127,8 +127,92 @@ def test_lfuda_tails_leave_before_heads() -> None:
         held[name] = model.lookup(chain), key(3) in model.held
     # LRU drops the chain's head first: its tail stays, an orphan no lookup can reach.
     assert held["lru"] == (0, True)
-    # lfuda drops the tail first: the head still saves a chunk of prefill.
-    assert held["lfuda"] == (1, False)
+    # lfuda drops tails first: the two put tails (3, 11), then the deepest chunk
+    # left (2); the head still saves two chunks of prefill.
+    assert held["lfuda"] == (2, False)
+
+
+def test_lfuda_put_tail_leaves_before_an_older_one_off() -> None:
+    # depth_penalty=0 isolates the put-tail rule from the depth tie-break.
+    held = {}
+    for tails_first in (False, True):
+        model = CacheModel(3, LFUDAPolicy(depth_penalty=0, tails_first=tails_first))
+        fill(model, [100])  # a one-off, the oldest chunk
+        fill(model, [1, 2], batch=True)  # a chain; 2 is its put's tail
+        fill(model, [200])  # the next put begins: 2 is known to be a tail; one victim
+        held[tails_first] = model.held
+    assert held[False] == {key(1), key(2), key(200)}  # plain LFU-DA: the oldest goes
+    assert held[True] == {key(100), key(1), key(200)}  # the tail goes, not the older one-off
+
+
+def test_lfuda_put_tail_read_again_is_an_ordinary_chunk() -> None:
+    # Read before the next put begins: never marked.
+    model = CacheModel(3, LFUDAPolicy(depth_penalty=0))
+    fill(model, [100])
+    fill(model, [1, 2], batch=True)
+    model.get([key(100)])
+    model.get([key(1), key(2)])  # the tail was read: the conversation came back to it
+    fill(model, [200])  # all read twice: the least recently read, 100, goes
+    assert key(2) in model.held and key(100) not in model.held
+    # Read after it was marked: unmarked.
+    model = CacheModel(4, LFUDAPolicy(depth_penalty=0))
+    fill(model, [100])
+    fill(model, [1, 2], batch=True)
+    fill(model, [300])  # 2 is marked a tail
+    for ids in ([300], [100], [1, 2]):
+        model.get([key(i) for i in ids])
+    fill(model, [200])  # all read twice: the least recently read, 300, goes
+    assert key(2) in model.held and key(300) not in model.held
+
+
+def test_lfuda_single_chunk_puts_are_not_tails() -> None:
+    # Chunk-at-a-time clients and promotions: every put has one chunk, none is a tail.
+    p = LFUDAPolicy(depth_penalty=0)
+    for i in range(4):
+        assert p.admit(key(i), 1, None)
+        p.inserted(key(i), 1, None)
+    assert not any(e.tail for e in p._entries.values())
+    assert p.victim(never) == key(0)
+
+
+def test_lfuda_tail_known_before_it_is_inserted() -> None:
+    # The daemon reserves a put's chunks (admit) and inserts them after its copy,
+    # which may come after the next put's first admit.
+    p = LFUDAPolicy(depth_penalty=0)
+    p.admit(key(0), 1, None)
+    p.admit(key(1), 1, key(0))
+    p.admit(key(2), 1, None)  # next put: 1 is the previous put's tail, not yet inserted
+    for i, parent in ((0, None), (1, key(0)), (2, None)):
+        p.inserted(key(i), 1, parent)
+    assert p.victim(never) == key(1)
+    assert [k for k, e in p._entries.items() if e.tail] == [key(1)]
+
+
+def test_lfuda_age_never_goes_back_and_heap_stays_bounded() -> None:
+    rng = random.Random(3)
+    p = LFUDAPolicy(min_ghost=64)
+    model = CacheModel(32, p)
+    ages = []
+    for _ in range(3000):
+        start = rng.randrange(200)
+        fill(model, list(range(start, start + rng.randint(1, 5))), batch=True)
+        if rng.random() < 0.5:
+            hits = model.lookup([key(start), key(start + 1)])
+            model.get([key(start), key(start + 1)][:hits])
+        ages.append(p._age)
+        assert len(p._heap) <= 2 * p.chunks + 64 and p.chunks == len(model.held) <= 32
+        assert len(p._ghost) <= max(64, 8 * p.chunks)
+    assert ages == sorted(ages) and ages[-1] > 0
+
+
+def test_lfuda_beats_lru_on_the_trace_start() -> None:
+    if not DEFAULT_TRACE.exists():
+        pytest.skip(f"{DEFAULT_TRACE} not present")
+    requests = load_trace(DEFAULT_TRACE, 3000)
+    capacity = distinct_blocks(requests) // 50  # 2%
+    lru, lfuda = (simulate(requests, capacity, p).token_hit_rate for p in ("lru", "lfuda"))
+    old = replay_model(requests, CacheModel(capacity, LFUDAPolicy(tails_first=False)), trace_keys(requests))
+    assert lfuda > lru and lfuda >= old.token_hit_rate
 
 
 def test_lfuda_victim_skips_without_losing_candidates() -> None:
