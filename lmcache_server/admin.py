@@ -13,9 +13,11 @@ Commands:
 
 The daemon is found from ``--address``, else from the config the daemon uses
 (``--config``, ``LMCACHE_CONFIG``, ``LMCACHE_*`` variables: its first
-``listen`` endpoint, a wildcard host replaced by loopback).  There is no
-authentication yet (issue #7): anyone who can reach the port can clear the
-cache, so keep it on loopback or a private network.
+``listen`` endpoint, a wildcard host replaced by loopback).  A daemon with
+``auth: curve`` needs ``--client-secret-key`` (a key with the admin role for
+``clear --all``, ``namespaces`` and ``stats`` without ``--namespace``) and the
+daemon's public key: ``--server-public-key``, else read from the config's
+``server_secret_key_file`` (its ``.key`` sibling, or the file itself).
 
 Exit codes: 0 done, 1 daemon unreachable / not ready / error reply, 2 bad usage
 or a refused config.  Primitives: :func:`main`, :func:`daemon_address`,
@@ -37,6 +39,7 @@ from typing import Any
 import zmq
 
 from lmcache_client import CacheClient, ClientError, DaemonUnavailable
+from lmcache_client.curve import KeyFileError, read_public_key
 
 from .config import ConfigError, ServerConfig, load_config
 
@@ -169,10 +172,21 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--metrics-url", metavar="URL", help="base URL of /readyz (default: from the config)")
     common.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per request (default 5)")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    common.add_argument(
+        "--server-public-key",
+        metavar="KEY",
+        help="auth: curve: the daemon's public key, Z85 or a key file (default: from the config)",
+    )
+    common.add_argument(
+        "--client-secret-key",
+        metavar="KEY",
+        help="auth: curve: this client's secret key file (mode 0600) or Z85; admin role for global commands",
+    )
     p = argparse.ArgumentParser(
         prog="lmcache-server admin",
         description="Talk to a running lmcache-server over its wire protocol.",
-        epilog="No authentication yet (issue #7): anyone who reaches the port can clear the cache.",
+        epilog="With auth: curve pass --client-secret-key (and --server-public-key without --config); "
+        "see docs/security.md.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("ping", parents=[common], help="one round trip; prints the latency")
@@ -237,6 +251,19 @@ def _print(text: str) -> None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - replaces stdout for the interpreter's exit flush
 
 
+def _server_public_key(config: ServerConfig) -> str | None:
+    """The daemon's public key from its config: the ``.key`` beside the secret file, or the secret file."""
+    secret = config.server_secret_key_file
+    if secret is None:
+        return None
+    for candidate in (secret.removesuffix("_secret"), secret):
+        try:
+            return read_public_key(candidate).decode()
+        except KeyFileError:
+            continue
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "clear" and args.all and not args.yes:
@@ -245,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Failures are reported below, once; the client's own outage warning would repeat them.
     logging.getLogger("lmcache_client").setLevel(logging.ERROR)
     address: str | None = args.address
+    curve_daemon = False
     base: str | None = args.metrics_url.rstrip("/") if args.metrics_url else None
     # With only --address there is no config to guess the HTTP port from.
     if address is None or args.config:
@@ -255,12 +283,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         address = address or daemon_address(config)
         base = base or metrics_url(config)
+        curve_daemon = config.auth == "curve"
+        if args.client_secret_key and not args.server_public_key:
+            args.server_public_key = _server_public_key(config)
     context = zmq.Context()
     try:
-        with CacheClient(address, timeout_s=args.timeout, fail_open=False, context=context) as client:
+        with CacheClient(
+            address,
+            timeout_s=args.timeout,
+            fail_open=False,
+            context=context,
+            server_public_key=args.server_public_key,
+            client_secret_key=args.client_secret_key,
+        ) as client:
             return _run(args, address, base, client)
+    except KeyFileError as err:
+        print(f"cannot use the CURVE keys: {err}", file=sys.stderr)
+        return 2
     except DaemonUnavailable as err:
-        print(f"lmcache-server at {address} unavailable: {err}", file=sys.stderr)
+        hint = (
+            " (its config says auth: curve: pass --client-secret-key)"
+            if curve_daemon and not args.client_secret_key
+            else ""
+        )
+        print(f"lmcache-server at {address} unavailable: {err}{hint}", file=sys.stderr)
         return 1
     except ClientError as err:
         print(f"lmcache-server at {address} refused: {err}", file=sys.stderr)

@@ -3,7 +3,8 @@
 Flags override environment variables, which override the file (see config.py).
 Exit codes: 0 after a clean stop, 2 for a refused configuration, 1 otherwise.
 ``lmcache-server admin COMMAND ...`` runs an admin command against a running
-daemon instead (see admin.py).
+daemon instead (see admin.py); ``lmcache-server keygen NAME`` writes a CURVE
+key pair (see security/keygen.py and docs/security.md).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Standalone KV-cache server for LLM inference engines (ZeroMQ).",
         epilog="Every config key can also be set as LMCACHE_<KEY> in the environment. "
         "Precedence: flags > environment > config file > defaults. "
-        "Admin commands for a running daemon: lmcache-server admin {ping,health,stats,namespaces,clear} --help",
+        "Admin commands for a running daemon: lmcache-server admin {ping,health,stats,namespaces,clear} --help. "
+        "CURVE key pairs: lmcache-server keygen NAME --help",
     )
     p.add_argument("--config", metavar="PATH", help="YAML config file (default: $LMCACHE_CONFIG, else none)")
     p.add_argument(
@@ -78,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .admin import main as admin_main
 
         return admin_main(argv[1:])
+    if argv[:1] == ["keygen"]:
+        from .security.keygen import main as keygen_main
+
+        return keygen_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

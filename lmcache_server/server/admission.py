@@ -1,6 +1,9 @@
-"""Admission control: an in-flight byte budget that answers BUSY instead of queueing.
+"""Admission control: in-flight limits that answer BUSY instead of queueing.
 
-Primitive: :class:`ByteBudget` (``try_acquire``, ``release``, ``in_use``).
+Primitives: :class:`ByteBudget` (``try_acquire``, ``release``, ``in_use``),
+the server-wide byte budget; :class:`ClientLedger` (``try_admit``,
+``release``, ``hold``, ``unhold``), each client connection's own share of it,
+so one greedy client gets BUSY while the others keep being served.
 """
 
 from __future__ import annotations
@@ -22,3 +25,67 @@ class ByteBudget:
     def release(self, nbytes: int) -> None:
         self.in_use -= nbytes
         assert self.in_use >= 0, "byte budget released more than it lent"
+
+
+class ClientLedger:
+    """Requests and payload bytes in flight per peer (ZeroMQ routing id).
+
+    A request counts from admission until its handler finishes; bytes are a
+    put's payload until it is stored, and a get reply's payload until ZeroMQ
+    has sent it (a client that stops reading keeps holding them).  As with
+    :class:`ByteBudget`, a client holding no bytes is admitted whatever its
+    request's size.  Entries exist only while something is in flight, so the
+    table is bounded by the connections with work in progress.
+    """
+
+    def __init__(self, max_requests: int, max_bytes: int):
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self._entries: dict[bytes, list[int]] = {}  # peer -> [requests, bytes]
+
+    def try_admit(self, peer: bytes, nbytes: int) -> str | None:
+        """Count one request of ``nbytes``; None if admitted, else the limit it hit."""
+        entry = self._entries.get(peer)
+        if entry is None:
+            self._entries[peer] = [1, nbytes]
+            return None
+        requests, held = entry
+        if requests >= self.max_requests:
+            return "client_requests"
+        # max(.., 1): a get (no request payload) waits while the client's
+        # unsent replies fill its share.
+        if held and held + max(nbytes, 1) > self.max_bytes:
+            return "client_bytes"
+        entry[0] += 1
+        entry[1] += nbytes
+        return None
+
+    def release(self, peer: bytes, nbytes: int) -> None:
+        """The request admitted with ``nbytes`` is done."""
+        self._change(peer, -1, -nbytes)
+
+    def hold(self, peer: bytes, nbytes: int) -> None:
+        """A reply of ``nbytes`` payload is being sent to ``peer``."""
+        if nbytes:
+            entry = self._entries.setdefault(peer, [0, 0])
+            entry[1] += nbytes
+
+    def unhold(self, peer: bytes, nbytes: int) -> None:
+        if nbytes:
+            self._change(peer, 0, -nbytes)
+
+    def _change(self, peer: bytes, requests: int, nbytes: int) -> None:
+        entry = self._entries[peer]
+        entry[0] += requests
+        entry[1] += nbytes
+        assert entry[0] >= 0 and entry[1] >= 0, "client ledger released more than it counted"
+        if entry == [0, 0]:
+            del self._entries[peer]
+
+    def in_flight(self, peer: bytes) -> tuple[int, int]:
+        """(requests, bytes) of ``peer`` now."""
+        requests, held = self._entries.get(peer, (0, 0))
+        return requests, held
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -5,7 +5,9 @@ closed one (``EVENT_DISCONNECTED``: the peer closed it, or the heartbeat
 dropped it) on an inproc PAIR socket.  A task on the event loop reads those
 events and keeps the set of open connections (by file descriptor, so an event
 for a connection accepted before the monitor started cannot drive the count
-below zero).  No thread of ours: libzmq's I/O thread produces the events.
+below zero).  Failed handshakes (a refused CURVE key, a client without
+CURVE keys) are counted by reason.  No thread of ours: libzmq's I/O thread
+produces the events.
 
 Primitives: :class:`ConnectionMonitor` (``start`` after the socket is bound,
 ``connected``, ``close`` before the socket closes).
@@ -24,7 +26,14 @@ from ..metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
+_HANDSHAKE_FAILURES: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",  # ZAP refused the key
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",  # e.g. a client without CURVE keys
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "other",
+}
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+for _event in _HANDSHAKE_FAILURES:
+    _EVENTS |= _event
 
 
 class ConnectionMonitor:
@@ -54,6 +63,11 @@ class ConnectionMonitor:
         while True:
             event = parse_monitor_message(await events.recv_multipart())
             fd = int(event["value"])
+            failure = _HANDSHAKE_FAILURES.get(event["event"])
+            if failure is not None:
+                self.metrics.handshake_failures.labels(failure).inc()
+                logger.debug("handshake failed (%s) on %s", failure, event["endpoint"])
+                continue
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._open.add(fd)
                 self.metrics.connections.inc()

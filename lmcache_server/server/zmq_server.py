@@ -1,10 +1,15 @@
 """The ZeroMQ front end: one ROUTER socket, one event loop, exactly one reply per request.
 
-Flow per message: split the envelope -> decode and validate the header
-(errors become error replies) -> admission (byte budget, task cap; BUSY
-when spent) -> a handler task -> one reply.  Get replies send chunk bytes
-straight from the memory pool (zero-copy); each chunk stays leased, and its
-bytes stay counted against the budget, until ZeroMQ reports the send done.
+Flow per message: receive at most ``max_keys_per_request + 1`` frames (the
+rest are drained and dropped: TOO_LARGE) -> split the envelope -> decode and
+validate the header (errors become error replies) -> access check (with
+``auth: curve``: the connection's client name against the op and namespace;
+FORBIDDEN) -> admission (the client's own request and byte limits, then the
+server's byte budget and task cap; BUSY when spent) -> a handler task -> one
+reply.  Every refused limit is counted in ``lmcache_limit_violations_total``.
+Get replies send chunk bytes straight from the memory pool (zero-copy); each
+chunk stays leased, and its bytes stay counted against the budget (and the
+client's share), until ZeroMQ reports the send done.
 
 Lifecycle: :meth:`bind` -> :meth:`serve` (until cancelled) -> :meth:`drain`
 (answer SHUTTING_DOWN to newcomers while in-flight requests finish) ->
@@ -25,8 +30,9 @@ from lmcache_client.protocol import ErrorCode, Limits, ProtocolError, decode_req
 
 from ..config import ConfigError, ServerConfig
 from ..metrics import ServerMetrics
+from ..security import Security
 from ..storage import Chunk
-from .admission import ByteBudget
+from .admission import ByteBudget, ClientLedger
 from .handlers import Handlers, Outcome
 
 logger = logging.getLogger(__name__)
@@ -54,13 +60,14 @@ def split_envelope(frames: list[Any]) -> tuple[list[bytes], list[Any]]:
 
 
 class _Outgoing:
-    __slots__ = ("tracker", "chunks", "budget_bytes", "sent_at")
+    __slots__ = ("tracker", "chunks", "budget_bytes", "sent_at", "peer")
 
-    def __init__(self, tracker: zmq.MessageTracker, chunks: list[Chunk], budget_bytes: int):
+    def __init__(self, tracker: zmq.MessageTracker, chunks: list[Chunk], budget_bytes: int, peer: bytes):
         self.tracker = tracker
         self.chunks = chunks
         self.budget_bytes = budget_bytes
         self.sent_at = time.monotonic()
+        self.peer = peer
 
 
 class ZmqServer:
@@ -71,8 +78,17 @@ class ZmqServer:
         budget: ByteBudget,
         metrics: ServerMetrics,
         context: zmq.asyncio.Context,
+        security: Security | None = None,
     ):
         self.config = config
+        self.security = security if security is not None else Security(config, None, None)
+        self.clients = ClientLedger(config.max_client_inflight_requests, config.max_client_inflight_bytes)
+        # A valid request has at most one payload frame per key; the envelope
+        # (routing id, REQ delimiter) comes on top.  Frames beyond are dropped
+        # as they arrive, so a message of millions of empty frames costs no
+        # Python objects.
+        self.max_frames = config.max_keys_per_request + 1
+        self._rx: zmq.Socket[Any] | None = None
         self.handlers = handlers
         self.budget = budget
         self.metrics = metrics
@@ -99,6 +115,7 @@ class ZmqServer:
         sock.setsockopt(zmq.HEARTBEAT_IVL, 5_000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
         sock.setsockopt(zmq.LINGER, 0)
+        self.security.configure_socket(sock)
         for address in self.config.listen:
             try:
                 sock.bind(address)
@@ -111,6 +128,7 @@ class ZmqServer:
                 )
                 raise ConfigError("listen", address, expected) from None
         self.sock = sock
+        self._rx = zmq.Socket.shadow(sock.underlying)
 
     async def serve(self) -> None:
         """Receive and dispatch requests until cancelled."""
@@ -118,8 +136,25 @@ class ZmqServer:
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            self._dispatch(frames)
+            first = await self.sock.recv(copy=False)
+            frames, dropped = self._receive_rest(first)
+            self._dispatch(frames, dropped)
+
+    def _receive_rest(self, first: zmq.Frame) -> tuple[list[zmq.Frame], int]:
+        """The other parts of the message ``first`` began (ZeroMQ delivers all of
+        them at once), keeping at most the frame cap; returns (frames, dropped)."""
+        assert self._rx is not None
+        frames = [first]
+        keep = self.max_frames + 2  # + routing id and a REQ delimiter
+        dropped = 0
+        part = first
+        while part.more:
+            part = self._rx.recv(zmq.NOBLOCK, copy=False)
+            if len(frames) < keep:
+                frames.append(part)
+            else:
+                dropped += 1
+        return frames, dropped
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests, let in-flight ones finish; True if all did in time."""
@@ -142,6 +177,7 @@ class ZmqServer:
     def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        self._rx = None  # a shadow: closing self.sock closes it
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
@@ -150,25 +186,48 @@ class ZmqServer:
         self._outgoing.clear()
 
     # -- requests ------------------------------------------------------------------
-    def _dispatch(self, frames: list[Any]) -> None:
+    def _dispatch(self, frames: list[Any], dropped_frames: int = 0) -> None:
         started = time.perf_counter()
         if self._outgoing:
             # Release finished sends first, so a request never sees a chunk
             # still leased by a reply its client has already received.
             self._sweep()
         envelope, body = split_envelope(frames)
+        if dropped_frames:
+            self._refuse_frames(envelope, body, dropped_frames, started)
+            return
         try:
             request = decode_request(body, self.limits)
         except ProtocolError as err:
             logger.debug("refused a request: %s", err)
+            if err.limit is not None:
+                self.metrics.limit_violations.labels(err.limit).inc()
             self._reply_error(envelope, err.request_id, err.code, err.message, "invalid", started)
             return
         op = request.op.value
+        if self.security.enabled:
+            # Before anything touches the store: a refused probe costs the same
+            # and says the same whether or not the chunks exist.
+            user_id = _user_id(frames[-1])
+            denied = self.security.check(user_id, request)
+            if denied is not None:
+                self.metrics.forbidden.labels(user_id or "").inc()
+                self._reply_error(envelope, request.id, ErrorCode.FORBIDDEN, denied, op, started)
+                return
         if self.draining:
             self._reply_error(envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started)
             return
         size = request.payload_bytes
+        peer = envelope[0]
+        over = self.clients.try_admit(peer, size)
+        if over is not None:
+            self.metrics.busy.inc()
+            self.metrics.limit_violations.labels(over).inc()
+            message = f"this connection's in-flight limit is spent ({over}); retry"
+            self._reply_error(envelope, request.id, ErrorCode.BUSY, message, op, started)
+            return
         if len(self._tasks) >= MAX_CONCURRENT_REQUESTS or not self.budget.try_acquire(size):
+            self.clients.release(peer, size)
             self.metrics.busy.inc()
             self._reply_error(envelope, request.id, ErrorCode.BUSY, "in-flight budget spent; retry", op, started)
             return
@@ -176,6 +235,22 @@ class ZmqServer:
         task = asyncio.get_running_loop().create_task(self._run(envelope, request, size, started))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _refuse_frames(self, envelope: list[bytes], body: list[Any], dropped: int, started: float) -> None:
+        """A message over the frame cap.  The header is checked alone first, so a
+        header that is itself refused (e.g. TOO_MANY_KEYS) gets its own code."""
+        try:
+            request_id: int | None = decode_request(body[:1], self.limits).id
+        except ProtocolError as err:
+            if err.code != ErrorCode.PAYLOAD_MISMATCH:
+                if err.limit is not None:
+                    self.metrics.limit_violations.labels(err.limit).inc()
+                self._reply_error(envelope, err.request_id, err.code, err.message, "invalid", started)
+                return
+            request_id = err.request_id
+        self.metrics.limit_violations.labels("frames").inc()
+        message = f"message has {len(body) + dropped} frames, limit {self.max_frames} (header + one per key)"
+        self._reply_error(envelope, request_id, ErrorCode.TOO_LARGE, message, "invalid", started)
 
     async def _run(self, envelope: list[bytes], request: Any, size: int, started: float) -> None:
         op = request.op.value
@@ -195,6 +270,7 @@ class ZmqServer:
             return
         finally:
             self.budget.release(size)
+            self.clients.release(envelope[0], size)
         self._reply(envelope, request.id, outcome, op, started)
 
     def _reply(self, envelope: list[bytes], request_id: int, outcome: Outcome, op: str, started: float) -> None:
@@ -207,8 +283,11 @@ class ZmqServer:
                 frames.append(frame)
             else:
                 frames.append(bytes(chunk.data))
-        self.metrics.sent_bytes.inc(outcome.budget_bytes)
-        out = _Outgoing(zmq.MessageTracker(*tracked), outcome.chunks, outcome.budget_bytes)
+        self.metrics.sent_bytes.inc(outcome.budget_bytes + outcome.shm_out_bytes)
+        if outcome.shm_in_bytes:
+            self.metrics.received_bytes.inc(outcome.shm_in_bytes)
+        out = _Outgoing(zmq.MessageTracker(*tracked), outcome.chunks, outcome.budget_bytes, envelope[0])
+        self.clients.hold(out.peer, out.budget_bytes)
         try:
             self._send(envelope + frames)
         finally:
@@ -249,6 +328,7 @@ class ZmqServer:
         for chunk in out.chunks:
             chunk.release()
         self.budget.release(out.budget_bytes)
+        self.clients.unhold(out.peer, out.budget_bytes)
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -266,3 +346,12 @@ class ZmqServer:
             else:
                 pending.append(out)
         self._outgoing = pending
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The client name the ZAP handler gave this frame's connection (None without one)."""
+    try:
+        value = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
+    return value if isinstance(value, str) and value else None

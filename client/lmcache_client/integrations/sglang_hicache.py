@@ -20,7 +20,9 @@ page geometry and dtype, and the host pool layout, so pages from an
 incompatible pool are never read.
 
 Extra config keys besides SGLang's three: ``address``, ``timeout_s``,
-``tenant``, ``model_id`` (default: SGLang's model name).  A daemon that is down
+``tenant``, ``model_id`` (default: SGLang's model name), and for a daemon
+with ``auth: curve`` ``server_public_key`` and ``client_secret_key`` (Z85
+text or key file paths; docs/security.md).  A daemon that is down
 or slow is a miss (``get`` -> None, ``exists`` -> False, ``set`` -> False).
 SGLang calls the backend from its prefetch and backup threads at once, so
 each thread gets its own client.
@@ -38,6 +40,7 @@ import threading
 from typing import Any
 
 from ..client import DEFAULT_ADDRESS, CacheClient
+from ..curve import CurveKeys
 from ..errors import ClientError
 from ..namespace import Namespace, canonical_dtype
 from ..tensors import copy_into, tensor_bytes
@@ -55,7 +58,7 @@ except ImportError:
 
 PAGE_KEY_DOMAIN = b"lmcache-sglang-page-v1"
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
-_OUR_KEYS = ("address", "timeout_s", "tenant", "model_id")
+_OUR_KEYS = ("address", "timeout_s", "tenant", "model_id", "server_public_key", "client_secret_key")
 
 
 def page_key(page_hash: str) -> bytes:
@@ -74,6 +77,10 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.address = str(extra.get("address", DEFAULT_ADDRESS))
         self.timeout_s = float(extra.get("timeout_s", 2.0))
         self.tenant = str(extra.get("tenant", ""))
+        self.server_public_key = str(extra.get("server_public_key") or "") or None
+        self.client_secret_key = str(extra.get("client_secret_key") or "") or None
+        # Refuse bad keys here, at start, not later in a prefetch thread.
+        CurveKeys.from_options(self.server_public_key, self.client_secret_key)
         self.model_id = str(extra.get("model_id") or storage_config.model_name or "")
         if not self.model_id:
             raise ValueError("no model name: SGLang passes --model-path, or set model_id in the extra config")
@@ -118,7 +125,12 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if transfer is None:
             if self.namespace is None:
                 raise RuntimeError("register_mem_pool_host was not called")
-            client = CacheClient(self.address, timeout_s=self.timeout_s)
+            client = CacheClient(
+                self.address,
+                timeout_s=self.timeout_s,
+                server_public_key=self.server_public_key,
+                client_secret_key=self.client_secret_key,
+            )
             with self._lock:
                 self._clients.append(client)
             transfer = self._local.transfer = ChunkTransfer(client, self.namespace, self.page_bytes)

@@ -11,7 +11,10 @@ Extra config keys (all optional; an unknown key is refused at start):
 ``address`` (daemon endpoint), ``timeout_s`` (per daemon call; a slow or
 absent daemon is a miss), ``chunk_size`` (tokens per chunk, default 256;
 shared prefixes are found at chunk granularity), ``model_id`` (names the
-weights; default vLLM's ``--model``), ``tenant`` (isolates tenants).
+weights; default vLLM's ``--model``), ``tenant`` (isolates tenants);
+for a daemon with ``auth: curve``: ``server_public_key`` (the daemon's
+public key, Z85 text or key file) and ``client_secret_key`` (this engine's
+secret key file, mode 0600; see docs/security.md).
 
 The class is a thin shim: the scheduler role runs a
 :class:`~.vllm_scheduler.SchedulerSide`, the worker role a
@@ -51,6 +54,8 @@ class ConnectorSettings:
     chunk_size: int = 256
     model_id: str = ""
     tenant: str = ""
+    server_public_key: str = ""
+    client_secret_key: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -111,7 +116,12 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         is_scheduler = getattr(role, "name", str(role)) == "SCHEDULER"
         rank = 0 if is_scheduler else tp_rank()
         namespace = self.layout.namespace(model_id, tp_rank=rank, tp_size=tp_size, tenant=self.settings.tenant)
-        self.client = CacheClient(self.settings.address, timeout_s=self.settings.timeout_s)
+        self.client = CacheClient(
+            self.settings.address,
+            timeout_s=self.settings.timeout_s,
+            server_public_key=self.settings.server_public_key or None,
+            client_secret_key=self.settings.client_secret_key or None,
+        )
         transfer = ChunkTransfer(self.client, namespace, self.layout.nbytes)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
