@@ -95,8 +95,8 @@ def _spill_some(daemon, n: int = 16):  # type: ignore[no-untyped-def]
     with daemon.client() as c:
         for k, d in zip(keys, data):
             c.put([k], [d])
-        wait_for(lambda: disk_stats(c)["spills"] >= n - 8)
-        tiers = c.lookup(keys).tiers
+        wait_for(lambda: disk_stats(c)["spills"] >= n - 8 and disk_stats(c)["queued_spills"] == 0)
+        tiers = c.lookup(keys).tiers  # "disk" also names chunks queued for it: none left
     return [(k, d) for k, d, t in zip(keys, data, tiers) if t == "disk"]
 
 

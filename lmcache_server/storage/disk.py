@@ -9,7 +9,14 @@
   decides; a record torn by power loss fails its checksum and is a miss).
 - Writes come from a bounded write-behind queue (``enqueue``): memory-tier
   evictions land here and never block the request path; a full queue drops the
-  spill and counts it.
+  spill and counts it.  A spill is either *lent* (a pool extent, written from
+  where it is and released when written) or copied into a page-aligned buffer.
+  Queued chunks are served from the queue until written; deleting one cancels
+  its write.
+- With ``direct_io`` (and a filesystem that takes it) files are written with
+  O_DIRECT, straight from pool memory to the device: no page-cache copy;
+  reads stay buffered and drop the file's pages after, so nothing is cached
+  twice (see :mod:`.diskfiles`).
 - Reads verify the header, the namespace, the key and the payload checksum; a
   damaged, truncated or foreign file is a miss, is deleted and is counted.
 - On open the index is rebuilt from the directory (headers only), so the cache
@@ -35,16 +42,29 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from lmcache_client.protocol import PutStatus
 
+from . import disksnapshot
 from .base import Chunk, ChunkKey
-from .chunkfile import CorruptRecord, encode_header
-from .diskfiles import HEADER_BLOCK, TMP_PREFIX, disk_usage, path_for, read_record, scan, unlink, write_record
+from .chunkfile import CorruptRecord
+from .diskfiles import (
+    HEADER_BLOCK,
+    TMP_PREFIX,
+    aligned_copy,
+    direct_io_works,
+    disk_usage,
+    path_for,
+    read_record,
+    scan,
+    unlink,
+    write_record,
+)
 from .policy import EvictionPolicy, LRUPolicy
+from .tenants import TenantQuotas, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +84,17 @@ class DiskCounters:
     evicted_bytes: int = 0
     stores: int = 0
     spills: int = 0
+    spills_lent: int = 0  # queued without a copy: written straight from the memory pool
     spills_dropped: int = 0
     write_errors: int = 0
     corrupt: int = 0
     rebuilt_entries: int = 0
+    rebuilt_from_snapshot: int = 0  # 1: the index came from the snapshot of a clean shutdown
     rebuild_seconds: float = 0.0
+
+
+_SPARE_BUFFERS = 4
+_SPARE_MAX_BYTES = 64 << 20
 
 
 def _never(key: ChunkKey) -> bool:
@@ -88,13 +114,20 @@ class DiskTier:
         max_queue_bytes: int = 256 << 20,
         retry_s: float = 30.0,
         policy: EvictionPolicy | None = None,
+        direct_io: bool = True,
+        spill_ahead_bytes: int = 0,
     ):
         self.root = root
         self.max_bytes = max_bytes
         self.fsync = fsync
         self.max_queue_bytes = max_queue_bytes
         self.retry_s = retry_s
+        self.direct_io = direct_io  # asked for
+        self.direct = False  # in use: asked for and the filesystem takes O_DIRECT (see open)
+        self.spill_ahead_bytes = spill_ahead_bytes  # how far ahead the memory tier lends us chunks
         self.counters = DiskCounters()
+        self.quotas = TenantQuotas()
+        """Per-tenant limits on bytes on disk (``tenant_quotas``); set before :meth:`open`."""
         self.policy = policy if policy is not None else LRUPolicy()
         self.degraded: str | None = None
         self._degraded_at = 0.0
@@ -104,11 +137,13 @@ class DiskTier:
         self.disk_bytes = 0  # as du counts them
         self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="lmcache-disk")
         self._io = asyncio.Semaphore(io_threads * 2)
-        self._queue: asyncio.Queue[tuple[ChunkKey, bytes]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[ChunkKey, memoryview, Callable[[], None] | None]] = asyncio.Queue()
         self._queued_bytes = 0
-        self._queued: set[ChunkKey] = set()
+        self._queued: dict[ChunkKey, memoryview] = {}  # written soon; readable meanwhile
+        self._spare: list[memoryview] = []  # page-aligned copy buffers of written spills, for reuse
         self._writers: list[asyncio.Task[None]] = []
         self._io_threads = io_threads
+        self._opened = False
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         async with self._io:
@@ -123,20 +158,35 @@ class DiskTier:
         except OSError as err:
             self._degrade(f"directory {self.root} is not usable ({err})")
         else:
-            found, removed = await self._run(scan, self.root)
-            self.counters.corrupt += removed
-            for _, key, path, payload_len, disk_bytes in found:
-                self._add(key, _Entry(path, payload_len, disk_bytes))
-            self.counters.rebuilt_entries = len(found)
+            self.direct = self.direct_io and await self._run(direct_io_works, str(self.root / "v1"))
+            if self.direct_io and not self.direct:
+                logger.info("disk tier: %s does not take O_DIRECT; writing through the page cache", self.root)
+            snapshot = await self._run(disksnapshot.load, self.root)
+            if snapshot is not None:
+                for key, path, payload_len, disk_bytes in snapshot:
+                    self._add(key, _Entry(path, payload_len, disk_bytes))
+                self.counters.rebuilt_entries = len(snapshot)
+                self.counters.rebuilt_from_snapshot = 1
+            else:
+                found, removed = await self._run(scan, self.root)
+                self.counters.corrupt += removed
+                for _, key, path, payload_len, disk_bytes in found:
+                    self._add(key, _Entry(path, payload_len, disk_bytes))
+                self.counters.rebuilt_entries = len(found)
             await self._shrink_to(self.max_bytes)
+            for tenant in list(self.quotas.limits):  # a quota lowered since the last run
+                await self._shrink_tenant(f"|tenant={tenant}")
         self.counters.rebuild_seconds = round(time.perf_counter() - started, 3)
         logger.info(
-            "disk tier at %s: %d chunks, %.1f MiB of %.1f MiB, index rebuilt in %.2fs%s",
+            "disk tier at %s: %d chunks, %.1f MiB of %.1f MiB, index rebuilt (%s) in %.2fs, %s writes%s",
             self.root, len(self._index), self.disk_bytes / 2**20, self.max_bytes / 2**20,
-            self.counters.rebuild_seconds, f" (DEGRADED: {self.degraded})" if self.degraded else "",
+            "from snapshot" if self.counters.rebuilt_from_snapshot else "scan", self.counters.rebuild_seconds,
+            "direct (O_DIRECT)" if self.direct else "buffered",
+            f" (DEGRADED: {self.degraded})" if self.degraded else "",
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         self._writers = [loop.create_task(self._write_loop()) for _ in range(self._io_threads)]
+        self._opened = True
 
     def _prepare_root(self) -> None:
         (self.root / "v1").mkdir(parents=True, exist_ok=True)
@@ -152,30 +202,53 @@ class DiskTier:
         return not self._queued
 
     async def close(self) -> None:
+        """Stop the writers (call :meth:`flush` first to drain them) and leave an
+        index snapshot for a fast restart."""
         for task in self._writers:
             task.cancel()
         await asyncio.gather(*self._writers, return_exceptions=True)
+        if self._opened and self.degraded is None:
+            entries = [(key, e.payload_len) for key, e in self._index.items()]
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._pool, disksnapshot.save, self.root, entries)
+            except OSError as err:
+                logger.warning("disk tier: no index snapshot written (%s); the next start scans", err)
         self._pool.shutdown(wait=True)
+        while not self._queue.empty():  # give lent bytes back
+            _, _, release = self._queue.get_nowait()
+            if release is not None:
+                release()
+        self._queued.clear()
 
     # -- reads ---------------------------------------------------------------------
     def peek(self, key: ChunkKey) -> bool:
-        return key in self._index
+        return key in self._index or key in self._queued
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [k in self._index for k in keys]
+        return [self.peek(k) for k in keys]
 
     def payload_size(self, key: ChunkKey) -> int | None:
         entry = self._index.get(key)
-        return None if entry is None else entry.payload_len
+        if entry is not None:
+            return entry.payload_len
+        pending = self._queued.get(key)
+        return None if pending is None else pending.nbytes
 
     async def get(self, key: ChunkKey, out: memoryview | None = None) -> Chunk | None:
         """The chunk (read into ``out`` when given: exactly payload_size bytes), or None."""
         entry = self._index.get(key)
         if entry is None:
-            self.counters.misses += 1
-            return None
+            pending = self._queued.get(key)
+            if pending is None or (out is not None and out.nbytes != pending.nbytes):
+                self.counters.misses += 1
+                return None
+            # Evicted from memory, not yet written: these bytes are the chunk.
+            copy = memoryview(bytearray(pending.nbytes)) if out is None else out
+            copy[:] = pending
+            self.counters.hits += 1
+            return Chunk(copy, self.name)
         try:
-            payload = await self._run(read_record, entry.path, key, out)
+            payload = await self._run(read_record, entry.path, key, out, self.direct)
         except CorruptRecord as err:
             logger.warning("disk tier: %s is damaged (%s); removed, answered as a miss", entry.path, err)
             self.counters.corrupt += 1
@@ -193,35 +266,82 @@ class DiskTier:
         return Chunk(payload, self.name)
 
     # -- writes --------------------------------------------------------------------
-    def enqueue(self, key: ChunkKey, data: Any) -> bool:
-        """Queue a chunk for writing (write-behind); False if dropped (full, degraded, too big)."""
-        size = memoryview(data).nbytes
+    def enqueue(self, key: ChunkKey, data: Any, release: Callable[[], None] | None = None) -> bool:
+        """Queue a chunk for writing (write-behind); False if dropped (full, degraded, too big).
+
+        Without ``release`` the bytes are copied now.  With it they are *lent*:
+        written straight from where they are (a pool extent), so they must stay
+        unchanged until ``release()``, which is called exactly once, when the
+        write is done or the spill dropped.
+        """
+        view = memoryview(data).cast("B")
+        size = view.nbytes
         if key in self._index or key in self._queued:
+            if release is not None:
+                release()
             return True
-        if (
-            self._degraded_now()
-            or self._queued_bytes + size > self.max_queue_bytes
-            or disk_usage(HEADER_BLOCK + size) > self.max_bytes
-        ):
+        if not self.accepts(size):
             self.counters.spills_dropped += 1
+            if release is not None:
+                release()
             return False
-        self._queued.add(key)
+        if release is None:
+            view = self._copy(view)
+        else:
+            self.counters.spills_lent += 1
+        self._queued[key] = view
         self._queued_bytes += size
-        self._queue.put_nowait((key, bytes(data)))
+        self._queue.put_nowait((key, view, release))
         return True
+
+    def _copy(self, view: memoryview) -> memoryview:
+        """A copy of a spill that cannot be lent; page-aligned for O_DIRECT, in a
+        recycled buffer when one of the size is spare (chunks of a model are all
+        one size; a fresh mapping costs more to fault in than the copy itself)."""
+        if not self.direct:
+            return memoryview(bytes(view))
+        for i, spare in enumerate(self._spare):
+            if spare.nbytes == view.nbytes:
+                del self._spare[i]
+                spare[:] = view
+                return spare
+        return aligned_copy(view)
+
+    def _recycle(self, view: memoryview) -> None:
+        """Keep a written copy's buffer for the next copy (the newest few, bounded in bytes)."""
+        if self.direct:
+            self._spare.append(view)
+            while len(self._spare) > _SPARE_BUFFERS or sum(v.nbytes for v in self._spare) > _SPARE_MAX_BYTES:
+                self._spare.pop(0)
+
+    def accepts(self, size: int) -> bool:
+        """Whether a spill of ``size`` bytes would be queued now (not dropped)."""
+        return (
+            not self._degraded_now()
+            and self._queued_bytes + size <= self.max_queue_bytes
+            and disk_usage(HEADER_BLOCK + size) <= self.max_bytes
+        )
 
     async def _write_loop(self) -> None:
         while True:
-            key, data = await self._queue.get()
+            key, data, release = await self._queue.get()
             try:
-                if not self._degraded_now():
-                    if await self._write(key, data) is PutStatus.STORED:
-                        self.counters.spills += 1
-                else:
+                if self._queued.get(key) is not data:
+                    continue  # deleted while queued
+                if self._degraded_now():
                     self.counters.spills_dropped += 1
+                elif await self._write(key, data) is PutStatus.STORED:
+                    self.counters.spills += 1
+                    if self._queued.get(key) is not data:  # deleted while being written
+                        await self.delete(key)
             finally:
-                self._queued.discard(key)
-                self._queued_bytes -= len(data)
+                if self._queued.get(key) is data:
+                    del self._queued[key]
+                self._queued_bytes -= data.nbytes
+                if release is not None:
+                    release()
+                else:
+                    self._recycle(data)
 
     async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
         if key in self._index:
@@ -235,9 +355,8 @@ class DiskTier:
         if disk_bytes > self.max_bytes:
             return PutStatus.TOO_LARGE
         path = path_for(self.root, key)
-        header = encode_header(key.namespace, key.digest, data, pad_to=HEADER_BLOCK)
         try:
-            await self._run(write_record, path, header, data, self.fsync)
+            await self._run(write_record, path, key, data, self.fsync, self.direct)
         except OSError as err:
             self.counters.write_errors += 1
             reason = "disk full" if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "write failed"
@@ -251,6 +370,8 @@ class DiskTier:
         self._add(key, _Entry(path, size, disk_bytes))
         self.counters.stores += 1
         await self._shrink_to(self.max_bytes)
+        if self.quotas:
+            await self._shrink_tenant(key.namespace)
         return PutStatus.STORED
 
     def _degrade(self, reason: str) -> None:
@@ -263,6 +384,23 @@ class DiskTier:
     def _degraded_now(self) -> bool:
         """Degraded and not yet due for a retry."""
         return self.degraded is not None and time.monotonic() - self._degraded_at < self.retry_s
+
+    async def _shrink_tenant(self, namespace: str) -> None:
+        """Evict the namespace's tenant's own chunks while it is over its quota."""
+        found = self.quotas.limit_for(namespace)
+        if found is None:
+            return
+        tenant, limit = found
+
+        def not_theirs(k: ChunkKey) -> bool:
+            return tenant_of(k.namespace) != tenant
+
+        while self.quotas.used(tenant) > limit and (key := self.policy.victim(not_theirs)) is not None:
+            entry = self._index[key]
+            await self._drop(key, entry)
+            self.counters.evictions += 1
+            self.counters.evicted_bytes += entry.payload_len
+            self.quotas.evictions[tenant] += 1
 
     async def _shrink_to(self, limit: int) -> None:
         while self.disk_bytes > limit and (key := self.policy.victim(_never)) is not None:
@@ -277,6 +415,7 @@ class DiskTier:
         self.policy.inserted(key, entry.payload_len, None)
         self.stored_bytes += entry.payload_len
         self.disk_bytes += entry.disk_bytes
+        self.quotas.account(key.namespace, entry.disk_bytes)
         counts = self._by_namespace.setdefault(key.namespace, [0, 0])
         counts[0] += 1
         counts[1] += entry.payload_len
@@ -288,6 +427,7 @@ class DiskTier:
         self.policy.removed(key)
         self.stored_bytes -= entry.payload_len
         self.disk_bytes -= entry.disk_bytes
+        self.quotas.account(key.namespace, -entry.disk_bytes)
         counts = self._by_namespace[key.namespace]
         counts[0] -= 1
         counts[1] -= entry.payload_len
@@ -299,20 +439,24 @@ class DiskTier:
             logger.warning("disk tier: cannot remove %s: %s", entry.path, err)
 
     async def delete(self, key: ChunkKey) -> bool:
+        queued = self._queued.pop(key, None) is not None  # the writer skips it
         entry = self._index.get(key)
         if entry is None:
-            return False
+            return queued
         await self._drop(key, entry)
         return True
 
     async def clear(self, namespace: str | None) -> int:
+        queued = [k for k in self._queued if namespace is None or k.namespace == namespace]
+        for key in queued:
+            del self._queued[key]
         victims = [(k, e) for k, e in self._index.items() if namespace is None or k.namespace == namespace]
         for key, entry in victims:
             await self._drop(key, entry)
-        return len(victims)
+        return len(set(queued) | {k for k, _ in victims})
 
     def keys(self) -> list[ChunkKey]:
-        return list(self._index)
+        return [*self._index, *(k for k in self._queued if k not in self._index)]
 
     def namespaces(self) -> dict[str, tuple[int, int]]:
         return {ns: (c[0], c[1]) for ns, c in self._by_namespace.items()}
@@ -325,8 +469,10 @@ class DiskTier:
             "chunks": len(self._index),
             "queued_spills": len(self._queued),
             "queued_bytes": self._queued_bytes,
+            "direct_io": self.direct,
             "degraded": self.degraded is not None,
             "degraded_reason": self.degraded or "",
             "path": str(self.root),
+            **({"tenants": self.quotas.stats()} if self.quotas else {}),
             **dataclasses.asdict(self.counters),
         }

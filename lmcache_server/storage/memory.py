@@ -11,8 +11,15 @@
   bytes when the last lease ends, so bytes are never overwritten under a reader.
 - Pinned chunks are taken out of the policy altogether (never evicted) and
   may fill at most ``max_pinned_bytes``.
-- ``on_evict(key, bytes)`` is called with an evicted chunk's bytes before its
-  extent is reused, so the tiered store can spill it to a lower tier.
+- ``on_evict(key, chunk, lend)`` is called with a leased :class:`Chunk` of each
+  evicted entry, so the tiered store can spill it to a lower tier.  When a put
+  is waiting for the room (``lend`` False) the receiver copies what it needs
+  and the lease ends on return.  With ``spill_ahead_bytes`` set, the tier also
+  evicts *ahead*, after an allocation, until that many bytes are free or on
+  their way out; those chunks are *lent* (``lend`` True): the receiver may keep
+  the lease, e.g. to write the bytes to disk straight from the pool, and the
+  extent is reused only after it releases it.  ``on_evict`` returning False
+  declines a lent chunk, which then stays stored.
 
 Accounting is exact: ``stored_bytes`` counts payload bytes, ``allocated_bytes``
 what the allocator handed out (payload rounded up to 4 KiB pages).
@@ -31,6 +38,7 @@ from .allocator import ExtentAllocator, aligned
 from .base import Chunk, ChunkKey
 from .policy import EvictionPolicy, LRUPolicy
 from .pool import MemoryPool
+from .tenants import TenantQuotas, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +83,18 @@ class MemoryTier:
         pool: MemoryPool,
         max_pinned_bytes: int,
         policy: EvictionPolicy | None = None,
-        on_evict: Callable[[ChunkKey, memoryview], None] | None = None,
+        on_evict: Callable[[ChunkKey, Chunk, bool], bool] | None = None,
     ):
         self.pool = pool
         self.allocator = ExtentAllocator(pool.size)
         self.max_pinned_bytes = max_pinned_bytes
         self.policy = policy if policy is not None else LRUPolicy()
         self.on_evict = on_evict
+        self.spill_ahead_bytes = 0  # set by the tiered store when a disk tier takes spills
+        self.dying_bytes = 0  # extents of removed chunks still leased (being sent or spilled)
         self.counters = TierCounters()
+        self.quotas = TenantQuotas()
+        """Per-tenant byte limits (``tenant_quotas``); set by the composition root."""
         self._index: dict[ChunkKey, _Entry] = {}
         self._by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
         self.stored_bytes = 0
@@ -105,13 +117,14 @@ class MemoryTier:
         if entry.leases == 1:
             self.leased_chunks += 1
         view = self.pool.view[entry.offset : entry.offset + entry.size]
-        return Chunk(view, self.name, lambda: self._release(entry))
+        return Chunk(view, self.name, lambda: self._release(entry), entry.offset)
 
     def _release(self, entry: _Entry) -> None:
         entry.leases -= 1
         if entry.leases == 0:
             self.leased_chunks -= 1
             if entry.dead:
+                self.dying_bytes -= self.allocator.size_of(entry.offset)
                 self.allocator.free(entry.offset)
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -150,7 +163,13 @@ class MemoryTier:
         if not self.policy.admit(key, size, parent):
             self.counters.skipped += 1
             return PutStatus.SKIPPED
+        if self.quotas and not self._within_quota(key, size):
+            self.counters.rejections += 1
+            return PutStatus.NO_SPACE
         offset = self._allocate(size)
+        if offset is not None and not self.pool.commit(offset, size):
+            self.allocator.free(offset)  # the shared-memory filesystem is full
+            offset = None
         if offset is None:
             self.counters.rejections += 1
             return PutStatus.NO_SPACE
@@ -181,26 +200,72 @@ class MemoryTier:
 
     def _allocate(self, size: int) -> int | None:
         offset = self.allocator.alloc(size)
-        if offset is not None:
-            return offset
+        if offset is None:
+            offset = self._evict_for(size)
+        if offset is not None and self.spill_ahead_bytes:
+            self._evict_ahead()
+        return offset
+
+    def _evict_for(self, size: int) -> int | None:
         if (self.pinned_bytes or self.leased_chunks) and not self._could_fit(size):
             return None  # refuse without evicting chunks for nothing
         # Evict the policy's victims until the allocation fits; chunks being
         # read (leased) are never victims.
         while (key := self.policy.victim(self._is_leased)) is not None:
-            entry = self._index[key]
-            if self.on_evict is not None:
-                self.on_evict(key, self.pool.view[entry.offset : entry.offset + entry.size])
-            self._remove(entry)
-            self.counters.evictions += 1
-            self.counters.evicted_bytes += entry.size
+            self._evict(self._index[key], lend=False)
             offset = self.allocator.alloc(size)
             if offset is not None:
                 return offset
         return None
 
+    def _evict_ahead(self) -> None:
+        """Lend victims to the spill until ``spill_ahead_bytes`` (at most an eighth
+        of the pool) are free or on their way out, so that the next puts find
+        room without waiting for a copy."""
+        target = min(self.spill_ahead_bytes, self.allocator.capacity // 8)
+        while self.allocator.free_bytes + self.dying_bytes < target:
+            key = self.policy.victim(self._is_leased)
+            if key is None or not self._evict(self._index[key], lend=True):
+                return
+
+    def _evict(self, entry: _Entry, lend: bool) -> bool:
+        """Evict ``entry`` (False: the receiver declined a lent chunk; it stays)."""
+        if self.on_evict is not None:
+            chunk = self._lease(entry)
+            taken = self.on_evict(entry.key, chunk, lend)
+            if not lend:
+                chunk.release()
+            elif not taken:
+                chunk.release()
+                return False
+        self._remove(entry)
+        self.counters.evictions += 1
+        self.counters.evicted_bytes += entry.size
+        return True
+
     def _is_leased(self, key: ChunkKey) -> bool:
         return self._index[key].leases > 0
+
+    def _within_quota(self, key: ChunkKey, size: int) -> bool:
+        """Evict the key's tenant's own chunks until ``size`` more bytes fit its
+        quota (storage/tenants.py); False when they cannot."""
+        found = self.quotas.limit_for(key.namespace)
+        if found is None:
+            return True
+        tenant, limit = found
+        if size > limit:
+            return False
+
+        def not_theirs(k: ChunkKey) -> bool:
+            return self._index[k].leases > 0 or tenant_of(k.namespace) != tenant
+
+        while self.quotas.used(tenant) + size > limit:
+            victim = self.policy.victim(not_theirs)
+            if victim is None:
+                return False
+            self._evict(self._index[victim], lend=False)
+            self.quotas.evictions[tenant] += 1
+        return True
 
     def _could_fit(self, size: int) -> bool:
         """Whether evicting every evictable chunk would free enough bytes (O(n);
@@ -230,11 +295,13 @@ class MemoryTier:
         self._account(entry, -1)
         if entry.leases:
             entry.dead = True
+            self.dying_bytes += self.allocator.size_of(entry.offset)
         else:
             self.allocator.free(entry.offset)
 
     def _account(self, entry: _Entry, sign: int) -> None:
         self.stored_bytes += sign * entry.size
+        self.quotas.account(entry.key.namespace, sign * entry.size)
         counts = self._by_namespace.setdefault(entry.key.namespace, [0, 0])
         counts[0] += sign
         counts[1] += sign * entry.size
@@ -290,6 +357,7 @@ class MemoryTier:
             "leased_chunks": self.leased_chunks,
             "page_locked": self.pool.pinned,
             "policy": self.policy.name,
+            **({"tenants": self.quotas.stats()} if self.quotas else {}),
             **dataclasses.asdict(self.counters),
         }
 

@@ -48,10 +48,23 @@ class TieredStore:
         self.lookup_counters = LookupCounters()
         self.promotions: dict[str, int] = {t.name: 0 for t in self.lower}
         memory.on_evict = self._spill
+        if disk is not None:
+            memory.spill_ahead_bytes = disk.spill_ahead_bytes
 
-    def _spill(self, key: ChunkKey, data: memoryview) -> None:
-        if self.disk is not None and not self.disk.peek(key):
-            self.disk.enqueue(key, data)
+    def _spill(self, key: ChunkKey, chunk: Chunk, lend: bool) -> bool:
+        """An evicted chunk goes to disk: lent (written straight from the pool,
+        released when written) or, when a put waits for its room, copied.
+        False declines a lent chunk (the disk would drop it), so it stays in memory."""
+        disk = self.disk
+        if disk is None or disk.peek(key):
+            chunk.release()  # nothing to write: already on disk (or queued), or no disk
+            return True
+        if lend:
+            if not disk.accepts(chunk.nbytes):
+                return False
+            return disk.enqueue(key, chunk.data, chunk.release)
+        disk.enqueue(key, chunk.data)
+        return True
 
     async def get_many(self, namespace: str, digests: Sequence[bytes]) -> list[Chunk | None]:
         """One Chunk per hit (release each: memory hits are leased), None per miss."""
@@ -67,6 +80,12 @@ class TieredStore:
                     if chunk is not None:
                         if await self.memory.put(key, chunk.data) is PutStatus.STORED:
                             self.promotions[tier.name] += 1
+                            # Serve the pool copy: leased like any memory hit
+                            # (zero-copy and shared-memory replies need it there).
+                            promoted = self.memory.lease(key)
+                            if promoted is not None:
+                                chunk.release()
+                                chunk = promoted
                         break
             out.append(chunk)
         return out
@@ -87,44 +106,57 @@ class TieredStore:
             self.promotions[disk.name] += 1
         return self.memory.lease(key)
 
-    def prepare_puts(
-        self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]
-    ) -> tuple[list[PutStatus], Callable[[], None]]:
-        """Phase one of a put: room for every chunk, and the statuses to answer.
-
-        The returned ``finish`` copies the payloads in and makes the chunks
-        visible.  The server calls it right after queueing the reply, in the
-        same event-loop step, so no other request can observe the gap, while
-        ZeroMQ's I/O thread already receives the client's next request: the
-        copy into the pool overlaps the next transfer instead of delaying it.
-        """
-        statuses: list[PutStatus] = []
-        pending: list[tuple[Reservation, Any]] = []
+    def reserve(self, namespace: str, digests: Sequence[bytes], sizes: Sequence[int]) -> list[Reservation | PutStatus]:
+        """Phase one of a put: room in the pool for each chunk (invisible to
+        readers until :meth:`commit`), or the PutStatus saying why there is none.
+        A key repeated within the batch is EXISTS after its first occurrence."""
+        out: list[Reservation | PutStatus] = []
         reserved: set[ChunkKey] = set()
         # Consecutive keys of one put are (nearly always) one prefix chain: the
         # previous key is a hint to the eviction policy.
         parent: ChunkKey | None = None
-        for digest, payload in zip(digests, payloads):
+        for digest, size in zip(digests, sizes):
             key = ChunkKey(namespace, digest)
             if key in reserved:
-                statuses.append(PutStatus.EXISTS)  # repeated within this put
+                out.append(PutStatus.EXISTS)
                 continue
-            src = memoryview(payload).cast("B")
-            reservation = self.memory.prepare_store(key, src.nbytes, parent)
+            reservation = self.memory.prepare_store(key, size, parent)
             if isinstance(reservation, Reservation):
-                pending.append((reservation, src))
                 reserved.add(key)
-                statuses.append(PutStatus.STORED)
-            else:
-                statuses.append(reservation)
+            out.append(reservation)
             parent = key
+        return out
+
+    def commit(self, reservation: Reservation) -> PutStatus:
+        """Phase two: the filled reservation becomes visible, and is queued for Redis."""
+        status = self.memory.complete_store(reservation)
+        if self.remote is not None and status is PutStatus.STORED:
+            self.remote.enqueue(reservation.key, reservation.view)
+        return status
+
+    def abort(self, reservation: Reservation) -> None:
+        self.memory.abort_store(reservation)
+
+    def prepare_puts(
+        self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]
+    ) -> tuple[list[PutStatus], Callable[[], None]]:
+        """A put of payload frames: the statuses to answer now, and ``finish``.
+
+        ``finish`` copies the payloads in and makes the chunks visible.  The
+        server calls it right after queueing the reply, in the same event-loop
+        step, so no other request can observe the gap, while ZeroMQ's I/O
+        thread already receives the client's next request: the copy into the
+        pool overlaps the next transfer instead of delaying it.
+        """
+        sources = [memoryview(p).cast("B") for p in payloads]
+        outcomes = self.reserve(namespace, digests, [src.nbytes for src in sources])
+        pending = [(r, src) for r, src in zip(outcomes, sources) if isinstance(r, Reservation)]
+        statuses = [PutStatus.STORED if isinstance(r, Reservation) else r for r in outcomes]
 
         def finish() -> None:
             for reservation, src in pending:
                 reservation.view[:] = src
-                self.memory.complete_store(reservation)
-                if self.remote is not None:
-                    self.remote.enqueue(reservation.key, src)
+                self.commit(reservation)
 
         return statuses, finish
 
@@ -218,7 +250,8 @@ class TieredStore:
         return done
 
     async def close(self) -> None:
-        for tier in self.tiers:
+        # Lowest first: their writers may still be reading pool memory (lent spills).
+        for tier in reversed(self.tiers):
             await tier.close()
 
 

@@ -1,0 +1,127 @@
+"""The disk tier's index snapshot through the real daemon: written at a clean
+shutdown, used once at the next start, and never trusted when stale or damaged."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from lmcache_client import CacheClient, PutStatus
+from lmcache_client.protocol import KEY_BYTES
+
+MiB = 1 << 20
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def disk_stats(c: CacheClient) -> dict:  # type: ignore[type-arg]
+    return c.stats()["tiers"]["disk"]
+
+
+@pytest.fixture
+def filled(daemon_factory, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A stopped daemon whose disk tier holds some chunks, and what it holds."""
+    root = tmp_path / "spill"
+    daemon = daemon_factory(local_disk=f"file://{root}", max_local_cpu_size="8MiB", max_local_disk_size="128MiB")
+    keys = [os.urandom(KEY_BYTES) for _ in range(24)]
+    data = [os.urandom(MiB) for _ in keys]
+    with daemon.client() as c:
+        for k, d in zip(keys, data):
+            assert c.put([k], [d]) == [PutStatus.STORED]
+        wait_for(lambda: disk_stats(c)["spills"] >= 16 and disk_stats(c)["queued_spills"] == 0)
+        on_disk = [(k, d) for k, d, t in zip(keys, data, c.lookup(keys).tiers) if t == "disk"]
+    assert daemon.stop() == 0
+    files = sorted(root.glob("v1/*/*.chunk"))
+    assert len(files) >= len(on_disk) >= 16
+    return daemon, root, on_disk, files
+
+
+def snapshot(root: Path) -> Path:
+    return root / "v1" / "index.snapshot"
+
+
+def test_clean_restart_uses_the_snapshot_once(filled) -> None:  # type: ignore[no-untyped-def]
+    daemon, root, on_disk, files = filled
+    assert snapshot(root).is_file()
+    daemon.start()
+    with daemon.client() as c:
+        stats = disk_stats(c)
+        assert stats["rebuilt_from_snapshot"] == 1 and stats["rebuilt_entries"] == len(files)
+        assert not snapshot(root).exists()  # used once: a crash now leaves none behind
+        got = c.get([k for k, _ in on_disk])
+        assert [bytes(g) for g in got if g is not None] == [d for (_, d), g in zip(on_disk, got) if g is not None]
+        assert all(g is not None for g in got)
+    assert "index rebuilt (from snapshot)" in daemon.log()
+    # Killed: no snapshot, so the next start scans.
+    assert daemon.stop(signal.SIGKILL) != 0
+    assert not snapshot(root).exists()
+    daemon.start()
+    with daemon.client() as c:
+        stats = disk_stats(c)
+        assert stats["rebuilt_from_snapshot"] == 0 and stats["rebuilt_entries"] >= len(files)
+
+
+@pytest.mark.parametrize("change", ["removed", "added", "renamed"])
+def test_stale_snapshot_falls_back_to_the_scan(filled, change: str) -> None:  # type: ignore[no-untyped-def]
+    daemon, root, on_disk, files = filled
+    expected = len(files)
+    if change == "removed":
+        files[0].unlink()
+        expected -= 1
+    elif change == "added":  # a foreign file the scan removes
+        (files[0].parent / ("f" * 64 + ".chunk")).write_bytes(os.urandom(9000))
+    else:  # a record under another key's name: the scan removes it
+        os.rename(files[0], files[0].parent / ("e" * 64 + ".chunk"))
+        expected -= 1
+    daemon.start()
+    with daemon.client() as c:
+        stats = disk_stats(c)
+        assert stats["rebuilt_from_snapshot"] == 0
+        assert stats["chunks"] == expected
+        got = c.get([k for k, _ in on_disk])
+        for (_, d), g in zip(on_disk, got):
+            assert g is None or bytes(g) == d
+    assert "index snapshot is stale" in daemon.log()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_damaged_snapshot_falls_back_to_the_scan(filled, damage: str) -> None:  # type: ignore[no-untyped-def]
+    daemon, root, on_disk, files = filled
+    raw = bytearray(snapshot(root).read_bytes())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0x01
+    elif damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    else:
+        raw = bytearray(os.urandom(len(raw)))
+    snapshot(root).write_bytes(bytes(raw))
+    daemon.start()
+    with daemon.client() as c:
+        stats = disk_stats(c)
+        assert stats["rebuilt_from_snapshot"] == 0 and stats["chunks"] == len(files)
+        got = c.get([k for k, _ in on_disk])
+        assert [bytes(g) for g in got] == [d for _, d in on_disk]
+    assert "is damaged; scanning" in daemon.log()
+
+
+def test_file_damaged_in_place_under_a_valid_snapshot_is_a_miss(filled) -> None:  # type: ignore[no-untyped-def]
+    """The snapshot only spares the start its header reads: every read still checks."""
+    daemon, root, on_disk, files = filled
+    for path in files:
+        raw = bytearray(path.read_bytes())
+        raw[-1000] ^= 0x01
+        path.write_bytes(bytes(raw))
+    daemon.start()
+    with daemon.client() as c:
+        assert disk_stats(c)["rebuilt_from_snapshot"] == 1
+        assert c.get([k for k, _ in on_disk]) == [None] * len(on_disk)
+        assert disk_stats(c)["corrupt"] == len(on_disk)
