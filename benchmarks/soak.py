@@ -6,7 +6,9 @@ Starts ``python -m lmcache_server`` on a free loopback port (memory pool
 256 KiB..4 MiB (so the pool churns: everything is evicted many times over) and
 get earlier ones back, checking every hit byte for byte (a chunk's bytes are
 its key repeated, so another chunk's bytes never pass).  Clients use
-``fail_open=False``, so a timeout is an error, not a silent miss.
+``fail_open=False``, so a timeout is an error, not a silent miss.  Even-numbered
+clients map the daemon's pool (the shared-memory path, leases and all), odd
+ones send payload frames, so both data paths churn the same pool at once.
 
 Reports ops, errors (must be 0: DaemonUnavailable, ServerError, wrong bytes),
 p50/p99 latency, hits/misses, and the daemon's RSS sampled every second from
@@ -72,7 +74,8 @@ def worker(
     errors: list[str] = []
     counts = {"puts": 0, "gets": 0, "hits": 0, "misses": 0, "not_stored": 0}
     written: list[tuple[bytes, int]] = []
-    with CacheClient(address, NAMESPACE, timeout_s=10.0, fail_open=False) as c:
+    with CacheClient(address, NAMESPACE, timeout_s=10.0, fail_open=False, shared_memory=index % 2 == 0) as c:
+        counts["shm"] = int(c.uses_shared_memory)
         n = 0
         while time.monotonic() < deadline:
             if not written or rng.random() < 0.45:
@@ -203,14 +206,15 @@ def main(argv: list[str] | None = None) -> int:
 
     latencies = [x for o in outs for x in o["latencies"]]
     errors = [e for o in outs for e in o["errors"]]
-    total = {k: sum(o[k] for o in outs) for k in ("puts", "gets", "hits", "misses", "not_stored")}
+    total = {k: sum(o[k] for o in outs) for k in ("puts", "gets", "hits", "misses", "not_stored", "shm")}
     ops = total["puts"] + total["gets"]
     p50, p99 = percentile(latencies, 0.50) * 1000, percentile(latencies, 0.99) * 1000
     rss_max = max(r for _, r in samples)
     limit = args.pool_mib + args.overhead_mib
     print(f"{ops} ops in {elapsed:.1f}s ({ops / elapsed:.0f}/s): {total['puts']} puts "
           f"({total['not_stored']} not stored), {total['gets']} gets "
-          f"({total['hits']} hits, {total['misses']} misses)")  # fmt: skip
+          f"({total['hits']} hits, {total['misses']} misses); {total['shm']} of {len(outs)} clients "
+          "on shared memory, the rest on payload frames")  # fmt: skip
     print(f"latency p50 {p50:.2f} ms, p99 {p99:.2f} ms, mean {statistics.fmean(latencies) * 1000:.2f} ms")
     print(f"errors: {len(errors)}")
     for e in errors[:10]:

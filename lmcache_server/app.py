@@ -20,16 +20,19 @@ from prometheus_client import CollectorRegistry
 from lmcache_client.memtune import tune_malloc
 
 from .config import ServerConfig, disk_path
-from .metrics import ServerMetrics, StoreCollector
+from .metrics import ServerMetrics, ShmCollector, StoreCollector
+from .security import Security
 from .server.admission import ByteBudget
 from .server.handlers import Handlers
 from .server.http import HttpEndpoint
 from .server.monitor import ConnectionMonitor
+from .server.shm import ShmLeases
 from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
 from .storage.disk import DiskTier
 from .storage.policy import make_policy
 from .storage.remote import RedisTier
+from .storage.tenants import TenantQuotas
 from .summary import SummaryLog
 
 logger = logging.getLogger(__name__)
@@ -51,11 +54,19 @@ class App:
         c = self.config
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        # Exposed endpoints without auth, unsafe key files: refused before anything is allocated.
+        security = Security.from_config(c)
         if c.malloc_tuning and not tune_malloc():
             logger.info("malloc tuning not applied (not glibc?)")
-        pool = MemoryPool(c.max_local_cpu_size, c.pin_memory)
+        pool = MemoryPool(
+            c.max_local_cpu_size,
+            c.pin_memory,
+            c.shm_dir if c.shared_memory else None,
+            0o600 if c.shm_access == "owner" else 0o660,
+        )
         policy = make_policy(c.cache_policy)
         memory = MemoryTier(pool, int(c.max_local_cpu_size * c.max_pinned_fraction), policy)
+        memory.quotas = TenantQuotas(c.quotas("memory"))
         disk = None
         if c.local_disk is not None:
             disk = DiskTier(
@@ -65,7 +76,10 @@ class App:
                 io_threads=c.disk_io_threads,
                 max_queue_bytes=c.max_spill_queue_size,
                 policy=make_policy(c.cache_policy),
+                direct_io=c.disk_direct_io,
+                spill_ahead_bytes=c.spill_ahead_size,
             )
+            disk.quotas = TenantQuotas(c.quotas("disk"))
             await disk.open()
         remote = None
         if c.remote_url is not None:
@@ -84,11 +98,16 @@ class App:
         metrics = ServerMetrics(self.registry)
         self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))
         context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
-        server = ZmqServer(c, Handlers(store, c, budget), budget, metrics, context)
+        shm = ShmLeases(store, pool, c.shm_lease_timeout_s)
+        if shm.enabled:
+            self.registry.register(ShmCollector(shm.stats))
+        server = ZmqServer(c, Handlers(store, c, budget, shm), budget, metrics, context, security)
+        sweeper = loop.create_task(shm.run()) if shm.enabled else None
         http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready)
         monitor = ConnectionMonitor(metrics)
         summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
         try:
+            security.start(context, metrics)  # the ZAP handler exists before any handshake
             server.bind()
             monitor.start(server.sock)
             if c.metrics_port:
@@ -120,6 +139,10 @@ class App:
             await summary.close()
             await monitor.close()
             server.close()
+            security.stop()
+            if sweeper is not None:
+                sweeper.cancel()
+            shm.close()
             await http.close()
             await store.close()
             context.term()

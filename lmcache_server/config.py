@@ -180,6 +180,30 @@ def _key_prefix(value: Any) -> str:
     return value
 
 
+def _abs_path(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+        raise ValueError
+    return value
+
+
+def _tenant_quotas(value: Any) -> tuple[tuple[str, int | None, int | None], ...]:
+    """``{tenant: {memory: SIZE, disk: SIZE}}`` -> sorted (tenant, memory, disk) tuples."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise ValueError
+    out = []
+    for tenant, limits in value.items():
+        if not isinstance(tenant, str) or not tenant or "|" in tenant or any(c.isspace() for c in tenant):
+            raise ValueError
+        if not isinstance(limits, Mapping) or not limits or set(limits) - {"memory", "disk"}:
+            raise ValueError
+        memory = parse_size(limits["memory"]) if limits.get("memory") is not None else None
+        disk = parse_size(limits["disk"]) if limits.get("disk") is not None else None
+        out.append((tenant, memory, disk))
+    return tuple(sorted(out))
+
+
 def _host(value: Any) -> str:
     if not isinstance(value, str) or not value or any(c in value for c in "/ "):
         raise ValueError
@@ -262,11 +286,61 @@ class ServerConfig:
         'a size of at least 1 MiB, e.g. "256MiB"',
         "Bytes of evicted chunks waiting to be written to disk; beyond it spills are dropped.",
     )
+    disk_direct_io: bool = _field(
+        True,
+        _bool,
+        "true or false",
+        "Write chunk files with O_DIRECT (no page-cache copy) where the filesystem supports it.",
+    )
+    spill_ahead_size: int = _field(
+        64 * 1024**2,
+        _size(),
+        'a size, e.g. "64MiB" (0: off)',
+        "With a disk tier: pool bytes kept free by spilling the coldest chunks early, "
+        "written to disk straight from the pool (at most an eighth of the pool).",
+    )
     listen: tuple[str, ...] = _field(
         ("tcp://127.0.0.1:65432",),
         _listen,
         "a list of tcp://HOST:PORT or ipc:///PATH endpoints",
         "ZeroMQ endpoints the daemon binds (ROUTER).",
+    )
+    # -- security (docs/security.md) --------------------------------------------------
+    auth: str = _field(
+        "none",
+        _choice("none", "curve"),
+        "none or curve",
+        "none: anyone who reaches an endpoint may do anything; curve: ZeroMQ CURVE keys and tenant grants.",
+    )
+    server_secret_key_file: str | None = _field(
+        None,
+        _optional(_str),
+        "the path of the daemon's CURVE secret key file (lmcache-server keygen)",
+        "The daemon's CURVE key pair (mode 0600); required with auth: curve.",
+    )
+    client_keys_file: str | None = _field(
+        None,
+        _optional(_str),
+        "the path of the YAML file of client keys and their grants",
+        "Client public keys, names, tenant grants and roles; required with auth: curve.",
+    )
+    allow_insecure: bool = _field(
+        False,
+        _bool,
+        "true or false",
+        "Let auth: none bind a non-loopback tcp endpoint (a private network you trust); logged loudly.",
+    )
+    max_client_inflight_requests: int = _field(
+        256,
+        _int(1, 1 << 20),
+        "an integer 1..1048576",
+        "Requests one client connection may have in flight; beyond it that client gets BUSY.",
+    )
+    max_client_inflight_bytes: int = _field(
+        512 * 1024**2,
+        _size(1 << 20),
+        'a size of at least 1 MiB, e.g. "512MiB"',
+        "Payload bytes one client connection may hold in flight (puts and unsent get replies); beyond it BUSY.",
     )
     metrics_host: str = _field("127.0.0.1", _host, "a host name or IP address", "Address of the HTTP metrics server.")
     metrics_port: int = _field(
@@ -301,6 +375,31 @@ class ServerConfig:
         "auto, on or off",
         "Page-lock the pool for GPU DMA (auto: when CUDA is available).",
     )
+    shared_memory: bool = _field(
+        True,
+        _bool,
+        "true or false",
+        "Put the pool in a shared-memory segment (in shm_dir) that clients on this host map: "
+        "one memcpy per chunk instead of socket transfers.",
+    )
+    shm_dir: str = _field(
+        "/dev/shm",
+        _abs_path,
+        "an absolute directory path on a tmpfs, e.g. /dev/shm",
+        "Where the shared pool segment is created (owner-only); too small or missing: frames only.",
+    )
+    shm_access: str = _field(
+        "owner",
+        _choice("owner", "group"),
+        "owner or group",
+        "Who may map the pool segment: owner (0600, the daemon's user) or group (0660, also its group).",
+    )
+    shm_lease_timeout_s: float = _field(
+        30.0,
+        _float(0.1, 3600.0),
+        "seconds, 0.1..3600",
+        "How long a shared-memory client may hold a chunk it reads or a slot it writes before it is reclaimed.",
+    )
     malloc_tuning: bool = _field(
         True, _bool, "true or false", "Keep glibc from mmap/munmap-ing every large receive buffer."
     )
@@ -309,6 +408,12 @@ class ServerConfig:
         _choice("lfuda", "lru"),
         "lfuda or lru",
         "Eviction policy: lfuda (frequency + recency, prefix-aware; see docs/eviction.md) or lru.",
+    )
+    tenant_quotas: tuple[tuple[str, int | None, int | None], ...] = _field(
+        (),
+        _tenant_quotas,
+        'a map of tenant name to {memory: SIZE, disk: SIZE}, e.g. {acme: {memory: "8GiB", disk: "100GiB"}}',
+        "Per-tenant byte caps in the memory and disk tiers; a tenant over its cap evicts its own chunks.",
     )
     log_level: str = _field(
         "INFO", _choice("debug", "info", "warning", "error"), "DEBUG, INFO, WARNING or ERROR", "Log verbosity."
@@ -334,13 +439,23 @@ class ServerConfig:
             raise ConfigError(
                 "max_message_size", self.max_message_size, f"at most max_inflight_bytes ({self.max_inflight_bytes})"
             )
+        if self.auth == "curve":
+            for key in ("server_secret_key_file", "client_keys_file"):
+                if getattr(self, key) is None:
+                    raise ConfigError(key, None, "a file path when auth is curve (see docs/security.md)")
         object.__setattr__(self, "log_level", self.log_level.upper())
+
+    def quotas(self, tier: str) -> dict[str, int]:
+        """``tenant_quotas`` of one tier ("memory" or "disk"): tenant -> bytes."""
+        index = 1 if tier == "memory" else 2
+        return {q[0]: q[index] for q in self.tenant_quotas if q[index] is not None}  # type: ignore[misc]
 
     def summary(self) -> str:
         """One log line with the effective settings."""
         gib = 1024**3
         return (
-            f"listen={','.join(self.listen)} memory={self.max_local_cpu_size / gib:.2f}GiB "
+            f"listen={','.join(self.listen)} auth={self.auth}{' (allow_insecure)' if self.allow_insecure else ''} "
+            f"memory={self.max_local_cpu_size / gib:.2f}GiB "
             f"policy={self.cache_policy} chunk_size={self.chunk_size} "
             f"disk={self.local_disk or 'off'}"
             f"{f' ({self.max_local_disk_size / gib:.2f}GiB)' if self.local_disk else ''} "

@@ -42,9 +42,15 @@ class ServerMetrics:
             registry=registry,
         )
         self.received_bytes = Counter(
-            "lmcache_received_payload_bytes", "Payload bytes received (puts).", registry=registry
+            "lmcache_received_payload_bytes",
+            "Chunk bytes received (puts: payload frames and shared-memory commits).",
+            registry=registry,
         )
-        self.sent_bytes = Counter("lmcache_sent_payload_bytes", "Payload bytes sent (gets).", registry=registry)
+        self.sent_bytes = Counter(
+            "lmcache_sent_payload_bytes",
+            "Chunk bytes served (gets: payload frames and shared-memory read leases).",
+            registry=registry,
+        )
         self.busy = Counter(
             "lmcache_busy_rejections", "Requests answered BUSY (in-flight budget spent).", registry=registry
         )
@@ -57,6 +63,31 @@ class ServerMetrics:
         self.disconnections = Counter(
             "lmcache_client_disconnections",
             "Client connections closed since start (by the client, or dropped by the heartbeat).",
+            registry=registry,
+        )
+        # Security and input limits (docs/security.md): one series per kind of violation.
+        self.limit_violations = Counter(
+            "lmcache_limit_violations",
+            "Requests refused by an input or per-client limit, by limit "
+            "(header_bytes, message_bytes, frames, keys, msgpack, client_requests, client_bytes).",
+            ["limit"],
+            registry=registry,
+        )
+        self.auth_rejections = Counter(
+            "lmcache_auth_rejections",
+            "CURVE handshakes refused because the client key is not in client_keys_file.",
+            registry=registry,
+        )
+        self.handshake_failures = Counter(
+            "lmcache_handshake_failures",
+            "Connections whose ZeroMQ handshake failed, by reason (auth, protocol: e.g. no CURVE, other).",
+            ["reason"],
+            registry=registry,
+        )
+        self.forbidden = Counter(
+            "lmcache_forbidden_requests",
+            "Requests answered FORBIDDEN (outside the client key's grants), by client name.",
+            ["client"],
             registry=registry,
         )
         build = Gauge("lmcache_build_info", "Always 1; the version as a label.", ["version"], registry=registry)
@@ -125,6 +156,7 @@ class StoreCollector(Collector):
                 if field is not None:
                     metric.add_metric([tier], float(values[field]))
             yield metric
+        yield from _tenant_families(tiers)
         yield CounterMetricFamily(
             "lmcache_lookup_chunks", "Chunks asked about by lookups.", value=stats["lookup_chunks"]
         )
@@ -141,8 +173,62 @@ class StoreCollector(Collector):
         )
 
 
+def _tenant_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """Per-tenant quota use by tier (only tenants named in ``tenant_quotas``)."""
+    used = GaugeMetricFamily(
+        "lmcache_tenant_used_bytes", "Bytes a tenant holds in the tier.", labels=["tier", "tenant"]
+    )
+    limit = GaugeMetricFamily(
+        "lmcache_tenant_quota_bytes", "The tenant's quota in the tier (tenant_quotas).", labels=["tier", "tenant"]
+    )
+    evicted = CounterMetricFamily(
+        "lmcache_tenant_quota_evictions",
+        "Chunks of a tenant evicted to keep it within its quota.",
+        labels=["tier", "tenant"],
+    )
+    for tier, values in tiers.items():
+        for tenant, q in values.get("tenants", {}).items():
+            used.add_metric([tier, tenant], float(q["used_bytes"]))
+            limit.add_metric([tier, tenant], float(q["limit_bytes"]))
+            evicted.add_metric([tier, tenant], float(q["quota_evictions"]))
+    yield used
+    yield limit
+    yield evicted
+
+
 def counter_value(counter: Counter) -> float:
     """The sum of a counter's ``_total`` samples over all its label sets."""
     return sum(
         sample.value for metric in counter.collect() for sample in metric.samples if sample.name.endswith("_total")
     )
+
+
+class ShmCollector(Collector):
+    """Exports the shared-memory lease table's counters (server/shm.py) at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats()
+        yield GaugeMetricFamily(
+            "lmcache_shm_enabled", "1 when the pool is shared with local clients.", value=float(s["enabled"])
+        )
+        families = [
+            (GaugeMetricFamily, "lmcache_shm_leases", "Leases held now by shared-memory clients.",
+             ("active_read_leases", "active_write_leases")),
+            (CounterMetricFamily, "lmcache_shm_leases_granted", "Leases granted to shared-memory clients.",
+             ("read_leases", "write_leases")),
+            (CounterMetricFamily, "lmcache_shm_leases_expired",
+             "Leases reclaimed after shm_lease_timeout_s (a client died or stalled).",
+             ("expired_reads", "expired_writes")),
+            (GaugeMetricFamily, "lmcache_shm_leased_bytes", "Bytes held by leases now (write: incl. quarantined).",
+             ("leased_bytes", "reserved_bytes")),
+            (CounterMetricFamily, "lmcache_shm_bytes", "Bytes read and written by clients through the mapped pool.",
+             ("read_bytes", "committed_bytes")),
+        ]  # fmt: skip
+        for kind, name, doc, (read, write) in families:
+            metric = kind(name, doc, labels=["kind"])
+            metric.add_metric(["read"], float(s[read]))
+            metric.add_metric(["write"], float(s[write]))
+            yield metric

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ import yaml
 from lmcache_client import CacheClient, DaemonUnavailable
 
 NAMESPACE = "test-model|float16|L2|KV2|D64|tp0of1|c16"
+SHM_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def free_port() -> int:
@@ -64,11 +66,15 @@ class Daemon:
         self.metrics_port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.ipc_address = f"ipc://{workdir}/lmcache.sock"
+        # Each daemon's shared-memory pool segment lives in its own directory on
+        # the tmpfs, removed at teardown (segments of killed daemons included).
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="lmcache-test-", dir=SHM_ROOT))
         self.config = {
             "listen": [self.address, self.ipc_address],
             "metrics_port": self.metrics_port,
             "max_local_cpu_size": "64MiB",
             "drain_timeout_s": 5,
+            "shm_dir": str(self.shm_dir),
             **config,
         }
         self.config_path = workdir / "server.yaml"
@@ -76,6 +82,7 @@ class Daemon:
         self.env = env
         self.prefix = prefix or []  # e.g. ["prlimit", "--fsize=..."] to run the daemon under limits
         self.proc: subprocess.Popen[bytes] | None = None
+        self.client_options: dict[str, Any] = {}  # e.g. CURVE keys, for the probe and client()
 
     def start(self, timeout_s: float = 20.0) -> Daemon:
         self.config_path.write_text(yaml.safe_dump(self.config))
@@ -89,7 +96,7 @@ class Daemon:
             env=env,
         )
         deadline = time.monotonic() + timeout_s
-        with CacheClient(self.address, timeout_s=0.5, fail_open=False) as probe:
+        with CacheClient(self.address, timeout_s=0.5, fail_open=False, **self.client_options) as probe:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
@@ -119,9 +126,15 @@ class Daemon:
         if hasattr(self, "_log"):
             self._log.close()
 
+    def cleanup(self) -> None:
+        self.kill()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
     def client(self, **kwargs: Any) -> CacheClient:
         kwargs.setdefault("timeout_s", 10.0)
         kwargs.setdefault("fail_open", False)
+        for name, value in self.client_options.items():
+            kwargs.setdefault(name, value)
         return CacheClient(kwargs.pop("address", self.address), kwargs.pop("namespace", NAMESPACE), **kwargs)
 
 
@@ -139,7 +152,7 @@ def _daemons(base: Path) -> Iterator[Callable[..., Daemon]]:
         yield start
     finally:
         for daemon in started:
-            daemon.kill()
+            daemon.cleanup()
 
 
 @pytest.fixture

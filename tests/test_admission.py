@@ -22,7 +22,8 @@ def test_budget_spent_by_unsent_replies_answers_busy(daemon_factory) -> None:  #
     daemon = daemon_factory(max_local_cpu_size="64MiB", max_inflight_bytes="8MiB", max_message_size="8MiB")
     keys = [os.urandom(KEY_BYTES) for _ in range(2)]
     small = [os.urandom(KEY_BYTES)]
-    with daemon.client() as c, daemon.client(fail_open=True) as lenient:
+    # Payload frames: shared-memory gets move no bytes through the socket (test_shm.py).
+    with daemon.client(shared_memory=False) as c, daemon.client(fail_open=True, shared_memory=False) as lenient:
         for key in keys:
             c.put([key], [os.urandom(4 * MiB)])
         c.put(small, [os.urandom(MiB)])

@@ -138,7 +138,7 @@ def test_prometheus_scrapes_the_daemon_and_records_hit_rates(
 
     stored = [os.urandom(KEY_BYTES) for _ in range(4)]
     unknown = [os.urandom(KEY_BYTES) for _ in range(4)]
-    with daemon.client() as c:
+    with daemon.client(shared_memory=False) as c:  # one put request (shared memory: alloc + commit)
         c.put(stored, [os.urandom(64 * 1024) for _ in stored])
         assert sum(g is not None for g in c.get(stored + unknown)) == 4  # 4 memory hits, 4 misses everywhere
         assert c.lookup(stored + unknown).hit_chunks == 4

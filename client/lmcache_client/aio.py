@@ -13,19 +13,21 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
-from . import calls
+from . import calls, shm
 from .calls import Call, LookupResult
 from .client import COPY_THRESHOLD, DEFAULT_ADDRESS, FailOpen, namespace_string, new_dealer
-from .errors import DaemonUnavailable
+from .curve import CurveKeys
+from .errors import DaemonUnavailable, ServerError
 from .keys import chunk_keys
 from .namespace import Namespace
-from .protocol import PutStatus, Reply, decode_reply, encode_request
+from .protocol import ErrorCode, PutStatus, Reply, decode_reply, encode_request
+from .shm import SharedPool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,8 +47,12 @@ class AsyncCacheClient:
         hwm: int = 64,
         max_outstanding: int = 128,
         context: zmq.asyncio.Context | None = None,
+        shared_memory: bool = True,
+        server_public_key: str | None = None,
+        client_secret_key: str | None = None,
     ):
         self.address = address
+        self._curve = CurveKeys.from_options(server_public_key, client_secret_key)  # as CacheClient's
         self.namespace = namespace_string(namespace)
         self.chunk_size = chunk_size or (namespace.chunk_size if isinstance(namespace, Namespace) else None)
         self.timeout_s = timeout_s
@@ -58,6 +64,9 @@ class AsyncCacheClient:
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._fail = FailOpen(fail_open, address)
         self._closed = False
+        self.shared_memory = shared_memory
+        self._pool: SharedPool | None = None
+        self._pool_probed = False
         # The daemon's ROUTER drops replies past its per-peer high-water mark
         # (hello's max_outstanding_requests, 256 by default): stay below it.
         self._slots = asyncio.Semaphore(max_outstanding)
@@ -77,6 +86,7 @@ class AsyncCacheClient:
         return self._fail.busy_replies
 
     async def close(self) -> None:
+        self._unmap()
         self._closed = True
         await self._drop_socket(DaemonUnavailable("client closed"))
 
@@ -100,7 +110,7 @@ class AsyncCacheClient:
         if self._closed:
             raise RuntimeError("client is closed")
         if self._sock is None:
-            sock: zmq.asyncio.Socket = new_dealer(self._ctx, self.address, self._hwm)
+            sock: zmq.asyncio.Socket = new_dealer(self._ctx, self.address, self._hwm, self._curve)
             self._sock = sock
             self._reader = asyncio.get_running_loop().create_task(self._read_replies(sock))
         return self._sock
@@ -167,6 +177,79 @@ class AsyncCacheClient:
             raise ValueError("no namespace: pass namespace= here or to the client")
         return ns
 
+    # -- shared memory (see shm.py; the same flows as CacheClient) -----------------
+    async def uses_shared_memory(self) -> bool:
+        try:
+            return await self._shared_pool() is not None
+        except DaemonUnavailable:
+            return False
+
+    async def _shared_pool(self) -> SharedPool | None:
+        if not self.shared_memory:
+            return None
+        if not self._pool_probed:
+            try:
+                offer = (await self._run(calls.hello("lmcache-client-py-async"))).get("shm")
+            except ServerError:
+                offer = None
+            if not self._pool_probed:  # another task may have probed meanwhile
+                self._pool_probed = True
+                self._pool = SharedPool.open(offer)
+        return self._pool
+
+    def _unmap(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        self._pool_probed = False
+
+    async def _tell(self, call: Call[Any]) -> None:
+        request_id = next(self._ids) & (2**64 - 1)
+        frames = encode_request(call.op, request_id, call.namespace, call.keys, call.payloads, **call.fields)
+        try:
+            await self._socket().send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the lease expires by itself
+
+    async def _drive(self, flow: shm.Flow) -> Any:
+        value = None
+        while True:
+            try:
+                step = flow.send(value)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(step, shm.Tell):
+                await self._tell(step.call)
+                value = None
+            else:
+                value = await self._run(step.call)
+
+    async def _over_shm(
+        self,
+        flow: Callable[[SharedPool], shm.Flow],
+        fallback: Callable[[], Awaitable[T]],
+        miss: Callable[[], T],
+    ) -> T:
+        for _ in range(2):
+            try:
+                pool = await self._shared_pool()
+                if pool is None:
+                    return await fallback()
+                result: T = await self._drive(flow(pool))
+                return result
+            except ServerError as err:
+                if err.code == ErrorCode.STALE_SEGMENT:
+                    self._unmap()
+                    continue
+                if err.code == ErrorCode.UNKNOWN_LEASE or (err.code == ErrorCode.BUSY and self._fail.enabled):
+                    return miss()
+                raise
+            except DaemonUnavailable:
+                if self._fail.enabled:
+                    return miss()
+                raise
+        return await fallback()
+
     # -- ops (see CacheClient for their meaning) -----------------------------------
     async def hello(self, client_name: str = "lmcache-client-py-async") -> dict[str, Any]:
         return await self._run(calls.hello(client_name))
@@ -177,10 +260,37 @@ class AsyncCacheClient:
     async def put(
         self, keys: Sequence[bytes], payloads: Sequence[Any], *, namespace: Namespace | str | None = None
     ) -> list[PutStatus | int]:
-        return await self._run(calls.put(self._ns(namespace), keys, payloads))
+        ns = self._ns(namespace)
+        call = calls.put(ns, keys, payloads)
+        if sum(memoryview(p).nbytes for p in payloads) < shm.PUT_MIN_BYTES:
+            return await self._run(call)
+        return await self._over_shm(
+            lambda pool: shm.put_flow(pool, ns, keys, payloads),
+            lambda: self._run(call),
+            lambda: [PutStatus.FAILED] * len(keys),
+        )
 
     async def get(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[Any | None]:
-        return await self._run(calls.get(self._ns(namespace), keys))
+        ns = self._ns(namespace)
+        return await self._over_shm(
+            lambda pool: shm.get_flow(pool, ns, keys, None),
+            lambda: self._run(calls.get(ns, keys)),
+            lambda: [None] * len(keys),
+        )
+
+    async def get_into(
+        self, keys: Sequence[bytes], out: Sequence[Any], *, namespace: Namespace | str | None = None
+    ) -> list[bool]:
+        """Copy each hit into ``out[i]`` (tensor or writable buffer); True where it was a hit."""
+        ns = self._ns(namespace)
+        if len(out) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(out)} destinations")
+
+        async def frames() -> list[bool]:
+            bufs = await self._run(calls.get(ns, keys))
+            return [buf is not None and shm.copy_frame(buf, dest) for dest, buf in zip(out, bufs)]
+
+        return await self._over_shm(lambda pool: shm.get_flow(pool, ns, keys, out), frames, lambda: [False] * len(keys))
 
     async def lookup(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> LookupResult:
         return await self._run(calls.lookup(self._ns(namespace), keys))

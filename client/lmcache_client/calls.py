@@ -146,3 +146,64 @@ def clear(namespace: str | None) -> Call[int]:
 
 def stats(namespace: str | None = None) -> Call[dict[str, Any]]:
     return Call(Op.STATS, lambda r, _: dict(_field(r, "stats")), namespace)
+
+
+# -- the shared-memory data path (see shm.py) ------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ShmGrant:
+    """A get or alloc answered with pool locations under a lease."""
+
+    loc: list[list[int] | None]
+    """(offset, length) in the pool per key; None: not in the pool."""
+    lease: int | None
+    """The lease to release (get) or commit (alloc); None when nothing was leased."""
+    expires: float
+    """The lease's deadline on CLOCK_MONOTONIC."""
+    found: list[bool] = dataclasses.field(default_factory=list)
+    """get: whether each key was a hit (a hit without a location came as a payload frame)."""
+    payloads: list[Any] = dataclasses.field(default_factory=list)
+    status: list[PutStatus | int] = dataclasses.field(default_factory=list)
+    """alloc: STORED where a slot was reserved, else why not."""
+
+
+def _grant(reply: Reply, n: int) -> ShmGrant:
+    loc = _field(reply, "loc")
+    lease = reply.fields.get("lease")
+    if len(loc) != n or (lease is None) != all(x is None for x in loc):
+        raise ServerError(ErrorCode.INTERNAL, "shared-memory reply does not match its request")
+    return ShmGrant([list(x) if x is not None else None for x in loc], lease, float(reply.fields.get("expires", 0.0)))
+
+
+def get_shm(namespace: str, keys: Sequence[bytes], segment: str) -> Call[ShmGrant]:
+    n = len(keys)
+
+    def parse(reply: Reply, payloads: list[Any]) -> ShmGrant:
+        grant = _grant(reply, n)
+        found = [bool(x) for x in _field(reply, "found")]
+        framed = sum(1 for hit, loc in zip(found, grant.loc) if hit and loc is None)
+        if len(found) != n or framed != len(payloads):
+            raise ServerError(ErrorCode.INTERNAL, "get reply does not match its payloads")
+        return dataclasses.replace(grant, found=found, payloads=payloads)
+
+    return Call(Op.GET, parse, namespace, keys, fields={"shm": segment})
+
+
+def alloc(namespace: str, keys: Sequence[bytes], sizes: Sequence[int], segment: str) -> Call[ShmGrant]:
+    n = len(keys)
+
+    def parse(reply: Reply, _: list[Any]) -> ShmGrant:
+        grant = _grant(reply, n)
+        status = [_put_status(s) for s in _field(reply, "status")]
+        return dataclasses.replace(grant, status=status)
+
+    return Call(Op.ALLOC, parse, namespace, keys, fields={"sizes": list(sizes), "shm": segment})
+
+
+def commit(lease: int, segment: str) -> Call[list[PutStatus | int]]:
+    return Call(
+        Op.COMMIT, lambda r, _: [_put_status(s) for s in _field(r, "status")], fields={"lease": lease, "shm": segment}
+    )
+
+
+def release(leases: Sequence[int]) -> Call[list[bool]]:
+    return Call(Op.RELEASE, _bool_list("released"), fields={"leases": list(leases)})

@@ -18,17 +18,19 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import zmq
 
-from . import calls
+from . import calls, shm
 from .calls import Call, LookupResult
+from .curve import CurveKeys
 from .errors import DaemonUnavailable, ServerError
 from .keys import chunk_keys
 from .namespace import Namespace
 from .protocol import ErrorCode, PutStatus, Reply, decode_reply, encode_request
+from .shm import SharedPool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,10 +87,13 @@ def namespace_string(namespace: Namespace | str | None) -> str | None:
     return namespace.wire() if isinstance(namespace, Namespace) else namespace
 
 
-def new_dealer(ctx: zmq.Context[Any], address: str, hwm: int) -> Any:
-    """A DEALER socket connected to ``address`` (sync or asyncio, after ``ctx``'s kind)."""
+def new_dealer(ctx: zmq.Context[Any], address: str, hwm: int, curve: CurveKeys | None = None) -> Any:
+    """A DEALER socket connected to ``address`` (sync or asyncio, after ``ctx``'s kind),
+    a CURVE client of the daemon when ``curve`` is given."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(sock)
     # IMMEDIATE: queue only on completed connections, so a dead daemon is
     # noticed at send time instead of messages piling up for later delivery.
     sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -115,19 +120,30 @@ class CacheClient:
         chunk_size: int | None = None,
         hwm: int = 64,
         context: zmq.Context[Any] | None = None,
+        shared_memory: bool = True,
+        server_public_key: str | None = None,
+        client_secret_key: str | None = None,
     ):
         self.address = address
+        # auth: curve daemons: the daemon's public key and this client's secret
+        # key, each as Z85 text or a key file path (docs/security.md).
+        self._curve = CurveKeys.from_options(server_public_key, client_secret_key)
         self.namespace = namespace_string(namespace)
         self.chunk_size = chunk_size or (namespace.chunk_size if isinstance(namespace, Namespace) else None)
         self.timeout_s = timeout_s
         self._hwm = hwm
         self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] | None = new_dealer(self._ctx, address, hwm)
+        self._sock: zmq.Socket[Any] | None = new_dealer(self._ctx, address, hwm, self._curve)
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._fail = FailOpen(fail_open, address)
+        self.shared_memory = shared_memory
+        """Use the daemon's pool directly when it offers it and this process can map it."""
+        self._pool: SharedPool | None = None
+        self._pool_probed = False
 
     # -- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
+        self._unmap()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -152,7 +168,7 @@ class CacheClient:
     def _reset(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
-        self._sock = new_dealer(self._ctx, self.address, self._hwm)
+        self._sock = new_dealer(self._ctx, self.address, self._hwm, self._curve)
 
     def _roundtrip(self, frames: list[Any], request_id: int, timeout_s: float) -> tuple[Any, list[Any]]:
         if self._sock is None:
@@ -208,6 +224,82 @@ class CacheClient:
             raise ValueError("no namespace: pass namespace= here or to the client")
         return ns
 
+    # -- shared memory (see shm.py) ------------------------------------------------
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether data ops go through the daemon's mapped pool (probes the daemon once)."""
+        try:
+            return self._shared_pool() is not None
+        except DaemonUnavailable:
+            return False
+
+    def _shared_pool(self) -> SharedPool | None:
+        """The mapped pool, None when not offered or not mappable; raises
+        DaemonUnavailable when the daemon cannot be asked (asked again next time)."""
+        if not self.shared_memory:
+            return None
+        if not self._pool_probed:
+            try:
+                offer = self._run(calls.hello("lmcache-client-py")).get("shm")
+            except ServerError:
+                offer = None
+            self._pool_probed = True
+            self._pool = SharedPool.open(offer)
+        return self._pool
+
+    def _unmap(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        self._pool_probed = False
+
+    def _tell(self, call: Call[Any]) -> None:
+        """Send without waiting for the reply (the next round trip drops it)."""
+        if self._sock is None:
+            return
+        request_id = next(self._ids) & (2**64 - 1)
+        frames = encode_request(call.op, request_id, call.namespace, call.keys, call.payloads, **call.fields)
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the lease expires by itself
+
+    def _drive(self, flow: shm.Flow) -> Any:
+        value = None
+        while True:
+            try:
+                step = flow.send(value)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(step, shm.Tell):
+                self._tell(step.call)
+                value = None
+            else:
+                value = self._run(step.call)
+
+    def _over_shm(self, flow: Callable[[SharedPool], shm.Flow], fallback: Callable[[], T], miss: Callable[[], T]) -> T:
+        """Run a shared-memory flow; a daemon that restarted (new segment) is
+        mapped again, and a daemon that no longer shares its pool gets frames."""
+        for _ in range(2):
+            try:
+                pool = self._shared_pool()
+                if pool is None:
+                    return fallback()
+                result: T = self._drive(flow(pool))
+                return result
+            except ServerError as err:
+                if err.code == ErrorCode.STALE_SEGMENT:
+                    self._unmap()
+                    continue
+                if err.code == ErrorCode.UNKNOWN_LEASE or (err.code == ErrorCode.BUSY and self._fail.enabled):
+                    return miss()
+                raise
+            except DaemonUnavailable:
+                if self._fail.enabled:
+                    return miss()
+                raise
+        return fallback()
+
     # -- ops -----------------------------------------------------------------------
     def hello(self, client_name: str = "lmcache-client-py") -> dict[str, Any]:
         """Version handshake; returns the server's capabilities and limits."""
@@ -221,12 +313,29 @@ class CacheClient:
         self, keys: Sequence[bytes], payloads: Sequence[Any], *, namespace: Namespace | str | None = None
     ) -> list[PutStatus | int]:
         """Store one payload per key; a PutStatus per key (a bare int for a status
-        this client does not know).  Do not modify the payload buffers until it returns."""
-        return self._run(calls.put(self._ns(namespace), keys, payloads))
+        this client does not know).  Do not modify the payload buffers until it returns.
+
+        On the daemon's host, large puts are copied straight into its pool."""
+        ns = self._ns(namespace)
+        call = calls.put(ns, keys, payloads)
+        if sum(memoryview(p).nbytes for p in payloads) < shm.PUT_MIN_BYTES:
+            return self._run(call)
+        return self._over_shm(
+            lambda pool: shm.put_flow(pool, ns, keys, payloads),
+            lambda: self._run(call),
+            lambda: [PutStatus.FAILED] * len(keys),
+        )
 
     def get(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[Any | None]:
-        """One read-only buffer (memoryview) per key, None for a miss."""
-        return self._run(calls.get(self._ns(namespace), keys))
+        """One read-only buffer (memoryview) per key, None for a miss.
+
+        On the daemon's host the bytes are copied once out of its pool."""
+        ns = self._ns(namespace)
+        return self._over_shm(
+            lambda pool: shm.get_flow(pool, ns, keys, None),
+            lambda: self._run(calls.get(ns, keys)),
+            lambda: [None] * len(keys),
+        )
 
     def lookup(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> LookupResult:
         """How many leading keys are cached, and the tier holding each key."""
@@ -264,16 +373,41 @@ class CacheClient:
     def put_tensors(
         self, keys: Sequence[bytes], tensors: Sequence[Any], *, namespace: Namespace | str | None = None
     ) -> list[PutStatus | int]:
-        """Put torch tensors (CPU) without copying them into bytes first."""
+        """Put contiguous torch tensors without copying them into bytes first.
+
+        Over shared memory each tensor is copied once into the pool (a CUDA
+        tensor by DMA); over frames the tensors must be on the CPU."""
         from .tensors import tensor_bytes
 
-        return self.put(keys, [tensor_bytes(t) for t in tensors], namespace=namespace)
+        ns = self._ns(namespace)
+
+        def frames() -> list[PutStatus | int]:
+            return self._run(calls.put(ns, keys, [tensor_bytes(t) for t in tensors]))
+
+        return self._over_shm(
+            lambda pool: shm.put_flow(pool, ns, keys, tensors),
+            frames,
+            lambda: [PutStatus.FAILED] * len(keys),
+        )
 
     def get_into(
         self, keys: Sequence[bytes], out: Sequence[Any], *, namespace: Namespace | str | None = None
     ) -> list[bool]:
-        """Copy each hit into the matching CPU tensor of ``out``; True where it was a hit."""
-        from .tensors import copy_into
+        """Copy each hit into ``out[i]`` (a contiguous torch tensor, or a writable
+        buffer, of exactly the chunk's size); True where it was a hit.
 
-        bufs = self.get(keys, namespace=namespace)
-        return [buf is not None and copy_into(t, buf) for t, buf in zip(out, bufs)]
+        Over shared memory the bytes go from the daemon's pool straight into the
+        destination: one memcpy (one DMA for a CUDA tensor)."""
+        ns = self._ns(namespace)
+        if len(out) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(out)} destinations")
+
+        def frames() -> list[bool]:
+            bufs = self._run(calls.get(ns, keys))
+            return [buf is not None and shm.copy_frame(buf, dest) for dest, buf in zip(out, bufs)]
+
+        return self._over_shm(
+            lambda pool: shm.get_flow(pool, ns, keys, out),
+            frames,
+            lambda: [False] * len(keys),
+        )

@@ -14,12 +14,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from lmcache_client.protocol import KEY_BYTES, PROTOCOL_VERSION, ErrorCode, Op, ProtocolError, Request
+from lmcache_client.protocol import KEY_BYTES, PROTOCOL_VERSION, ErrorCode, Op, ProtocolError, PutStatus, Request
 
 from .. import __version__
 from ..config import ServerConfig
 from ..storage import Chunk, TieredStore
+from ..storage.memory import Reservation
 from .admission import ByteBudget
+from .shm import ShmLeases
 
 
 @dataclasses.dataclass
@@ -28,16 +30,21 @@ class Outcome:
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
     budget_bytes: int = 0
     """Bytes taken from the budget for the reply; released once it is sent."""
+    shm_in_bytes: int = 0
+    """Chunk bytes a shared-memory client wrote into the pool (commit), for the byte counters."""
+    shm_out_bytes: int = 0
+    """Chunk bytes a shared-memory client may now read from the pool (get under a lease)."""
     after_reply: Callable[[], None] | None = None
     """Work to finish right after the reply is queued, before any other request
     runs (a put's copy into the pool: it overlaps the client's next transfer)."""
 
 
 class Handlers:
-    def __init__(self, store: TieredStore, config: ServerConfig, budget: ByteBudget):
+    def __init__(self, store: TieredStore, config: ServerConfig, budget: ByteBudget, shm: ShmLeases | None = None):
         self.store = store
         self.config = config
         self.budget = budget
+        self.shm = shm if shm is not None and shm.enabled else None
         self.started_at = time.time()
         self._table: dict[Op, Callable[[Request], Awaitable[Outcome]]] = {
             Op.HELLO: self.hello,
@@ -51,6 +58,9 @@ class Handlers:
             Op.PIN: self.pin,
             Op.UNPIN: self.unpin,
             Op.STATS: self.stats,
+            Op.ALLOC: self.alloc,
+            Op.COMMIT: self.commit,
+            Op.RELEASE: self.release,
         }
 
     async def handle(self, request: Request) -> Outcome:
@@ -76,6 +86,7 @@ class Handlers:
                 "max_outstanding_requests": c.zmq_hwm,
                 "save_decode_cache": c.save_decode_cache,
                 "tiers": [t.name for t in self.store.tiers],
+                "shm": self.shm.offer() if self.shm is not None else None,
             }
         )
 
@@ -86,7 +97,16 @@ class Handlers:
         statuses, finish = self.store.prepare_puts(self._ns(request), request.keys, request.payloads)
         return Outcome({"status": [int(s) for s in statuses]}, after_reply=finish)
 
+    def _shm(self, request: Request) -> ShmLeases:
+        """The lease table, after checking the request names this server's segment."""
+        if self.shm is None:
+            raise ProtocolError(ErrorCode.STALE_SEGMENT, "shared memory is off on this server", request.id)
+        self.shm.check_segment(request.fields.get("shm"), request.id)
+        return self.shm
+
     async def get(self, request: Request) -> Outcome:
+        if request.fields.get("shm") is not None:
+            return await self.get_shm(request)
         chunks = await self.store.get_many(self._ns(request), request.keys)
         # A reply's payload bytes never exceed max_message_size: hits past it are
         # answered as misses (the client recomputes them).
@@ -105,6 +125,73 @@ class Handlers:
                 chunk.release()
             raise ProtocolError(ErrorCode.BUSY, "in-flight byte budget spent; retry", request.id)
         return Outcome({"found": [c is not None for c in chunks]}, hits, total)
+
+    async def get_shm(self, request: Request) -> Outcome:
+        """A get answered with pool locations under a read lease; a hit that is
+        not in the pool (no room to promote it) still travels as a payload frame."""
+        shm = self._shm(request)
+        chunks = await self.store.get_many(self._ns(request), request.keys)
+        leased: list[Chunk] = []
+        framed: list[Chunk] = []
+        locations: list[list[int] | None] = []
+        total = 0
+        for i, chunk in enumerate(chunks):
+            if chunk is None:
+                locations.append(None)
+            elif chunk.offset is not None:
+                leased.append(chunk)
+                locations.append([chunk.offset, chunk.nbytes])
+            elif total + chunk.nbytes <= self.config.max_message_size:
+                framed.append(chunk)
+                total += chunk.nbytes
+                locations.append(None)
+            else:
+                chunk.release()
+                chunks[i] = None
+                locations.append(None)
+        if not self.budget.try_acquire(total):
+            for chunk in leased + framed:
+                chunk.release()
+            raise ProtocolError(ErrorCode.BUSY, "in-flight byte budget spent; retry", request.id)
+        fields: dict[str, Any] = {"found": [c is not None for c in chunks], "loc": locations, "lease": None}
+        if leased:
+            fields["lease"], fields["expires"] = shm.grant_reads(leased)
+        return Outcome(fields, framed, total, shm_out_bytes=sum(c.nbytes for c in leased))
+
+    async def alloc(self, request: Request) -> Outcome:
+        """Reserve pool room for chunks the client will write, under a write lease."""
+        shm = self._shm(request)
+        sizes = request.fields.get("sizes")
+        if (
+            not isinstance(sizes, list)
+            or len(sizes) != len(request.keys)
+            or not all(type(n) is int and n > 0 for n in sizes)
+        ):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "'sizes' must list one positive integer per key", request.id)
+        outcomes = self.store.reserve(self._ns(request), request.keys, sizes)
+        reservations = [r for r in outcomes if isinstance(r, Reservation)]
+        fields: dict[str, Any] = {
+            "status": [int(PutStatus.STORED) if isinstance(r, Reservation) else int(r) for r in outcomes],
+            "loc": [[r.offset, r.size] if isinstance(r, Reservation) else None for r in outcomes],
+            "lease": None,
+        }
+        if reservations:
+            fields["lease"], fields["expires"] = shm.grant_writes(reservations)
+        return Outcome(fields)
+
+    async def commit(self, request: Request) -> Outcome:
+        """Make a write lease's chunks visible; one status per reserved chunk."""
+        statuses, nbytes = self._shm(request).commit(request.fields.get("lease"), request.id)
+        return Outcome({"status": [int(s) for s in statuses]}, shm_in_bytes=nbytes)
+
+    async def release(self, request: Request) -> Outcome:
+        """End read leases (or abandon write leases); True where the lease was still live."""
+        if self.shm is None:
+            raise ProtocolError(ErrorCode.STALE_SEGMENT, "shared memory is off on this server", request.id)
+        leases = request.fields.get("leases")
+        if not isinstance(leases, list) or len(leases) > self.config.max_keys_per_request:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "'leases' must be a list of lease ids", request.id)
+        return Outcome({"released": self.shm.release(leases)})
 
     async def lookup(self, request: Request) -> Outcome:
         hits, tiers = await self.store.lookup(self._ns(request), request.keys)
@@ -136,4 +223,6 @@ class Handlers:
             "max_inflight_bytes": self.budget.max_bytes,
             "chunk_size": self.config.chunk_size,
         }
+        if self.shm is not None:
+            stats["shm"] = self.shm.stats()
         return Outcome({"stats": stats})

@@ -27,11 +27,15 @@ class ChunkKey(NamedTuple):
 class Chunk:
     """A stored chunk's bytes; a context manager that releases its lease on exit."""
 
-    __slots__ = ("data", "tier", "_release")
+    __slots__ = ("data", "tier", "offset", "_release")
 
-    def __init__(self, data: memoryview, tier: str, release: Callable[[], None] | None = None):
+    def __init__(
+        self, data: memoryview, tier: str, release: Callable[[], None] | None = None, offset: int | None = None
+    ):
         self.data = data
         self.tier = tier
+        self.offset = offset
+        """Where the bytes start in the memory pool (memory-tier chunks), else None."""
         self._release = release
 
     @property

@@ -31,6 +31,10 @@ class Op(str, enum.Enum):
     PIN = "pin"
     UNPIN = "unpin"
     STATS = "stats"
+    # Shared-memory data path (same host only; see docs/protocol.md).
+    ALLOC = "alloc"
+    COMMIT = "commit"
+    RELEASE = "release"
 
 
 class ErrorCode(enum.IntEnum):
@@ -61,6 +65,17 @@ class ErrorCode(enum.IntEnum):
     """The server is draining and accepts no new requests."""
     INTERNAL = 12
     """A bug in the server; the message says no more than that."""
+    FORBIDDEN = 13
+    """The client's key may not do this: the namespace is not among its
+    grants (or is read-only for a write), or the op needs the admin role.
+    Sent only with ``auth: curve``; says nothing about what is stored."""
+    # 14..19 are left for security codes; the shared-memory codes start at 20.
+    STALE_SEGMENT = 20
+    """A shared-memory request named a pool segment this server does not have
+    (it restarted): say hello again and map the segment it offers."""
+    UNKNOWN_LEASE = 21
+    """commit/release of a lease that does not exist (never granted, already
+    released, or expired after ``shm_lease_timeout_s``)."""
 
     @property
     def retryable(self) -> bool:

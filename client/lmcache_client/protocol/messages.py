@@ -30,18 +30,20 @@ from .codes import KEY_BYTES, MAX_NAMESPACE_BYTES, PROTOCOL_VERSION, ErrorCode, 
 _U64_MAX = 2**64 - 1
 
 # Ops that address chunks by key in a namespace, and whether they carry payloads.
-_KEYED_OPS = {Op.PUT, Op.GET, Op.LOOKUP, Op.EXISTS, Op.DELETE, Op.PIN, Op.UNPIN}
+_KEYED_OPS = {Op.PUT, Op.GET, Op.LOOKUP, Op.EXISTS, Op.DELETE, Op.PIN, Op.UNPIN, Op.ALLOC}
 _NAMESPACED_OPS = _KEYED_OPS | {Op.CLEAR}
 
 
 class ProtocolError(Exception):
     """A request the server must refuse; becomes exactly one error reply."""
 
-    def __init__(self, code: ErrorCode, message: str, request_id: int | None = None):
+    def __init__(self, code: ErrorCode, message: str, request_id: int | None = None, limit: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.limit = limit
+        """Which input limit was exceeded, if any (the server counts them by it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +138,7 @@ def _unpack_header(data: Any, limits: Limits) -> Any:
     size = _nbytes(data)
     if size > limits.max_header_bytes:
         message = f"header is {size} bytes, limit {limits.max_header_bytes}"
-        raise ProtocolError(ErrorCode.TOO_LARGE, message, _peek_id(data))
+        raise ProtocolError(ErrorCode.TOO_LARGE, message, _peek_id(data), limit="header_bytes")
     try:
         # Explicit limits: a hostile header cannot make the unpacker allocate
         # more than the header's own size allows.
@@ -153,7 +155,7 @@ def _unpack_header(data: Any, limits: Limits) -> Any:
             max_ext_len=0,
         )
     except (ValueError, msgpack.UnpackException, TypeError) as err:
-        raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {err}") from None
+        raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {err}", limit="msgpack") from None
 
 
 def decode_request(frames: Sequence[Any], limits: Limits) -> Request:
@@ -172,8 +174,8 @@ def decode_request(frames: Sequence[Any], limits: Limits) -> Request:
     # type() is int, not isinstance: msgpack booleans are Python bools, which are ints.
     request_id = raw_id if type(raw_id) is int and 0 <= raw_id <= _U64_MAX else None
 
-    def fail(code: ErrorCode, message: str) -> ProtocolError:
-        return ProtocolError(code, message, request_id)
+    def fail(code: ErrorCode, message: str, limit: str | None = None) -> ProtocolError:
+        return ProtocolError(code, message, request_id, limit)
 
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
@@ -193,6 +195,7 @@ def decode_request(frames: Sequence[Any], limits: Limits) -> Request:
         raise fail(
             ErrorCode.TOO_LARGE,
             f"message is {total} bytes, limit {limits.max_message_bytes}",
+            "message_bytes",
         )
 
     namespace = None
@@ -234,7 +237,7 @@ def _check_keys(value: Any, limits: Limits, fail: Any) -> tuple[bytes, ...]:
     if not isinstance(value, list):
         raise fail(ErrorCode.BAD_REQUEST, "'keys' must be an array of binary keys")
     if len(value) > limits.max_keys:
-        raise fail(ErrorCode.TOO_MANY_KEYS, f"{len(value)} keys, limit {limits.max_keys}")
+        raise fail(ErrorCode.TOO_MANY_KEYS, f"{len(value)} keys, limit {limits.max_keys}", "keys")
     for i, key in enumerate(value):
         if not isinstance(key, bytes):
             raise fail(ErrorCode.BAD_KEY, f"key {i} is {type(key).__name__}, expected bin")

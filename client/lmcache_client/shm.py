@@ -1,0 +1,275 @@
+"""The same-host data path: the daemon's memory pool mapped into this process.
+
+A daemon whose pool lives in a shared-memory segment offers it in its hello
+reply (``shm``: path, size, segment token, lease timeout, its monotonic
+clock).  A client on the same host maps it (:meth:`SharedPool.open`; a client
+elsewhere cannot open the path and keeps using payload frames), then:
+
+- **get**: the reply holds each hit's (offset, length) under a read lease; the
+  client copies the bytes straight into their destination (a buffer or a
+  torch tensor: one memcpy, or one DMA for a CUDA tensor once the mapping is
+  registered with ``cudaHostRegister``) and releases the lease.
+- **put**: ``alloc`` reserves a slot per chunk under a write lease, the client
+  copies its bytes in, ``commit`` makes them visible.
+
+Leases end at a deadline on CLOCK_MONOTONIC, which both processes read on one
+host.  A copy finished before the deadline (less a safety margin) was made
+under a live lease, so the release need not wait for an answer; otherwise the
+client asks, and a chunk whose lease lapsed is a miss (its bytes may have
+been reused).  When the clocks disagree (a time namespace) every release is
+confirmed.
+
+The flows are written once, as generators that yield the calls to make
+(:class:`Ask`: wait for the reply, :class:`Tell`: send and do not wait), and
+are driven by the sync and asyncio clients alike.
+
+Primitives: :class:`SharedPool`, :func:`get_flow`, :func:`put_flow`,
+:class:`Ask`, :class:`Tell`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import mmap
+import os
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+from . import calls
+from .calls import Call
+from .protocol import PutStatus
+
+logger = logging.getLogger(__name__)
+
+DEADLINE_MARGIN_S = 0.5
+"""A copy must end this long before its lease's deadline to count without confirmation."""
+SAME_CLOCK_TOLERANCE_S = 1.0
+"""The daemon's clock reading in hello may differ from ours by at most this much
+(it includes the round trip) for the two to count as the same clock."""
+PUT_MIN_BYTES = 256 * 1024
+"""Puts smaller than this use payload frames (one round trip instead of two)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """Send ``call`` and wait for its result."""
+
+    call: Call[Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tell:
+    """Send ``call`` and do not wait for its reply (it is dropped when it comes)."""
+
+    call: Call[Any]
+
+
+Flow = Generator["Ask | Tell", Any, Any]
+
+
+class SharedPool:
+    """This process's mapping of a daemon's pool segment."""
+
+    def __init__(self, path: str, size: int, segment: str, lease_timeout_s: float, same_clock: bool):
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise OSError(f"{path} is {actual} bytes, the daemon said {size}")
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = size
+        self.segment = segment
+        self.lease_timeout_s = lease_timeout_s
+        self.same_clock = same_clock
+        self.view = memoryview(self._mmap)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+        self._cuda_registered = False
+
+    @classmethod
+    def open(cls, offer: Any) -> SharedPool | None:
+        """Map the segment a hello reply offers; None when this process cannot
+        (another host, another user, no shared /dev/shm): use payload frames."""
+        if not isinstance(offer, dict):
+            return None
+        try:
+            same_clock = abs(float(offer["clock"]) - time.monotonic()) < SAME_CLOCK_TOLERANCE_S
+            return cls(
+                str(offer["path"]),
+                int(offer["size"]),
+                str(offer["segment"]),
+                float(offer["lease_timeout_s"]),
+                same_clock,
+            )
+        except (OSError, KeyError, TypeError, ValueError) as err:
+            logger.info("daemon's shared memory not mappable here (%s); using payload frames", err)
+            return None
+
+    def close(self) -> None:
+        if self._cuda_registered:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.address)  # type: ignore[no-untyped-call]
+            self._cuda_registered = False
+        try:
+            self.view.release()
+            self._mmap.close()
+        except BufferError:  # pragma: no cover - a caller still holds a view
+            logger.debug("shared pool still referenced at close")
+
+    def _check(self, offset: int, length: int) -> None:
+        if not (offset >= 0 and length > 0 and offset + length <= self.size):
+            raise ValueError(f"location ({offset}, {length}) outside the {self.size}-byte pool")
+
+    # -- copies --------------------------------------------------------------------
+    def copy_out(self, offset: int, length: int, dest: Any) -> None:
+        """Copy pool bytes into ``dest``: a writable buffer or a contiguous torch
+        tensor (CPU, or CUDA: a DMA from the registered mapping) of ``length`` bytes."""
+        self._check(offset, length)
+        if hasattr(dest, "data_ptr"):
+            _check_tensor(dest, length)
+            if dest.device.type == "cpu":
+                ctypes.memmove(dest.data_ptr(), self.address + offset, length)
+            else:
+                _flat_bytes(dest).copy_(self._host_tensor(offset, length))
+            return
+        out = memoryview(dest).cast("B")
+        if out.nbytes != length:
+            raise ValueError(f"chunk is {length} bytes but the destination holds {out.nbytes}")
+        out[:] = self.view[offset : offset + length]
+
+    def read(self, offset: int, length: int) -> memoryview:
+        """A private copy of pool bytes (one memcpy)."""
+        self._check(offset, length)
+        return memoryview(bytes(self.view[offset : offset + length]))
+
+    def copy_in(self, offset: int, src: Any) -> None:
+        """Copy ``src`` (a buffer, or a CPU/CUDA tensor: stored by value, in
+        contiguous order) into the pool."""
+        if hasattr(src, "data_ptr"):
+            src = src.detach().contiguous()
+            length = src.numel() * src.element_size()
+            self._check(offset, length)
+            _check_tensor(src, length)
+            if src.device.type == "cpu":
+                ctypes.memmove(self.address + offset, src.data_ptr(), length)
+            else:
+                self._host_tensor(offset, length).copy_(_flat_bytes(src))
+            return
+        data = memoryview(src).cast("B")
+        self._check(offset, data.nbytes)
+        self.view[offset : offset + data.nbytes] = data
+
+    def _host_tensor(self, offset: int, length: int) -> Any:
+        """A uint8 CPU tensor over pool bytes, page-locked for DMA on first use."""
+        import torch
+
+        if not self._cuda_registered:
+            rc = int(torch.cuda.cudart().cudaHostRegister(self.address, self.size, 0))  # type: ignore[no-untyped-call]
+            self._cuda_registered = rc == 0
+            if rc != 0:
+                logger.info("cudaHostRegister of the shared pool failed (%d); copies go through pageable memory", rc)
+        return torch.frombuffer(self.view[offset : offset + length], dtype=torch.uint8)
+
+
+def _check_tensor(tensor: Any, length: int) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError("shared-memory copies need contiguous tensors")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes != length:
+        raise ValueError(f"chunk is {length} bytes but the tensor holds {nbytes}")
+
+
+def _flat_bytes(tensor: Any) -> Any:
+    import torch
+
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _nbytes(payload: Any) -> int:
+    if hasattr(payload, "data_ptr"):
+        return int(payload.numel() * payload.element_size())
+    return memoryview(payload).nbytes
+
+
+def _in_time(pool: SharedPool, expires: float) -> bool:
+    return pool.same_clock and time.monotonic() < expires - DEADLINE_MARGIN_S
+
+
+def get_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], out: Sequence[Any] | None) -> Flow:
+    """A get over shared memory.  Returns one memoryview (a private copy) or
+    None per key when ``out`` is None, else copies each hit into ``out[i]`` and
+    returns one bool per key."""
+    grant = yield Ask(calls.get_shm(namespace, keys, pool.segment))
+    frames = iter(grant.payloads)
+    results: list[Any] = []
+    for i, (found, loc) in enumerate(zip(grant.found, grant.loc)):
+        if not found:
+            results.append(None)
+        elif loc is None:  # a hit the daemon could not place in the pool: sent as a frame
+            results.append(next(frames))
+        elif out is None:
+            results.append(pool.read(loc[0], loc[1]))
+        else:
+            pool.copy_out(loc[0], loc[1], out[i])
+            results.append(True)
+    if grant.lease is not None:
+        if _in_time(pool, grant.expires):
+            yield Tell(calls.release([grant.lease]))
+        else:
+            (live,) = yield Ask(calls.release([grant.lease]))
+            if not live:  # the lease lapsed during the copy: those bytes may be torn
+                results = [None if loc is not None else r for r, loc in zip(results, grant.loc)]
+    if out is None:
+        return results
+    done = []
+    for i, r in enumerate(results):
+        if r is None:
+            done.append(False)
+        elif r is True:
+            done.append(True)
+        else:  # copied from a frame
+            done.append(copy_frame(r, out[i]))
+    return done
+
+
+def copy_frame(buf: Any, dest: Any) -> bool:
+    """Copy a received payload into ``dest`` (a tensor, CPU or CUDA, or a writable buffer)."""
+    if hasattr(dest, "data_ptr"):
+        from .tensors import copy_into
+
+        if dest.device.type == "cpu":
+            copy_into(dest, buf)
+        else:
+            import torch
+
+            _check_tensor(dest, memoryview(buf).nbytes)
+            _flat_bytes(dest).copy_(torch.frombuffer(bytearray(buf), dtype=torch.uint8))
+        return True
+    out = memoryview(dest).cast("B")
+    src = memoryview(buf).cast("B")
+    if out.nbytes != src.nbytes:
+        raise ValueError(f"chunk is {src.nbytes} bytes but the destination holds {out.nbytes}")
+    out[:] = src
+    return True
+
+
+def put_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], payloads: Sequence[Any]) -> Flow:
+    """A put over shared memory: alloc, copy in, commit.  One PutStatus per key."""
+    grant = yield Ask(calls.alloc(namespace, keys, [_nbytes(p) for p in payloads], pool.segment))
+    statuses: list[PutStatus | int] = list(grant.status)
+    if grant.lease is None:
+        return statuses
+    if not _in_time(pool, grant.expires):  # pragma: no cover - needs a stalled client
+        yield Tell(calls.release([grant.lease]))
+        return [PutStatus.FAILED if loc is not None else s for s, loc in zip(statuses, grant.loc)]
+    for payload, loc in zip(payloads, grant.loc):
+        if loc is not None:
+            pool.copy_in(loc[0], payload)
+    final = iter((yield Ask(calls.commit(grant.lease, pool.segment))))
+    return [next(final, PutStatus.FAILED) if loc is not None else s for s, loc in zip(statuses, grant.loc)]
