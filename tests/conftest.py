@@ -29,6 +29,25 @@ NAMESPACE = "test-model|float16|L2|KV2|D64|tp0of1|c16"
 SHM_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
+def wait_for(predicate: Callable[[], Any], timeout_s: float = 20.0) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned); fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := predicate()):
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+    return result
+
+
+def disk_stats(c: CacheClient) -> dict[str, Any]:
+    """The disk tier's ``stats``."""
+    return dict(c.stats()["tiers"]["disk"])
+
+
+def chunk_files(root: Path) -> list[Path]:
+    """The disk tier's chunk records under ``root``."""
+    return sorted(root.glob("v1/*/*.chunk"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -230,7 +249,10 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Red
     nodes = [
         RedisServer(
             base / f"n{i}",
-            "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf",
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            f"nodes-{i}.conf",
             port=free_cluster_port(),
         )  # fmt: skip
         for i in range(3)

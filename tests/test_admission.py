@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
-import msgpack
 import pytest
-import zmq
 
 from lmcache_client import ErrorCode, PutStatus, ServerError
 from lmcache_client.calls import _put_status
@@ -18,24 +18,41 @@ from .conftest import NAMESPACE
 MiB = 1 << 20
 
 
+_STALLED_READER = """
+import os, signal, sys, msgpack, zmq
+address, ns, keys = sys.argv[1], sys.argv[2], [bytes.fromhex(k) for k in sys.argv[3:]]
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.connect(address)
+header = msgpack.packb({"v": 1, "op": "get", "id": 1, "ns": ns, "keys": keys})
+# Tracked and zero-copy: done once libzmq has written the request to the socket.
+tracker = sock.send(zmq.Frame(header, copy=False, track=True), copy=False, track=True)
+tracker.wait(10)
+print("sent", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops: nobody reads the reply
+"""
+
+
 def test_budget_spent_by_unsent_replies_answers_busy(daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    daemon = daemon_factory(max_local_cpu_size="64MiB", max_inflight_bytes="8MiB", max_message_size="8MiB")
+    daemon = daemon_factory(max_local_cpu_size="128MiB", max_inflight_bytes="32MiB", max_message_size="32MiB")
     keys = [os.urandom(KEY_BYTES) for _ in range(2)]
     small = [os.urandom(KEY_BYTES)]
     # Payload frames: shared-memory gets move no bytes through the socket (test_shm.py).
     with daemon.client(shared_memory=False) as c, daemon.client(fail_open=True, shared_memory=False) as lenient:
         for key in keys:
-            c.put([key], [os.urandom(4 * MiB)])
+            c.put([key], [os.urandom(16 * MiB)])
         c.put(small, [os.urandom(MiB)])
-        # A reader that does not drain its socket keeps 8 MiB of replies in flight.
-        slow = zmq.Context.instance().socket(zmq.DEALER)
-        slow.setsockopt(zmq.LINGER, 0)
-        slow.setsockopt(zmq.RCVBUF, 16 * 1024)
-        slow.connect(daemon.address)
+        # A reader stopped right after its request: its 32 MiB reply cannot leave
+        # the daemon (a unix socket buffers a few hundred KiB), so its bytes stay
+        # in flight until the reader dies.
+        reader = subprocess.Popen(
+            [sys.executable, "-c", _STALLED_READER, daemon.ipc_address, NAMESPACE, *(k.hex() for k in keys)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
-            slow.send(msgpack.packb({"v": 1, "op": "get", "id": 1, "ns": NAMESPACE, "keys": keys}))
+            assert reader.stdout is not None and reader.stdout.readline().strip() == "sent"
             deadline = time.monotonic() + 10
-            while c.stats()["server"]["inflight_bytes"] < 8 * MiB:
+            while c.stats()["server"]["inflight_bytes"] < 32 * MiB:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             with pytest.raises(ServerError) as info:
@@ -45,10 +62,11 @@ def test_budget_spent_by_unsent_replies_answers_busy(daemon_factory) -> None:  #
             assert lenient.busy_replies == 1 and lenient.failures == 0
             # Small requests without payload still pass.
             assert c.exists(small) == [True]
-            slow.recv_multipart()
         finally:
-            slow.close(0)
-        deadline = time.monotonic() + 10
+            reader.kill()
+            reader.wait(10)
+        # The reader's connection is gone: the daemon drops its reply and frees the budget.
+        deadline = time.monotonic() + 20
         while c.stats()["server"]["inflight_bytes"]:
             assert time.monotonic() < deadline
             time.sleep(0.01)

@@ -4,7 +4,6 @@ from the pool (no copy), chunks readable while queued, deletes of queued chunks.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -13,26 +12,13 @@ from lmcache_client import CacheClient, PutStatus
 from lmcache_client.protocol import KEY_BYTES
 from lmcache_server.storage.chunkfile import parse_header
 
+from .conftest import chunk_files, disk_stats, wait_for
+
 MiB = 1 << 20
 HEADER = 4096
 # Sizes that end on a block boundary and sizes that do not (the last partial
 # block takes another path under O_DIRECT).
 SIZES = [MiB, MiB + 1, 3 * MiB // 2 + 100, 4096 * 7 + 5, MiB - 4095]
-
-
-def wait_for(predicate, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
-def disk_stats(c: CacheClient) -> dict:  # type: ignore[type-arg]
-    return c.stats()["tiers"]["disk"]
-
-
-def chunk_files(root: Path) -> list[Path]:
-    return sorted(root.glob("v1/*/*.chunk"))
 
 
 def drained(c: CacheClient) -> bool:

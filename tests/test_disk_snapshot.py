@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from lmcache_client import CacheClient, PutStatus
+from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
 
+from .conftest import disk_stats, wait_for
+
 MiB = 1 << 20
-
-
-def wait_for(predicate, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
-def disk_stats(c: CacheClient) -> dict:  # type: ignore[type-arg]
-    return c.stats()["tiers"]["disk"]
 
 
 @pytest.fixture

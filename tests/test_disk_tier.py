@@ -4,34 +4,20 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from lmcache_client import CacheClient, PutStatus
+from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
+
+from .conftest import chunk_files, disk_stats, wait_for
 
 MiB = 1 << 20
 
 
 def keys_and_data(n: int, size: int = MiB) -> tuple[list[bytes], list[bytes]]:
     return [os.urandom(KEY_BYTES) for _ in range(n)], [os.urandom(size) for _ in range(n)]
-
-
-def wait_for(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
-def disk_stats(c: CacheClient) -> dict:  # type: ignore[type-arg]
-    return c.stats()["tiers"]["disk"]
-
-
-def chunk_files(root: Path) -> list[Path]:
-    return sorted(root.glob("v1/*/*.chunk"))
 
 
 @pytest.fixture

@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgpack
 import pytest
@@ -26,7 +24,7 @@ from lmcache_client.protocol import KEY_BYTES
 from lmcache_server.config import ConfigError, load_config
 from lmcache_server.summary import Snapshot, SummaryLog, summary_line
 
-from .conftest import NAMESPACE, Daemon, RedisServer
+from .conftest import NAMESPACE, Daemon, RedisServer, wait_for
 
 MiB = 1 << 20
 
@@ -114,14 +112,6 @@ def sample(text: str, name: str, **labels: str) -> float | None:
             if found == labels:
                 return float(value)
     return None
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (result := predicate()):
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-    return result
 
 
 def test_metric_names_parses_promql() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -11,13 +10,13 @@ from typing import Any
 
 from lmcache_client import Namespace, PutStatus, calls
 
-from .conftest import Daemon
+from .conftest import Daemon, wait_for
 
 MiB = 1 << 20
 
 
 def ns(tenant: str | None) -> str:
-    return Namespace("quota-model", "float16", 2, 2, 64, 16, tenant=tenant or "").wire()
+    return str(Namespace("quota-model", "float16", 2, 2, 64, 16, tenant=tenant or "").wire())
 
 
 def key(tag: str, i: int) -> bytes:
@@ -128,11 +127,3 @@ def sample_value(text: str, name: str, **labels: str) -> float | None:
         if head.startswith(name + "{") and dict(re.findall(r'(\w+)="([^"]*)"', head[len(name) :])) == labels:
             return float(value)
     return None
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (result := predicate()):
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-    return result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 
 import redis
@@ -11,16 +10,9 @@ import redis
 from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
 
-from .conftest import Daemon, RedisServer
+from .conftest import Daemon, RedisServer, wait_for
 
 MiB = 1 << 20
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def remote(c) -> dict:  # type: ignore[no-untyped-def, type-arg]

@@ -14,7 +14,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 
 from lmcache_client import AsyncCacheClient, CacheClient, ErrorCode, PutStatus, ServerError, calls
 
-from .conftest import NAMESPACE, Daemon
+from .conftest import NAMESPACE, Daemon, wait_for
 
 WORKER = Path(__file__).with_name("_shm_worker.py")
 MiB = 1 << 20
@@ -43,16 +42,7 @@ def segments(daemon: Daemon) -> list[Path]:
 
 
 def shm_stats(c: CacheClient) -> dict[str, Any]:
-    return c.stats()["shm"]
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+    return dict(c.stats()["shm"])
 
 
 def test_segment_is_owner_only_and_removed_at_stop(daemon_factory: Callable[..., Daemon]) -> None:

@@ -26,7 +26,7 @@ from .curve import CurveKeys
 from .errors import DaemonUnavailable, ServerError
 from .keys import chunk_keys
 from .namespace import Namespace
-from .protocol import ErrorCode, PutStatus, Reply, decode_reply, encode_request
+from .protocol import PutStatus, Reply, decode_reply, encode_request
 from .shm import SharedPool
 
 logger = logging.getLogger(__name__)
@@ -237,15 +237,12 @@ class AsyncCacheClient:
                     return await fallback()
                 result: T = await self._drive(flow(pool))
                 return result
-            except ServerError as err:
-                if err.code == ErrorCode.STALE_SEGMENT:
+            except (ServerError, DaemonUnavailable) as err:
+                action = shm.on_failure(err, self._fail.enabled)
+                if action == shm.REMAP:
                     self._unmap()
                     continue
-                if err.code == ErrorCode.UNKNOWN_LEASE or (err.code == ErrorCode.BUSY and self._fail.enabled):
-                    return miss()
-                raise
-            except DaemonUnavailable:
-                if self._fail.enabled:
+                if action == shm.MISS:
                     return miss()
                 raise
         return await fallback()

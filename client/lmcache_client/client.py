@@ -287,15 +287,12 @@ class CacheClient:
                     return fallback()
                 result: T = self._drive(flow(pool))
                 return result
-            except ServerError as err:
-                if err.code == ErrorCode.STALE_SEGMENT:
+            except (ServerError, DaemonUnavailable) as err:
+                action = shm.on_failure(err, self._fail.enabled)
+                if action == shm.REMAP:
                     self._unmap()
                     continue
-                if err.code == ErrorCode.UNKNOWN_LEASE or (err.code == ErrorCode.BUSY and self._fail.enabled):
-                    return miss()
-                raise
-            except DaemonUnavailable:
-                if self._fail.enabled:
+                if action == shm.MISS:
                     return miss()
                 raise
         return fallback()

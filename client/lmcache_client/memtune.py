@@ -41,9 +41,7 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         return False
     ok = (
-        bool(mallopt(_M_MMAP_MAX, 0))
-        and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-        and bool(mallopt(_M_ARENA_MAX, 1))
+        bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)) and bool(mallopt(_M_ARENA_MAX, 1))
     )
     if not ok:
         logger.debug("mallopt refused the tuning")

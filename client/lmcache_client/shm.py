@@ -40,7 +40,7 @@ from typing import Any
 
 from . import calls
 from .calls import Call
-from .protocol import PutStatus
+from .protocol import ErrorCode, PutStatus
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +189,26 @@ def _flat_bytes(tensor: Any) -> Any:
     import torch
 
     return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+REMAP, MISS, RAISE = "remap", "miss", "raise"
+
+
+def on_failure(err: Exception, fail_open: bool) -> str:
+    """What a client does when a shared-memory flow fails with ``err``:
+    REMAP (the daemon restarted: map its new segment and try again), MISS
+    (answer like a miss: an expired lease, or BUSY/unreachable when failing
+    open) or RAISE."""
+    from .errors import DaemonUnavailable, ServerError
+
+    if isinstance(err, ServerError):
+        if err.code == ErrorCode.STALE_SEGMENT:
+            return REMAP
+        if err.code == ErrorCode.UNKNOWN_LEASE or (err.code == ErrorCode.BUSY and fail_open):
+            return MISS
+    elif isinstance(err, DaemonUnavailable) and fail_open:
+        return MISS
+    return RAISE
 
 
 def _nbytes(payload: Any) -> int:
