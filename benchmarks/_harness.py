@@ -217,22 +217,30 @@ def measure_group(
     calls: int,
     reps: int,
     warmup: int,
+    settles: Sequence[Callable[[], None] | None] | None = None,
 ) -> list[Stats]:
     """Like :func:`measure` for several systems at once, interleaved: repetition i
     of every member runs before repetition i+1 of any, so a burst of outside load
     lands on all of them alike instead of on whichever happened to be running.
-    Each member may come with a fault probe, read around its timed repetitions."""
+    Each member may come with a fault probe, read around its timed repetitions,
+    and a ``settle`` call timed at the end of each of its repetitions: a server
+    that finishes work after answering (the daemon copies a put into its pool
+    right after the reply) pays for it in its own repetition, not the next
+    member's."""
+    settles = settles or [None] * len(members)
     for call, _ in members:
         for _ in range(warmup):
             call()
     rates: list[list[float]] = [[] for _ in members]
     faults = [[0, 0] for _ in members]
     for _ in range(reps):
-        for (call, probe), out, fault in zip(members, rates, faults):
+        for (call, probe), settle, out, fault in zip(members, settles, rates, faults):
             before = probe() if probe else (0, 0)
             start = time.perf_counter()
             for _ in range(calls):
                 call()
+            if settle is not None:
+                settle()
             out.append(bytes_per_call * calls / MIB / (time.perf_counter() - start))
             after = probe() if probe else (0, 0)
             fault[0] += after[0] - before[0]

@@ -7,7 +7,10 @@ What is measured (MiB/s of chunk payload, median over repetitions), for chunks o
              :class:`lmcache_client.CacheClient`, over tcp and over ipc with
              payload frames (``shared_memory=False``), and over ``shm``: the
              same client mapping the daemon's pool (requests over ipc, bytes
-             copied once between the pool and the caller's buffers).  shm
+             copied once between the pool and the caller's buffers, copies of
+             4 MiB and more split over the client's default ``copy_threads=2``;
+             ``shm-1t`` is the same with ``copy_threads=1``, for the
+             single-thread comparison).  shm
              get copies into preallocated, already-touched destinations
              (``get_into``, the engine's path), like the memcpy row.  Like
              an engine that has run for a while, the shm client has touched
@@ -44,7 +47,11 @@ to their memory limit (untimed), so puts are measured in the steady state of a
 full cache rather than while first touching fresh memory.
 
 Each cell: ``--warmup`` untimed requests, then ``--reps`` repetitions of enough
-requests to move about ``--rep-mib`` MiB; the table shows the median rate.
+requests to move about ``--rep-mib`` MiB; the table shows the median rate.  A
+daemon repetition ends with a ping (timed): the daemon copies a put's payload
+into its pool right after answering, and the ping waits for that copy, so the
+last put's copy counts in its own repetition instead of slowing whichever
+member runs next.
 Targets (at ``--target-mib``, 16 by default): daemon >= 0.8x zmq-echo on the
 same transport, and >= 3x Redis (SET for put, GET for get), for put and get,
 checked for each transport; daemon shm >= 0.7x memcpy and >= 2x the daemon's
@@ -179,7 +186,7 @@ class Bench:
         self._cell = 0
         self.cpu: CpuMeter | None = None
         self.server_pids: dict[str, int] = {}
-        self._cells = len(opts.sizes_mib) * (2 + len(OPS) * (2 * len(TRANSPORTS) + 1 + (1 if opts.redis_server else 0)))
+        self._cells = len(opts.sizes_mib) * (2 + len(OPS) * (2 * len(TRANSPORTS) + 2 + (1 if opts.redis_server else 0)))
 
     # -- setup ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -242,10 +249,13 @@ class Bench:
             sock.setsockopt(zmq.SNDTIMEO, 60_000)
             self.echo[transport] = sock
         logging.getLogger("lmcache_client").setLevel(logging.NOTSET)
-        shm_client = CacheClient(self.endpoints["daemon"]["ipc"], NAMESPACE, timeout_s=60, fail_open=False)
-        if not shm_client.uses_shared_memory:
-            raise SystemExit(f"the daemon's pool is not shared (see its log):\n{daemon.log_tail(20)}")
-        self.daemon["shm"] = shm_client
+        for name, threads in (("shm", 2), ("shm-1t", 1)):
+            shm_client = CacheClient(
+                self.endpoints["daemon"]["ipc"], NAMESPACE, timeout_s=60, fail_open=False, copy_threads=threads
+            )
+            if not shm_client.uses_shared_memory:
+                raise SystemExit(f"the daemon's pool is not shared (see its log):\n{daemon.log_tail(20)}")
+            self.daemon[name] = shm_client
         self.echo["tcp"].send(b"hello")
         echo_tuned = self.echo["tcp"].recv() == b"tuned=1"
         echo.check_alive()
@@ -285,9 +295,9 @@ class Bench:
         # pool; a fresh one page-faults each on first use.  Warm the shm
         # client's mapping the same way (untimed): one pass over the pool.
         t0 = time.perf_counter()
-        shm = self.daemon["shm"]
-        for _ in range(calls):
-            _expect_stored(shm.put(self.keys.batch(), self.sources))
+        for name in ("shm", "shm-1t"):
+            for _ in range(calls):
+                _expect_stored(self.daemon[name].put(self.keys.batch(), self.sources))
         self.progress(f"warmed the shm client's mapping of the pool in {time.perf_counter() - t0:.1f}s (untimed)")
 
     # -- running -------------------------------------------------------------------------
@@ -302,7 +312,10 @@ class Bench:
         probed = [(call, self._fault_probe(system)) for system, _, call in members]
         names = ", ".join(f"{system} {transport}".rstrip(" -") for system, transport, _ in members)
         self.progress(f"measuring {op} {size >> 20} MiB x{BATCH}: {names} (interleaved) ...")
-        results = measure_group(probed, batch_bytes, calls, o.reps, o.warmup)
+        # A daemon answers a put before copying it into the pool: a ping at the end
+        # of each repetition (timed) charges that copy to the put's own figure.
+        settles = [self.daemon[t].ping if system == "daemon" else None for system, t, _ in members]
+        results = measure_group(probed, batch_bytes, calls, o.reps, o.warmup, settles)
         for (system, transport, _), stats in zip(members, results):
             self._cell += 1
             if system != "memcpy-fresh":
@@ -331,6 +344,7 @@ class Bench:
                     members.append(("zmq-echo", transport, self.echo_call(transport, op, payloads)))
                     members.append(("daemon", transport, self.daemon_call(transport, op, payloads)))
                 members.append(("daemon", "shm", self.daemon_call("shm", op, payloads)))
+                members.append(("daemon", "shm-1t", self.daemon_call("shm-1t", op, payloads)))
                 if self.redis is not None:
                     members.append(("redis", "tcp", self.redis_call(op, payloads)))
                 self.group(op, size, members)
@@ -358,7 +372,11 @@ class Bench:
             return lambda: _expect_stored(client.put(self.keys.batch(), payloads))
         keys = self.keys.batch()
         _expect_stored(client.put(keys, payloads))
-        if transport == "shm":
+        # Read once now: under lfuda the last chunk of a put that was never read
+        # is the first victim, and the other members' set-up puts come next.
+        if not all(b is not None for b in client.get(keys)):
+            raise AssertionError("daemon get missed right after the put")
+        if transport.startswith("shm"):
             out = [memoryview(filled_buffer(size, 98)) for _ in keys]
 
             def get_into() -> None:
@@ -459,7 +477,7 @@ class Bench:
         for note in self.notes:
             print(f"note: {note}")
         has_redis = self.redis is not None
-        head = f"{'op':3s} {'size':>6s} {'memcpy':>8s} {'shm':>7s} {'shm/cpy':>7s} {'shm/ipc':>7s}"
+        head = f"{'op':3s} {'size':>6s} {'memcpy':>8s} {'shm-1t':>7s} {'shm':>7s} {'shm/cpy':>7s} {'shm/ipc':>7s}"
         for t in TRANSPORTS:
             head += f" | {'echo-' + t:>9s} {'daemon-' + t:>10s} {'d/echo':>6s}"
         if has_redis:
@@ -471,7 +489,9 @@ class Bench:
             for size_mib in self.opts.sizes_mib:
                 size = size_mib * MIB
                 memcpy, shm = self.rate("memcpy", "-", "put", size), self.rate("daemon", "shm", op, size)
-                line = f"{op:3s} {size_mib:3d} MiB {_fmt(memcpy):>8s} {_fmt(shm):>7s} {_ratio(shm, memcpy):>7s}"
+                one = self.rate("daemon", "shm-1t", op, size)
+                line = f"{op:3s} {size_mib:3d} MiB {_fmt(memcpy):>8s} {_fmt(one):>7s} {_fmt(shm):>7s}"
+                line += f" {_ratio(shm, memcpy):>7s}"
                 line += f" {_ratio(shm, self.rate('daemon', 'ipc', op, size)):>7s}"
                 redis = self.rate("redis", "tcp", op, size)
                 for t in TRANSPORTS:
@@ -505,6 +525,10 @@ class Bench:
                     ok &= _check(f"daemon {t} {op}", daemon, name, base, want)
             shm = self.rate("daemon", "shm", op, size)
             ok &= _check(f"daemon shm {op}", shm, "memcpy", self.rate("memcpy", "-", "put", size), SHM_MEMCPY_TARGET)
+            one = self.rate("daemon", "shm-1t", op, size)
+            print(f"  info  daemon shm {op} with copy_threads=1: {_fmt(one)} MiB/s = "
+                  f"{_ratio(one, self.rate('memcpy', '-', 'put', size))} memcpy, "
+                  f"{_ratio(one, self.rate('daemon', 'ipc', op, size))} daemon ipc frames")  # fmt: skip
             for t in TRANSPORTS:
                 frames = self.rate("daemon", t, op, size)
                 ok &= _check(f"daemon shm {op}", shm, f"daemon {t} frames", frames, SHM_FRAMES_TARGET)
@@ -557,8 +581,8 @@ def _parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--quick", action="store_true", help="short run: 3 reps, 1 warm-up, ~64 MiB per rep")
     p.add_argument("--reps", type=int, help="timed repetitions per cell (default 9; quick: 3)")
     p.add_argument("--warmup", type=int, help="untimed requests per cell (default 2; quick: 1)")
-    p.add_argument("--rep-mib", type=int, help="MiB moved per repetition, at least one request (default 192)")
-    p.add_argument("--pool-size", default="2GiB", help="daemon pool and redis maxmemory (default 2GiB)")
+    p.add_argument("--rep-mib", type=int, help="MiB moved per repetition, at least one request (default 1024)")
+    p.add_argument("--pool-size", default="4GiB", help="daemon pool and redis maxmemory (default 4GiB)")
     p.add_argument("--target-mib", type=int, default=16, help="chunk size the targets are checked at (default 16)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--redis-server", default=shutil.which("redis-server"), help="redis-server binary ('' to skip)")
@@ -578,7 +602,7 @@ def _parse_args(argv: Sequence[str] | None) -> Options:
         sizes_mib=sizes,
         reps=a.reps or (3 if a.quick else 9),
         warmup=a.warmup if a.warmup is not None else (1 if a.quick else 2),
-        rep_mib=a.rep_mib or (64 if a.quick else 192),
+        rep_mib=a.rep_mib or (64 if a.quick else 1024),
         pool_bytes=parse_size(a.pool_size),
         target_mib=a.target_mib,
         json_path=a.json,

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from lmcache_client import AsyncCacheClient, CacheClient, ErrorCode, PutStatus, ServerError, calls
+from lmcache_client.tensors import tensor_bytes
 
 from .conftest import NAMESPACE, Daemon, wait_for
 
@@ -360,3 +361,24 @@ def test_pool_stays_private_where_shm_dir_is_not_a_tmpfs(
         k = key(1, where)
         assert c.put([k], [value(k, MiB)]) == [PutStatus.STORED]
         assert bytes(c.get([k])[0]) == value(k, MiB)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_large_copies_split_over_threads_keep_every_byte(daemon_factory: Callable[..., Daemon], threads: int) -> None:
+    d = daemon_factory(max_local_cpu_size="96MiB")
+    sizes = [4 * MiB, 5 * MiB + 123, 9 * MiB - 1]
+    keys = [key(i, f"threads-{threads}") for i in range(len(sizes))]
+    values = [value(k, n) for k, n in zip(keys, sizes)]
+    # Sources of each kind: bytes, a writable buffer, a read-only view (copied without threads).
+    sources: list[Any] = [values[0], bytearray(values[1]), memoryview(values[2])]
+    with d.client(copy_threads=threads) as c:
+        assert c.uses_shared_memory
+        assert c.put(keys, sources) == [PutStatus.STORED] * 3
+        out = [bytearray(n) for n in sizes]
+        assert c.get_into(keys, out) == [True] * 3
+        assert [bytes(o) for o in out] == values
+        tensors = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        assert c.get_into(keys, tensors) == [True] * 3
+        assert [bytes(tensor_bytes(t)) for t in tensors] == values
+    with d.client(shared_memory=False) as frames:
+        assert [bytes(g) for g in frames.get(keys)] == values

@@ -48,6 +48,7 @@ class AsyncCacheClient:
         max_outstanding: int = 128,
         context: zmq.asyncio.Context | None = None,
         shared_memory: bool = True,
+        copy_threads: int = 2,
         server_public_key: str | None = None,
         client_secret_key: str | None = None,
     ):
@@ -65,6 +66,8 @@ class AsyncCacheClient:
         self._fail = FailOpen(fail_open, address)
         self._closed = False
         self.shared_memory = shared_memory
+        self.copy_threads = copy_threads
+        """Threads a large shared-memory copy is split over (1: the caller's thread only)."""
         self._pool: SharedPool | None = None
         self._pool_probed = False
         # The daemon's ROUTER drops replies past its per-peer high-water mark
@@ -194,7 +197,7 @@ class AsyncCacheClient:
                 offer = None
             if not self._pool_probed:  # another task may have probed meanwhile
                 self._pool_probed = True
-                self._pool = SharedPool.open(offer)
+                self._pool = SharedPool.open(offer, self.copy_threads)
         return self._pool
 
     def _unmap(self) -> None:

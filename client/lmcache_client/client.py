@@ -121,6 +121,7 @@ class CacheClient:
         hwm: int = 64,
         context: zmq.Context[Any] | None = None,
         shared_memory: bool = True,
+        copy_threads: int = 2,
         server_public_key: str | None = None,
         client_secret_key: str | None = None,
     ):
@@ -137,6 +138,8 @@ class CacheClient:
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._fail = FailOpen(fail_open, address)
         self.shared_memory = shared_memory
+        self.copy_threads = copy_threads
+        """Threads a large shared-memory copy is split over (1: the caller's thread only)."""
         """Use the daemon's pool directly when it offers it and this process can map it."""
         self._pool: SharedPool | None = None
         self._pool_probed = False
@@ -244,7 +247,7 @@ class CacheClient:
             except ServerError:
                 offer = None
             self._pool_probed = True
-            self._pool = SharedPool.open(offer)
+            self._pool = SharedPool.open(offer, self.copy_threads)
         return self._pool
 
     def _unmap(self) -> None:

@@ -29,6 +29,7 @@ Primitives: :class:`SharedPool`, :func:`get_flow`, :func:`put_flow`,
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import logging
@@ -51,6 +52,8 @@ SAME_CLOCK_TOLERANCE_S = 1.0
 (it includes the round trip) for the two to count as the same clock."""
 PUT_MIN_BYTES = 256 * 1024
 """Puts smaller than this use payload frames (one round trip instead of two)."""
+PARALLEL_COPY_MIN_BYTES = 4 << 20
+"""A copy at least this large is split over ``copy_threads`` threads."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,9 @@ Flow = Generator["Ask | Tell", Any, Any]
 class SharedPool:
     """This process's mapping of a daemon's pool segment."""
 
-    def __init__(self, path: str, size: int, segment: str, lease_timeout_s: float, same_clock: bool):
+    def __init__(
+        self, path: str, size: int, segment: str, lease_timeout_s: float, same_clock: bool, copy_threads: int = 1
+    ):
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             actual = os.fstat(fd).st_size
@@ -90,9 +95,11 @@ class SharedPool:
         self.view = memoryview(self._mmap)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
         self._cuda_registered = False
+        self.copy_threads = max(1, copy_threads)
+        self._copiers: concurrent.futures.ThreadPoolExecutor | None = None
 
     @classmethod
-    def open(cls, offer: Any) -> SharedPool | None:
+    def open(cls, offer: Any, copy_threads: int = 1) -> SharedPool | None:
         """Map the segment a hello reply offers; None when this process cannot
         (another host, another user, no shared /dev/shm): use payload frames."""
         if not isinstance(offer, dict):
@@ -105,12 +112,16 @@ class SharedPool:
                 str(offer["segment"]),
                 float(offer["lease_timeout_s"]),
                 same_clock,
+                copy_threads,
             )
         except (OSError, KeyError, TypeError, ValueError) as err:
             logger.info("daemon's shared memory not mappable here (%s); using payload frames", err)
             return None
 
     def close(self) -> None:
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=True)
+            self._copiers = None
         if self._cuda_registered:
             import torch
 
@@ -134,14 +145,18 @@ class SharedPool:
         if hasattr(dest, "data_ptr"):
             _check_tensor(dest, length)
             if dest.device.type == "cpu":
-                ctypes.memmove(dest.data_ptr(), self.address + offset, length)
+                self._memmove(dest.data_ptr(), self.address + offset, length)
             else:
                 _flat_bytes(dest).copy_(self._host_tensor(offset, length))
             return
         out = memoryview(dest).cast("B")
         if out.nbytes != length:
             raise ValueError(f"chunk is {length} bytes but the destination holds {out.nbytes}")
-        out[:] = self.view[offset : offset + length]
+        address = _address(out)
+        if address is None:
+            out[:] = self.view[offset : offset + length]
+        else:
+            self._memmove(address, self.address + offset, length)
 
     def read(self, offset: int, length: int) -> memoryview:
         """A private copy of pool bytes (one memcpy)."""
@@ -157,13 +172,33 @@ class SharedPool:
             self._check(offset, length)
             _check_tensor(src, length)
             if src.device.type == "cpu":
-                ctypes.memmove(self.address + offset, src.data_ptr(), length)
+                self._memmove(self.address + offset, src.data_ptr(), length)
             else:
                 self._host_tensor(offset, length).copy_(_flat_bytes(src))
             return
         data = memoryview(src).cast("B")
         self._check(offset, data.nbytes)
-        self.view[offset : offset + data.nbytes] = data
+        address = _address(src)
+        if address is None:
+            self.view[offset : offset + data.nbytes] = data
+        else:
+            self._memmove(self.address + offset, address, data.nbytes)
+
+    def _memmove(self, dst: int, src: int, length: int) -> None:
+        """memcpy, split over ``copy_threads`` threads when large (ctypes drops
+        the GIL during each piece, so the pieces really run in parallel)."""
+        threads = self.copy_threads
+        if threads == 1 or length < PARALLEL_COPY_MIN_BYTES:
+            ctypes.memmove(dst, src, length)
+            return
+        if self._copiers is None:
+            self._copiers = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="lmcache-copy")
+        piece = (length // threads + 4095) // 4096 * 4096  # page-aligned pieces
+        starts = list(range(piece, length, piece))
+        futures = [self._copiers.submit(ctypes.memmove, dst + at, src + at, min(piece, length - at)) for at in starts]
+        ctypes.memmove(dst, src, min(piece, length))
+        for future in futures:
+            future.result()
 
     def _host_tensor(self, offset: int, length: int) -> Any:
         """A uint8 CPU tensor over pool bytes, page-locked for DMA on first use."""
@@ -175,6 +210,20 @@ class SharedPool:
             if rc != 0:
                 logger.info("cudaHostRegister of the shared pool failed (%d); copies go through pageable memory", rc)
         return torch.frombuffer(self.view[offset : offset + length], dtype=torch.uint8)
+
+
+def _address(buf: Any) -> int | None:
+    """The address of a contiguous buffer's bytes, None when it cannot be had
+    without a copy (then the copy stays a single-threaded slice assignment)."""
+    if isinstance(buf, bytes):
+        return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value if buf else None
+    try:
+        view = memoryview(buf)
+        if view.readonly or not view.c_contiguous or view.nbytes == 0:
+            return None
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return None
 
 
 def _check_tensor(tensor: Any, length: int) -> None:
