@@ -46,7 +46,7 @@ from lmcache_client.protocol import (
     decode_request,
 )
 
-from .conftest import NAMESPACE, Daemon
+from .conftest import NAMESPACE, Daemon, wait_for
 
 EXAMPLES = int(os.environ.get("LMCACHE_FUZZ_EXAMPLES", "150"))
 SOCKET_EXAMPLES = max(20, EXAMPLES // 3)
@@ -63,7 +63,10 @@ LIMITS = [
     Limits(max_header_bytes=64, max_keys=1, max_message_bytes=256),
 ]
 OPS = [op.value for op in Op]
-_KEYED = {Op.PUT, Op.GET, Op.LOOKUP, Op.EXISTS, Op.DELETE, Op.PIN, Op.UNPIN}
+_KEYED = {Op.PUT, Op.GET, Op.LOOKUP, Op.EXISTS, Op.DELETE, Op.PIN, Op.UNPIN, Op.ALLOC}
+SEGMENT: dict[str, str] = {"token": "no-segment"}
+"""The fuzzed daemon's shared-memory segment (set by the dealer fixture), so that
+shared-memory requests get past the segment check and reach their handlers."""
 tried = {"decoder": 0, "socket": 0}
 
 # -- strategies ---------------------------------------------------------------------------
@@ -89,6 +92,11 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "id": st.integers(min_value=0, max_value=2**64 - 1) | values,
     "ns": st.just(NAMESPACE) | st.text(min_size=0, max_size=600) | st.just("x" * 513) | values,
     "keys": keys_values,
+    # shared-memory fields (docs/protocol.md 5.12); ignored by the other ops
+    "shm": st.builds(lambda: SEGMENT["token"]) | values,
+    "sizes": st.lists(st.integers(-2, 1 << 22), max_size=6) | values,
+    "lease": st.integers(0, 2**64 - 1) | values,
+    "leases": st.lists(st.integers(0, 2**64 - 1) | values, max_size=4) | values,
 }
 
 
@@ -187,7 +195,9 @@ def test_decoder_accepts_a_valid_put() -> None:
 # -- (b) the daemon over a real socket ------------------------------------------------------
 @pytest.fixture(scope="module")
 def fuzz_daemon(module_daemon_factory: Callable[..., Daemon]) -> Daemon:
-    return module_daemon_factory(max_local_cpu_size="16MiB", max_keys_per_request=16, stats_log_interval_s=0)
+    return module_daemon_factory(
+        max_local_cpu_size="16MiB", max_keys_per_request=16, stats_log_interval_s=0, shm_lease_timeout_s=0.5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +205,8 @@ def dealer(fuzz_daemon: Daemon) -> Iterator[zmq.Socket[Any]]:
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(fuzz_daemon.address)
+    with CacheClient(fuzz_daemon.address, NAMESPACE, timeout_s=5.0, fail_open=False) as c:
+        SEGMENT["token"] = c.hello()["shm"]["segment"]
     try:
         yield sock
     finally:
@@ -240,7 +252,8 @@ def test_daemon_still_works_after_fuzzing(fuzz_daemon: Daemon, dealer: zmq.Socke
     assert fuzz_daemon.proc is not None and fuzz_daemon.proc.poll() is None
     key, data = os.urandom(32), os.urandom(200_000)
     with CacheClient(fuzz_daemon.address, NAMESPACE, timeout_s=5.0, fail_open=False) as c:
-        assert c.put([key], [data]) == [0]
+        # Slots fuzzed allocs reserved and never committed expire within a second or two.
+        wait_for(lambda: c.put([key], [data]) == [0], timeout_s=10)
         got = c.get([key])[0]
         assert got is not None and bytes(got) == data
     print(f"fuzz inputs tried: decoder {tried['decoder']}, socket {tried['socket']}")
