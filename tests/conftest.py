@@ -187,6 +187,21 @@ def module_daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture
+def disk_daemon(daemon_factory: Callable[..., Daemon], tmp_path: Path) -> Any:
+    """``start(**config)``: a daemon with an 8 MiB pool and a 64 MiB disk tier in
+    ``start.root`` (so most chunks spill); config keys override the defaults."""
+    root = tmp_path / "spill"
+
+    def start(**config: Any) -> Daemon:
+        config.setdefault("max_local_cpu_size", "8MiB")
+        config.setdefault("max_local_disk_size", "64MiB")
+        return daemon_factory(local_disk=f"file://{root}", **config)
+
+    start.root = root  # type: ignore[attr-defined]
+    return start
+
+
+@pytest.fixture
 def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
     return daemon_factory()
 

@@ -4,7 +4,6 @@ from the pool (no copy), chunks readable while queued, deletes of queued chunks.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -26,15 +25,14 @@ def drained(c: CacheClient) -> bool:
 
 
 @pytest.fixture
-def spill_daemon(daemon_factory, tmp_path: Path):  # type: ignore[no-untyped-def]
-    root = tmp_path / "spill"
+def spill_daemon(disk_daemon):  # type: ignore[no-untyped-def]
+    """conftest's disk_daemon with room for 256 MiB on disk."""
 
     def start(**config):  # type: ignore[no-untyped-def]
-        config.setdefault("max_local_cpu_size", "8MiB")
         config.setdefault("max_local_disk_size", "256MiB")
-        return daemon_factory(local_disk=f"file://{root}", **config)
+        return disk_daemon(**config)
 
-    start.root = root  # type: ignore[attr-defined]
+    start.root = disk_daemon.root  # type: ignore[attr-defined]
     return start
 
 

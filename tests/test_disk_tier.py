@@ -20,19 +20,6 @@ def keys_and_data(n: int, size: int = MiB) -> tuple[list[bytes], list[bytes]]:
     return [os.urandom(KEY_BYTES) for _ in range(n)], [os.urandom(size) for _ in range(n)]
 
 
-@pytest.fixture
-def disk_daemon(daemon_factory, tmp_path: Path):  # type: ignore[no-untyped-def]
-    root = tmp_path / "spill"
-
-    def start(**config):  # type: ignore[no-untyped-def]
-        config.setdefault("max_local_cpu_size", "8MiB")
-        config.setdefault("max_local_disk_size", "64MiB")
-        return daemon_factory(local_disk=f"file://{root}", **config)
-
-    start.root = root  # type: ignore[attr-defined]
-    return start
-
-
 def test_eviction_spills_to_disk_and_hits_promote(disk_daemon) -> None:  # type: ignore[no-untyped-def]
     daemon = disk_daemon()
     keys, data = keys_and_data(24)

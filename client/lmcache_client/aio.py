@@ -66,10 +66,8 @@ class AsyncCacheClient:
         self._fail = FailOpen(fail_open, address)
         self._closed = False
         self.shared_memory = shared_memory
-        self.copy_threads = copy_threads
-        """Threads a large shared-memory copy is split over (1: the caller's thread only)."""
-        self._pool: SharedPool | None = None
-        self._pool_probed = False
+        # copy_threads: how many threads a large shared-memory copy is split over.
+        self._mapping = shm.Mapping(copy_threads)
         # The daemon's ROUTER drops replies past its per-peer high-water mark
         # (hello's max_outstanding_requests, 256 by default): stay below it.
         self._slots = asyncio.Semaphore(max_outstanding)
@@ -190,21 +188,20 @@ class AsyncCacheClient:
     async def _shared_pool(self) -> SharedPool | None:
         if not self.shared_memory:
             return None
-        if not self._pool_probed:
+        if not self._mapping.probed:
             try:
                 offer = (await self._run(calls.hello("lmcache-client-py-async"))).get("shm")
             except ServerError:
                 offer = None
-            if not self._pool_probed:  # another task may have probed meanwhile
-                self._pool_probed = True
-                self._pool = SharedPool.open(offer, self.copy_threads)
-        return self._pool
+            return self._mapping.adopt(offer)  # another task may have probed meanwhile: kept
+        return self._mapping.pool
+
+    @property
+    def _pool(self) -> SharedPool | None:
+        return self._mapping.pool
 
     def _unmap(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        self._pool_probed = False
+        self._mapping.drop()
 
     async def _tell(self, call: Call[Any]) -> None:
         request_id = next(self._ids) & (2**64 - 1)

@@ -138,11 +138,9 @@ class CacheClient:
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._fail = FailOpen(fail_open, address)
         self.shared_memory = shared_memory
-        self.copy_threads = copy_threads
-        """Threads a large shared-memory copy is split over (1: the caller's thread only)."""
         """Use the daemon's pool directly when it offers it and this process can map it."""
-        self._pool: SharedPool | None = None
-        self._pool_probed = False
+        # copy_threads: how many threads a large shared-memory copy is split over.
+        self._mapping = shm.Mapping(copy_threads)
 
     # -- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
@@ -241,20 +239,20 @@ class CacheClient:
         DaemonUnavailable when the daemon cannot be asked (asked again next time)."""
         if not self.shared_memory:
             return None
-        if not self._pool_probed:
+        if not self._mapping.probed:
             try:
                 offer = self._run(calls.hello("lmcache-client-py")).get("shm")
             except ServerError:
                 offer = None
-            self._pool_probed = True
-            self._pool = SharedPool.open(offer, self.copy_threads)
-        return self._pool
+            return self._mapping.adopt(offer)
+        return self._mapping.pool
+
+    @property
+    def _pool(self) -> SharedPool | None:
+        return self._mapping.pool
 
     def _unmap(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        self._pool_probed = False
+        self._mapping.drop()
 
     def _tell(self, call: Call[Any]) -> None:
         """Send without waiting for the reply (the next round trip drops it)."""

@@ -226,6 +226,30 @@ def _address(buf: Any) -> int | None:
         return None
 
 
+class Mapping:
+    """A client's state of the shared-memory path: not asked yet, not offered or
+    not mappable (``pool`` None), or mapped.  Shared by the sync and asyncio clients."""
+
+    def __init__(self, copy_threads: int):
+        self.copy_threads = copy_threads
+        self.pool: SharedPool | None = None
+        self.probed = False
+
+    def adopt(self, offer: Any) -> SharedPool | None:
+        """Map what a hello reply offers (once: a concurrent second probe keeps the first)."""
+        if not self.probed:
+            self.probed = True
+            self.pool = SharedPool.open(offer, self.copy_threads)
+        return self.pool
+
+    def drop(self) -> None:
+        """Unmap; the next data op asks the daemon again (after a restart: a new segment)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        self.probed = False
+
+
 def _check_tensor(tensor: Any, length: int) -> None:
     if not tensor.is_contiguous():
         raise ValueError("shared-memory copies need contiguous tensors")
