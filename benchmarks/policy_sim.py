@@ -47,6 +47,7 @@ import heapq
 import json
 import multiprocessing
 import os
+import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -83,6 +84,28 @@ def load_trace(path: Path, limit: int | None = None) -> list[Request]:
             if line.strip():
                 row = json.loads(line)
                 out.append(Request(int(row["timestamp"]), int(row["input_length"]), tuple(row["hash_ids"])))
+    return out
+
+
+def synthetic_requests(n: int, seed: int = 7) -> list[Request]:
+    """A trace-like workload for tests: conversations over a shared first block, new ones and
+    follow-ups that extend one (a follow-up keeps all but the last block of its previous turn)."""
+    rng = random.Random(seed)
+    convs: list[list[int]] = []
+    next_id = 1
+    out = []
+    for i in range(n):
+        if convs and rng.random() < 0.45:
+            j = rng.randrange(max(0, len(convs) - 60), len(convs))
+            grow = rng.randint(1, 6)
+            ids = convs[j][:-1] + list(range(next_id, next_id + grow))
+            convs[j] = ids
+        else:
+            grow = rng.randint(2, 24)
+            ids = [0, *range(next_id, next_id + grow)]
+            convs.append(ids)
+        next_id += grow
+        out.append(Request(i * 100, BLOCK_TOKENS * (len(ids) - 1) + rng.randint(1, BLOCK_TOKENS), tuple(ids)))
     return out
 
 

@@ -37,6 +37,7 @@ from policy_sim import (  # noqa: E402
     load_trace,
     replay_model,
     simulate,
+    synthetic_requests,
     trace_keys,
 )
 from replay_trace import replay  # noqa: E402
@@ -278,27 +279,6 @@ def test_disk_tier_evicts_by_its_policy(tmp_path: Path) -> None:
 
 
 # -- the offline model ---------------------------------------------------------------------------
-def synthetic_requests(n: int, seed: int = 7) -> list[Request]:
-    """Conversations over a shared first block: new ones, and follow-ups that extend one."""
-    rng = random.Random(seed)
-    convs: list[list[int]] = []
-    next_id = 1
-    out = []
-    for i in range(n):
-        if convs and rng.random() < 0.45:
-            j = rng.randrange(max(0, len(convs) - 60), len(convs))
-            grow = rng.randint(1, 6)
-            ids = convs[j][:-1] + list(range(next_id, next_id + grow))
-            convs[j] = ids
-        else:
-            grow = rng.randint(2, 24)
-            ids = [0, *range(next_id, next_id + grow)]
-            convs.append(ids)
-        next_id += grow
-        out.append(Request(i * 100, BLOCK_TOKENS * (len(ids) - 1) + rng.randint(1, BLOCK_TOKENS), tuple(ids)))
-    return out
-
-
 def workload(n: int) -> tuple[str, list[Request]]:
     if DEFAULT_TRACE.exists():
         return "trace", load_trace(DEFAULT_TRACE, n)
