@@ -301,16 +301,21 @@ def get_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], out: Seque
     grant = yield Ask(calls.get_shm(namespace, keys, pool.segment))
     frames = iter(grant.payloads)
     results: list[Any] = []
-    for i, (found, loc) in enumerate(zip(grant.found, grant.loc)):
-        if not found:
-            results.append(None)
-        elif loc is None:  # a hit the daemon could not place in the pool: sent as a frame
-            results.append(next(frames))
-        elif out is None:
-            results.append(pool.read(loc[0], loc[1]))
-        else:
-            pool.copy_out(loc[0], loc[1], out[i])
-            results.append(True)
+    try:
+        for i, (found, loc) in enumerate(zip(grant.found, grant.loc)):
+            if not found:
+                results.append(None)
+            elif loc is None:  # a hit the daemon could not place in the pool: sent as a frame
+                results.append(next(frames))
+            elif out is None:
+                results.append(pool.read(loc[0], loc[1]))
+            else:
+                pool.copy_out(loc[0], loc[1], out[i])
+                results.append(True)
+    except Exception:  # a destination of the wrong size: free the chunks now, not at the lease's expiry
+        if grant.lease is not None:
+            yield Tell(calls.release([grant.lease]))
+        raise
     if grant.lease is not None:
         if _in_time(pool, grant.expires):
             yield Tell(calls.release([grant.lease]))

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..client import CacheClient
 from ..keys import chunk_keys
-from ..tensors import copy_into, tensor_bytes
+from ..tensors import tensor_bytes
 from .layout import ChunkLayout
 from .transfer import DEFAULT_MAX_BATCH_BYTES, ChunkTransfer
 
@@ -152,11 +152,11 @@ class CachedPrefill:
         looked_up = time.perf_counter()
         timings.lookup_s = looked_up - started
         with torch.inference_mode():
-            payloads = self.transfer.get_prefix(keys[:hits]) if hits else []
-            cache = self._cache_from(payloads)
+            staging = self._load(keys[:hits])
+            cache = self._cache_from(staging)
             loaded = time.perf_counter()
             timings.load_s = loaded - looked_up
-            reused = len(payloads) * self.chunk_size
+            reused = len(staging) * self.chunk_size
             ids = torch.tensor([tokens[reused:]], dtype=torch.long, device=self.model.device)
             out = self.model(
                 input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **{self.cache_kwarg: cache}
@@ -167,19 +167,24 @@ class CachedPrefill:
             self.save(result)
         return result
 
-    def _cache_from(self, payloads: Sequence[Any]) -> Any:
-        """A DynamicCache holding the K/V of ``payloads`` (consecutive chunks from token 0)."""
+    def _load(self, keys: Sequence[bytes]) -> Any:
+        """The leading stored chunks of ``keys``, ``(n, *layout.shape)`` on the host
+        (copied straight from the daemon's pool when it shares it)."""
+        torch = _torch()
+        staging = torch.empty((len(keys), *self.layout.shape), dtype=self.model.dtype)
+        if not keys:
+            return staging
+        return staging[: self.transfer.get_prefix_into(keys, [staging[i] for i in range(len(keys))])]
+
+    def _cache_from(self, staging: Any) -> Any:
+        """A DynamicCache holding the K/V of ``staging`` (consecutive chunks from token 0)."""
         from transformers import DynamicCache
 
-        torch = _torch()
         cache = DynamicCache()
-        if not payloads:
+        n = len(staging)
+        if not n:
             return cache
         layers, _, chunk, heads, dim = self.layout.shape
-        n = len(payloads)
-        staging = torch.empty((n, *self.layout.shape), dtype=self.model.dtype)
-        for i, buf in enumerate(payloads):
-            copy_into(staging[i], buf)
         staging = staging.to(self.model.device)
         for layer in range(layers):
             # (chunks, tokens, heads, dim) -> (1, heads, chunks * tokens, dim)

@@ -43,7 +43,7 @@ from ..client import DEFAULT_ADDRESS, CacheClient
 from ..curve import CurveKeys
 from ..errors import ClientError
 from ..namespace import Namespace, canonical_dtype
-from ..tensors import copy_into, tensor_bytes
+from ..tensors import tensor_bytes
 from .transfer import ChunkTransfer
 
 logger = logging.getLogger(__name__)
@@ -150,19 +150,20 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         """Pages into ``target_locations``; None from the first page that is missing
         (SGLang uses the leading run only), or of a size that does not fit."""
-        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        bufs = self._transfer().get_prefix([page_key(k) for k in keys])
-        out: list[Any] = [None] * len(keys)
-        for i, buf in enumerate(bufs):
-            target: Any = targets[i] if targets[i] is not None else self.mem_pool_host.get_dummy_flat_data_page()
+        given = list(target_locations) if target_locations is not None else [None] * len(keys)
+        targets: list[Any] = []
+        for target in given:
+            if target is None:
+                target = self.mem_pool_host.get_dummy_flat_data_page()
             if target.numel() * target.element_size() != self.page_bytes or not target.is_contiguous():
                 logger.warning(
                     "page target of %s elements does not hold a %d-byte page", target.numel(), self.page_bytes
                 )
                 break
-            copy_into(target, buf)
-            out[i] = target
-        return out
+            targets.append(target)
+        # over shared memory: one copy, from the daemon's pool into the page
+        loaded = self._transfer().get_prefix_into([page_key(k) for k in keys[: len(targets)]], targets)
+        return targets[:loaded] + [None] * (len(keys) - loaded)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

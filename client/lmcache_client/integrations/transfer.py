@@ -7,7 +7,7 @@ only up to its first hole), refuses payloads of the wrong size (never
 garbage into a KV cache), and turns every client failure into a miss: a
 cache that is down costs a recompute, never a failed inference request.
 
-Primitive: :class:`ChunkTransfer` with ``lookup``, ``get_prefix``, ``put``.
+Primitive: :class:`ChunkTransfer` with ``lookup``, ``get_prefix``, ``get_prefix_into``, ``put``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..client import CacheClient
 from ..errors import ClientError
 from ..namespace import Namespace
 from ..protocol import PutStatus
+from ..shm import copy_frame
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,43 @@ class ChunkTransfer:
                     return out
                 out.append(buf)
         return out
+
+    def get_prefix_into(self, keys: Sequence[bytes], out: Sequence[Any]) -> int:
+        """Copy the leading hits of ``keys`` into ``out`` (tensors or writable buffers
+        of ``chunk_bytes`` each); returns how many leading destinations hold a hit.
+
+        Over shared memory each chunk goes from the daemon's pool straight into its
+        destination: one copy fewer than :meth:`get_prefix` and a copy.  A chunk of
+        the wrong size stops the prefix there, as in :meth:`get_prefix`."""
+        if len(keys) != len(out):
+            raise ValueError(f"{len(keys)} keys but {len(out)} destinations")
+        done = 0
+        for start in range(0, len(keys), self.batch_keys):
+            batch = keys[start : start + self.batch_keys]
+            dests = out[start : start + len(batch)]
+            try:
+                hits = self.client.get_into(batch, dests, namespace=self.namespace)
+            except ClientError as err:
+                self._failed("get", err)
+                return done
+            except ValueError:  # a stored chunk of another size: find it, keep what leads up to it
+                return done + self._copy_prefix(batch, dests)
+            for hit in hits:
+                if not hit:
+                    return done
+                done += 1
+        return done
+
+    def _copy_prefix(self, keys: Sequence[bytes], out: Sequence[Any]) -> int:
+        copied = 0
+        for buf, dest in zip(self.get_prefix(keys), out):
+            try:
+                copy_frame(buf, dest)
+            except ValueError as err:
+                logger.warning("lmcache chunk does not fit its destination (%s); ignoring it and what follows", err)
+                break
+            copied += 1
+        return copied
 
     def put(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> int:
         """Store payloads; returns how many are stored now or were already."""

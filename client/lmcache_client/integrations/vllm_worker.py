@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..tensors import copy_into, tensor_bytes
+from ..tensors import tensor_bytes
 from .layout import ChunkLayout
 from .paged import blocks_covering, check_layer, chunks_to_tokens, gather_layer, scatter_layer, token_slots
 from .paged import tokens_to_chunks as _tokens_to_chunks
@@ -105,14 +105,13 @@ class WorkerSide:
     def _load_one(self, request: LoadRequest) -> int:
         """Scatter what can be loaded; returns the end of the tokens written."""
         chunk = self.layout.chunk_size
-        payloads = self.transfer.get_prefix(request.keys)
+        staging = self._staging_for(len(request.keys))
+        loaded = self.transfer.get_prefix_into(request.keys, [staging[i] for i in range(len(request.keys))])
         base = request.first_chunk * chunk
-        end = min(request.end_token, base + len(payloads) * chunk)
+        end = min(request.end_token, base + loaded * chunk)
         if end <= request.start_token:
             return request.start_token
-        staging = self._staging_for(len(payloads))
-        for i, buf in enumerate(payloads):
-            copy_into(staging[i], buf)
+        staging = staging[:loaded]
         slots = token_slots(request.block_ids, request.start_token, end, self.block_size)
         lo, hi = request.start_token - base, end - base
         for layer, kv_layer in enumerate(self.layers):
