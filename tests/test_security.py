@@ -7,6 +7,7 @@ refused connections are observed as DaemonUnavailable after a request timeout.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import yaml
 import zmq
 import zmq.auth
 
-from lmcache_client import CacheClient, DaemonUnavailable, ErrorCode, PutStatus, ServerError
+from lmcache_client import AsyncCacheClient, CacheClient, DaemonUnavailable, ErrorCode, PutStatus, ServerError
 from lmcache_client.curve import KeyFileError, check_private_file, read_public_key, read_secret_key, write_keypair
 from lmcache_client.protocol import KEY_BYTES
 from lmcache_server.config import ConfigError, load_config
@@ -282,7 +283,7 @@ def test_loopback_and_ipc_need_no_flag() -> None:
 # -- authentication -----------------------------------------------------------------------------
 def test_client_without_keys_is_refused(secure: Daemon, as_client: Callable[..., CacheClient]) -> None:
     plain = as_client(None, timeout_s=REFUSED_TIMEOUT_S)
-    with pytest.raises(DaemonUnavailable):
+    with pytest.raises(DaemonUnavailable, match="the daemon requires CURVE"):
         plain.ping()
     with pytest.raises(DaemonUnavailable):
         plain.get([key(1)], namespace=NS_A)
@@ -298,7 +299,7 @@ def test_client_without_keys_is_refused(secure: Daemon, as_client: Callable[...,
 def test_unknown_client_key_is_refused(secure: Daemon, as_client: Callable[..., CacheClient]) -> None:
     before = metric(secure, "lmcache_auth_rejections_total")
     stranger = as_client("stranger", timeout_s=REFUSED_TIMEOUT_S)
-    with pytest.raises(DaemonUnavailable):
+    with pytest.raises(DaemonUnavailable, match=r"refused this client's CURVE key \(ZAP status 400\)"):
         stranger.exists([key(1)], namespace=NS_A)
     assert metric(secure, "lmcache_auth_rejections_total") > before
     assert "refused a CURVE handshake from unknown client key" in secure.log()
@@ -308,8 +309,26 @@ def test_wrong_server_key_is_refused(keys: Keys, as_client: Callable[..., CacheC
     # The client's own key is listed, but it expects another server (a man in the middle would hold that key).
     impostor = str(keys.folder / "stranger.key")
     client = as_client("tenant-a", server_public_key=impostor, timeout_s=REFUSED_TIMEOUT_S)
-    with pytest.raises(DaemonUnavailable):
+    with pytest.raises(DaemonUnavailable, match="is server_public_key the daemon's public key"):
         client.ping()
+
+
+def test_async_client_says_why_and_plain_daemon_names_the_mismatch(keys: Keys, secure: Daemon, daemon: Daemon) -> None:
+    async def refused() -> str:
+        async with AsyncCacheClient(
+            secure.address, NS_A, timeout_s=REFUSED_TIMEOUT_S, fail_open=False, **keys.options("stranger")
+        ) as c:
+            with pytest.raises(DaemonUnavailable) as err:
+                await c.ping()
+            return str(err.value)
+
+    assert "refused this client's CURVE key" in asyncio.run(refused())
+    # CURVE keys against a daemon without auth: the client names the mismatch.
+    with daemon.client(timeout_s=REFUSED_TIMEOUT_S, shared_memory=False, **keys.options("tenant-a")) as c:
+        with pytest.raises(DaemonUnavailable, match="the daemon does not use CURVE"):
+            c.ping()
+    with daemon.client() as plain:
+        assert plain.ping() > 0
 
 
 # -- tenants ------------------------------------------------------------------------------------

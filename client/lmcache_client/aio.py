@@ -21,9 +21,10 @@ import zmq.asyncio
 
 from . import calls, shm
 from .calls import Call, LookupResult
-from .client import COPY_THRESHOLD, DEFAULT_ADDRESS, FailOpen, namespace_string, new_dealer
+from .client import COPY_THRESHOLD, DEFAULT_ADDRESS, FailOpen, namespace_string, new_dealer, unavailable
 from .curve import CurveKeys
 from .errors import DaemonUnavailable, ServerError
+from .handshake import HandshakeWatch
 from .keys import chunk_keys
 from .namespace import Namespace
 from .protocol import PutStatus, Reply, decode_reply, encode_request
@@ -60,6 +61,7 @@ class AsyncCacheClient:
         self._hwm = hwm
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
+        self._handshakes: HandshakeWatch | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[tuple[Reply, list[Any]]]] = {}
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
@@ -99,6 +101,9 @@ class AsyncCacheClient:
             except (asyncio.CancelledError, Exception):
                 pass
             self._reader = None
+        if self._handshakes is not None:
+            self._handshakes.close()
+            self._handshakes = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -111,7 +116,8 @@ class AsyncCacheClient:
         if self._closed:
             raise RuntimeError("client is closed")
         if self._sock is None:
-            sock: zmq.asyncio.Socket = new_dealer(self._ctx, self.address, self._hwm, self._curve)
+            sock: zmq.asyncio.Socket
+            sock, self._handshakes = new_dealer(self._ctx, self.address, self._hwm, self._curve, watch=True)
             self._sock = sock
             self._reader = asyncio.get_running_loop().create_task(self._read_replies(sock))
         return self._sock
@@ -157,7 +163,7 @@ class AsyncCacheClient:
             failure = (
                 err
                 if isinstance(err, DaemonUnavailable)
-                else DaemonUnavailable(f"no reply from {self.address} within {timeout}s")
+                else unavailable(f"no reply from {self.address} within {timeout}s", self._handshakes)
             )
             return self._fail.failed(call, failure)
         return self._fail.answered(call, reply, payloads)

@@ -27,6 +27,7 @@ from . import calls, shm
 from .calls import Call, LookupResult
 from .curve import CurveKeys
 from .errors import DaemonUnavailable, ServerError
+from .handshake import HandshakeWatch
 from .keys import chunk_keys
 from .namespace import Namespace
 from .protocol import ErrorCode, PutStatus, Reply, decode_reply, encode_request
@@ -87,9 +88,12 @@ def namespace_string(namespace: Namespace | str | None) -> str | None:
     return namespace.wire() if isinstance(namespace, Namespace) else namespace
 
 
-def new_dealer(ctx: zmq.Context[Any], address: str, hwm: int, curve: CurveKeys | None = None) -> Any:
+def new_dealer(
+    ctx: zmq.Context[Any], address: str, hwm: int, curve: CurveKeys | None = None, watch: bool = False
+) -> Any:
     """A DEALER socket connected to ``address`` (sync or asyncio, after ``ctx``'s kind),
-    a CURVE client of the daemon when ``curve`` is given."""
+    a CURVE client of the daemon when ``curve`` is given.  ``watch``: return
+    ``(socket, HandshakeWatch)``, the watch attached before the socket connects."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if curve is not None:
@@ -99,8 +103,18 @@ def new_dealer(ctx: zmq.Context[Any], address: str, hwm: int, curve: CurveKeys |
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
+    if not watch:
+        sock.connect(address)
+        return sock
+    handshakes = HandshakeWatch(sock, curve is not None)
     sock.connect(address)
-    return sock
+    return sock, handshakes
+
+
+def unavailable(what: str, handshakes: HandshakeWatch | None) -> DaemonUnavailable:
+    """DaemonUnavailable saying ``what``, and why the handshake failed when it did."""
+    reason = handshakes.reason() if handshakes is not None else None
+    return DaemonUnavailable(f"{what}: {reason}" if reason else what)
 
 
 class CacheClient:
@@ -134,7 +148,9 @@ class CacheClient:
         self.timeout_s = timeout_s
         self._hwm = hwm
         self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] | None = new_dealer(self._ctx, address, hwm, self._curve)
+        self._sock: zmq.Socket[Any] | None = None
+        self._handshakes: HandshakeWatch | None = None
+        self._reset()
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._fail = FailOpen(fail_open, address)
         self.shared_memory = shared_memory
@@ -145,9 +161,7 @@ class CacheClient:
     # -- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
         self._unmap()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        self._close_socket()
 
     def __enter__(self) -> CacheClient:
         return self
@@ -166,10 +180,17 @@ class CacheClient:
         return self._fail.busy_replies
 
     # -- transport -----------------------------------------------------------------
-    def _reset(self) -> None:
+    def _close_socket(self) -> None:
+        if self._handshakes is not None:
+            self._handshakes.close()
+            self._handshakes = None
         if self._sock is not None:
             self._sock.close(linger=0)
-        self._sock = new_dealer(self._ctx, self.address, self._hwm, self._curve)
+            self._sock = None
+
+    def _reset(self) -> None:
+        self._close_socket()
+        self._sock, self._handshakes = new_dealer(self._ctx, self.address, self._hwm, self._curve, watch=True)
 
     def _roundtrip(self, frames: list[Any], request_id: int, timeout_s: float) -> tuple[Any, list[Any]]:
         if self._sock is None:
@@ -184,12 +205,12 @@ class CacheClient:
             except zmq.Again:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLOUT):
-                    raise DaemonUnavailable(f"no connection to {self.address}") from None
+                    raise unavailable(f"no connection to {self.address}", self._handshakes) from None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                 self._abandon(tracker, timeout_s)
-                raise DaemonUnavailable(f"no reply from {self.address} within {timeout_s}s")
+                raise unavailable(f"no reply from {self.address} within {timeout_s}s", self._handshakes)
             reply_frames = sock.recv_multipart(copy=False)
             try:
                 reply = decode_reply(reply_frames[0].buffer)
