@@ -12,7 +12,7 @@
   spill and counts it.  A spill is either *lent* (a pool extent, written from
   where it is and released when written) or copied into a page-aligned buffer.
   Queued chunks are served from the queue until written; deleting one cancels
-  its write.
+  its write (the queue itself: :mod:`.spillqueue`).
 - With ``direct_io`` (and a filesystem that takes it) files are written with
   O_DIRECT, straight from pool memory to the device: no page-cache copy;
   reads stay buffered and drop the file's pages after, so nothing is cached
@@ -54,7 +54,6 @@ from .chunkfile import CorruptRecord
 from .diskfiles import (
     HEADER_BLOCK,
     TMP_PREFIX,
-    aligned_copy,
     direct_io_works,
     disk_usage,
     path_for,
@@ -64,6 +63,7 @@ from .diskfiles import (
     write_record,
 )
 from .policy import EvictionPolicy, LRUPolicy
+from .spillqueue import SpillQueue
 from .tenants import TenantQuotas, tenant_of
 
 logger = logging.getLogger(__name__)
@@ -93,10 +93,6 @@ class DiskCounters:
     rebuild_seconds: float = 0.0
 
 
-_SPARE_BUFFERS = 4
-_SPARE_MAX_BYTES = 64 << 20
-
-
 def _never(key: ChunkKey) -> bool:
     return False  # nothing on disk is leased: reads copy the record out
 
@@ -120,7 +116,6 @@ class DiskTier:
         self.root = root
         self.max_bytes = max_bytes
         self.fsync = fsync
-        self.max_queue_bytes = max_queue_bytes
         self.retry_s = retry_s
         self.direct_io = direct_io  # asked for
         self.direct = False  # in use: asked for and the filesystem takes O_DIRECT (see open)
@@ -137,10 +132,8 @@ class DiskTier:
         self.disk_bytes = 0  # as du counts them
         self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="lmcache-disk")
         self._io = asyncio.Semaphore(io_threads * 2)
-        self._queue: asyncio.Queue[tuple[ChunkKey, memoryview, Callable[[], None] | None]] = asyncio.Queue()
-        self._queued_bytes = 0
-        self._queued: dict[ChunkKey, memoryview] = {}  # written soon; readable meanwhile
-        self._spare: list[memoryview] = []  # page-aligned copy buffers of written spills, for reuse
+        self.spills = SpillQueue(max_queue_bytes)
+        """Spills waiting to be written (readable meanwhile)."""
         self._writers: list[asyncio.Task[None]] = []
         self._io_threads = io_threads
         self._opened = False
@@ -159,6 +152,7 @@ class DiskTier:
             self._degrade(f"directory {self.root} is not usable ({err})")
         else:
             self.direct = self.direct_io and await self._run(direct_io_works, str(self.root / "v1"))
+            self.spills.direct = self.direct
             if self.direct_io and not self.direct:
                 logger.info("disk tier: %s does not take O_DIRECT; writing through the page cache", self.root)
             snapshot = await self._run(disksnapshot.load, self.root)
@@ -197,9 +191,9 @@ class DiskTier:
     async def flush(self, timeout_s: float) -> bool:
         """Wait until queued spills are written (True) or the timeout passes."""
         deadline = time.monotonic() + timeout_s
-        while (self._queued or self._queue.qsize()) and time.monotonic() < deadline:
+        while not self.spills.idle() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        return not self._queued
+        return not len(self.spills)
 
     async def close(self) -> None:
         """Stop the writers (call :meth:`flush` first to drain them) and leave an
@@ -214,15 +208,11 @@ class DiskTier:
             except OSError as err:
                 logger.warning("disk tier: no index snapshot written (%s); the next start scans", err)
         self._pool.shutdown(wait=True)
-        while not self._queue.empty():  # give lent bytes back
-            _, _, release = self._queue.get_nowait()
-            if release is not None:
-                release()
-        self._queued.clear()
+        self.spills.release_all()  # give lent bytes back
 
     # -- reads ---------------------------------------------------------------------
     def peek(self, key: ChunkKey) -> bool:
-        return key in self._index or key in self._queued
+        return key in self._index or key in self.spills
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [self.peek(k) for k in keys]
@@ -231,14 +221,14 @@ class DiskTier:
         entry = self._index.get(key)
         if entry is not None:
             return entry.payload_len
-        pending = self._queued.get(key)
+        pending = self.spills.get(key)
         return None if pending is None else pending.nbytes
 
     async def get(self, key: ChunkKey, out: memoryview | None = None) -> Chunk | None:
         """The chunk (read into ``out`` when given: exactly payload_size bytes), or None."""
         entry = self._index.get(key)
         if entry is None:
-            pending = self._queued.get(key)
+            pending = self.spills.get(key)
             if pending is None or (out is not None and out.nbytes != pending.nbytes):
                 self.counters.misses += 1
                 return None
@@ -276,7 +266,7 @@ class DiskTier:
         """
         view = memoryview(data).cast("B")
         size = view.nbytes
-        if key in self._index or key in self._queued:
+        if key in self._index or key in self.spills:
             if release is not None:
                 release()
             return True
@@ -286,62 +276,30 @@ class DiskTier:
                 release()
             return False
         if release is None:
-            view = self._copy(view)
+            view = self.spills.copy(view)
         else:
             self.counters.spills_lent += 1
-        self._queued[key] = view
-        self._queued_bytes += size
-        self._queue.put_nowait((key, view, release))
+        self.spills.add(key, view, release)
         return True
-
-    def _copy(self, view: memoryview) -> memoryview:
-        """A copy of a spill that cannot be lent; page-aligned for O_DIRECT, in a
-        recycled buffer when one of the size is spare (chunks of a model are all
-        one size; a fresh mapping costs more to fault in than the copy itself)."""
-        if not self.direct:
-            return memoryview(bytes(view))
-        for i, spare in enumerate(self._spare):
-            if spare.nbytes == view.nbytes:
-                del self._spare[i]
-                spare[:] = view
-                return spare
-        return aligned_copy(view)
-
-    def _recycle(self, view: memoryview) -> None:
-        """Keep a written copy's buffer for the next copy (the newest few, bounded in bytes)."""
-        if self.direct:
-            self._spare.append(view)
-            while len(self._spare) > _SPARE_BUFFERS or sum(v.nbytes for v in self._spare) > _SPARE_MAX_BYTES:
-                self._spare.pop(0)
 
     def accepts(self, size: int) -> bool:
         """Whether a spill of ``size`` bytes would be queued now (not dropped)."""
-        return (
-            not self._degraded_now()
-            and self._queued_bytes + size <= self.max_queue_bytes
-            and disk_usage(HEADER_BLOCK + size) <= self.max_bytes
-        )
+        return not self._degraded_now() and self.spills.fits(size) and disk_usage(HEADER_BLOCK + size) <= self.max_bytes
 
     async def _write_loop(self) -> None:
         while True:
-            key, data, release = await self._queue.get()
+            key, data, release = await self.spills.next()
             try:
-                if self._queued.get(key) is not data:
+                if not self.spills.is_current(key, data):
                     continue  # deleted while queued
                 if self._degraded_now():
                     self.counters.spills_dropped += 1
                 elif await self._write(key, data) is PutStatus.STORED:
                     self.counters.spills += 1
-                    if self._queued.get(key) is not data:  # deleted while being written
+                    if not self.spills.is_current(key, data):  # deleted while being written
                         await self.delete(key)
             finally:
-                if self._queued.get(key) is data:
-                    del self._queued[key]
-                self._queued_bytes -= data.nbytes
-                if release is not None:
-                    release()
-                else:
-                    self._recycle(data)
+                self.spills.done(key, data, release)
 
     async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
         if key in self._index:
@@ -439,7 +397,7 @@ class DiskTier:
             logger.warning("disk tier: cannot remove %s: %s", entry.path, err)
 
     async def delete(self, key: ChunkKey) -> bool:
-        queued = self._queued.pop(key, None) is not None  # the writer skips it
+        queued = self.spills.cancel(key)  # the writer skips it
         entry = self._index.get(key)
         if entry is None:
             return queued
@@ -447,16 +405,14 @@ class DiskTier:
         return True
 
     async def clear(self, namespace: str | None) -> int:
-        queued = [k for k in self._queued if namespace is None or k.namespace == namespace]
-        for key in queued:
-            del self._queued[key]
+        queued = self.spills.cancel_namespace(namespace)
         victims = [(k, e) for k, e in self._index.items() if namespace is None or k.namespace == namespace]
         for key, entry in victims:
             await self._drop(key, entry)
         return len(set(queued) | {k for k, _ in victims})
 
     def keys(self) -> list[ChunkKey]:
-        return [*self._index, *(k for k in self._queued if k not in self._index)]
+        return [*self._index, *(k for k in self.spills if k not in self._index)]
 
     def namespaces(self) -> dict[str, tuple[int, int]]:
         return {ns: (c[0], c[1]) for ns, c in self._by_namespace.items()}
@@ -467,8 +423,8 @@ class DiskTier:
             "stored_bytes": self.stored_bytes,
             "disk_bytes": self.disk_bytes,
             "chunks": len(self._index),
-            "queued_spills": len(self._queued),
-            "queued_bytes": self._queued_bytes,
+            "queued_spills": len(self.spills),
+            "queued_bytes": self.spills.nbytes,
             "direct_io": self.direct,
             "degraded": self.degraded is not None,
             "degraded_reason": self.degraded or "",
