@@ -206,6 +206,30 @@ def test_lfuda_age_never_goes_back_and_heap_stays_bounded() -> None:
     assert ages == sorted(ages) and ages[-1] > 0
 
 
+def test_lfuda_age_moves_only_when_the_victim_leaves() -> None:
+    # The memory tier may keep a victim it named (the disk declined a lent spill):
+    # the cache age must not jump to that chunk's priority, or newcomers would
+    # enter above a chunk read four times and it would go before them.
+    p = LFUDAPolicy()
+    p.inserted(key(1), 1, None)
+    for _ in range(4):
+        p.touched(key(1))
+    assert p.victim(never) == key(1)  # named, then kept
+    p.inserted(key(2), 1, None)
+    assert p.victim(never) == key(2)  # the one-off goes first
+    p.removed(key(2))
+    p.inserted(key(3), 1, None)
+    assert p.victim(never) == key(3)
+    p.removed(key(3))
+    assert p.victim(never) == key(1)
+    p.removed(key(1))
+    p.inserted(key(4), 1, None)  # enters at the age key(1) left: H = 5 + 1
+    p.inserted(key(5), 1, None)
+    for _ in range(5):
+        p.touched(key(5))
+    assert p.victim(never) == key(4)
+
+
 def test_lfuda_beats_lru_on_the_trace_start() -> None:
     if not DEFAULT_TRACE.exists():
         pytest.skip(f"{DEFAULT_TRACE} not present")

@@ -153,6 +153,7 @@ class LFUDAPolicy:
         self._last: tuple[ChunkKey | None, int] = (None, 0)  # the last inserted key and its depth
         self._open: ChunkKey | None = None  # the last key admitted with a parent: the open put's tail so far
         self._pending_tail: ChunkKey | None = None  # a finished put's tail not inserted yet
+        self._named: tuple[ChunkKey | None, int] = (None, 0)  # the last victim named, and its priority
 
     # -- the interface -------------------------------------------------------------
     def admit(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> bool:
@@ -200,6 +201,9 @@ class LFUDAPolicy:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
+        if key == self._named[0]:  # the victim left: L becomes its H (never going back)
+            self._age = max(self._age, self._named[1])
+            self._named = (None, 0)
         ghost = self._ghost
         ghost[hash(key)] = entry.freq
         limit = max(self.min_ghost, self.ghost_factor * len(self._entries))
@@ -220,7 +224,8 @@ class LFUDAPolicy:
                 skipped.append(heapq.heappop(heap))
                 continue
             found = item[3]
-            self._age = max(self._age, item[0])  # a tail's rank is below L: L never goes back
+            # L moves when the victim is removed, not now: the tier may keep it (a spill declined).
+            self._named = (found, item[0])
             break
         for item in skipped:
             heapq.heappush(heap, item)
