@@ -114,6 +114,7 @@ class App:
                 await http.start()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(signal.SIGHUP, security.reload, metrics)
             self.ready = True
             logger.info("lmcache-server ready: %s", c.summary())
             summary.start()
@@ -134,7 +135,7 @@ class App:
                 logger.warning("drain timed out before every spill reached the disk")
         finally:
             self.ready = False
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             await summary.close()
             await monitor.close()

@@ -84,6 +84,12 @@ class ServerMetrics:
             ["reason"],
             registry=registry,
         )
+        self.key_reloads = Counter(
+            "lmcache_client_keys_reloads",
+            "Reloads of client_keys_file on SIGHUP, by result (ok; error: the file was refused, the old keys stay).",
+            ["result"],
+            registry=registry,
+        )
         self.forbidden = Counter(
             "lmcache_forbidden_requests",
             "Requests answered FORBIDDEN (outside the client key's grants), by client name.",

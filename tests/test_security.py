@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -329,6 +330,49 @@ def test_async_client_says_why_and_plain_daemon_names_the_mismatch(keys: Keys, s
             c.ping()
     with daemon.client() as plain:
         assert plain.ping() > 0
+
+
+def test_sighup_reloads_client_keys(keys: Keys, tmp_path: Path) -> None:
+    clients = yaml.safe_load(keys.clients_file.read_text())["clients"]
+    for entry in clients.values():  # key file paths relative to the keys folder, from a file elsewhere
+        if entry["public_key"].endswith(".key"):
+            entry["public_key"] = str(keys.folder / entry["public_key"])
+    clients_file = tmp_path / "clients.yaml"
+    clients_file.write_text(yaml.safe_dump({"clients": clients}))
+    clients_file.chmod(0o644)
+    config = {**keys.config(), "client_keys_file": str(clients_file)}
+    daemon = start_daemon(tmp_path / "d", config, **keys.options("admin"))
+    try:
+        tenant_a = daemon.client(**keys.options("tenant-a"), namespace=NS_A)
+        assert tenant_a.put([key(1)], [b"a" * 100]) == [PutStatus.STORED]
+        with daemon.client(**keys.options("stranger"), timeout_s=REFUSED_TIMEOUT_S) as stranger:
+            with pytest.raises(DaemonUnavailable, match="refused this client's CURVE key"):
+                stranger.ping()
+
+        # Add the stranger with read access to tenant a, drop tenant-a: no restart.
+        read_a = [{"tenant": "a", "access": "ro"}]
+        clients["stranger"] = {"public_key": str(keys.folder / "stranger.key"), "grants": read_a}
+        del clients["tenant-a"]
+        clients_file.write_text(yaml.safe_dump({"clients": clients}))
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: metric(daemon, "lmcache_client_keys_reloads_total", result="ok") == 1)
+        assert "added: stranger; removed: tenant-a" in daemon.log()
+        with daemon.client(**keys.options("stranger"), namespace=NS_A) as stranger:
+            assert stranger.get([key(1)]) == [b"a" * 100]
+            forbidden(lambda: stranger.put([key(2)], [b"x" * 100]))
+        forbidden(lambda: tenant_a.get([key(1)]))  # its open connection is refused from now on
+        tenant_a.close()
+
+        # A broken file changes nothing.
+        clients_file.write_text("clients: [not, a, mapping]\n")
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: metric(daemon, "lmcache_client_keys_reloads_total", result="error") == 1)
+        assert "client keys not reloaded, the previous ones stay in force" in daemon.log()
+        with daemon.client(**keys.options("stranger"), namespace=NS_A) as stranger:
+            assert stranger.get([key(1)]) == [b"a" * 100]
+        assert daemon.proc.poll() is None
+    finally:
+        stop(daemon)
 
 
 # -- tenants ------------------------------------------------------------------------------------

@@ -153,6 +153,39 @@ class Security:
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
+    def reload(self, metrics: ServerMetrics | None = None) -> bool:
+        """Read ``client_keys_file`` again (SIGHUP); True if the new keys and grants are in force.
+
+        New keys are accepted at their next handshake; grants apply from the
+        next request, on connections already open too; a client left out of
+        the file is refused on its open connections (FORBIDDEN) and at its next
+        handshake.  A file that is refused changes nothing: the old keys stay."""
+        if self.policy is None or self.config.client_keys_file is None:
+            logger.info("SIGHUP: auth is off; nothing to reload")
+            return False
+        try:
+            policy = load_client_keys(self.config.client_keys_file)
+        except ConfigError as err:
+            logger.error("SIGHUP: client keys not reloaded, the previous ones stay in force: %s", err)
+            if metrics is not None:
+                metrics.key_reloads.labels("error").inc()
+            return False
+        added = sorted(set(policy.by_name) - set(self.policy.by_name))
+        removed = sorted(set(self.policy.by_name) - set(policy.by_name))
+        self.policy = policy
+        if self._auth is not None:
+            self._auth.policy = policy
+        logger.info(
+            "SIGHUP: reloaded %s: %d client keys (added: %s; removed: %s)",
+            self.config.client_keys_file,
+            len(policy.by_name),
+            ", ".join(added) or "none",
+            ", ".join(removed) or "none",
+        )
+        if metrics is not None:
+            metrics.key_reloads.labels("ok").inc()
+        return True
+
     def check(self, user_id: str | None, request: Request) -> str | None:
         """None if the request is allowed (always, without auth), else the FORBIDDEN message."""
         if self.policy is None:
