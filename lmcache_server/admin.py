@@ -88,11 +88,16 @@ def format_stats(stats: dict[str, Any], address: str) -> str:
     """The ``stats`` reply as a readable report."""
     server = stats.get("server", {})
     tiers: dict[str, dict[str, Any]] = stats.get("tiers", {})
+    up = f", up {server['uptime_s']:.0f}s" if "uptime_s" in server else ""
     lines = [
-        f"lmcache-server {server.get('version', '?')} at {address}, up {server.get('uptime_s', 0):.0f}s, "
-        f"chunk_size {server.get('chunk_size', '?')}",
+        f"lmcache-server {server.get('version', '?')} at {address}{up}, chunk_size {server.get('chunk_size', '?')}",
         "",
     ]
+    if stats.get("scope") == "namespace":  # a tenant key: its namespace only
+        ns = dict(stats["namespace"])
+        lines.append(f"namespace {ns.pop('name')}: " + ", ".join(f"{k} {v}" for k, v in ns.items()))
+        lines.append("(daemon-wide figures are shown to admin keys only)")
+        return "\n".join(lines)
     rows = []
     for name, t in tiers.items():
         capacity = t.get("capacity_bytes")

@@ -91,6 +91,13 @@ def test_stats_table_and_json(filled: Daemon) -> None:
     assert stats["tiers"]["memory"]["chunks"] == 5
     assert stats["namespace"] == {"name": OTHER, "chunks": 2, "stored_bytes": 2000}
     assert f"namespace {OTHER}: chunks 2, stored_bytes 2000" in format_stats(stats, filled.address)
+    # What a tenant key gets (auth: curve, no admin role): its namespace only.
+    server = {"version": "0.1.0", "chunk_size": 256}
+    tenant_view = {"namespace": stats["namespace"], "server": server, "scope": "namespace"}
+    report = format_stats(tenant_view, filled.address).splitlines()
+    assert report[0] == f"lmcache-server 0.1.0 at {filled.address}, chunk_size 256"
+    assert f"namespace {OTHER}: chunks 2, stored_bytes 2000" in report
+    assert "(daemon-wide figures are shown to admin keys only)" in report and not any("tier" in ln for ln in report)
 
 
 def test_namespaces(filled: Daemon) -> None:

@@ -403,7 +403,12 @@ def test_tenants_cannot_touch_each_others_chunks(secure: Daemon, as_client: Call
     got = a.get([stored])[0]
     assert got is not None and bytes(got) == b"a-secret" * 100  # untouched
     assert bytes(b.get([stored])[0]) == b"b-data" * 100
-    assert a.stats(namespace=NS_A)["namespace"]["chunks"] >= 1
+    own = a.stats(namespace=NS_A)
+    assert own["namespace"]["chunks"] >= 1
+    # Nothing daemon-wide for a tenant key: no tier totals, lookups, quotas of other tenants, pool.
+    assert own["scope"] == "namespace" and set(own) == {"namespace", "server", "scope"}
+    assert set(own["server"]) == {"version", "chunk_size"}
+    assert "tiers" in as_client("admin").stats(namespace=NS_A)  # an admin key sees them
 
 
 def test_read_only_key_reads_but_cannot_write(as_client: Callable[..., CacheClient]) -> None:
@@ -437,7 +442,7 @@ def test_shared_memory_path_keeps_the_grants(as_client: Callable[..., CacheClien
     assert bytes(reader.get([key(80)])[0]) == data
     forbidden(lambda: reader.put([key(81)], [data]))
     forbidden(lambda: a.get([key(80)], namespace=NS_B))
-    shm = a.stats(namespace=NS_A).get("shm") or {}
+    shm = as_client("admin").stats(namespace=NS_A).get("shm") or {}
     if shm.get("enabled"):  # where /dev/shm can hold the pool
         assert shm["committed_bytes"] >= MiB and shm["read_bytes"] >= MiB
 

@@ -108,6 +108,17 @@ class AccessPolicy:
         return f"client {principal.name!r} may not {'write' if write else 'read'} namespace {ns!r}"
 
 
+def namespace_view(stats: dict[str, Any]) -> dict[str, Any]:
+    """What a non-admin client sees of a ``stats`` reply: its namespace's own
+    counts, and nothing daemon-wide (other tenants' activity, their quotas)."""
+    server = stats.get("server", {})
+    return {
+        "namespace": stats["namespace"],
+        "server": {k: server[k] for k in ("version", "chunk_size") if k in server},
+        "scope": "namespace",
+    }
+
+
 def _refuse(path: str, expected: str) -> ConfigError:
     return ConfigError("client_keys_file", path, expected)
 

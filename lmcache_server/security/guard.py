@@ -186,6 +186,13 @@ class Security:
             metrics.key_reloads.labels("ok").inc()
         return True
 
+    def sees_everything(self, user_id: str | None) -> bool:
+        """Whether the client may see daemon-wide figures (no auth, or an admin key)."""
+        if self.policy is None:
+            return True
+        principal = self.policy.by_name.get(user_id or "")
+        return principal is not None and principal.admin
+
     def check(self, user_id: str | None, request: Request) -> str | None:
         """None if the request is allowed (always, without auth), else the FORBIDDEN message."""
         if self.policy is None:

@@ -26,11 +26,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from lmcache_client.protocol import ErrorCode, Limits, ProtocolError, decode_request, encode_error, encode_reply
+from lmcache_client.protocol import ErrorCode, Limits, Op, ProtocolError, decode_request, encode_error, encode_reply
 
 from ..config import ConfigError, ServerConfig
 from ..metrics import ServerMetrics
 from ..security import Security
+from ..security.access import namespace_view
 from ..storage import Chunk
 from .admission import ByteBudget, ClientLedger
 from .handlers import Handlers, Outcome
@@ -205,6 +206,7 @@ class ZmqServer:
             self._reply_error(envelope, err.request_id, err.code, err.message, "invalid", started)
             return
         op = request.op.value
+        scoped = False  # a stats reply cut down to the client's namespace
         if self.security.enabled:
             # Before anything touches the store: a refused probe costs the same
             # and says the same whether or not the chunks exist.
@@ -214,6 +216,7 @@ class ZmqServer:
                 self.metrics.forbidden.labels(user_id or "").inc()
                 self._reply_error(envelope, request.id, ErrorCode.FORBIDDEN, denied, op, started)
                 return
+            scoped = request.op is Op.STATS and not self.security.sees_everything(user_id)
         if self.draining:
             self._reply_error(envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started)
             return
@@ -232,7 +235,7 @@ class ZmqServer:
             self._reply_error(envelope, request.id, ErrorCode.BUSY, "in-flight budget spent; retry", op, started)
             return
         self.metrics.received_bytes.inc(size)
-        task = asyncio.get_running_loop().create_task(self._run(envelope, request, size, started))
+        task = asyncio.get_running_loop().create_task(self._run(envelope, request, size, started, scoped))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -252,10 +255,12 @@ class ZmqServer:
         message = f"message has {len(body) + dropped} frames, limit {self.max_frames} (header + one per key)"
         self._reply_error(envelope, request_id, ErrorCode.TOO_LARGE, message, "invalid", started)
 
-    async def _run(self, envelope: list[bytes], request: Any, size: int, started: float) -> None:
+    async def _run(self, envelope: list[bytes], request: Any, size: int, started: float, scoped: bool) -> None:
         op = request.op.value
         try:
             outcome = await self.handlers.handle(request)
+            if scoped:
+                outcome.fields["stats"] = namespace_view(outcome.fields["stats"])
         except ProtocolError as err:
             if err.code == ErrorCode.BUSY:
                 self.metrics.busy.inc()
