@@ -54,6 +54,7 @@ from policy_sim import (  # noqa: E402  (benchmarks/ is not a package)
     access_counts,
     capacities_from,
     distinct_blocks,
+    leading_held,
     replay_model,
     trace_keys,
 )
@@ -164,12 +165,7 @@ def predicted_belady(requests: Sequence[Any], capacity: int, noise: float, seed:
     heap: list[tuple[float, int]] = []
     counts = Counts()
     for i, req in enumerate(requests):
-        hits = 0
-        for b in req.hash_ids:
-            if b not in held:
-                break
-            hits += 1
-        counts.add_request(req, hits)
+        counts.add_request(req, leading_held(req.hash_ids, held))
         factor = math.exp(rng.gauss(0.0, noise)) if noise else 1.0
         for b, n in zip(req.hash_ids, nxt[i]):
             when = i + (n - i) * factor

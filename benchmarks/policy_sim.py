@@ -50,7 +50,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +227,16 @@ def replay_model(requests: Sequence[Request], model: CacheModel, keys: dict[int,
     return counts
 
 
+def leading_held(ids: Sequence[int], held: Container[int]) -> int:
+    """How many leading block ids are held (a request's hit blocks)."""
+    hits = 0
+    for b in ids:
+        if b not in held:
+            break
+        hits += 1
+    return hits
+
+
 def belady(requests: Sequence[Request], capacity: int) -> Counts:
     """Farthest next use, same request sequence and hit counting, always admitting."""
     flat = [b for r in requests for b in r.hash_ids]
@@ -241,12 +251,7 @@ def belady(requests: Sequence[Request], capacity: int) -> Counts:
     counts = Counts()
     pos = 0
     for req in requests:
-        hits = 0
-        for b in req.hash_ids:
-            if b not in held:
-                break
-            hits += 1
-        counts.add_request(req, hits)
+        counts.add_request(req, leading_held(req.hash_ids, held))
         for b in req.hash_ids:  # every block is accessed once: hits by get, the rest by put
             nxt = next_use[pos]
             pos += 1
