@@ -342,6 +342,20 @@ class ServerConfig:
         'a size of at least 1 MiB, e.g. "512MiB"',
         "Payload bytes one client connection may hold in flight (puts and unsent get replies); beyond it BUSY.",
     )
+    max_key_inflight_requests: int = _field(
+        0,
+        _int(0, 1 << 20),
+        "an integer 0..1048576 (0: no limit)",
+        "With auth: curve, requests all connections of one client key may have in flight together; "
+        "beyond it that key gets BUSY (0: only the per-connection limit).",
+    )
+    max_key_inflight_bytes: int = _field(
+        0,
+        _size(0),
+        'a size, e.g. "2GiB" (0: no limit)',
+        "With auth: curve, payload bytes all connections of one client key may hold in flight together; "
+        "beyond it BUSY (0: only the per-connection limit).",
+    )
     metrics_host: str = _field("127.0.0.1", _host, "a host name or IP address", "Address of the HTTP metrics server.")
     metrics_port: int = _field(
         9464, _int(0, 65535), "a port 1..65535, or 0 to disable", "Port of /metrics and /healthz (0 disables it)."
@@ -443,6 +457,10 @@ class ServerConfig:
             for key in ("server_secret_key_file", "client_keys_file"):
                 if getattr(self, key) is None:
                     raise ConfigError(key, None, "a file path when auth is curve (see docs/security.md)")
+        else:
+            for key in ("max_key_inflight_requests", "max_key_inflight_bytes"):
+                if getattr(self, key):
+                    raise ConfigError(key, getattr(self, key), "0 unless auth is curve (a client key names the client)")
         object.__setattr__(self, "log_level", self.log_level.upper())
 
     def quotas(self, tier: str) -> dict[str, int]:

@@ -69,7 +69,8 @@ class ServerMetrics:
         self.limit_violations = Counter(
             "lmcache_limit_violations",
             "Requests refused by an input or per-client limit, by limit "
-            "(header_bytes, message_bytes, frames, keys, msgpack, client_requests, client_bytes).",
+            "(header_bytes, message_bytes, frames, keys, msgpack, client_requests, client_bytes, "
+            "key_requests, key_bytes).",
             ["limit"],
             registry=registry,
         )

@@ -24,7 +24,14 @@ import zmq
 import zmq.auth
 
 from lmcache_client import AsyncCacheClient, CacheClient, DaemonUnavailable, ErrorCode, PutStatus, ServerError
-from lmcache_client.curve import KeyFileError, check_private_file, read_public_key, read_secret_key, write_keypair
+from lmcache_client.curve import (
+    CurveKeys,
+    KeyFileError,
+    check_private_file,
+    read_public_key,
+    read_secret_key,
+    write_keypair,
+)
 from lmcache_client.protocol import KEY_BYTES
 from lmcache_server.config import ConfigError, load_config
 from lmcache_server.server.admission import ClientLedger
@@ -555,6 +562,62 @@ def test_greedy_client_gets_busy_for_its_bytes_others_are_served(daemon_factory:
             greedy.close(0)
     text = scrape(daemon.metrics_port)
     assert sample(text, "lmcache_limit_violations_total", limit="client_bytes") == 1
+
+
+def test_a_key_cannot_multiply_its_share_with_connections(keys: Keys, tmp_path: Path, redis_server: Any) -> None:
+    # Gets that miss memory wait for Redis; a paused Redis keeps them in flight.
+    config = {**keys.config(), "remote_url": redis_server.url, "remote_timeout_s": 60, "max_key_inflight_requests": 2}
+    daemon = start_daemon(tmp_path / "d", config, **keys.options("admin"))
+    greedy = zmq.Context.instance().socket(zmq.DEALER)
+    greedy.setsockopt(zmq.LINGER, 0)
+    CurveKeys.from_options(keys.server_public, keys.secret("tenant-a")).apply(greedy)  # type: ignore[union-attr]
+    greedy.connect(daemon.address)
+    try:
+        with daemon.client(**keys.options("tenant-a"), namespace=NS_A) as a:
+            a.put([key(92)], [b"s" * 100])
+            assert a.ping() > 0 and _send_and_wait(greedy, {"op": "ping", "id": 0})["ok"]
+            pause = subprocess.run(
+                ["redis-cli", "-p", str(redis_server.port), "client", "pause", "3000", "all"],
+                capture_output=True, text=True, timeout=10,
+            )  # fmt: skip
+            assert pause.stdout.strip() == "OK", pause
+            # One connection of tenant-a fills the key's share with two gets waiting for Redis ...
+            for i in (1, 2):
+                greedy.send(msgpack.packb({"v": 1, "op": "get", "id": i, "ns": NS_A, "keys": [key(70 + i)]}))
+            with daemon.client() as admin:
+                wait_for(lambda: _tier_misses(admin) >= 2)
+            # ... so another connection of the same key is refused at once; another key is served.
+            with pytest.raises(ServerError) as err:
+                a.get([key(92)])
+            assert err.value.code == ErrorCode.BUSY and "this client key's" in str(err.value)
+            assert "key_requests" in str(err.value)
+            with daemon.client(**keys.options("reader-a"), namespace=NS_A) as reader:
+                assert bytes(reader.get([key(92)])[0]) == b"s" * 100
+            for _ in range(2):
+                assert greedy.poll(30_000)
+                assert msgpack.unpackb(greedy.recv_multipart()[0], raw=False)["ok"] is True
+            assert bytes(a.get([key(92)])[0]) == b"s" * 100  # the share is free again
+        assert metric(daemon, "lmcache_limit_violations_total", limit="key_requests") == 1
+    finally:
+        greedy.close(0)
+        stop(daemon)
+
+
+def _send_and_wait(sock: Any, header: dict[str, Any]) -> dict[str, Any]:
+    sock.send(msgpack.packb({"v": 1, **header}))
+    assert sock.poll(10_000)
+    reply: dict[str, Any] = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+    return reply
+
+
+def _tier_misses(admin: CacheClient) -> int:
+    """Memory-tier misses so far: a get that missed memory is on its way to Redis."""
+    return int(admin.stats()["tiers"]["memory"]["misses"])
+
+
+def test_key_limits_need_curve() -> None:
+    with pytest.raises(ConfigError, match="max_key_inflight_bytes"):
+        load_config(environ={}, overrides={"max_key_inflight_bytes": "1GiB"})
 
 
 def test_greedy_client_gets_busy_for_its_requests_others_are_served(daemon_factory: Any, redis_server: Any) -> None:

@@ -60,15 +60,19 @@ def split_envelope(frames: list[Any]) -> tuple[list[bytes], list[Any]]:
     return [frames[0].bytes], frames[1:]
 
 
-class _Outgoing:
-    __slots__ = ("tracker", "chunks", "budget_bytes", "sent_at", "peer")
+Owners = tuple[tuple[ClientLedger, bytes], ...]
+"""The ledgers a request counts in: its connection's, and its client key's when keys are limited."""
 
-    def __init__(self, tracker: zmq.MessageTracker, chunks: list[Chunk], budget_bytes: int, peer: bytes):
+
+class _Outgoing:
+    __slots__ = ("tracker", "chunks", "budget_bytes", "sent_at", "owners")
+
+    def __init__(self, tracker: zmq.MessageTracker, chunks: list[Chunk], budget_bytes: int, owners: Owners):
         self.tracker = tracker
         self.chunks = chunks
         self.budget_bytes = budget_bytes
         self.sent_at = time.monotonic()
-        self.peer = peer
+        self.owners = owners
 
 
 class ZmqServer:
@@ -84,6 +88,13 @@ class ZmqServer:
         self.config = config
         self.security = security if security is not None else Security(config, None, None)
         self.clients = ClientLedger(config.max_client_inflight_requests, config.max_client_inflight_bytes)
+        # Limits over all connections of one client key (auth: curve), when set.
+        key_limited = config.max_key_inflight_requests or config.max_key_inflight_bytes
+        self.keys = (
+            ClientLedger(config.max_key_inflight_requests or 1 << 62, config.max_key_inflight_bytes or 1 << 62)
+            if key_limited and self.security.enabled
+            else None
+        )
         # A valid request has at most one payload frame per key; the envelope
         # (routing id, REQ delimiter) comes on top.  Frames beyond are dropped
         # as they arrive, so a message of millions of empty frames costs no
@@ -207,6 +218,7 @@ class ZmqServer:
             return
         op = request.op.value
         scoped = False  # a stats reply cut down to the client's namespace
+        user_id: str | None = None
         if self.security.enabled:
             # Before anything touches the store: a refused probe costs the same
             # and says the same whether or not the chunks exist.
@@ -221,21 +233,29 @@ class ZmqServer:
             self._reply_error(envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started)
             return
         size = request.payload_bytes
-        peer = envelope[0]
-        over = self.clients.try_admit(peer, size)
+        owners: Owners = ((self.clients, envelope[0]),)
+        over = self.clients.try_admit(envelope[0], size)
+        if over is None and self.keys is not None and user_id:
+            key_over = self.keys.try_admit(user_id.encode(), size)
+            if key_over is None:
+                owners += ((self.keys, user_id.encode()),)
+            else:
+                self.clients.release(envelope[0], size)
+                over = "key_" + key_over.removeprefix("client_")  # key_requests, key_bytes
         if over is not None:
             self.metrics.busy.inc()
             self.metrics.limit_violations.labels(over).inc()
-            message = f"this connection's in-flight limit is spent ({over}); retry"
+            whose = "this client key's" if over.startswith("key_") else "this connection's"
+            message = f"{whose} in-flight limit is spent ({over}); retry"
             self._reply_error(envelope, request.id, ErrorCode.BUSY, message, op, started)
             return
         if len(self._tasks) >= MAX_CONCURRENT_REQUESTS or not self.budget.try_acquire(size):
-            self.clients.release(peer, size)
+            _release(owners, size)
             self.metrics.busy.inc()
             self._reply_error(envelope, request.id, ErrorCode.BUSY, "in-flight budget spent; retry", op, started)
             return
         self.metrics.received_bytes.inc(size)
-        task = asyncio.get_running_loop().create_task(self._run(envelope, request, size, started, scoped))
+        task = asyncio.get_running_loop().create_task(self._run(envelope, request, size, started, scoped, owners))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -255,7 +275,9 @@ class ZmqServer:
         message = f"message has {len(body) + dropped} frames, limit {self.max_frames} (header + one per key)"
         self._reply_error(envelope, request_id, ErrorCode.TOO_LARGE, message, "invalid", started)
 
-    async def _run(self, envelope: list[bytes], request: Any, size: int, started: float, scoped: bool) -> None:
+    async def _run(
+        self, envelope: list[bytes], request: Any, size: int, started: float, scoped: bool, owners: Owners
+    ) -> None:
         op = request.op.value
         try:
             outcome = await self.handlers.handle(request)
@@ -275,10 +297,12 @@ class ZmqServer:
             return
         finally:
             self.budget.release(size)
-            self.clients.release(envelope[0], size)
-        self._reply(envelope, request.id, outcome, op, started)
+            _release(owners, size)
+        self._reply(envelope, request.id, outcome, op, started, owners)
 
-    def _reply(self, envelope: list[bytes], request_id: int, outcome: Outcome, op: str, started: float) -> None:
+    def _reply(
+        self, envelope: list[bytes], request_id: int, outcome: Outcome, op: str, started: float, owners: Owners
+    ) -> None:
         frames: list[Any] = encode_reply(request_id, **outcome.fields)
         tracked: list[zmq.Frame] = []
         for chunk in outcome.chunks:
@@ -291,8 +315,9 @@ class ZmqServer:
         self.metrics.sent_bytes.inc(outcome.budget_bytes + outcome.shm_out_bytes)
         if outcome.shm_in_bytes:
             self.metrics.received_bytes.inc(outcome.shm_in_bytes)
-        out = _Outgoing(zmq.MessageTracker(*tracked), outcome.chunks, outcome.budget_bytes, envelope[0])
-        self.clients.hold(out.peer, out.budget_bytes)
+        out = _Outgoing(zmq.MessageTracker(*tracked), outcome.chunks, outcome.budget_bytes, owners)
+        for ledger, owner in owners:
+            ledger.hold(owner, out.budget_bytes)
         try:
             self._send(envelope + frames)
         finally:
@@ -333,7 +358,8 @@ class ZmqServer:
         for chunk in out.chunks:
             chunk.release()
         self.budget.release(out.budget_bytes)
-        self.clients.unhold(out.peer, out.budget_bytes)
+        for ledger, owner in out.owners:
+            ledger.unhold(owner, out.budget_bytes)
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -360,3 +386,8 @@ def _user_id(frame: zmq.Frame) -> str | None:
     except (zmq.ZMQError, AttributeError, TypeError):
         return None
     return value if isinstance(value, str) and value else None
+
+
+def _release(owners: Owners, nbytes: int) -> None:
+    for ledger, owner in owners:
+        ledger.release(owner, nbytes)
