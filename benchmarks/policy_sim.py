@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_server.storage.base import ChunkKey
-from lmcache_server.storage.policy import POLICIES, EvictionPolicy, LFUDAPolicy, LRUPolicy
+from lmcache_server.storage.policy import POLICIES, EvictionPolicy, LFUDAPolicy, LRUPolicy, make_policy
 
 BLOCK_TOKENS = 512
 NAMESPACE = "mooncake-trace|bfloat16|L28|KV4|D128|tp0of1|c512"
@@ -351,8 +351,9 @@ def simulate(
     keys = keys or trace_keys(requests)
     if policy in ORACLES:
         return replay_model(requests, CacheModel(capacity, ORACLES[policy](access_counts(requests, keys))), keys)
-    factory = POLICIES.get(policy) or VARIANTS[policy]
-    return replay_model(requests, CacheModel(capacity, factory()), keys)
+    # Chunks of one size: a tier of ``capacity`` chunks of size 1 (what ``adaptive`` models).
+    made = make_policy(policy, capacity) if policy in POLICIES else VARIANTS[policy]()
+    return replay_model(requests, CacheModel(capacity, made), keys)
 
 
 def _run_cell(cell: tuple[str, int]) -> tuple[str, int, Counts, float]:

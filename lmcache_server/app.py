@@ -29,6 +29,7 @@ from .server.monitor import ConnectionMonitor
 from .server.shm import ShmLeases
 from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
+from .storage.allocator import ALIGNMENT
 from .storage.disk import DiskTier
 from .storage.policy import make_policy
 from .storage.remote import RedisTier
@@ -64,7 +65,7 @@ class App:
             c.shm_dir if c.shared_memory else None,
             0o600 if c.shm_access == "owner" else 0o660,
         )
-        policy = make_policy(c.cache_policy)
+        policy = make_policy(c.cache_policy, pool.size, ALIGNMENT)
         memory = MemoryTier(pool, int(c.max_local_cpu_size * c.max_pinned_fraction), policy)
         memory.quotas = TenantQuotas(c.quotas("memory"))
         disk = None

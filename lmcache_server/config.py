@@ -418,10 +418,11 @@ class ServerConfig:
         True, _bool, "true or false", "Keep glibc from mmap/munmap-ing every large receive buffer."
     )
     cache_policy: str = _field(
-        "lfuda",
-        _choice("lfuda", "lru"),
-        "lfuda or lru",
-        "Eviction policy: lfuda (frequency + recency, prefix-aware; see docs/eviction.md) or lru.",
+        "adaptive",
+        _choice("adaptive", "lfuda", "lru"),
+        "adaptive, lfuda or lru",
+        "Eviction policy: adaptive (lfuda, refusing first-seen prompts' tails while that pays), "
+        "lfuda (frequency + recency, prefix-aware) or lru; see docs/eviction.md.",
     )
     tenant_quotas: tuple[tuple[str, int | None, int | None], ...] = _field(
         (),

@@ -28,7 +28,7 @@ def test_signal_stops_cleanly_with_exit_0(daemon: Daemon, sig: int) -> None:
 def test_startup_logs_one_config_line(daemon: Daemon) -> None:
     lines = [line for line in daemon.log().splitlines() if "lmcache-server ready" in line]
     assert len(lines) == 1
-    assert daemon.address in lines[0] and "memory=0.06GiB" in lines[0] and "policy=lfuda" in lines[0]
+    assert daemon.address in lines[0] and "memory=0.06GiB" in lines[0] and "policy=adaptive" in lines[0]
 
 
 def test_requests_in_flight_during_shutdown_all_get_replies(daemon: Daemon) -> None:

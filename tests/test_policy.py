@@ -271,11 +271,11 @@ def test_memory_tier_keeps_an_empty_policy() -> None:
 
 
 def test_policy_registry_and_config() -> None:
-    assert set(POLICIES) == {"lru", "lfuda"}
+    assert set(POLICIES) == {"lru", "lfuda", "adaptive"}
     assert make_policy("lru").name == "lru" and make_policy("lfuda").name == "lfuda"
     with pytest.raises(ValueError, match="unknown cache_policy"):
         make_policy("fifo")
-    assert ServerConfig().cache_policy == "lfuda"
+    assert ServerConfig().cache_policy == "adaptive"
     assert load_config(environ={}, overrides={"cache_policy": "LRU"}).cache_policy == "lru"
     with pytest.raises(ConfigError, match="cache_policy"):
         load_config(environ={}, overrides={"cache_policy": "belady"})
@@ -354,10 +354,10 @@ def scrape(port: int) -> dict[str, float]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("policy", ["lfuda", "lru"])
+@pytest.mark.parametrize("policy", ["adaptive", "lfuda", "lru"])
 def test_daemon_replay_matches_model_and_its_metrics_match_ground_truth(daemon_factory, policy: str) -> None:  # type: ignore[no-untyped-def]
     source, requests = workload(1200)
-    capacity = max(64, distinct_blocks(requests) // 25)  # 4%
+    capacity = max(64, distinct_blocks(requests) // 25)  # 4% (adaptive's head rule is on here on the trace)
     block_bytes = 4096
     daemon = daemon_factory(
         chunk_size=BLOCK_TOKENS, max_local_cpu_size=f"{capacity * block_bytes}B", cache_policy=policy
@@ -365,13 +365,16 @@ def test_daemon_replay_matches_model_and_its_metrics_match_ground_truth(daemon_f
     with daemon.client(namespace=NAMESPACE) as client:
         counts, _, _, _, statuses = replay(client, requests, block_bytes, progress=lambda line: None)
         stats = client.stats()
-    model = replay_model(requests, CacheModel(capacity, make_policy(policy)), trace_keys(requests))
+    model_policy = make_policy(policy, capacity)  # a tier of `capacity` chunks of size 1
+    model = replay_model(requests, CacheModel(capacity, model_policy), trace_keys(requests))
     assert counts.requests == len(requests) and counts.hit_blocks > 0, source
     # Same policy class, same semantics: the daemon's figures are the model's, exactly.
     assert counts.hit_blocks == model.hit_blocks
     assert counts.hit_tokens == model.hit_tokens
     assert abs(counts.token_hit_rate - model.token_hit_rate) <= 0.01
     assert statuses.get("STORED", 0) == model.stored_blocks
+    if policy == "adaptive" and source == "trace":
+        assert statuses.get("SKIPPED", 0) > 0 and stats["tiers"]["memory"]["skipped"] == statuses["SKIPPED"]
     assert stats["tiers"]["memory"]["evictions"] == model.stored_blocks - stats["tiers"]["memory"]["chunks"]
     # The daemon's own accounting equals the ground truth.
     assert stats["lookup_chunks"] == counts.lookup_blocks

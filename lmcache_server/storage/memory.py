@@ -357,6 +357,7 @@ class MemoryTier:
             "leased_chunks": self.leased_chunks,
             "page_locked": self.pool.pinned,
             "policy": self.policy.name,
+            **(self.policy.stats() if hasattr(self.policy, "stats") else {}),
             **({"tenants": self.quotas.stats()} if self.quotas else {}),
             **dataclasses.asdict(self.counters),
         }

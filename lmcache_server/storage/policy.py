@@ -19,9 +19,10 @@ over the (few) skipped keys.  Select one with ``cache_policy``:
 
 - ``lru``: least recently used.
 - ``lfuda``: LFU with dynamic aging, a bounded frequency history of evicted
-  keys, prefix-aware tie-breaking and put tails ranked lower (:class:`LFUDAPolicy`);
-  the default, see ``docs/eviction.md`` for why and for its figures on a
-  production trace.
+  keys, prefix-aware tie-breaking and put tails ranked lower (:class:`LFUDAPolicy`).
+- ``adaptive``: lfuda's order plus an admission rule switched on only while
+  it pays (:mod:`.adaptive`); the default, see ``docs/eviction.md`` for why
+  and for the figures on a production trace.
 """
 
 from __future__ import annotations
@@ -231,6 +232,14 @@ class LFUDAPolicy:
             heapq.heappush(heap, item)
         return found
 
+    def holds(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is one of the chunks it orders."""
+        return key in self._entries
+
+    def remembers(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is in the history of recently evicted keys."""
+        return hash(key) in self._ghost
+
     @property
     def chunks(self) -> int:
         """Chunks it orders.  (No ``__len__``: an empty policy must not be falsy,
@@ -249,11 +258,25 @@ class LFUDAPolicy:
             heapq.heapify(self._heap)
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lfuda": LFUDAPolicy}
+def _adaptive(capacity_bytes: int | None = None, alignment: int = 1) -> EvictionPolicy:
+    from .adaptive import AdaptivePolicy  # it builds on LFUDAPolicy, defined above
+
+    if capacity_bytes is None:  # a tier that sees spills, not puts: nothing to admit or refuse
+        return LFUDAPolicy()
+    return AdaptivePolicy(capacity_bytes, alignment)
 
 
-def make_policy(name: str) -> EvictionPolicy:
+POLICIES: dict[str, Callable[..., EvictionPolicy]] = {"lru": LRUPolicy, "lfuda": LFUDAPolicy, "adaptive": _adaptive}
+
+
+def make_policy(name: str, capacity_bytes: int | None = None, alignment: int = 1) -> EvictionPolicy:
+    """The policy called ``name`` for a tier of ``capacity_bytes`` that allocates
+    in multiples of ``alignment`` bytes.
+
+    ``adaptive`` needs the capacity (its experts model the tier).  Without it,
+    as for the disk tier, which sees spills and never a put, it is ``lfuda``."""
     try:
-        return POLICIES[name]()
+        factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown cache_policy {name!r}; known: {sorted(POLICIES)}") from None
+    return factory(capacity_bytes, alignment) if name == "adaptive" else factory()

@@ -1,0 +1,165 @@
+"""``adaptive``: lfuda, plus an admission rule switched on only while it pays.
+
+When the cache is very small next to the working set, a prompt seen for the
+first time rarely survives until its conversation's next turn, and storing all
+of it pushes out chunks that would have been read. Admitting only the first
+chunk of such a put (its *head*, usually the shared system prompt) then wins.
+A bigger cache can wait for the next turn, and the same rule loses a lot
+there. On the Mooncake conversation trace the rule adds +0.02 at 2% of the
+distinct blocks and costs -0.07 at 10% (docs/eviction.md). No fixed threshold
+of "small" works across workloads, so the policy measures it online instead:
+
+- Two *experts*, key-only models of this tier at its capacity, see every
+  access the real tier sees (its gets' hits and its puts' chunks, in order):
+  one admits everything (plain lfuda), the other admits only the head of a
+  put whose first chunk it has never seen (not cached, not in its history).
+  Each counts the hits it would have served, with exponential decay over
+  about four cache-fulls of accesses.
+- The real tier orders its chunks exactly as lfuda does. It applies the head
+  rule (judged by its own cache and history) while the head-rule expert is
+  ahead, and admits everything otherwise.
+
+With the rule off, the policy behaves exactly like lfuda.
+
+Costs: each access is also played to two lfuda instances of the same size, so
+there is about three times lfuda's CPU per operation; each is still O(log n).
+Memory is about three times lfuda's too. The experts remember 2 evicted keys
+per cached chunk, not 8: about 3 KB per cached chunk in all, nothing next to
+a chunk of KV. The experts count capacity in chunks: the tier's bytes divided
+by the mean size of the chunks put so far. That is exact for the uniform
+chunks of one model.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from .base import ChunkKey
+from .policy import LFUDAPolicy
+
+_EXPERT_GHOST_FACTOR = 2
+_DECAY_CACHEFULS = 4
+_REFUSED_FACTOR = 4  # refused keys remembered per cached chunk (at least _MIN_REFUSED)
+_MIN_REFUSED = 4096
+
+
+def _never(key: ChunkKey) -> bool:
+    return False
+
+
+class _Refused:
+    """Hashes of the chunks a head rule refused lately (bounded, oldest forgotten first):
+    a put that begins with one continues a prompt seen before, whose tail was not stored."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self) -> None:
+        self._keys: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    def add(self, key: ChunkKey, cached: int) -> None:
+        keys = self._keys
+        keys[hash(key)] = None
+        keys.move_to_end(hash(key))
+        limit = max(_MIN_REFUSED, _REFUSED_FACTOR * cached)
+        while len(keys) > limit:
+            keys.popitem(last=False)
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        return hash(key) in self._keys
+
+
+def _first_seen(policy: LFUDAPolicy, refused: _Refused, key: ChunkKey) -> bool:
+    """Neither cached, nor among the recently evicted, nor among the recently refused."""
+    return not policy.holds(key) and not policy.remembers(key) and key not in refused
+
+
+class _Expert:
+    """A key-only model of the tier under one admission rule, counting its hits."""
+
+    __slots__ = ("order", "head_only", "hits", "_refusing", "_refused")
+
+    def __init__(self, head_only: bool):
+        self.order = LFUDAPolicy(ghost_factor=_EXPERT_GHOST_FACTOR)
+        self.head_only = head_only
+        self.hits = 0.0
+        self._refusing = False
+        self._refused = _Refused()
+
+    def access(self, key: ChunkKey, parent: ChunkKey | None, put: bool, capacity: int) -> None:
+        """``put``: a new chunk of a put (``parent``: the chunk before it in that put);
+        else a hit of the real tier (a get, or a put that found the chunk stored)."""
+        order = self.order
+        if order.holds(key):
+            order.touched(key)
+            self.hits += 1
+            return
+        if not put:  # a chunk the real tier held: here it misses, and the engine puts it back
+            parent = None
+        elif parent is None:
+            self._refusing = self.head_only and _first_seen(order, self._refused, key)
+        order.admit(key, 1, parent)
+        if put and parent is not None and self._refusing:
+            self._refused.add(key, order.chunks)
+            return
+        while order.chunks >= capacity and (victim := order.victim(_never)) is not None:
+            order.removed(victim)
+        order.inserted(key, 1, parent)
+
+
+class AdaptivePolicy(LFUDAPolicy):
+    """lfuda that refuses a first-seen put's tail chunks while that would have served more hits."""
+
+    name = "adaptive"
+
+    def __init__(self, capacity_bytes: int | None = None, alignment: int = 1) -> None:
+        super().__init__()
+        self.capacity_bytes = capacity_bytes
+        self.alignment = alignment  # the tier allocates in multiples of it
+        self.head_rule = False
+        """Whether the head rule is in force now."""
+        self.switches = 0
+        self._all = _Expert(head_only=False)
+        self._heads = _Expert(head_only=True)
+        self._admitted_bytes = 0
+        self._admitted_chunks = 0
+        self._refusing = False
+        self._refused = _Refused()
+
+    def capacity_chunks(self) -> int | None:
+        """The tier's capacity in chunks of the mean size put so far, as allocated (None: not known yet)."""
+        if not self.capacity_bytes or not self._admitted_chunks:
+            return None
+        return max(1, self.capacity_bytes * self._admitted_chunks // max(1, self._admitted_bytes))
+
+    def _play(self, key: ChunkKey, parent: ChunkKey | None, put: bool) -> None:
+        capacity = self.capacity_chunks()
+        if capacity is None:
+            return
+        keep = 1.0 - 1.0 / (_DECAY_CACHEFULS * capacity)
+        for expert in (self._all, self._heads):
+            expert.hits *= keep
+            expert.access(key, parent, put, capacity)
+        ahead = self._heads.hits > self._all.hits
+        if ahead != self.head_rule:
+            self.head_rule = ahead
+            self.switches += 1
+
+    def stats(self) -> dict[str, int | bool]:
+        """For the tier's stats: whether the head rule is on, and how often it changed."""
+        return {"head_rule": self.head_rule, "head_rule_switches": self.switches}
+
+    def touched(self, key: ChunkKey) -> None:
+        self._play(key, None, put=False)
+        super().touched(key)
+
+    def admit(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> bool:
+        self._admitted_bytes += -(-size // self.alignment) * self.alignment
+        self._admitted_chunks += 1
+        self._play(key, parent, put=True)
+        if parent is None:
+            self._refusing = self.head_rule and _first_seen(self, self._refused, key)
+        admitted = super().admit(key, size, parent)
+        if self._refusing and parent is not None:
+            self._refused.add(key, self.chunks)
+            return False
+        return admitted
