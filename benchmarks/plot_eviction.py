@@ -1,4 +1,4 @@
-"""Hit rate vs capacity on the trace for LRU, Belady and lfuda: the figure in docs/eviction.md.
+"""Hit rate vs capacity on the trace for LRU, Belady, lfuda and adaptive: the figure in docs/eviction.md.
 
 Simulates (``policy_sim.py``: the daemon's policy classes, the daemon's
 semantics) every policy at capacities from 1% to 50% of the trace's distinct
@@ -36,7 +36,8 @@ from lmcache_server.storage.policy import POLICIES  # noqa: E402
 PCTS = [1, 2, 3, 5, 7, 10, 15, 20, 25, 30, 40, 50]
 STYLE = {
     "lru": ("LRU", "tab:blue", "o", "-"),
-    "lfuda": ("lfuda (ours)", "tab:red", "s", "-"),
+    "adaptive": ("adaptive (ours, the default)", "tab:red", "s", "-"),
+    "lfuda": ("lfuda (ours)", "tab:orange", "D", ":"),
     "belady": ("Belady: farthest next use (offline)", "black", "^", "-"),
     "oracle-count": ("oracle: fewest accesses to come (offline)", "tab:gray", "v", "--"),
     "oracle-reuse-lru": ("oracle: LRU admitting only reused blocks (offline)", "tab:green", "d", "--"),
@@ -67,8 +68,9 @@ def plot(rows: Sequence[dict[str, Any]], replay: Sequence[dict[str, Any]], disti
             ax.plot(xs, ys, marker=marker, markersize=4, color=color, linestyle=line, label=label)
     daemon = sorted((r["capacity_blocks"], r["token_hit_rate"]) for r in replay if r.get("source") == "daemon")
     if daemon:
+        policies = ", ".join(sorted({r["policy"] for r in replay if r.get("source") == "daemon"}))
         ax.scatter([100 * c / distinct for c, _ in daemon], [h for _, h in daemon], s=110, facecolors="none",
-                   edgecolors="black", linewidths=1.5, zorder=5, label="lfuda, daemon replay")  # fmt: skip
+                   edgecolors="black", linewidths=1.5, zorder=5, label=f"{policies}, daemon replay")  # fmt: skip
     targets = [(2, 0.20), (5, 0.30)]  # issue #8's targets for the policy
     ax.scatter([t[0] for t in targets], [t[1] for t in targets], marker="x", s=70, color="tab:red", zorder=6,
                label="target for ours (issue #8)")  # fmt: skip
@@ -89,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "eviction.png")
-    ap.add_argument("--policies", default="lru,lfuda,belady,oracle-count,oracle-reuse-lru")
+    ap.add_argument("--policies", default="lru,lfuda,adaptive,belady,oracle-count,oracle-reuse-lru")
     ap.add_argument("--json", type=Path, default=None, help="also write the simulated rows here")
     ap.add_argument("--replay-json", type=Path, default=None, help="rows of replay_trace.py to overlay")
     args = ap.parse_args(argv)
