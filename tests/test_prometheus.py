@@ -151,12 +151,19 @@ def test_prometheus_scrapes_the_daemon_and_records_hit_rates(
     assert rates == {"tier=all": 0.5, "tier=memory": 0.5, "tier=disk": 0.0, "tier=redis": 0.0}
     wait_for(lambda: prom.query("lmcache:lookup_hit_rate") == {"": 0.5})
 
-    # The daemon's families, as Prometheus stored them.
+    # The daemon's families, as Prometheus stored them.  A recording rule over
+    # rate() stores its first sample only once a series has two scrapes in its
+    # window, which can be an evaluation after the hit rates: wait for them all.
+    expected = {"lmcache_requests_total", "lmcache_request_duration_seconds_bucket", "lmcache_tier_hits_total",
+                "lmcache_tier_capacity_bytes", "lmcache_tier_used_bytes", "lmcache_connected_clients",
+                "lmcache_tier_up", "lmcache_lookup_hit_tokens_total", "process_resident_memory_bytes",
+                "lmcache:request_duration_seconds:p99", "lmcache:tier_usage_ratio"}  # fmt: skip
+    try:
+        wait_for(lambda: expected <= set(prom.api("label/__name__/values")), timeout_s=30)
+    except AssertionError:
+        pass  # the assertion below names what is missing
     names = set(prom.api("label/__name__/values"))
-    for name in ("lmcache_requests_total", "lmcache_request_duration_seconds_bucket", "lmcache_tier_hits_total",
-                 "lmcache_tier_capacity_bytes", "lmcache_tier_used_bytes", "lmcache_connected_clients",
-                 "lmcache_tier_up", "lmcache_lookup_hit_tokens_total", "process_resident_memory_bytes",
-                 "lmcache:request_duration_seconds:p99", "lmcache:tier_usage_ratio"):  # fmt: skip
+    for name in sorted(expected):
         assert name in names, name
     assert prom.query('lmcache_tier_up{tier="redis"}') == {"tier=redis": 1.0}
     assert prom.query('lmcache_requests_total{op="put"}') == {"op=put,outcome=ok": 1.0}
