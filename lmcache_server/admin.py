@@ -138,6 +138,12 @@ def format_stats(stats: dict[str, Any], address: str) -> str:
         f"in flight: {human_bytes(server.get('inflight_bytes', 0))} "
         f"of {human_bytes(server.get('max_inflight_bytes', 0))}",
     ]
+    if "policy" in memory:
+        policy = f"memory policy: {memory['policy']}"
+        if "head_rule" in memory:  # cache_policy adaptive
+            state = "on: first-seen prompts store their first chunk only" if memory["head_rule"] else "off"
+            policy += f", head rule {state} ({memory.get('head_rule_switches', 0)} switches)"
+        lines.append(policy + f", {memory.get('skipped', 0)} chunks not admitted")
     if "namespace" in stats:
         ns = dict(stats["namespace"])
         lines += ["", f"namespace {ns.pop('name')}: " + ", ".join(f"{k} {v}" for k, v in ns.items())]
