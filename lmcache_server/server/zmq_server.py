@@ -236,9 +236,10 @@ class ZmqServer:
         owners: Owners = ((self.clients, envelope[0]),)
         over = self.clients.try_admit(envelope[0], size)
         if over is None and self.keys is not None and user_id:
-            key_over = self.keys.try_admit(user_id.encode(), size)
+            key_owner = user_id.encode()
+            key_over = self.keys.try_admit(key_owner, size)
             if key_over is None:
-                owners += ((self.keys, user_id.encode()),)
+                owners += ((self.keys, key_owner),)
             else:
                 self.clients.release(envelope[0], size)
                 over = "key_" + key_over.removeprefix("client_")  # key_requests, key_bytes

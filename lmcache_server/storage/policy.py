@@ -258,7 +258,11 @@ class LFUDAPolicy:
             heapq.heapify(self._heap)
 
 
-def _adaptive(capacity_bytes: int | None = None, alignment: int = 1) -> EvictionPolicy:
+PolicyFactory = Callable[[int | None, int], EvictionPolicy]
+"""``(capacity_bytes, alignment) -> policy``: what a tier of that size needs."""
+
+
+def _adaptive(capacity_bytes: int | None, alignment: int) -> EvictionPolicy:
     from .adaptive import AdaptivePolicy  # it builds on LFUDAPolicy, defined above
 
     if capacity_bytes is None:  # a tier that sees spills, not puts: nothing to admit or refuse
@@ -266,7 +270,11 @@ def _adaptive(capacity_bytes: int | None = None, alignment: int = 1) -> Eviction
     return AdaptivePolicy(capacity_bytes, alignment)
 
 
-POLICIES: dict[str, Callable[..., EvictionPolicy]] = {"lru": LRUPolicy, "lfuda": LFUDAPolicy, "adaptive": _adaptive}
+POLICIES: dict[str, PolicyFactory] = {
+    "lru": lambda capacity_bytes, alignment: LRUPolicy(),
+    "lfuda": lambda capacity_bytes, alignment: LFUDAPolicy(),
+    "adaptive": _adaptive,
+}
 
 
 def make_policy(name: str, capacity_bytes: int | None = None, alignment: int = 1) -> EvictionPolicy:
@@ -279,4 +287,4 @@ def make_policy(name: str, capacity_bytes: int | None = None, alignment: int = 1
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown cache_policy {name!r}; known: {sorted(POLICIES)}") from None
-    return factory(capacity_bytes, alignment) if name == "adaptive" else factory()
+    return factory(capacity_bytes, alignment)
