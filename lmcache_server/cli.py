@@ -26,12 +26,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lmcache-server",
         description="Standalone KV-cache server for LLM inference engines (ZeroMQ).",
-        epilog="Every config key can also be set as LMCACHE_<KEY> in the environment. "
+        epilog="Every config key can also be set as LMCACHE_<KEY> in the environment "
+        "(other LMCACHE_* variables are ignored with one warning). "
         "Precedence: flags > environment > config file > defaults. "
         "Admin commands for a running daemon: lmcache-server admin {ping,health,stats,namespaces,clear} --help. "
         "CURVE key pairs: lmcache-server keygen NAME --help",
     )
-    p.add_argument("--config", metavar="PATH", help="YAML config file (default: $LMCACHE_CONFIG, else none)")
+    p.add_argument(
+        "--config", metavar="PATH", help="YAML config file (default: $LMCACHE_CONFIG or $LMCACHE_CONFIG_FILE, or none)"
+    )
     p.add_argument(
         "--listen",
         action="append",

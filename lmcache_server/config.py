@@ -3,11 +3,16 @@
 Sources, lowest to highest precedence:
 
 1. built-in defaults (the field defaults below),
-2. the YAML file given by ``--config`` (or ``LMCACHE_CONFIG``),
+2. the YAML file given by ``--config`` (or ``LMCACHE_CONFIG``, or LMCache's
+   own name for it, ``LMCACHE_CONFIG_FILE``),
 3. environment variables ``LMCACHE_<KEY>`` (e.g. ``LMCACHE_MAX_LOCAL_CPU_SIZE=8GiB``),
 4. command-line flags (``--listen``, ``--set key=value``, ...).
 
-Unknown keys are an error in every source.  A bad value raises
+Unknown keys in the file and on the command line are an error.  Unknown
+``LMCACHE_*`` variables are one WARNING listing them, not an error: the
+environment is shared (a Kubernetes Service named ``lmcache`` injects
+``LMCACHE_PORT=tcp://...`` into every pod; engine-side LMCache variables such
+as ``LMCACHE_USE_EXPERIMENTAL`` sit next to ours).  A bad value raises
 :class:`ConfigError` naming the key, the value, where it came from and what was
 expected.  Primitives: :class:`ServerConfig`, :func:`load_config`,
 :func:`parse_size`.
@@ -16,6 +21,8 @@ expected.  Primitives: :class:`ServerConfig`, :func:`load_config`,
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import math
 import os
 import re
@@ -26,8 +33,12 @@ from typing import Any
 
 import yaml
 
+logger = logging.getLogger(__name__)
+
 ENV_PREFIX = "LMCACHE_"
 ENV_CONFIG_PATH = "LMCACHE_CONFIG"
+ENV_CONFIG_PATHS = (ENV_CONFIG_PATH, "LMCACHE_CONFIG_FILE")
+"""Variables naming the config file (ours, then LMCache's); not config keys themselves."""
 
 _SIZE_UNITS = {
     "": 1,
@@ -511,21 +522,53 @@ def _read_file(path: str) -> dict[str, Any]:
     return data
 
 
+def _config_path(environ: Mapping[str, str]) -> str | None:
+    """The file named by LMCACHE_CONFIG / LMCACHE_CONFIG_FILE (refused if they disagree)."""
+    named = {name: environ[name] for name in ENV_CONFIG_PATHS if environ.get(name)}
+    if len(set(named.values())) > 1:
+        raise ConfigError(
+            ENV_CONFIG_PATHS[1], named[ENV_CONFIG_PATHS[1]], f"the same file as {ENV_CONFIG_PATH} (or only one of them)"
+        )
+    return next(iter(named.values()), None)
+
+
+def _warn_unknown_env(unknown: list[str]) -> None:
+    """One WARNING for every LMCACHE_* variable that is no config key (with a likely key, if any)."""
+    if not unknown:
+        return
+    described = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name[len(ENV_PREFIX) :].lower(), FIELDS, n=1)
+        described.append(f"{name} (did you mean {ENV_PREFIX}{close[0].upper()}: {close[0]}?)" if close else name)
+    logger.warning("ignoring %d LMCACHE_* environment variable(s) that are no config key: %s",
+                   len(described), ", ".join(described))  # fmt: skip
+
+
 def load_config(
     path: str | None = None,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ServerConfig:
-    """Merge defaults, file, ``LMCACHE_*`` env and overrides; validate; return the config."""
+    """Merge defaults, file, ``LMCACHE_*`` env and overrides; validate; return the config.
+
+    Unknown keys in the file or ``overrides`` raise :class:`ConfigError`;
+    unknown ``LMCACHE_*`` variables are logged once (WARNING) and ignored.
+    """
     environ = os.environ if environ is None else environ
-    path = path or environ.get(ENV_CONFIG_PATH) or None
+    path = path or _config_path(environ)
     raw: dict[str, tuple[Any, str]] = {}
     if path:
         for key, value in _read_file(path).items():
             raw[str(key)] = (value, f"file {path}")
+    unknown_env: list[str] = []
     for name, value in environ.items():
-        if name.startswith(ENV_PREFIX) and name != ENV_CONFIG_PATH:
-            raw[name[len(ENV_PREFIX) :].lower()] = (_parse_env_value(value), f"env {name}")
+        if not name.startswith(ENV_PREFIX) or name in ENV_CONFIG_PATHS:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in FIELDS:
+            unknown_env.append(name)
+            continue
+        raw[key] = (_parse_env_value(value), f"env {name}")
     for key, value in (overrides or {}).items():
         raw[key] = (value, "command line")
 
@@ -538,4 +581,6 @@ def load_config(
             values[key] = spec.metadata["parse"](value)
         except (ValueError, TypeError):
             raise ConfigError(key, value, spec.metadata["expected"], source) from None
-    return ServerConfig(**values)
+    config = ServerConfig(**values)
+    _warn_unknown_env(unknown_env)
+    return config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -100,13 +101,68 @@ def test_bad_values_name_key_value_and_expectation(overrides: dict[str, object],
     assert f"'{key}'" in str(info.value) and fragment in str(info.value)
 
 
-def test_unknown_keys_in_file_and_env(tmp_path: Path) -> None:
+def test_unknown_keys_in_file_and_on_the_command_line(tmp_path: Path) -> None:
     path = tmp_path / "s.yaml"
     path.write_text("max_local_cpu_size: 1\nmax_local_cpu_sizee: 2\n")
     with pytest.raises(ConfigError, match="max_local_cpu_sizee.*from file"):
         load_config(str(path), {})
-    with pytest.raises(ConfigError, match="chunk_sise.*env LMCACHE_CHUNK_SISE"):
+    with pytest.raises(ConfigError, match="chunk_sise.*from command line"):
+        load_config(None, {}, {"chunk_sise": 4})
+
+
+# What a Kubernetes Service named ``lmcache`` injects into every pod, plus an
+# engine-side LMCache variable from a shared environment.
+K8S_ENV = {
+    "LMCACHE_PORT": "tcp://10.96.0.12:65432",
+    "LMCACHE_PORT_65432_TCP": "tcp://10.96.0.12:65432",
+    "LMCACHE_SERVICE_HOST": "10.96.0.12",
+    "LMCACHE_USE_EXPERIMENTAL": "True",
+}
+
+
+def test_unknown_env_vars_are_one_warning_not_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="lmcache_server.config"):
+        c = load_config(None, {**K8S_ENV, "LMCACHE_CHUNK_SIZE": "64"})
+    assert c.chunk_size == 64  # known variables still apply
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    for name in K8S_ENV:
+        assert name in warnings[0].getMessage()
+    # A known key with a bad value in the environment is still refused.
+    with pytest.raises(ConfigError, match="chunk_size.*env LMCACHE_CHUNK_SIZE"):
+        load_config(None, {**K8S_ENV, "LMCACHE_CHUNK_SIZE": "many"})
+
+
+def test_a_misspelt_env_var_is_named_with_its_likely_key(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="lmcache_server.config"):
         load_config(None, {"LMCACHE_CHUNK_SISE": "4"})
+    [record] = caplog.records
+    assert "LMCACHE_CHUNK_SISE" in record.getMessage() and "chunk_size" in record.getMessage()
+
+
+def test_lmcache_config_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("chunk_size: 128\n")
+    assert load_config(None, {"LMCACHE_CONFIG_FILE": str(path)}).chunk_size == 128
+    assert load_config(None, {"LMCACHE_CONFIG_FILE": str(path), "LMCACHE_CONFIG": str(path)}).chunk_size == 128
+    other = tmp_path / "t.yaml"
+    other.write_text("chunk_size: 64\n")
+    with pytest.raises(ConfigError, match="LMCACHE_CONFIG_FILE"):
+        load_config(None, {"LMCACHE_CONFIG_FILE": str(path), "LMCACHE_CONFIG": str(other)})
+    # --config still wins over both.
+    assert load_config(str(other), {"LMCACHE_CONFIG_FILE": str(path)}).chunk_size == 64
+
+
+def test_daemon_starts_in_a_kubernetes_pod_environment(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "extra.yaml"
+    path.write_text("chunk_size: 128\n")
+    daemon = daemon_factory(env={**K8S_ENV, "LMCACHE_CONFIG_FILE": str(path)})
+    with daemon.client() as c:
+        c.ping()
+        assert c.stats()["server"]["chunk_size"] != 128  # the fixture's --config wins over LMCACHE_CONFIG_FILE
+    warnings = [line for line in daemon.log().splitlines() if " WARNING " in line]
+    assert len(warnings) == 1 and all(name in warnings[0] for name in K8S_ENV), warnings
+    assert "LMCACHE_CONFIG_FILE" not in warnings[0]
 
 
 def test_file_must_be_a_mapping(tmp_path: Path) -> None:
