@@ -12,8 +12,9 @@ import asyncio
 import itertools
 import logging
 import os
+import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import zmq
@@ -32,6 +33,19 @@ from .shm import SharedPool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+async def _within(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """``coro``'s result, or asyncio.TimeoutError after ``timeout_s`` (it is cancelled).
+
+    ``asyncio.timeout`` (no extra task) where there is one, 3.11+; ``wait_for``
+    on 3.10, which the package supports (client/pyproject.toml).  On 3.10
+    asyncio.TimeoutError is not the builtin TimeoutError: callers catch both.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await coro
+    return await asyncio.wait_for(coro, timeout_s)
 
 
 class AsyncCacheClient:
@@ -151,15 +165,18 @@ class AsyncCacheClient:
         sock = self._socket()
         fut: asyncio.Future[tuple[Reply, list[Any]]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = fut
-        tracker: zmq.MessageTracker | None = None
+        sent: list[zmq.MessageTracker | None] = []
+
+        async def exchange() -> tuple[Reply, list[Any]]:
+            # Waits while there is no connection (IMMEDIATE) or the HWM is reached.
+            sent.append(await sock.send_multipart(frames, copy=not big, track=big))
+            return await fut
+
         try:
-            async with asyncio.timeout(timeout):
-                # Waits while there is no connection (IMMEDIATE) or the HWM is reached.
-                tracker = await sock.send_multipart(frames, copy=not big, track=big)
-                reply, payloads = await fut
-        except (TimeoutError, DaemonUnavailable) as err:
+            reply, payloads = await _within(exchange(), timeout)
+        except (asyncio.TimeoutError, TimeoutError, DaemonUnavailable) as err:
             self._pending.pop(request_id, None)
-            await self._abandon(tracker, timeout)
+            await self._abandon(sent[0] if sent else None, timeout)
             failure = (
                 err
                 if isinstance(err, DaemonUnavailable)
