@@ -25,10 +25,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 class ChatServer:
     """Speaks the OpenAI chat-completions shape; fails prompts containing FAIL, and
-    records every request and the most requests it had in flight at once."""
+    records every request and the most requests it had in flight at once.
 
-    def __init__(self, delay_s: float = 0.05):
+    A request counts as in flight from when its body has been read until just
+    before the last bytes of its reply are written: inside the interval in which
+    the client counts it, so the maximum seen here never exceeds the client's
+    concurrency, however late the handler thread gets to finish."""
+
+    def __init__(self, delay_s: float = 0.05, linger_s: float = 0.0):
         self.delay_s = delay_s
+        # A handler thread that is slow to finish after its reply is written
+        # (as on a busy machine); the client may already have sent its next request.
+        self.linger_s = linger_s
         self.requests: list[dict[str, Any]] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -39,15 +47,14 @@ class ChatServer:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
+            counted = False
+
             def do_POST(self) -> None:
-                with server._lock:
-                    server.in_flight += 1
-                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 try:
                     server.handle(self)
+                    time.sleep(server.linger_s)
                 finally:
-                    with server._lock:
-                        server.in_flight -= 1
+                    server.leave(self)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -61,6 +68,9 @@ class ChatServer:
         body = json.loads(h.rfile.read(int(h.headers["Content-Length"])))
         with self._lock:
             self.requests.append(body)
+            h.counted = True  # type: ignore[attr-defined]
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
         time.sleep(self.delay_s)
         system = body["messages"][0]["content"]
         if "FAIL" in system:
@@ -84,13 +94,22 @@ class ChatServer:
             },
         )
 
-    @staticmethod
-    def reply(h: BaseHTTPRequestHandler, status: int, payload: dict[str, Any]) -> None:
+    def leave(self, h: BaseHTTPRequestHandler) -> None:
+        """The request ``h`` is no longer in flight (once, if it was counted)."""
+        with self._lock:
+            if getattr(h, "counted", False):
+                h.counted = False  # type: ignore[attr-defined]
+                self.in_flight -= 1
+
+    def reply(self, h: BaseHTTPRequestHandler, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
         h.send_response(status)
         h.send_header("Content-Type", "application/json")
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
+        # The client cannot see the reply complete (and send its next request)
+        # before these bytes are written: count the request done first.
+        self.leave(h)
         h.wfile.write(data)
 
     def close(self) -> None:
@@ -100,7 +119,7 @@ class ChatServer:
 
 @pytest.fixture
 def chat_server() -> Iterator[ChatServer]:
-    server = ChatServer()
+    server = ChatServer(linger_s=0.1)
     yield server
     server.close()
 
