@@ -218,6 +218,11 @@ def _nested(depth: int) -> bytes:
         pytest.param(pack(1.5), id="not-a-map-float"),
         pytest.param(pack({1: 1, 2: "ping"}), id="map-with-int-keys"),
         pytest.param(pack(msgpack.ExtType(7, b"ext")), id="ext-type"),
+        # docs/protocol.md 4.1: no ext value anywhere, whatever its length (c7 00 05: ext8, length 0, type 5).
+        pytest.param(b"\xc7\x00\x05", id="zero-length-ext-alone"),
+        pytest.param(pack(hdr("ping", x=msgpack.ExtType(5, b""))), id="zero-length-ext-in-the-map"),
+        pytest.param(pack(hdr("ping", x=[1, {"y": msgpack.ExtType(5, b"")}])), id="zero-length-ext-nested"),
+        pytest.param(b"\x84" + pack(hdr("ping"))[1:] + pack("x") + b"\xc7\x00\xff", id="zero-length-timestamp-ext"),
         pytest.param(_nested(5000), id="nested-5000-deep"),
         pytest.param(_PING[:1], id="truncated-to-1-byte"),
         pytest.param(_PING[: len(_PING) // 2], id="truncated-to-half"),
@@ -502,6 +507,13 @@ def test_oversized_header_gets_too_large(small_message_daemon: Any, open_peer: C
     expect_error(peer, [pack(hdr("ping", RID, pad="p" * (MiB // 2)))], ErrorCode.TOO_LARGE, request_id=RID)
     header = {"pad": "p" * (MiB // 2), "v": 1, "op": "ping"}
     expect_error(peer, [pack(header)], ErrorCode.TOO_LARGE, request_id=None)
+    # Only the first header-limit bytes are read for the id (docs/protocol.md 6.3):
+    # an id behind a pad larger than that is not looked for.
+    header = {"pad": "p" * (MiB // 2), "v": 1, "op": "ping", "id": RID}
+    expect_error(peer, [pack(header)], ErrorCode.TOO_LARGE, request_id=None)
+    # ... one behind fields that fit is found.
+    header = {"v": 1, "op": "ping", "keys": [key(i) for i in range(100)], "id": RID, "pad": "p" * (MiB // 2)}
+    expect_error(peer, [pack(header)], ErrorCode.TOO_LARGE, request_id=RID)
     assert_serving(small_message_daemon, peer)
 
 

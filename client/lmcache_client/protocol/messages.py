@@ -118,12 +118,14 @@ def encode_error(request_id: int | None, code: ErrorCode, message: str) -> list[
     return [msgpack.packb(header, use_bin_type=True)]
 
 
-def _peek_id(data: Any) -> int | None:
-    """The ``id`` of a header too large to decode whole, read without
-    materialising its other values (so the error reply can still be matched)."""
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=_nbytes(data))
+def _peek_id(data: Any, max_bytes: int) -> int | None:
+    """The ``id`` of a header too large to decode whole, so the error reply can
+    still be matched: looked for in the first ``max_bytes`` only (our clients
+    send it third), without materialising the other values."""
+    prefix = memoryview(data).cast("B")[:max_bytes]
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(prefix.nbytes, 1))
     try:
-        unpacker.feed(data)
+        unpacker.feed(prefix)
         for _ in range(unpacker.read_map_header()):
             if unpacker.unpack() == "id":
                 value = unpacker.unpack()
@@ -134,11 +136,15 @@ def _peek_id(data: Any) -> int | None:
     return None
 
 
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"ext type {code} is not allowed in a header")
+
+
 def _unpack_header(data: Any, limits: Limits) -> Any:
     size = _nbytes(data)
     if size > limits.max_header_bytes:
         message = f"header is {size} bytes, limit {limits.max_header_bytes}"
-        raise ProtocolError(ErrorCode.TOO_LARGE, message, _peek_id(data), limit="header_bytes")
+        raise ProtocolError(ErrorCode.TOO_LARGE, message, _peek_id(data, limits.max_header_bytes), limit="header_bytes")
     try:
         # Explicit limits: a hostile header cannot make the unpacker allocate
         # more than the header's own size allows.
@@ -153,6 +159,9 @@ def _unpack_header(data: Any, limits: Limits) -> Any:
             max_array_len=size,
             max_map_len=64,
             max_ext_len=0,
+            # max_ext_len=0 still lets an ext of length 0 through (c7 00 05);
+            # docs/protocol.md 4.1 refuses every ext value.
+            ext_hook=_refuse_ext,
         )
     except (ValueError, msgpack.UnpackException, TypeError) as err:
         raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {err}", limit="msgpack") from None
