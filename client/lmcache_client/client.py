@@ -4,12 +4,20 @@ Primitives: :class:`CacheClient` with ``hello, ping, put, get, get_into,
 lookup, lookup_tokens, exists, delete, clear, pin, unpin, stats``, and
 ``put_tensors``/``get_tensors`` via :mod:`lmcache_client.tensors`.
 
-Fail-open: with ``fail_open=True`` (the default) a daemon that is down, slow
-or BUSY costs the caller at most ``timeout_s`` and the data ops answer like a
-miss (get -> None, lookup -> 0 hits, put -> FAILED); an outage is logged once
-and counted in ``client.failures``, BUSY replies in ``client.busy_replies``.
-With ``fail_open=False`` those raise DaemonUnavailable or ServerError(BUSY).  Admin ops (delete, clear, pin, stats)
+Fail-open: with ``fail_open=True`` (the default) a daemon that is down, slow,
+draining or BUSY answers the data ops like a miss (get -> None, lookup -> 0
+hits, put -> FAILED); after the first failure a circuit breaker answers misses
+at once, probing the daemon with a short ping every back-off period, so an
+outage costs one ``timeout_s`` and then at most ``probe_timeout_s`` per
+period (:mod:`lmcache_client.failopen`).  Outages are logged once and counted
+in ``client.failures`` and ``client.short_circuited``, BUSY replies in
+``client.busy_replies``.  With ``fail_open=False`` those raise
+DaemonUnavailable or ServerError.  Admin ops (delete, clear, pin, stats)
 always raise :class:`~lmcache_client.errors.DaemonUnavailable`.
+
+Zero-copy data ops for callers that make or consume the bytes themselves:
+``put_with(keys, sizes, fill)`` and ``get_with(keys, use)`` (over shared
+memory ``fill``/``use`` see the pool slots themselves).
 """
 
 from __future__ import annotations
@@ -27,10 +35,13 @@ from . import calls, shm
 from .calls import Call, LookupResult
 from .curve import CurveKeys
 from .errors import DaemonUnavailable, ServerError
+from .failopen import MISS, PROBE, FailOpen
+
+__all__ = ["COPY_THRESHOLD", "DEFAULT_ADDRESS", "CacheClient", "FailOpen", "namespace_string", "new_dealer", "unavailable"]
 from .handshake import HandshakeWatch
 from .keys import chunk_keys
 from .namespace import Namespace
-from .protocol import ErrorCode, PutStatus, Reply, decode_reply, encode_request
+from .protocol import Op, PutStatus, Reply, decode_reply, encode_request
 from .shm import SharedPool
 
 logger = logging.getLogger(__name__)
@@ -41,47 +52,8 @@ COPY_THRESHOLD = 64 * 1024
 """Payloads at least this large are sent zero-copy (pyzmq copies smaller ones anyway)."""
 
 
-class FailOpen:
-    """Outage bookkeeping shared by the sync and asyncio clients."""
-
-    def __init__(self, enabled: bool, address: str):
-        self.enabled = enabled
-        self.address = address
-        self.failures = 0
-        self.busy_replies = 0
-        self._down = False
-
-    def busy(self, call: Call[T], err: ServerError) -> T:
-        """The daemon answered BUSY: a miss when failing open, else the error."""
-        self.busy_replies += 1
-        if self.enabled and call.miss is not None:
-            return call.miss()
-        raise err
-
-    def failed(self, call: Call[T], err: DaemonUnavailable) -> T:
-        self.failures += 1
-        if not self._down:
-            self._down = True
-            consequence = "serving misses" if self.enabled else "raising DaemonUnavailable"
-            logger.warning("lmcache daemon at %s unavailable (%s); %s", self.address, err, consequence)
-        if self.enabled and call.miss is not None:
-            return call.miss()
-        raise err
-
-    def answered(self, call: Call[T], reply: Reply, payloads: list[Any]) -> T:
-        """The result of a call the daemon answered (BUSY per the fail-open policy)."""
-        self.succeeded()
-        try:
-            return call.result(reply, payloads)
-        except ServerError as err:
-            if err.code == ErrorCode.BUSY:
-                return self.busy(call, err)
-            raise
-
-    def succeeded(self) -> None:
-        if self._down:
-            self._down = False
-            logger.info("lmcache daemon at %s reachable again", self.address)
+def _unused_parse(reply: Reply, payloads: list[Any]) -> Any:
+    raise AssertionError("a breaker stand-in call is never sent")
 
 
 def namespace_string(namespace: Namespace | str | None) -> str | None:
@@ -138,6 +110,9 @@ class CacheClient:
         copy_threads: int = 2,
         server_public_key: str | None = None,
         client_secret_key: str | None = None,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        probe_timeout_s: float = 0.25,
     ):
         self.address = address
         # auth: curve daemons: the daemon's public key and this client's secret
@@ -152,7 +127,13 @@ class CacheClient:
         self._handshakes: HandshakeWatch | None = None
         self._reset()
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
-        self._fail = FailOpen(fail_open, address)
+        self._fail = FailOpen(
+            fail_open,
+            address,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+            probe_timeout_s=min(probe_timeout_s, timeout_s),
+        )
         self.shared_memory = shared_memory
         """Use the daemon's pool directly when it offers it and this process can map it."""
         # copy_threads: how many threads a large shared-memory copy is split over.
@@ -178,6 +159,16 @@ class CacheClient:
     def busy_replies(self) -> int:
         """Requests the daemon answered BUSY (a miss when failing open)."""
         return self._fail.busy_replies
+
+    @property
+    def short_circuited(self) -> int:
+        """Data ops answered as a miss by the open circuit breaker, without a request."""
+        return self._fail.short_circuited
+
+    @property
+    def fail_open_stats(self) -> dict[str, Any]:
+        """failures, busy_replies, short_circuited, outages and whether the daemon is down now."""
+        return self._fail.stats()
 
     # -- transport -----------------------------------------------------------------
     def _close_socket(self) -> None:
@@ -232,6 +223,8 @@ class CacheClient:
         self._reset()
 
     def _run(self, call: Call[T], timeout_s: float | None = None) -> T:
+        if self._breaker_says_miss(call):
+            return self._fail.short_circuit(call)
         request_id = next(self._ids) & (2**64 - 1)
         frames = encode_request(call.op, request_id, call.namespace, call.keys, call.payloads, **call.fields)
         try:
@@ -239,6 +232,21 @@ class CacheClient:
         except DaemonUnavailable as err:
             return self._fail.failed(call, err)
         return self._fail.answered(call, reply, payloads)
+
+    def _breaker_says_miss(self, call: Call[Any]) -> bool:
+        """Whether the open breaker answers ``call`` as a miss (probing first when due)."""
+        gate = self._fail.gate(call)
+        if gate == MISS:
+            return True
+        if gate == PROBE:
+            request_id = next(self._ids) & (2**64 - 1)
+            try:
+                reply, _ = self._roundtrip(encode_request(Op.PING, request_id), request_id, self._fail.probe_timeout_s)
+            except DaemonUnavailable:
+                reply = None
+            if not self._fail.probe_answered(reply):
+                return True
+        return False
 
     def _ns(self, namespace: Namespace | str | None) -> str:
         ns = namespace_string(namespace) or self.namespace
@@ -302,6 +310,9 @@ class CacheClient:
     def _over_shm(self, flow: Callable[[SharedPool], shm.Flow], fallback: Callable[[], T], miss: Callable[[], T]) -> T:
         """Run a shared-memory flow; a daemon that restarted (new segment) is
         mapped again, and a daemon that no longer shares its pool gets frames."""
+        data_call: Call[T] = Call(Op.PING, _unused_parse, miss=miss)  # stands for the op in the breaker
+        if self._breaker_says_miss(data_call):
+            return self._fail.short_circuit(data_call)
         for _ in range(2):
             try:
                 pool = self._shared_pool()
@@ -318,6 +329,12 @@ class CacheClient:
                     return miss()
                 raise
         return fallback()
+
+    def pin_shared_pool(self) -> bool:
+        """Page-lock this process's mapping of the daemon's pool for CUDA DMA
+        (``cudaHostRegister``); False when there is no mapped pool or CUDA refuses."""
+        pool = self._shared_pool() if self.shared_memory else None
+        return pool.register_cuda() if pool is not None else False
 
     # -- ops -----------------------------------------------------------------------
     def hello(self, client_name: str = "lmcache-client-py") -> dict[str, Any]:
@@ -407,6 +424,60 @@ class CacheClient:
             lambda pool: shm.put_flow(pool, ns, keys, tensors),
             frames,
             lambda: [PutStatus.FAILED] * len(keys),
+        )
+
+    def put_with(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        fill: shm.FillFn,
+        *,
+        namespace: Namespace | str | None = None,
+    ) -> list[PutStatus | int]:
+        """Store ``len(keys)`` payloads that ``fill(i, view)`` writes into ``view``
+        (writable, ``sizes[i]`` bytes): over shared memory straight into the
+        daemon's pool slot (one copy in all, the caller's), else into a buffer
+        then sent.  ``fill`` is not called for keys that need no bytes (already
+        stored, no room); an exception from it stores none of the batch."""
+        ns = self._ns(namespace)
+        if len(sizes) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+
+        def frames() -> list[PutStatus | int]:
+            bufs = [bytearray(n) for n in sizes]
+            for i, buf in enumerate(bufs):
+                fill(i, memoryview(buf))
+            return self._run(calls.put(ns, keys, bufs))
+
+        return self._over_shm(
+            lambda pool: shm.fill_flow(pool, ns, keys, sizes, fill),
+            frames,
+            lambda: [PutStatus.FAILED] * len(keys),
+        )
+
+    def get_with(
+        self,
+        keys: Sequence[bytes],
+        use: shm.UseFn,
+        *,
+        nbytes: int | None = None,
+        prefix: bool = False,
+        namespace: Namespace | str | None = None,
+    ) -> list[bool]:
+        """Call ``use(i, view)`` for each hit with its bytes (over shared memory the
+        leased pool slot itself: do not keep ``view``); True where ``use`` ran on
+        bytes that stayed valid throughout.  ``nbytes``: a hit of another size is a
+        miss; ``prefix``: stop at the first miss."""
+        ns = self._ns(namespace)
+
+        def frames() -> list[bool]:
+            bufs: list[Any] = self._run(calls.get(ns, keys))
+            return shm.use_frames(bufs, use, nbytes=nbytes, prefix=prefix)
+
+        return self._over_shm(
+            lambda pool: shm.use_flow(pool, ns, keys, use, nbytes=nbytes, prefix=prefix),
+            frames,
+            lambda: [False] * len(keys),
         )
 
     def get_into(

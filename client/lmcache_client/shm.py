@@ -23,8 +23,14 @@ The flows are written once, as generators that yield the calls to make
 (:class:`Ask`: wait for the reply, :class:`Tell`: send and do not wait), and
 are driven by the sync and asyncio clients alike.
 
+Zero-copy variants for callers that produce or consume the bytes themselves
+(an engine adapter gathering KV straight out of its paged cache):
+:func:`fill_flow` hands each reserved slot to a ``fill(i, view)`` callback
+before committing, :func:`use_flow` hands each leased hit to ``use(i, view)``
+before releasing.
+
 Primitives: :class:`SharedPool`, :func:`get_flow`, :func:`put_flow`,
-:class:`Ask`, :class:`Tell`.
+:func:`fill_flow`, :func:`use_flow`, :class:`Ask`, :class:`Tell`.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from . import calls
@@ -200,15 +206,23 @@ class SharedPool:
         for future in futures:
             future.result()
 
-    def _host_tensor(self, offset: int, length: int) -> Any:
-        """A uint8 CPU tensor over pool bytes, page-locked for DMA on first use."""
-        import torch
-
+    def register_cuda(self) -> bool:
+        """Page-lock the mapping (``cudaHostRegister``) so CUDA copies to and from it
+        are DMA; True when registered (now or before)."""
         if not self._cuda_registered:
+            import torch
+
             rc = int(torch.cuda.cudart().cudaHostRegister(self.address, self.size, 0))  # type: ignore[no-untyped-call]
             self._cuda_registered = rc == 0
             if rc != 0:
                 logger.info("cudaHostRegister of the shared pool failed (%d); copies go through pageable memory", rc)
+        return self._cuda_registered
+
+    def _host_tensor(self, offset: int, length: int) -> Any:
+        """A uint8 CPU tensor over pool bytes, page-locked for DMA on first use."""
+        import torch
+
+        self.register_cuda()
         return torch.frombuffer(self.view[offset : offset + length], dtype=torch.uint8)
 
 
@@ -270,14 +284,14 @@ REMAP, MISS, RAISE = "remap", "miss", "raise"
 def on_failure(err: Exception, fail_open: bool) -> str:
     """What a client does when a shared-memory flow fails with ``err``:
     REMAP (the daemon restarted: map its new segment and try again), MISS
-    (answer like a miss: an expired lease, or BUSY/unreachable when failing
-    open) or RAISE."""
+    (answer like a miss: an expired lease, or BUSY/draining/unreachable when
+    failing open) or RAISE."""
     from .errors import DaemonUnavailable, ServerError
 
     if isinstance(err, ServerError):
         if err.code == ErrorCode.STALE_SEGMENT:
             return REMAP
-        if err.code == ErrorCode.UNKNOWN_LEASE or (err.code == ErrorCode.BUSY and fail_open):
+        if err.code == ErrorCode.UNKNOWN_LEASE or (err.code in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN) and fail_open):
             return MISS
     elif isinstance(err, DaemonUnavailable) and fail_open:
         return MISS
@@ -371,3 +385,90 @@ def put_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], payloads: 
             pool.copy_in(loc[0], payload)
     final = iter((yield Ask(calls.commit(grant.lease, pool.segment))))
     return [next(final, PutStatus.FAILED) if loc is not None else s for s, loc in zip(statuses, grant.loc)]
+
+
+FillFn = Callable[[int, memoryview], None]
+"""``fill(i, view)``: write payload ``i`` into ``view`` (writable, exactly its size)."""
+UseFn = Callable[[int, memoryview], None]
+"""``use(i, view)``: consume hit ``i`` from ``view`` (its bytes; do not keep the view)."""
+
+
+def fill_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], fill: FillFn) -> Flow:
+    """A put whose bytes ``fill`` writes straight into the reserved pool slots
+    (one copy: the caller's).  ``fill`` runs only for keys given a slot; the
+    others keep the status alloc gave them (EXISTS, NO_SPACE, ...).  An
+    exception from ``fill`` releases the slots (nothing becomes visible) and
+    propagates.  One PutStatus per key."""
+    grant = yield Ask(calls.alloc(namespace, keys, list(sizes), pool.segment))
+    statuses: list[PutStatus | int] = list(grant.status)
+    if grant.lease is None:
+        return statuses
+    if not _in_time(pool, grant.expires):  # pragma: no cover - needs a stalled client
+        yield Tell(calls.release([grant.lease]))
+        return [PutStatus.FAILED if loc is not None else s for s, loc in zip(statuses, grant.loc)]
+    try:
+        for i, loc in enumerate(grant.loc):
+            if loc is not None:
+                fill(i, pool.view[loc[0] : loc[0] + loc[1]])
+    except BaseException:
+        yield Tell(calls.release([grant.lease]))
+        raise
+    final = iter((yield Ask(calls.commit(grant.lease, pool.segment))))
+    return [next(final, PutStatus.FAILED) if loc is not None else s for s, loc in zip(statuses, grant.loc)]
+
+
+def use_flow(
+    pool: SharedPool,
+    namespace: str,
+    keys: Sequence[bytes],
+    use: UseFn,
+    *,
+    nbytes: int | None = None,
+    prefix: bool = False,
+) -> Flow:
+    """A get whose hits ``use`` reads straight out of the leased pool slots.  True
+    per key where ``use`` ran on bytes that stayed leased throughout.  With
+    ``nbytes`` a hit of another size counts as a miss; with ``prefix`` nothing
+    after the first miss is used."""
+    grant = yield Ask(calls.get_shm(namespace, keys, pool.segment))
+    frames = iter(grant.payloads)
+    used = [False] * len(keys)
+    try:
+        for i, (found, loc) in enumerate(zip(grant.found, grant.loc)):
+            view = None
+            if found:
+                view = next(frames) if loc is None else pool.view[loc[0] : loc[0] + loc[1]]
+            if view is None or (nbytes is not None and memoryview(view).nbytes != nbytes):
+                if prefix:
+                    break
+                continue
+            use(i, memoryview(view))
+            used[i] = True
+    except BaseException:
+        if grant.lease is not None:
+            yield Tell(calls.release([grant.lease]))
+        raise
+    if grant.lease is not None:
+        if _in_time(pool, grant.expires):
+            yield Tell(calls.release([grant.lease]))
+        else:
+            (live,) = yield Ask(calls.release([grant.lease]))
+            if not live:  # the lease lapsed while in use: those bytes may have changed under us
+                used = [u and loc is None for u, loc in zip(used, grant.loc)]
+                if prefix:
+                    first_lost = next((i for i, u in enumerate(used) if not u), len(used))
+                    used = [u and i < first_lost for i, u in enumerate(used)]
+    return used
+
+
+def use_frames(bufs: Sequence[Any], use: UseFn, *, nbytes: int | None = None, prefix: bool = False) -> list[bool]:
+    """:func:`use_flow`'s meaning over payload frames (a daemon elsewhere)."""
+    used = [False] * len(bufs)
+    for i, buf in enumerate(bufs):
+        if buf is None or (nbytes is not None and memoryview(buf).nbytes != nbytes):
+            if prefix:
+                break
+            continue
+        use(i, memoryview(buf))
+        used[i] = True
+    return used
