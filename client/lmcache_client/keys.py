@@ -11,8 +11,13 @@ integer and chunk ``i`` covers tokens ``[i*chunk_size, (i+1)*chunk_size)``.
 Only full chunks get keys: a trailing partial chunk is always recomputed.
 Because each key folds in every earlier chunk, a key names a whole prefix.
 
+A request whose KV depends on more than its tokens (a LoRA adapter, a
+per-request cache salt) starts its chain from another root:
+``prev_0 = SHA-256(b"lmcache-root-v1" || for each part: u32le(len) || utf-8 part)``
+(:func:`salted_root`), so it shares chunks only with requests of the same parts.
+
 Primitives: :func:`chunk_keys` (tokens -> keys), :func:`chain_key` (one step),
-and :class:`ChunkHasher`, which remembers the chunk size.
+:func:`salted_root`, and :class:`ChunkHasher`, which remembers the chunk size.
 """
 
 from __future__ import annotations
@@ -43,8 +48,19 @@ def chain_key(prev: bytes, chunk_tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(KEY_DOMAIN + prev + _pack_tokens(chunk_tokens)).digest()
 
 
-def chunk_keys(tokens: Sequence[int] | Iterable[int], chunk_size: int) -> list[bytes]:
-    """Keys of every full chunk of ``tokens``, in order."""
+def salted_root(*parts: str) -> bytes:
+    """The chain root of requests whose KV also depends on ``parts`` (ROOT_KEY for none)."""
+    if not parts:
+        return ROOT_KEY
+    h = hashlib.sha256(b"lmcache-root-v1")
+    for part in parts:
+        data = part.encode()
+        h.update(struct.pack("<I", len(data)) + data)
+    return h.digest()
+
+
+def chunk_keys(tokens: Sequence[int] | Iterable[int], chunk_size: int, root: bytes = ROOT_KEY) -> list[bytes]:
+    """Keys of every full chunk of ``tokens``, in order (a chain from ``root``)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if hasattr(tokens, "tolist"):  # torch tensors and numpy arrays
@@ -54,7 +70,7 @@ def chunk_keys(tokens: Sequence[int] | Iterable[int], chunk_size: int) -> list[b
     else:
         seq = list(tokens)
     keys: list[bytes] = []
-    prev = ROOT_KEY
+    prev = root
     for start in range(0, len(seq) - chunk_size + 1, chunk_size):
         prev = chain_key(prev, seq[start : start + chunk_size])
         keys.append(prev)

@@ -1,26 +1,39 @@
-"""Copies between vLLM's paged KV cache and chunk payloads, in plain torch.
+"""Where an engine's paged KV cache keeps each token's K and V, found by asking the engine.
 
-vLLM (FlashAttention-style backends, NHD) keeps one tensor per attention
-layer of logical shape ``(2, num_blocks, block_size, num_kv_heads, head_dim)``
-(2 = K, V); token ``i`` of a request lives in block ``block_ids[i //
-block_size]`` at offset ``i % block_size``.  A chunk payload (see
-:mod:`.layout`) is ``(layers, 2, chunk_size, kv_heads, head_dim)``, so moving a
-chunk is a gather or scatter of ``chunk_size`` token rows per layer.  Token
-ranges need not be block aligned: a chunk may end inside a block and a
-request's last block is usually partial.
+A paged engine keeps, per attention layer, one cache tensor of *logical* shape
+``(blocks, heads, tokens_in_block, content)``; how K and V of one (token,
+head, dim) sit inside a block is the attention backend's business and
+changes between backends and releases (vLLM 0.32's CPU backend keeps K of
+each head transposed, ``[head_dim, block_size]``, and V token-major; its
+FlashAttention-style backends keep ``K || V`` per token, in NHD or HND block
+order).  Rather than assume any of that, :func:`probe_block_layout` lets the
+engine's own cache-write function write encoded values into a scratch block
+and reads back where every (K/V, token, head, dim) landed:
 
-Everything is done on byte views (``uint8``, last dim ``head_dim x element
-size``), so fp8, bf16 and fp32 caches take the same code path, and on the
-*logical* shape, so an HND stride order of the same logical tensor works too.
+- when the positions are an affine function of (token, head, dim) for K and
+  for V (every backend seen so far), the result is a :class:`BlockLayout` of
+  strides, and copies are strided tensor views: one copy per block run;
+- otherwise (a packed or swizzled layout) it keeps the full position table
+  and copies gather/scatter through it: slower, still exact;
+- a write that does not put every element exactly once is refused
+  (:class:`LayoutError`), never guessed.
 
-Primitives: :func:`check_layer`, :func:`token_slots`, :func:`gather_layer`,
-:func:`scatter_layer`, :func:`blocks_covering`, and :func:`chunks_to_tokens` /
-:func:`tokens_to_chunks` between chunk-major and token-major byte tensors.
+:class:`PagedCopier` moves token ranges between the layer caches and chunk
+payloads of shape ``(layers, 2, tokens, kv_heads, head_dim)`` (see
+:mod:`.layout`), in one copy each way: straight into (or out of) the
+destination, e.g. a slot of the daemon's shared pool.  Layers that share one
+storage at a constant stride are copied together as one 5-D view.
+
+Primitives: :class:`Affine`, :class:`BlockLayout`, :func:`probe_block_layout`,
+:func:`token_slots`, :func:`blocks_covering`, :class:`PagedCopier`,
+:class:`LayoutError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 
@@ -30,72 +43,375 @@ def _torch() -> Any:
     return torch
 
 
-class PagedShape(NamedTuple):
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
+class LayoutError(ValueError):
+    """A KV cache whose layout cannot be read with certainty."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """Element offset of (token, head, dim) inside a block: ``base + token*t + head*h + dim*d``."""
+
+    base: int
+    token: int
+    head: int
+    dim: int
+
+
+WriteFn = Callable[[Any, Any, Any, Any], None]
+"""``write(key, value, cache, slot_mapping)``: the engine's cache write.  ``key`` and
+``value`` are ``(tokens, heads, head_dim)``; ``slot_mapping[i]`` is ``block * block_tokens
++ offset`` of token ``i`` in ``cache`` (logical shape ``(blocks, heads, block_tokens, C)``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """Where K and V live inside one (kernel) block of a layer cache, in elements.
+
+    ``key``/``value`` are set for affine layouts; otherwise ``positions`` holds the
+    offset of every ``(kv, token, head, dim)`` (an int64 tensor of that shape).
+    Offsets are relative to the block's first element; blocks are ``stride(0)`` of
+    the layer tensor apart.
+    """
+
+    block_tokens: int
+    num_heads: int
     head_dim: int
+    key: Affine | None = None
+    value: Affine | None = None
+    positions: Any = None
+    description: str = ""
+
+    @property
+    def affine(self) -> bool:
+        return self.key is not None and self.value is not None
 
 
-def check_layer(kv_layer: Any) -> PagedShape:
-    """The geometry of one layer's paged cache; raises for any other layout."""
-    shape = tuple(kv_layer.shape)
-    if len(shape) != 5 or shape[0] != 2:
-        raise ValueError(f"expected a (2, num_blocks, block_size, kv_heads, head_dim) KV cache, got shape {shape}")
-    if kv_layer.stride(-1) != 1:
-        raise ValueError("the KV cache's head_dim must be its innermost (contiguous) dimension")
-    return PagedShape(*shape[1:])
+# Integers a dtype holds exactly (and negative one, the "not written" mark).
+_EXACT_BITS = {"float32": 24, "float64": 53, "float16": 11, "bfloat16": 8, "float8_e4m3fn": 4, "float8_e5m2": 3}
 
 
-def _bytes(kv_layer: Any) -> Any:
-    """``kv_layer`` as uint8, last dim ``head_dim * element_size`` (same storage)."""
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def probe_block_layout(
+    write: WriteFn,
+    *,
+    block_tokens: int,
+    num_heads: int,
+    head_dim: int,
+    content: int,
+    strides: Sequence[int],
+    dtype: Any,
+    input_dtype: Any = None,
+    device: Any = "cpu",
+) -> BlockLayout:
+    """Find where ``write`` puts K and V in a block of a cache with these inner
+    ``strides`` (of heads, tokens, content, in elements of ``dtype``).
+
+    Every element's canonical index ``((kv*T + t)*H + h)*D + d`` is written, in
+    digits small enough for the cache dtype to hold exactly (several passes for
+    narrow dtypes), into a scratch block laid out like the real one; the
+    positions read back give the layout.  ``input_dtype`` is the dtype of the
+    key/value tensors ``write`` expects (the model dtype; default ``dtype``)."""
     torch = _torch()
-    return kv_layer if kv_layer.dtype == torch.uint8 else kv_layer.view(torch.uint8)
+    name = _dtype_name(dtype)
+    if name not in _EXACT_BITS:
+        raise LayoutError(f"cannot probe a KV cache of dtype {name}")
+    sh, sn, sc = (int(s) for s in strides)
+    shape = (1, num_heads, block_tokens, content)
+    span = 1 + (num_heads - 1) * sh + (block_tokens - 1) * sn + (content - 1) * sc
+    total = 2 * block_tokens * num_heads * head_dim
+    base = 2 ** _EXACT_BITS[name]
+    passes = max(1, math.ceil(math.log(total, base))) if total > 1 else 1
+    index = torch.arange(total, dtype=torch.int64, device=device).view(2, block_tokens, num_heads, head_dim)
+    slots = torch.arange(block_tokens, dtype=torch.int64, device=device)
+    found = torch.zeros(span, dtype=torch.int64, device=device)
+    written = None
+    for p in range(passes):
+        digit = (index // base**p) % base
+        flat = torch.full((span,), -1.0, dtype=dtype, device=device)
+        cache = torch.as_strided(flat, shape, (span, sh, sn, sc))
+        key, value = (digit[kv].to(input_dtype or dtype) for kv in (0, 1))
+        write(key, value, cache, slots)
+        readback = flat.to(torch.float64)
+        mask = readback >= 0
+        if written is None:
+            written = mask
+        elif not torch.equal(mask, written):
+            raise LayoutError("the cache write touched different elements from pass to pass")
+        found += torch.where(mask, readback, torch.zeros_like(readback)).to(torch.int64) * base**p
+    assert written is not None
+    offsets = torch.nonzero(written).flatten()
+    values = found[offsets]
+    if offsets.numel() != total or not torch.equal(torch.sort(values).values, torch.arange(total, device=device)):
+        raise LayoutError(
+            f"the cache write put {offsets.numel()} elements where {total} (K and V of {block_tokens} tokens x "
+            f"{num_heads} heads x {head_dim}) were expected, or not each exactly once"
+        )
+    positions = torch.empty(total, dtype=torch.int64, device=device)
+    positions[values] = offsets
+    positions = positions.view(2, block_tokens, num_heads, head_dim).cpu()
+    key_map, value_map = (_fit_affine(positions[kv]) for kv in (0, 1))
+    if key_map is not None and value_map is not None:
+        return BlockLayout(
+            block_tokens, num_heads, head_dim, key_map, value_map, description=_describe(key_map, value_map)
+        )
+    return BlockLayout(
+        block_tokens, num_heads, head_dim, positions=positions, description="position table (not affine)"
+    )
 
 
-def token_slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> tuple[Any, Any]:
-    """(block index, offset in block) of tokens ``[start, end)`` of a request."""
+def _fit_affine(pos: Any) -> Affine | None:
+    """``pos[t, h, d]`` as base + t*st + h*sh + d*sd, or None when it is not of that form."""
     torch = _torch()
+    tokens, heads, dim = pos.shape
+    base = int(pos[0, 0, 0])
+    st = int(pos[1, 0, 0]) - base if tokens > 1 else 0
+    sh = int(pos[0, 1, 0]) - base if heads > 1 else 0
+    sd = int(pos[0, 0, 1]) - base if dim > 1 else 0
+    grid = (
+        base
+        + torch.arange(tokens).view(-1, 1, 1) * st
+        + torch.arange(heads).view(1, -1, 1) * sh
+        + torch.arange(dim).view(1, 1, -1) * sd
+    )
+    return Affine(base, st, sh, sd) if torch.equal(grid, pos) else None
+
+
+def _describe(key: Affine, value: Affine) -> str:
+    def one(a: Affine) -> str:
+        order = sorted((("token", a.token), ("head", a.head), ("dim", a.dim)), key=lambda x: -abs(x[1]))
+        return "[" + ", ".join(n for n, _ in order) + f"] @ {a.base}"
+
+    return f"K {one(key)}, V {one(value)}"
+
+
+class Slots(NamedTuple):
+    """Kernel block and offset of each token of a range."""
+
+    blocks: Any
+    offsets: Any
+
+
+def token_slots(
+    block_ids: Sequence[int], start: int, end: int, block_size: int, block_tokens: int | None = None
+) -> Slots:
+    """Kernel block and offset of tokens ``[start, end)`` of a request whose scheduler
+    blocks (of ``block_size`` tokens) are ``block_ids``.  When the attention kernel
+    splits each block into kernel blocks of ``block_tokens``, scheduler block ``b``
+    holds kernel blocks ``b*r .. b*r + r - 1`` (``r = block_size // block_tokens``)."""
+    torch = _torch()
+    kernel = block_tokens or block_size
+    if block_size % kernel:
+        raise LayoutError(f"kernel blocks of {kernel} tokens do not divide blocks of {block_size}")
     if not 0 <= start <= end:
         raise ValueError(f"bad token range [{start}, {end})")
     if end > len(block_ids) * block_size:
         raise ValueError(f"token {end - 1} is past the request's {len(block_ids)} blocks of {block_size}")
     positions = torch.arange(start, end, dtype=torch.long)
     table = torch.as_tensor(list(block_ids), dtype=torch.long)
-    return table[positions // block_size], positions % block_size
+    within = positions % block_size
+    blocks = table[positions // block_size] * (block_size // kernel) + within // kernel
+    return Slots(blocks, within % kernel)
 
 
 def blocks_covering(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Block ids holding any token of ``[start, end)``."""
+    """Scheduler block ids holding any token of ``[start, end)``."""
     if end <= start:
         return []
     return list(block_ids[start // block_size : (end + block_size - 1) // block_size])
 
 
-def gather_layer(kv_layer: Any, slots: tuple[Any, Any]) -> Any:
-    """Bytes of the given token slots: ``(2, tokens, kv_heads, head_dim * elem)`` uint8,
-    on the cache's device."""
-    blocks, offsets = slots
-    device = kv_layer.device
-    return _bytes(kv_layer)[:, blocks.to(device), offsets.to(device)]
+@dataclasses.dataclass
+class _Group:
+    """Layers ``first .. first + count - 1``: one 5-D view each for K and V when they
+    share a storage at a constant stride (else ``count`` is 1)."""
+
+    first: int
+    count: int
+    key: Any = None
+    value: Any = None
+    flat: Any = None
+    """Position-table layouts: a 1-D view of the layer's storage from its first element."""
+    block_stride: int = 0
 
 
-def scatter_layer(kv_layer: Any, slots: tuple[Any, Any], src: Any) -> None:
-    """Write ``src`` (as :func:`gather_layer` returns it) into the given token slots."""
-    blocks, offsets = slots
-    device = kv_layer.device
-    _bytes(kv_layer)[:, blocks.to(device), offsets.to(device)] = src.to(device)
+class PagedCopier:
+    """Copies token ranges between per-layer paged caches and chunk payloads.
+
+    ``layers`` are the per-layer cache tensors (logical ``(blocks, heads,
+    block_tokens, C)``, any strides, one dtype), all with ``layout``.  Payloads
+    are ``(layers, 2, tokens, heads, head_dim)`` tensors of the cache dtype.
+    """
+
+    #: Token ranges crossing at most this many block runs are copied run by run
+    #: (``copy_`` of strided views); longer ones by one indexed gather per group.
+    MAX_RUNS = 8
+
+    def __init__(self, layers: Sequence[Any], layout: BlockLayout):
+        if not layers:
+            raise LayoutError("no KV cache layers")
+        first = layers[0]
+        for layer in layers:
+            if tuple(layer.shape) != tuple(first.shape) or layer.stride() != first.stride():
+                raise LayoutError(f"layers differ in shape or strides: {tuple(layer.shape)} vs {tuple(first.shape)}")
+            if layer.dtype != first.dtype or layer.device != first.device:
+                raise LayoutError("layers differ in dtype or device")
+        self.layers = list(layers)
+        self.layout = layout
+        self.dtype = first.dtype
+        self.device = first.device
+        self.num_blocks = int(first.shape[0])
+        self.groups = self._group(self.layers) if layout.affine else [self._table_group(i) for i in range(len(layers))]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    # -- views -------------------------------------------------------------------------------
+    def _group(self, layers: list[Any]) -> list[_Group]:
+        groups: list[_Group] = []
+        i = 0
+        while i < len(layers):
+            j = i + 1
+            step = None
+            while j < len(layers) and _same_storage(layers[i], layers[j]):
+                delta = layers[j].storage_offset() - layers[j - 1].storage_offset()
+                if delta <= 0 or (step is not None and delta != step):
+                    break
+                step = delta
+                j += 1
+            groups.append(self._affine_group(i, j - i, step or 0))
+            i = j
+        return groups
+
+    def _affine_group(self, first: int, count: int, layer_stride: int) -> _Group:
+        torch = _torch()
+        layer = self.layers[first]
+        lay = self.layout
+        assert lay.key is not None and lay.value is not None
+        sb = layer.stride(0)
+        views = []
+        for a in (lay.key, lay.value):
+            views.append(
+                torch.as_strided(
+                    layer,
+                    (count, self.num_blocks, lay.block_tokens, lay.num_heads, lay.head_dim),
+                    (layer_stride, sb, a.token, a.head, a.dim),
+                    layer.storage_offset() + a.base,
+                )
+            )
+        return _Group(first, count, views[0], views[1])
+
+    def _table_group(self, index: int) -> _Group:
+        torch = _torch()
+        layer = self.layers[index]
+        sb = layer.stride(0)
+        extent = 1 + sum((n - 1) * s for n, s in zip(layer.shape, layer.stride()))
+        flat = torch.as_strided(layer, (extent,), (1,), layer.storage_offset())
+        return _Group(index, 1, flat=flat, block_stride=sb)
+
+    # -- copies ------------------------------------------------------------------------------
+    def _runs(self, slots: Slots) -> list[tuple[int, int, int, int]] | None:
+        """(kernel block, first offset, end offset, first token) per contiguous run,
+        or None when there are more than MAX_RUNS."""
+        blocks = slots.blocks.tolist()
+        offsets = slots.offsets.tolist()
+        runs: list[tuple[int, int, int, int]] = []
+        for t, (b, o) in enumerate(zip(blocks, offsets)):
+            if runs and runs[-1][0] == b and runs[-1][2] == o:
+                kb, lo, _, t0 = runs[-1]
+                runs[-1] = (kb, lo, o + 1, t0)
+            else:
+                if len(runs) == self.MAX_RUNS:
+                    return None
+                runs.append((b, o, o + 1, t))
+        return runs
+
+    def _on_device(self, tensor: Any) -> Any:
+        return tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
+
+    def gather(self, slots: Slots, out: Any) -> None:
+        """Copy the tokens at ``slots`` of every layer into ``out`` ``(layers, 2, tokens, heads, dim)``.
+
+        ``out`` may live elsewhere (a CPU pool slot for a CUDA cache): the tokens
+        are then gathered on the cache's device first and moved in one copy."""
+        if out.device != self.device:
+            staging = self._empty(out.shape)
+            self.gather(slots, staging)
+            out.copy_(staging)
+            return
+        self._check(out, slots)
+        runs = self._runs(slots) if self.layout.affine else None
+        for g in self.groups:
+            dest = out[g.first : g.first + g.count]
+            if g.flat is not None:
+                dest.copy_(self._take(g, slots))
+            elif runs is not None:
+                for kb, lo, hi, t0 in runs:
+                    for kv, view in enumerate((g.key, g.value)):
+                        dest[:, kv, t0 : t0 + hi - lo].copy_(view[:, kb, lo:hi])
+            else:
+                blocks, offsets = self._on_device(slots.blocks), self._on_device(slots.offsets)
+                for kv, view in enumerate((g.key, g.value)):
+                    _index_into(view, blocks, offsets, dest[:, kv])
+
+    def scatter(self, slots: Slots, src: Any) -> None:
+        """Write ``src`` ``(layers, 2, tokens, heads, dim)`` into the tokens at ``slots``."""
+        if src.device != self.device:
+            src = self._on_device(src)
+        self._check(src, slots)
+        runs = self._runs(slots) if self.layout.affine else None
+        for g in self.groups:
+            part = src[g.first : g.first + g.count]
+            if g.flat is not None:
+                g.flat.index_copy_(0, self._table_index(g, slots).reshape(-1), part.reshape(-1))
+            elif runs is not None:
+                for kb, lo, hi, t0 in runs:
+                    for kv, view in enumerate((g.key, g.value)):
+                        view[:, kb, lo:hi].copy_(part[:, kv, t0 : t0 + hi - lo])
+            else:
+                blocks, offsets = self._on_device(slots.blocks), self._on_device(slots.offsets)
+                for kv, view in enumerate((g.key, g.value)):
+                    view[:, blocks, offsets] = part[:, kv]
+
+    def _table_index(self, g: _Group, slots: Slots) -> Any:
+        """Flat element index of every ``(kv, token, head, dim)`` at ``slots``: ``(2, T, H, D)``."""
+        pos = self.layout.positions
+        blocks, offsets = self._on_device(slots.blocks), self._on_device(slots.offsets)
+        within = pos.to(self.device)[:, offsets]  # (2, T, H, D)
+        return within + (blocks * g.block_stride).view(1, -1, 1, 1)
+
+    def _take(self, g: _Group, slots: Slots) -> Any:
+        return g.flat[self._table_index(g, slots)].unsqueeze(0)
+
+    def _empty(self, shape: Any) -> Any:
+        return _torch().empty(shape, dtype=self.dtype, device=self.device)
+
+    def _check(self, payload: Any, slots: Slots) -> None:
+        want = (self.num_layers, 2, len(slots.blocks), self.layout.num_heads, self.layout.head_dim)
+        if tuple(payload.shape) != want:
+            raise ValueError(f"payload shape {tuple(payload.shape)}, expected {want}")
+        if payload.dtype != self.dtype:
+            raise ValueError(f"payload dtype {payload.dtype}, the cache holds {self.dtype}")
+        if len(slots.blocks) and int(slots.blocks.max()) >= self.num_blocks:
+            raise ValueError(f"kernel block {int(slots.blocks.max())} is past the cache's {self.num_blocks}")
 
 
-def tokens_to_chunks(token_major: Any, chunk_size: int) -> Any:
-    """``(2, n * chunk_size, H, Db)`` -> ``(n, 2, chunk_size, H, Db)`` (a view)."""
-    kv, tokens, heads, width = token_major.shape
-    if tokens % chunk_size:
-        raise ValueError(f"{tokens} tokens are not whole chunks of {chunk_size}")
-    return token_major.view(kv, tokens // chunk_size, chunk_size, heads, width).transpose(0, 1)
+def _same_storage(a: Any, b: Any) -> bool:
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
-def chunks_to_tokens(chunk_major: Any) -> Any:
-    """``(n, 2, chunk_size, H, Db)`` -> ``(2, n * chunk_size, H, Db)`` (a copy)."""
-    n, kv, chunk, heads, width = chunk_major.shape
-    return chunk_major.transpose(0, 1).reshape(kv, n * chunk, heads, width)
+def _index_into(view: Any, blocks: Any, offsets: Any, out: Any) -> None:
+    """``out[:] = view[:, blocks, offsets]``, written straight into ``out`` (one layer at
+    a time where ``out`` is not contiguous as a whole)."""
+    torch = _torch()
+    if out.is_contiguous():
+        torch.ops.aten.index.Tensor_out(view, [None, blocks, offsets], out=out)
+        return
+    for i in range(out.shape[0]):
+        if out[i].is_contiguous():
+            torch.ops.aten.index.Tensor_out(view[i], [blocks, offsets], out=out[i])
+        else:
+            out[i].copy_(view[i, blocks, offsets])

@@ -7,7 +7,10 @@ only up to its first hole), refuses payloads of the wrong size (never
 garbage into a KV cache), and turns every client failure into a miss: a
 cache that is down costs a recompute, never a failed inference request.
 
-Primitive: :class:`ChunkTransfer` with ``lookup``, ``get_prefix``, ``get_prefix_into``, ``put``.
+Primitive: :class:`ChunkTransfer` with ``lookup``, ``get_prefix``,
+``get_prefix_into``, ``get_prefix_with``, ``put`` and ``put_with`` (the
+``_with`` pair hands the bytes in place to a callback: over shared memory the
+daemon's pool slots themselves).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ..client import CacheClient
 from ..errors import ClientError
 from ..namespace import Namespace
 from ..protocol import PutStatus
-from ..shm import copy_frame
+from ..shm import FillFn, UseFn, copy_frame
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +60,22 @@ class ChunkTransfer:
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the daemon holds (0 when it cannot be asked)."""
-        hits = 0
+        return len(self.lookup_tiers(keys))
+
+    def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
+        """The tier holding each of the leading ``keys`` the daemon holds."""
+        tiers: list[str] = []
         for start in range(0, len(keys), self.batch_keys):
             batch = keys[start : start + self.batch_keys]
             try:
-                found = self.client.lookup(batch, namespace=self.namespace).hit_chunks
+                result = self.client.lookup(batch, namespace=self.namespace)
             except ClientError as err:
                 self._failed("lookup", err)
-                return hits
-            hits += found
-            if found < len(batch):
+                return tiers
+            tiers.extend(str(t) for t in result.tiers[: result.hit_chunks])
+            if result.hit_chunks < len(batch):
                 break
-        return hits
+        return tiers
 
     def get_prefix(self, keys: Sequence[bytes]) -> list[Any]:
         """Payloads (read-only buffers) of the leading ``keys`` that are stored with the
@@ -119,6 +126,50 @@ class ChunkTransfer:
                     return done
                 done += 1
         return done
+
+    def get_prefix_with(self, keys: Sequence[bytes], use: UseFn) -> int:
+        """Call ``use(i, view)`` for the leading hits of ``keys`` (``view``: the chunk's
+        ``chunk_bytes`` bytes, valid only during the call); returns how many leading
+        keys were used.  A miss, a chunk of the wrong size or a failure ends the run."""
+        done = 0
+        for start in range(0, len(keys), self.batch_keys):
+            batch = keys[start : start + self.batch_keys]
+
+            def shifted(i: int, view: memoryview, at: int = start) -> None:
+                use(at + i, view)
+
+            try:
+                used = self.client.get_with(
+                    batch, shifted, nbytes=self.chunk_bytes, prefix=True, namespace=self.namespace
+                )
+            except ClientError as err:
+                self._failed("get", err)
+                return done
+            run = next((i for i, u in enumerate(used) if not u), len(used))
+            done += run
+            if run < len(batch):
+                break
+        return done
+
+    def put_with(self, keys: Sequence[bytes], fill: FillFn) -> int:
+        """Store ``len(keys)`` chunks of ``chunk_bytes`` that ``fill(i, view)`` writes
+        in place; returns how many are stored now or were already."""
+        stored = 0
+        for start in range(0, len(keys), self.batch_keys):
+            batch = keys[start : start + self.batch_keys]
+
+            def shifted(i: int, view: memoryview, at: int = start) -> None:
+                fill(at + i, view)
+
+            try:
+                statuses = self.client.put_with(
+                    batch, [self.chunk_bytes] * len(batch), shifted, namespace=self.namespace
+                )
+            except ClientError as err:
+                self._failed("put", err)
+                continue
+            stored += sum(s in (PutStatus.STORED, PutStatus.EXISTS) for s in statuses)
+        return stored
 
     def _copy_prefix(self, keys: Sequence[bytes], out: Sequence[Any]) -> int:
         copied = 0

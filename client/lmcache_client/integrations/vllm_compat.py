@@ -7,12 +7,14 @@ same metadata-binding methods, so the connector's logic runs against
 stand-in config and request objects.
 
 Primitives: ``HAVE_VLLM``, ``KVConnectorBase_V1``, ``KVConnectorMetadata``,
+``KVConnectorStats``, ``KVConnectorPromMetrics`` (None without vLLM),
 ``BASE_TAKES_KV_CACHE_CONFIG``, :func:`tp_rank`, :func:`first_group`,
 :func:`resumed`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -21,6 +23,8 @@ __all__ = [
     "HAVE_VLLM",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
+    "KVConnectorStats",
     "first_group",
     "resumed",
     "tp_rank",
@@ -65,6 +69,21 @@ except ImportError:
         def _get_connector_metadata(self) -> Any:
             assert self._connector_metadata is not None
             return self._connector_metadata
+
+
+try:  # pragma: no cover - exercised only where vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+except ImportError:
+    KVConnectorPromMetrics = None
+
+    @dataclasses.dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]
+        """Local stand-in for vLLM's stats base: a dict of observations."""
+
+        data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+        def to_dict(self) -> dict[str, Any]:
+            return self.data
 
 
 BASE_TAKES_KV_CACHE_CONFIG = "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters

@@ -2,26 +2,34 @@
 
 Load it with::
 
-    vllm serve MODEL --kv-transfer-config '{"kv_connector": "LMCacheServerConnectorV1",
-        "kv_connector_module_path": "lmcache_client.integrations.vllm_connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"address": "tcp://127.0.0.1:65432", "timeout_s": 2.0}}'
+    python -m vllm.entrypoints.openai.api_server --model MODEL --kv-transfer-config \\
+        '{"kv_connector": "LMCacheServerConnectorV1",
+          "kv_connector_module_path": "lmcache_client.integrations.vllm_connector",
+          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {"address": "tcp://127.0.0.1:65432"}}'
 
-Extra config keys (all optional; an unknown key is refused at start):
-``address`` (daemon endpoint), ``timeout_s`` (per daemon call; a slow or
-absent daemon is a miss), ``chunk_size`` (tokens per chunk, default 256;
-shared prefixes are found at chunk granularity), ``model_id`` (names the
-weights; default vLLM's ``--model``), ``tenant`` (isolates tenants);
-for a daemon with ``auth: curve``: ``server_public_key`` (the daemon's
-public key, Z85 text or key file) and ``client_secret_key`` (this engine's
-secret key file, mode 0600; see docs/security.md).
+Extra config keys (all optional; an unknown key or a bad value is refused at
+start): ``address`` (daemon endpoint), ``timeout_s`` (per daemon call; a slow
+or absent daemon is a miss), ``backoff_s`` / ``max_backoff_s`` (how often the
+circuit breaker probes a daemon that is down), ``chunk_size`` (tokens per
+chunk, default 256), ``model_id`` (names the weights; default vLLM's
+``--model``), ``tenant`` (isolates tenants), ``malloc_tuning`` (keep glibc
+from re-faulting large receive buffers; default true); for a daemon with
+``auth: curve``: ``server_public_key`` and ``client_secret_key`` (see
+docs/security.md).
+
+``kv_role``: ``kv_both`` loads and stores, ``kv_producer`` only stores,
+``kv_consumer`` only loads.  Failed loads are reported to vLLM
+(``get_block_ids_with_load_errors``); with ``kv_load_failure_policy:
+recompute`` vLLM recomputes those blocks, with vLLM's default ``fail`` it
+fails the request, so the connector warns at start when it sees ``fail``.
 
 The class is a thin shim: the scheduler role runs a
 :class:`~.vllm_scheduler.SchedulerSide`, the worker role a
-:class:`~.vllm_worker.WorkerSide`; each owns one blocking client.  Under tensor
-parallelism each rank stores its own shard (namespace ``tp<rank>of<size>``),
-and the scheduler looks up rank 0's; a rank that then misses reports the
-blocks as load errors and vLLM recomputes them.
+:class:`~.vllm_worker.WorkerSide`; each owns one blocking client.  Under
+tensor parallelism each rank stores its own shard (namespace
+``tp<rank>of<size>``) and the scheduler's lookup answers for the smallest
+hit over all ranks.
 
 Primitives: :class:`LMCacheServerConnectorV1`, :class:`ConnectorSettings`,
 :func:`layout_from_vllm_config`.
@@ -34,15 +42,29 @@ import logging
 from typing import Any
 
 from ..client import DEFAULT_ADDRESS, CacheClient
+from ..memtune import tune_malloc
 from ..namespace import canonical_dtype
 from .layout import ChunkLayout
 from .transfer import ChunkTransfer
 from .vllm_compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, tp_rank
 from .vllm_meta import LMCacheServerConnectorMetadata
 from .vllm_scheduler import SchedulerSide
+from .vllm_stats import LMCacheServerConnectorStats, prom_metrics_class
 from .vllm_worker import WorkerSide
 
 logger = logging.getLogger(__name__)
+
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.strip().lower() in ("true", "1", "yes", "on")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +73,12 @@ class ConnectorSettings:
 
     address: str = DEFAULT_ADDRESS
     timeout_s: float = 2.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
     chunk_size: int = 256
     model_id: str = ""
     tenant: str = ""
+    malloc_tuning: bool = True
     server_public_key: str = ""
     client_secret_key: str = ""
 
@@ -68,12 +93,14 @@ class ConnectorSettings:
         for name, value in extra.items():
             kind = type(getattr(cls(), name))
             try:
-                values[name] = kind(value)
+                values[name] = _bool(value) if kind is bool else kind(value)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"kv_connector_extra_config {name}={value!r}: expected {kind.__name__}") from err
         settings = cls(**values)
         if settings.timeout_s <= 0 or settings.chunk_size <= 0:
             raise ValueError("kv_connector_extra_config timeout_s and chunk_size must be positive")
+        if not 0 <= settings.backoff_s <= settings.max_backoff_s:
+            raise ValueError("kv_connector_extra_config needs 0 <= backoff_s <= max_backoff_s")
         return settings
 
 
@@ -100,6 +127,19 @@ def _fp8_dtype(cache_dtype: str) -> str:
     return canonical_dtype(cache_dtype)
 
 
+def _log_through_vllm() -> None:
+    """Send this package's INFO lines to vLLM's log handlers when nothing else
+    handles them (vLLM configures only its own ``vllm`` logger)."""
+    ours = logging.getLogger("lmcache_client")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        ours.addHandler(handler)
+    if ours.handlers:
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
     """``KVConnectorBase_V1`` subclass; vLLM builds one per role and process."""
 
@@ -108,28 +148,68 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         else:  # pragma: no cover - vLLM releases before kv_cache_config
             super().__init__(vllm_config=vllm_config, role=role)
+        self._kv_cache_config = kv_cache_config
+        _log_through_vllm()
         transfer_config = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer_config.kv_connector_extra_config)
+        self.kv_role = str(getattr(transfer_config, "kv_role", None) or "kv_both")
+        if self.kv_role not in ROLES:
+            raise ValueError(f"kv_role {self.kv_role!r}: expected one of {', '.join(ROLES)}")
         self.layout = layout_from_vllm_config(vllm_config, self.settings.chunk_size)
         model_id = self.settings.model_id or str(vllm_config.model_config.model)
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         is_scheduler = getattr(role, "name", str(role)) == "SCHEDULER"
-        rank = 0 if is_scheduler else tp_rank()
-        namespace = self.layout.namespace(model_id, tp_rank=rank, tp_size=tp_size, tenant=self.settings.tenant)
+        if self.settings.malloc_tuning and not is_scheduler:
+            tune_malloc()
         self.client = CacheClient(
             self.settings.address,
             timeout_s=self.settings.timeout_s,
+            backoff_s=self.settings.backoff_s,
+            max_backoff_s=self.settings.max_backoff_s,
             server_public_key=self.settings.server_public_key or None,
             client_secret_key=self.settings.client_secret_key or None,
         )
-        transfer = ChunkTransfer(self.client, namespace, self.layout.nbytes)
+        self._reported = {"daemon_failures": 0, "short_circuited": 0}
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if is_scheduler:
-            self.scheduler = SchedulerSide(transfer, self.settings.chunk_size)
+            transfers = [
+                ChunkTransfer(
+                    self.client,
+                    self.layout.namespace(model_id, tp_rank=r, tp_size=tp_size, tenant=self.settings.tenant),
+                    self.layout.nbytes,
+                )
+                for r in range(tp_size)
+            ]
+            self.scheduler = SchedulerSide(
+                transfers,
+                self.settings.chunk_size,
+                load=self.kv_role != "kv_producer",
+                save=self.kv_role != "kv_consumer",
+            )
+            namespace: str = transfers[0].namespace
+            policy = str(getattr(transfer_config, "kv_load_failure_policy", "recompute"))
+            if policy != "recompute" and self.kv_role != "kv_producer":
+                logger.warning(
+                    "kv_load_failure_policy is %r: a chunk the daemon loses between lookup and load fails that "
+                    'request; set it to "recompute" so vLLM recomputes those blocks instead',
+                    policy,
+                )
         else:
+            transfer = ChunkTransfer(
+                self.client,
+                self.layout.namespace(model_id, tp_rank=tp_rank(), tp_size=tp_size, tenant=self.settings.tenant),
+                self.layout.nbytes,
+            )
+            namespace = transfer.namespace
             self.worker = WorkerSide(transfer, self.layout)
-        logger.info("lmcache-server connector (%s) at %s, namespace %s", role, self.settings.address, namespace)
+        logger.info(
+            "lmcache-server connector (%s, %s) at %s, namespace %s",
+            role,
+            self.kv_role,
+            self.settings.address,
+            namespace,
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -138,7 +218,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return None  # logical indexing works for NHD and HND stride orders alike
+        return None  # the layout is read from the attention backend at register_kv_caches
 
     def _meta(self) -> LMCacheServerConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -158,7 +238,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._worker().register(kv_caches)
+        self._worker().register(kv_caches, self._vllm_config, self._kv_cache_config)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._meta()
@@ -169,14 +249,12 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         return None  # start_load_kv loads every layer before the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        meta = self._meta()
-        if meta is not None and meta.saves:
-            self._worker().save_layer(layer_name, kv_layer, meta.saves)
+        return None  # wait_for_save gathers every layer at once, straight into the daemon's pool
 
     def wait_for_save(self) -> None:
         meta = self._meta()
         if meta is not None and meta.saves:
-            self._worker().finish_saves(meta.saves)
+            self._worker().save(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # nothing is asynchronous past a step
@@ -184,17 +262,52 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().take_failed_blocks() if self.worker is not None else set()
 
+    def get_kv_connector_stats(self) -> LMCacheServerConnectorStats | None:
+        data = self.worker.take_stats() if self.worker is not None else self._scheduler().take_stats()
+        fail = self.client.fail_open_stats
+        data["daemon_failures"] = fail["failures"] - self._reported["daemon_failures"]
+        data["short_circuited"] = fail["short_circuited"] - self._reported["short_circuited"]
+        self._reported = {"daemon_failures": fail["failures"], "short_circuited": fail["short_circuited"]}
+        stats = LMCacheServerConnectorStats(data=data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMCacheServerConnectorStats:
+        return LMCacheServerConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        metrics = prom_metrics_class()
+        return None if metrics is None else metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         self.client.close()
 
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        prompt = request.prompt_token_ids
-        tokens = self._scheduler().num_new_matched_tokens(request.request_id, prompt, num_computed_tokens)
-        return tokens, False
+        return self._scheduler().num_new_matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler().after_alloc(request.request_id, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """The load's tokens by the daemon tier holding them (vLLM's cache-hit-source metrics)."""
+        try:
+            from vllm.v1.metrics.cache_hit_source import CacheHitSource
+        except ImportError:  # pragma: no cover - vLLM without per-source hit metrics
+            return {}
+        names = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+        out: dict[Any, int] = {}
+        for tier, tokens in self._scheduler().hit_sources(request.request_id, num_external_tokens).items():
+            source = names.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + tokens
+        return out
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheServerConnectorMetadata:
         return self._scheduler().build_meta(scheduler_output)

@@ -1,0 +1,196 @@
+"""The KV cache layout of a running vLLM, read from vLLM itself at ``register_kv_caches``.
+
+vLLM (0.32) hands the connector one tensor per attention layer, of logical
+shape ``(blocks, heads, block_tokens, content)``; what sits where inside a
+block belongs to the attention backend.  :func:`discover` reads, from vLLM:
+
+- the KV cache spec of the (single) cache group: block size, KV heads, head
+  size, dtype; models it cannot serve are refused here (MLA, hybrid models
+  with several cache groups, packed or quantized-with-scales content);
+- each layer's attention module and backend (``static_forward_context``),
+  and probes the backend's own cache write, ``impl.do_kv_cache_update``, on a
+  scratch block shaped like the real ones (:func:`.paged.probe_block_layout`);
+- the layers in model order.
+
+Anything it cannot read with certainty stops vLLM at start with one message
+naming the backend, the shape and the reason; never a guess.
+
+Primitives: :class:`EngineLayout`, :func:`discover`, :class:`UnsupportedLayout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from .layout import ChunkLayout
+from .paged import BlockLayout, LayoutError, PagedCopier, probe_block_layout
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedLayout(ValueError):
+    """vLLM's KV caches are in a layout this connector does not read."""
+
+
+@dataclasses.dataclass
+class EngineLayout:
+    """What the worker needs to move chunks in and out of vLLM's caches."""
+
+    backend: str
+    block_size: int
+    """Tokens per scheduler block (the block ids vLLM's scheduler hands out)."""
+    block_tokens: int
+    """Tokens per kernel block (the layer tensors' third dimension)."""
+    block: BlockLayout
+    copier: PagedCopier
+    layer_names: list[str]
+
+    def describe(self) -> str:
+        return (
+            f"{self.backend}, {len(self.layer_names)} layers, blocks of {self.block_size} tokens"
+            f"{'' if self.block_tokens == self.block_size else f' (kernel blocks of {self.block_tokens})'}, "
+            f"{self.block.description}"
+        )
+
+
+class _UnitScales:
+    """A layer as the backend's cache write sees it, with K/V scales of 1 so the
+    probe's values are stored as written (fp8 caches divide by the scales)."""
+
+    def __init__(self, layer: Any, device: Any):
+        import torch
+
+        self._layer = layer
+        self._k_scale = self._v_scale = torch.tensor(1.0, dtype=torch.float32, device=device)
+        self._k_scale_float = self._v_scale_float = 1.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layer, name)
+
+
+def _refuse(backend: str, shape: Any, reason: str) -> UnsupportedLayout:
+    return UnsupportedLayout(
+        f"lmcache-server connector cannot use vLLM's KV cache (attention backend {backend}, "
+        f"per-layer shape {tuple(shape)}): {reason}"
+    )
+
+
+def _ordered(kv_caches: dict[str, Any]) -> list[str]:
+    names = list(kv_caches)
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+    except ImportError:  # pragma: no cover - vLLM without the helper: keep vLLM's order
+        return names
+    try:
+        return sorted(names, key=extract_layer_index)
+    except (AssertionError, ValueError):
+        return names
+
+
+def _check_spec(spec: Any, backend: str, shape: Any) -> None:
+    kind = type(spec).__name__
+    if "MLA" in kind or not hasattr(spec, "num_kv_heads") or not hasattr(spec, "head_size"):
+        raise _refuse(
+            backend, shape, f"its KV cache spec is {kind}; only standard attention (K and V per head) is supported"
+        )
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise _refuse(backend, shape, "K and V head sizes differ")
+    for attr in ("num_head_slots", "state_content_bytes"):
+        if getattr(spec, attr, None) is not None:
+            raise _refuse(backend, shape, f"the spec packs its pages ({attr}={getattr(spec, attr)})")
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        raise _refuse(backend, shape, "one stored state does not hold exactly one token")
+    quant = getattr(spec, "kv_quant_mode", None)
+    mode = str(getattr(quant, "name", quant or "NONE"))
+    if mode.upper() != "NONE" and "FP8" not in mode.upper():
+        raise _refuse(backend, shape, f"quantized KV ({mode}) is not supported")
+
+
+def _fp8_dtype(kv_cache_dtype: str) -> Any:
+    import torch
+
+    return torch.float8_e5m2 if kv_cache_dtype.endswith("e5m2") else torch.float8_e4m3fn
+
+
+def discover(kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any, chunk: ChunkLayout) -> EngineLayout:
+    """Read and check the layout of ``kv_caches`` (``register_kv_caches``'s argument)
+    against the chunk payload layout the namespace promises."""
+    import torch
+
+    if not kv_caches:
+        raise UnsupportedLayout("lmcache-server connector: vLLM registered no KV cache layers")
+    names = _ordered(kv_caches)
+    first = kv_caches[names[0]]
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", {}) or {}
+    attention = context.get(names[0])
+    impl = getattr(attention, "impl", None)
+    backend = "unknown"
+    if attention is not None and getattr(attention, "attn_backend", None) is not None:
+        backend = str(attention.attn_backend.get_name())
+    shape = tuple(first.shape)
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) > 1:
+        raise _refuse(backend, shape, f"the model has {len(groups)} KV cache groups (hybrid attention)")
+    spec = groups[0].kv_cache_spec if groups else None
+    if spec is not None:
+        _check_spec(spec, backend, shape)
+    block_size = int(getattr(spec, "block_size", 0) or vllm_config.cache_config.block_size)
+    if first.dim() != 4:
+        raise _refuse(backend, shape, "expected a 4-D (blocks, heads, block_tokens, content) tensor per layer")
+    if len({t.data_ptr() for t in kv_caches.values()}) != len(kv_caches):
+        raise _refuse(backend, shape, "layers share KV caches (cross-layer KV sharing)")
+    if len(names) != chunk.num_layers:
+        raise _refuse(backend, shape, f"{len(names)} KV cache layers, the model config says {chunk.num_layers}")
+    _, heads, block_tokens, content = shape
+    if (heads, content) != (chunk.num_kv_heads, 2 * chunk.head_dim * chunk.element_bytes // first.element_size()):
+        raise _refuse(
+            backend, shape, f"expected {chunk.num_kv_heads} KV heads with K and V of {chunk.head_dim} per token"
+        )
+    if block_size % block_tokens:
+        raise _refuse(backend, shape, f"kernel blocks of {block_tokens} do not divide blocks of {block_size}")
+    if impl is None or not hasattr(impl, "do_kv_cache_update"):
+        raise _refuse(backend, shape, "its attention implementation has no do_kv_cache_update to probe the layout with")
+
+    kv_cache_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+    fp8 = kv_cache_dtype.startswith("fp8")
+    probe_dtype = _fp8_dtype(kv_cache_dtype) if fp8 and first.dtype == torch.uint8 else first.dtype
+    if first.element_size() != chunk.element_bytes:
+        raise _refuse(
+            backend, shape, f"cache elements are {first.element_size()} bytes, the namespace says {chunk.dtype}"
+        )
+    model_dtype = getattr(vllm_config.model_config, "dtype", first.dtype)
+    proxy = _UnitScales(attention, first.device)
+
+    def write(key: Any, value: Any, cache: Any, slots: Any) -> None:
+        target = cache.view(first.dtype) if cache.dtype != first.dtype else cache
+        impl.do_kv_cache_update(proxy, key, value, target, slots)
+
+    try:
+        block = probe_block_layout(
+            write,
+            block_tokens=block_tokens,
+            num_heads=heads,
+            head_dim=chunk.head_dim,
+            content=content,
+            strides=first.stride()[1:],
+            dtype=probe_dtype,
+            input_dtype=model_dtype if fp8 else first.dtype,
+            device=first.device,
+        )
+    except LayoutError as err:
+        raise _refuse(backend, shape, f"probing its cache write: {err}") from err
+    except Exception as err:  # the backend's own op refused the scratch block
+        raise _refuse(backend, shape, f"its cache write failed on a probe block ({type(err).__name__}: {err})") from err
+    layers = [kv_caches[n] for n in names]
+    if first.dtype == torch.uint8 and probe_dtype != torch.uint8:
+        layers = [t.view(probe_dtype) for t in layers]
+    try:
+        copier = PagedCopier(layers, block)
+    except LayoutError as err:
+        raise _refuse(backend, shape, str(err)) from err
+    layout = EngineLayout(backend, block_size, block_tokens, block, copier, names)
+    if not block.affine:
+        logger.warning("vLLM's %s KV layout is not affine; copies go through a position table (slower)", backend)
+    return layout

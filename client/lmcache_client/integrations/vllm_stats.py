@@ -1,0 +1,100 @@
+"""The connector's counters in vLLM's own connector metrics.
+
+vLLM collects ``get_kv_connector_stats()`` from every worker and from the
+scheduler each step, aggregates them, logs them periodically (``KV Transfer
+metrics: ...``) and hands them to the connector's Prometheus metrics.  Ours
+are plain counters (sums over the interval):
+
+| counter | side | meaning |
+|---|---|---|
+| ``lookups`` | scheduler | prompts looked up in the daemon |
+| ``lookup_hit_tokens`` | scheduler | tokens vLLM was told to load (beyond its own prefix cache) |
+| ``lookup_s`` | scheduler | seconds spent in lookups |
+| ``loaded_tokens`` / ``load_failed_tokens`` | worker | tokens loaded / that had to be recomputed |
+| ``loaded_bytes`` / ``load_s`` | worker | payload bytes read and seconds spent loading |
+| ``stored_chunks`` / ``stored_bytes`` / ``store_s`` | worker | chunks stored (or already there), bytes, seconds |
+| ``daemon_failures`` / ``short_circuited`` | both | calls finding the daemon down / misses from the breaker |
+
+In Prometheus they appear as ``vllm:lmcache_server_<counter>_total`` with
+vLLM's per-engine labels.
+
+Primitives: :class:`LMCacheServerConnectorStats`, :func:`prom_metrics_class`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .vllm_compat import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTERS = {
+    "lookups": "Prompts looked up in lmcache-server",
+    "lookup_hit_tokens": "Tokens vLLM loaded from lmcache-server instead of computing them (scheduled)",
+    "lookup_s": "Seconds the scheduler spent in lmcache-server lookups",
+    "loaded_tokens": "Tokens loaded from lmcache-server into the KV cache",
+    "load_failed_tokens": "Tokens whose load failed and that vLLM recomputed",
+    "loaded_bytes": "Payload bytes read from lmcache-server",
+    "load_s": "Seconds workers spent loading KV from lmcache-server",
+    "stored_chunks": "Chunks stored in lmcache-server (or found there already)",
+    "stored_bytes": "Payload bytes stored in lmcache-server",
+    "store_s": "Seconds workers spent storing KV in lmcache-server",
+    "daemon_failures": "lmcache-server calls that found the daemon down, slow or draining",
+    "short_circuited": "lmcache-server calls answered as misses by the open circuit breaker",
+}
+
+
+@dataclasses.dataclass
+class LMCacheServerConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """Counters of one interval; ``data`` maps a counter name to its sum."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: Any) -> LMCacheServerConnectorStats:
+        for name, value in (other.data or {}).items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items()}
+        if self.data.get("load_s"):
+            out["load_MiB_per_s"] = round(self.data.get("loaded_bytes", 0) / self.data["load_s"] / 2**20, 1)
+        if self.data.get("store_s"):
+            out["store_MiB_per_s"] = round(self.data.get("stored_bytes", 0) / self.data["store_s"] / 2**20, 1)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def prom_metrics_class() -> Any:
+    """A ``KVConnectorPromMetrics`` subclass with one counter per :data:`COUNTERS`
+    entry (None without vLLM)."""
+    if KVConnectorPromMetrics is None:
+        return None
+
+    class LMCacheServerPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+        def __init__(
+            self,
+            vllm_config: Any,
+            metric_types: dict[Any, Any],
+            labelnames: list[str],
+            per_engine_labelvalues: dict[int, list[object]],
+        ):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters: dict[tuple[int, str], Any] = {}
+            for name, doc in COUNTERS.items():
+                counter = self._counter_cls(
+                    name=f"vllm:lmcache_server_{name}", documentation=doc, labelnames=labelnames
+                )
+                for engine, values in per_engine_labelvalues.items():
+                    self._counters[(engine, name)] = counter.labels(*values)
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            for name, value in transfer_stats_data.items():
+                counter = self._counters.get((engine_idx, name))
+                if counter is not None and value:
+                    counter.inc(value)
+
+    return LMCacheServerPromMetrics
