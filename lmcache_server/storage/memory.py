@@ -22,7 +22,10 @@
   declines a lent chunk, which then stays stored.
 
 Accounting is exact: ``stored_bytes`` counts payload bytes, ``allocated_bytes``
-what the allocator handed out (payload rounded up to 4 KiB pages).
+what the allocator handed out (payload rounded up to 4 KiB pages), and
+``evictable_bytes`` the extents of stored chunks neither leased nor pinned, kept
+up to date on every change so that a put under pressure asks in O(1) whether
+evicting could make room at all.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class _Entry:
     key: ChunkKey
     offset: int
     size: int
+    extent: int  # bytes the allocator gave it (size rounded up to pages)
     leases: int = 0
     pinned: bool = False
     dead: bool = False  # removed from the index; free the extent when the last lease ends
@@ -100,6 +104,7 @@ class MemoryTier:
         self.stored_bytes = 0
         self.pinned_bytes = 0
         self.leased_chunks = 0
+        self.evictable_bytes = 0  # extents of indexed chunks neither leased nor pinned
 
     # -- reads ---------------------------------------------------------------------
     async def get(self, key: ChunkKey) -> Chunk | None:
@@ -116,6 +121,8 @@ class MemoryTier:
         entry.leases += 1
         if entry.leases == 1:
             self.leased_chunks += 1
+            if not entry.pinned and not entry.dead:
+                self.evictable_bytes -= entry.extent
         view = self.pool.view[entry.offset : entry.offset + entry.size]
         return Chunk(view, self.name, lambda: self._release(entry), entry.offset)
 
@@ -124,8 +131,10 @@ class MemoryTier:
         if entry.leases == 0:
             self.leased_chunks -= 1
             if entry.dead:
-                self.dying_bytes -= self.allocator.size_of(entry.offset)
+                self.dying_bytes -= entry.extent
                 self.allocator.free(entry.offset)
+            elif not entry.pinned:
+                self.evictable_bytes += entry.extent
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [k in self._index for k in keys]
@@ -181,8 +190,9 @@ class MemoryTier:
         if r.key in self._index:
             self.allocator.free(r.offset)
             return PutStatus.EXISTS
-        entry = _Entry(r.key, r.offset, r.size)
+        entry = _Entry(r.key, r.offset, r.size, self.allocator.size_of(r.offset))
         self._index[r.key] = entry
+        self.evictable_bytes += entry.extent
         self.policy.inserted(r.key, r.size, r.parent)
         self._account(entry, +1)
         self.counters.stores += 1
@@ -268,10 +278,10 @@ class MemoryTier:
         return True
 
     def _could_fit(self, size: int) -> bool:
-        """Whether evicting every evictable chunk would free enough bytes (O(n);
-        only asked when pinned or leased chunks make the answer uncertain)."""
-        evictable = sum(self.allocator.size_of(e.offset) for e in self._index.values() if not e.leases and not e.pinned)
-        return self.allocator.free_bytes + evictable >= aligned(size)
+        """Whether evicting every evictable chunk would free enough bytes (O(1):
+        ``evictable_bytes`` is kept current; asked when pinned or leased chunks
+        make the answer uncertain)."""
+        return self.allocator.free_bytes + self.evictable_bytes >= aligned(size)
 
     async def delete(self, key: ChunkKey) -> bool:
         entry = self._index.get(key)
@@ -292,10 +302,12 @@ class MemoryTier:
             self.pinned_bytes -= entry.size
         else:
             self.policy.removed(entry.key)
+            if not entry.leases:
+                self.evictable_bytes -= entry.extent
         self._account(entry, -1)
         if entry.leases:
             entry.dead = True
-            self.dying_bytes += self.allocator.size_of(entry.offset)
+            self.dying_bytes += entry.extent
         else:
             self.allocator.free(entry.offset)
 
@@ -319,6 +331,8 @@ class MemoryTier:
             return False
         entry.pinned = True
         self.pinned_bytes += entry.size
+        if not entry.leases:
+            self.evictable_bytes -= entry.extent
         self.policy.removed(key)
         return True
 
@@ -328,6 +342,8 @@ class MemoryTier:
             return False
         entry.pinned = False
         self.pinned_bytes -= entry.size
+        if not entry.leases:
+            self.evictable_bytes += entry.extent
         self.policy.inserted(key, entry.size, None)
         return True
 
@@ -355,6 +371,7 @@ class MemoryTier:
             "chunks": self.chunks,
             "pinned_bytes": self.pinned_bytes,
             "leased_chunks": self.leased_chunks,
+            "evictable_bytes": self.evictable_bytes,
             "page_locked": self.pool.pinned,
             "policy": self.policy.name,
             **(self.policy.stats() if hasattr(self.policy, "stats") else {}),
@@ -364,4 +381,5 @@ class MemoryTier:
 
     async def close(self) -> None:
         self._index.clear()
+        self.evictable_bytes = 0
         self.pool.close()
