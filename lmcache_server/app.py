@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from lmcache_client.memtune import tune_malloc
 
 from .config import ServerConfig, disk_path
-from .metrics import ServerMetrics, ShmCollector, StoreCollector
+from .metrics import ServerMetrics, ShmCollector, StoreCollector, TaskFailureCollector
 from .security import Security
 from .server.admission import ByteBudget
 from .server.handlers import Handlers
@@ -31,12 +31,17 @@ from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
 from .storage.allocator import ALIGNMENT
 from .storage.disk import DiskTier
+from .storage.offload import Offload
 from .storage.policy import make_policy
 from .storage.remote import RedisTier
 from .storage.tenants import TenantQuotas
 from .summary import SummaryLog
+from .supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
+
+COPY_THREADS = 2
+"""Threads for multi-MiB copies and checksums (storage/offload.py): they release the GIL."""
 
 
 class App:
@@ -65,6 +70,8 @@ class App:
             c.shm_dir if c.shared_memory else None,
             0o600 if c.shm_access == "owner" else 0o660,
         )
+        supervisor = Supervisor()  # background loops restart after a failure (logged, counted)
+        offload = Offload(COPY_THREADS)  # multi-MiB copies and checksums, off the event loop
         policy = make_policy(c.cache_policy, pool.size, ALIGNMENT)
         memory = MemoryTier(pool, int(c.max_local_cpu_size * c.max_pinned_fraction), policy)
         memory.quotas = TenantQuotas(c.quotas("memory"))
@@ -75,10 +82,12 @@ class App:
                 c.max_local_disk_size,
                 fsync=c.disk_fsync,
                 io_threads=c.disk_io_threads,
+                retry_s=c.disk_retry_s,
                 max_queue_bytes=c.max_spill_queue_size,
                 policy=make_policy(c.cache_policy),
                 direct_io=c.disk_direct_io,
                 spill_ahead_bytes=c.spill_ahead_size,
+                supervisor=supervisor,
             )
             disk.quotas = TenantQuotas(c.quotas("disk"))
             await disk.open()
@@ -92,18 +101,21 @@ class App:
                 max_queue_bytes=c.max_remote_queue_size,
                 username=c.remote_username,
                 password=c.remote_password,
+                offload=offload,
+                supervisor=supervisor,
             )
             await remote.open()
-        store = TieredStore(memory, disk, remote)
+        store = TieredStore(memory, disk, remote, offload=offload, supervisor=supervisor)
         budget = ByteBudget(c.max_inflight_bytes)
         metrics = ServerMetrics(self.registry)
         self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))
+        self.registry.register(TaskFailureCollector(supervisor.failures))
         context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
         shm = ShmLeases(store, pool, c.shm_lease_timeout_s)
         if shm.enabled:
             self.registry.register(ShmCollector(shm.stats))
-        server = ZmqServer(c, Handlers(store, c, budget, shm), budget, metrics, context, security)
-        sweeper = loop.create_task(shm.run()) if shm.enabled else None
+        server = ZmqServer(c, Handlers(store, c, budget, shm), budget, metrics, context, security, supervisor)
+        sweeper = supervisor.spawn("shm_sweeper", shm.run) if shm.enabled else None
         http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready)
         monitor = ConnectionMonitor(metrics)
         summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
@@ -147,6 +159,8 @@ class App:
             shm.close()
             await http.close()
             await store.close()
+            await supervisor.close()
+            offload.close()
             context.term()
         logger.info("lmcache-server stopped")
         return 0

@@ -291,6 +291,12 @@ class ServerConfig:
         "Disk writes: none (page cache decides), data (fsync each file), full (file and directory).",
     )
     disk_io_threads: int = _field(2, _int(1, 64), "an integer 1..64", "Threads doing disk I/O.")
+    disk_retry_s: float = _field(
+        30.0,
+        _float(0.1, 3600.0),
+        "seconds, 0.1..3600",
+        "How long a degraded disk tier (full, unwritable) waits before it tries writing again.",
+    )
     max_spill_queue_size: int = _field(
         256 * 1024**2,
         _size(1 << 20),

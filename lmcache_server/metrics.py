@@ -4,7 +4,9 @@ Primitives: :class:`ServerMetrics` (request counters and latency histograms,
 updated by the server; connection counts, updated by the socket monitor;
 build info and process metrics) and :class:`StoreCollector` (tier gauges and
 counters read from the store at scrape time, so they can never drift from it),
-and :func:`counter_value` (a counter's current total, for the summary log).
+:class:`TaskFailureCollector` (failures of supervised background tasks and of
+requests that hit a bug), and :func:`counter_value` (a counter's current total,
+for the summary log).
 
 Every family is listed in docs/operations.md; deploy/prometheus/rules.yml and
 deploy/grafana/lmcache.json use them (tests check that they name only these).
@@ -245,3 +247,21 @@ class ShmCollector(Collector):
             metric.add_metric(["read"], float(s[read]))
             metric.add_metric(["write"], float(s[write]))
             yield metric
+
+
+class TaskFailureCollector(Collector):
+    """Exports the supervisor's failure counts (lmcache_server/supervisor.py) at scrape time."""
+
+    def __init__(self, failures: dict[str, int]):
+        self.failures = failures
+
+    def collect(self) -> Iterator[Any]:
+        metric = CounterMetricFamily(
+            "lmcache_background_task_failures",
+            "Unexpected failures by task (disk_writer, redis_writer, redis_reconnect, reply_sweeper, shm_sweeper, "
+            "put_fill, dispatch, 'request OP'); a failed loop is restarted.",
+            labels=["task"],
+        )
+        for task, count in sorted(self.failures.items()):
+            metric.add_metric([task], float(count))
+        yield metric

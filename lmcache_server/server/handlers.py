@@ -9,6 +9,7 @@ Primitives: :class:`Handlers` (``handle``) and :class:`Outcome`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
@@ -34,9 +35,10 @@ class Outcome:
     """Chunk bytes a shared-memory client wrote into the pool (commit), for the byte counters."""
     shm_out_bytes: int = 0
     """Chunk bytes a shared-memory client may now read from the pool (get under a lease)."""
-    after_reply: Callable[[], None] | None = None
-    """Work to finish right after the reply is queued, before any other request
-    runs (a put's copy into the pool: it overlaps the client's next transfer)."""
+    after_reply: Callable[[], asyncio.Future[None] | None] | None = None
+    """Work to start right after the reply is queued, before any other request
+    runs (a put's copy into the pool: it overlaps the client's next transfer).
+    It may return a future: the request's bytes stay counted in flight until it is done."""
 
 
 class Handlers:
@@ -94,7 +96,7 @@ class Handlers:
         return Outcome({"time": time.time()})
 
     async def put(self, request: Request) -> Outcome:
-        statuses, finish = self.store.prepare_puts(self._ns(request), request.keys, request.payloads)
+        statuses, finish = await self.store.prepare_puts(self._ns(request), request.keys, request.payloads)
         return Outcome({"status": [int(s) for s in statuses]}, after_reply=finish)
 
     def _shm(self, request: Request) -> ShmLeases:
@@ -209,10 +211,10 @@ class Handlers:
         return Outcome({"removed": await self.store.clear(request.namespace)})
 
     async def pin(self, request: Request) -> Outcome:
-        return Outcome({"pinned": self.store.pin(self._ns(request), request.keys)})
+        return Outcome({"pinned": await self.store.pin(self._ns(request), request.keys)})
 
     async def unpin(self, request: Request) -> Outcome:
-        return Outcome({"unpinned": self.store.unpin(self._ns(request), request.keys)})
+        return Outcome({"unpinned": await self.store.unpin(self._ns(request), request.keys)})
 
     async def stats(self, request: Request) -> Outcome:
         stats = self.store.stats(request.namespace)

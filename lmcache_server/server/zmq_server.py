@@ -33,6 +33,7 @@ from ..metrics import ServerMetrics
 from ..security import Security
 from ..security.access import namespace_view
 from ..storage import Chunk
+from ..supervisor import Supervisor
 from .admission import ByteBudget, ClientLedger
 from .handlers import Handlers, Outcome
 
@@ -84,8 +85,10 @@ class ZmqServer:
         metrics: ServerMetrics,
         context: zmq.asyncio.Context,
         security: Security | None = None,
+        supervisor: Supervisor | None = None,
     ):
         self.config = config
+        self.supervisor = supervisor if supervisor is not None else Supervisor()
         self.security = security if security is not None else Security(config, None, None)
         self.clients = ClientLedger(config.max_client_inflight_requests, config.max_client_inflight_bytes)
         # Limits over all connections of one client key (auth: curve), when set.
@@ -146,11 +149,16 @@ class ZmqServer:
         """Receive and dispatch requests until cancelled."""
         assert self.sock is not None, "bind() first"
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+            self._sweeper = self.supervisor.spawn("reply_sweeper", self._sweep_loop)
         while True:
             first = await self.sock.recv(copy=False)
             frames, dropped = self._receive_rest(first)
-            self._dispatch(frames, dropped)
+            try:
+                self._dispatch(frames, dropped)
+            except Exception as err:
+                # A bug (an accounting assert, say) costs this request, not the daemon.
+                self.supervisor.failed("dispatch", err)
+                self._reply_internal(frames)
 
     def _receive_rest(self, first: zmq.Frame) -> tuple[list[zmq.Frame], int]:
         """The other parts of the message ``first`` began (ZeroMQ delivers all of
@@ -260,6 +268,20 @@ class ZmqServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _reply_internal(self, frames: list[Any]) -> None:
+        """INTERNAL for a message whose dispatch failed (its id, when it can be read)."""
+        try:
+            envelope, body = split_envelope(frames)
+            request_id: int | None = None
+            try:
+                request_id = decode_request(body, self.limits).id
+            except ProtocolError as err:
+                request_id = err.request_id
+            started = time.perf_counter()
+            self._reply_error(envelope, request_id, ErrorCode.INTERNAL, "internal error", "invalid", started)
+        except Exception:
+            logger.exception("could not even answer INTERNAL to a failed request")
+
     def _refuse_frames(self, envelope: list[bytes], body: list[Any], dropped: int, started: float) -> None:
         """A message over the frame cap.  The header is checked alone first, so a
         header that is itself refused (e.g. TOO_MANY_KEYS) gets its own code."""
@@ -280,31 +302,54 @@ class ZmqServer:
         self, envelope: list[bytes], request: Any, size: int, started: float, scoped: bool, owners: Owners
     ) -> None:
         op = request.op.value
+        held = True  # the request's bytes, counted in flight until released
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.budget.release(size)
+                _release(owners, size)
+
         try:
             outcome = await self.handlers.handle(request)
             if scoped:
                 outcome.fields["stats"] = namespace_view(outcome.fields["stats"])
+            # A put's payload frames are copied into the pool after the reply:
+            # they stay counted until that is done.
+            pending = self._reply(envelope, request.id, outcome, op, started, owners)
+            if pending is not None and not pending.done():
+                pending.add_done_callback(lambda _: release())
+                held_after_reply = True
+            else:
+                held_after_reply = False
         except ProtocolError as err:
             if err.code == ErrorCode.BUSY:
                 self.metrics.busy.inc()
             self._reply_error(envelope, request.id, err.code, err.message, op, started)
-            return
+            held_after_reply = False
         except asyncio.CancelledError:
+            release()
             self._reply_error(envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started)
             raise
-        except Exception:
-            logger.exception("unhandled error in %s", op)
+        except Exception as err:
+            self.supervisor.failed(f"request {op}", err)
             self._reply_error(envelope, request.id, ErrorCode.INTERNAL, "internal error", op, started)
-            return
-        finally:
-            self.budget.release(size)
-            _release(owners, size)
-        self._reply(envelope, request.id, outcome, op, started, owners)
+            held_after_reply = False
+        if not held_after_reply:
+            release()
 
     def _reply(
         self, envelope: list[bytes], request_id: int, outcome: Outcome, op: str, started: float, owners: Owners
-    ) -> None:
-        frames: list[Any] = encode_reply(request_id, **outcome.fields)
+    ) -> asyncio.Future[None] | None:
+        """Send a success reply; returns what ``outcome.after_reply`` returned."""
+        try:
+            frames: list[Any] = encode_reply(request_id, **outcome.fields)
+        except BaseException:
+            for chunk in outcome.chunks:
+                chunk.release()
+            self.budget.release(outcome.budget_bytes)
+            raise
         tracked: list[zmq.Frame] = []
         for chunk in outcome.chunks:
             if chunk.nbytes >= ZERO_COPY_THRESHOLD:
@@ -319,6 +364,7 @@ class ZmqServer:
         out = _Outgoing(zmq.MessageTracker(*tracked), outcome.chunks, outcome.budget_bytes, owners)
         for ledger, owner in owners:
             ledger.hold(owner, out.budget_bytes)
+        pending: asyncio.Future[None] | None = None
         try:
             self._send(envelope + frames)
         finally:
@@ -327,8 +373,9 @@ class ZmqServer:
             else:
                 self._finish(out)
             if outcome.after_reply is not None:
-                outcome.after_reply()
+                pending = outcome.after_reply()
         self.metrics.observe(op, "ok", time.perf_counter() - started)
+        return pending
 
     def _reply_error(
         self, envelope: list[bytes], request_id: int | None, code: ErrorCode, message: str, op: str, started: float
@@ -372,12 +419,18 @@ class ZmqServer:
 
     def _sweep(self) -> None:
         pending = []
+        failed: Exception | None = None
         for out in self._outgoing:
-            if out.tracker.done:
-                self._finish(out)
-            else:
+            if not out.tracker.done:
                 pending.append(out)
+                continue
+            try:
+                self._finish(out)
+            except Exception as err:  # an accounting bug: the list must stay consistent anyway
+                failed = err
         self._outgoing = pending
+        if failed is not None:
+            raise failed
 
 
 def _user_id(frame: zmq.Frame) -> str | None:

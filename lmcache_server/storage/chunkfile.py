@@ -19,8 +19,10 @@ A record is served only if the magic, version, both checksums, the namespace
 and the key all match what was asked for; anything else is a miss (and the
 record is discarded), never wrong bytes.
 
-Primitives: :func:`encode_header`, :func:`parse_header` (raises CorruptRecord),
-:func:`verify_payload`, :func:`checksum`.
+Primitives: :func:`encode_header`, :func:`encode_record`, :func:`parse_header`
+(raises CorruptRecord), :func:`verify_payload`, :func:`decode_record`, :func:`checksum`.
+Each of them may run in a worker thread (see :mod:`.offload`): the checksums and
+the copy release the GIL on large buffers.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import struct
 from typing import Any
 
 import crc32c
+
+from .offload import memcopy
 
 MAGIC = b"LMKV"
 FORMAT_VERSION = 1
@@ -97,3 +101,23 @@ def verify_payload(header: RecordHeader, payload: Any, namespace: str, key: byte
         raise CorruptRecord(f"payload is {memoryview(payload).nbytes} bytes, header says {header.payload_len}")
     if checksum(payload) != header.payload_crc:
         raise CorruptRecord("payload checksum mismatch")
+
+
+def encode_record(namespace: str, key: bytes, payload: Any) -> bytearray:
+    """A whole record (header, then a copy of ``payload``) in one new buffer."""
+    source = memoryview(payload).cast("B")
+    header = encode_header(namespace, key, source)
+    record = bytearray(len(header) + source.nbytes)
+    record[: len(header)] = header
+    memcopy(memoryview(record)[len(header) :], source)
+    return record
+
+
+def decode_record(record: Any, namespace: str, key: bytes) -> memoryview:
+    """The payload of a whole record, after every check (raises CorruptRecord)."""
+    if not isinstance(record, (bytes, bytearray, memoryview)):
+        raise CorruptRecord(f"record is a {type(record).__name__}, not bytes")
+    header = parse_header(record)
+    payload = memoryview(record)[header.header_len :]
+    verify_payload(header, payload, namespace, key)
+    return payload

@@ -48,6 +48,7 @@ from typing import Any
 
 from lmcache_client.protocol import PutStatus
 
+from ..supervisor import Supervisor
 from . import disksnapshot
 from .base import Chunk, ChunkKey
 from .chunkfile import CorruptRecord
@@ -112,6 +113,7 @@ class DiskTier:
         policy: EvictionPolicy | None = None,
         direct_io: bool = True,
         spill_ahead_bytes: int = 0,
+        supervisor: Supervisor | None = None,
     ):
         self.root = root
         self.max_bytes = max_bytes
@@ -136,6 +138,7 @@ class DiskTier:
         """Spills waiting to be written (readable meanwhile)."""
         self._writers: list[asyncio.Task[None]] = []
         self._io_threads = io_threads
+        self._supervisor = supervisor if supervisor is not None else Supervisor()
         self._opened = False
 
     async def _run(self, fn: Any, *args: Any) -> Any:
@@ -178,8 +181,7 @@ class DiskTier:
             "direct (O_DIRECT)" if self.direct else "buffered",
             f" (DEGRADED: {self.degraded})" if self.degraded else "",
         )  # fmt: skip
-        loop = asyncio.get_running_loop()
-        self._writers = [loop.create_task(self._write_loop()) for _ in range(self._io_threads)]
+        self._writers = [self._supervisor.spawn("disk_writer", self._write_loop) for _ in range(self._io_threads)]
         self._opened = True
 
     def _prepare_root(self) -> None:

@@ -9,12 +9,23 @@
   :mod:`.chunkfile` records (header with namespace, key, length, CRC32C, then
   the payload), so a damaged or foreign value is a miss, never wrong bytes.
   Optional TTL (``remote_ttl_s``).
-- Writes: every chunk stored in memory is queued (bounded by bytes; full ->
-  drop and count) and written by a background task; a request never waits.
-- Reads: only on a memory and disk miss, bounded by ``remote_timeout_s``.
+- Writes: every chunk stored in memory is queued (:mod:`.remotequeue`,
+  bounded by bytes; full -> drop and count), its record (checksum and copy)
+  built off the event loop (:mod:`.offload`), and written by a background
+  task; a request never waits.  A write leaves the queue only once Redis
+  acknowledged it: one that failed is written again when Redis is back, and
+  writes queued while it is down wait (up to the bound) instead of being dropped.
+- Removals: delete and clear take the chunks out of the queue too (a queued
+  write must not re-create them), and what Redis could not be told (it was
+  down, or a write may still land) is sent before any later write.
+- Reads: only on a memory and disk miss, bounded by ``remote_timeout_s``;
+  records are verified off the loop.
 - Failure: any Redis error marks the uplink down (logged once, ``up`` metric
-  0); while down, reads are misses and writes are dropped and counted; a
-  background task pings with exponential backoff and resumes by itself.
+  0) and drops every pooled connection (they lead to the old server); while
+  down, reads are misses.  A background probe (redis-py's ``Retry`` with
+  exponential backoff and jitter) brings it back; each command also retries
+  on a fresh connection (redis-py's ``Retry``) before it counts as a failure.
+  The writer and the probe are supervised (:mod:`..supervisor`).
 
 Primitives: ``open``, ``get``, ``enqueue``, ``exists_many``, ``delete``,
 ``clear``, ``flush``, ``stats``, ``close``.
@@ -23,28 +34,36 @@ Primitives: ``open``, ``get``, ``enqueue``, ``exists_many``, ``delete``,
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import hashlib
 import logging
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
 from lmcache_client.protocol import PutStatus
 
 from ..config import redact
+from ..supervisor import Supervisor
 from .base import Chunk, ChunkKey
-from .chunkfile import CorruptRecord, encode_header, parse_header, verify_payload
+from .chunkfile import CorruptRecord, decode_record, encode_record
+from .offload import Offload
+from .remotequeue import Write, WriteQueue
 
 logger = logging.getLogger(__name__)
 
 _ERRORS = (RedisError, OSError, TimeoutError, asyncio.TimeoutError)
+COMMAND_RETRIES = 2
+"""Retries of one command on a fresh connection (redis-py's Retry) before it counts as a failure."""
+POISON_FAILURES = 3
+"""A queued write that fails this many times with an unexpected error is dropped (counted)."""
 
 
 @dataclasses.dataclass
@@ -73,6 +92,8 @@ class RedisTier:
         username: str | None = None,
         password: str | None = None,
         max_backoff_s: float = 10.0,
+        offload: Offload | None = None,
+        supervisor: Supervisor | None = None,
     ):
         self.url = url
         self.key_prefix = key_prefix
@@ -82,19 +103,24 @@ class RedisTier:
         self.max_backoff_s = max_backoff_s
         self.counters = RemoteCounters()
         self.up = False
+        self._offload = offload if offload is not None else Offload(1, "lmcache-redis")
+        self._own_offload = offload is None
+        self._supervisor = supervisor if supervisor is not None else Supervisor()
         self._client = self._connect(url, username, password)
-        self._queue: collections.deque[tuple[ChunkKey, bytearray, int]] = collections.deque()
-        self._queued_bytes = 0
-        self._wake = asyncio.Event()
+        self.queue = WriteQueue(max_queue_bytes)
+        self._wake = asyncio.Event()  # the queue or the state changed
         self._tasks: list[asyncio.Task[None]] = []
-        self._reconnecting: asyncio.Task[None] | None = None
-        self._writing = 0
+        self._probing: asyncio.Task[None] | None = None
+        self._building: set[asyncio.Task[None]] = set()
+        self._writing: Write | None = None
 
     def _connect(self, url: str, username: str | None, password: str | None) -> Any:
         kwargs: dict[str, Any] = {
             "socket_timeout": self.timeout_s,
             "socket_connect_timeout": self.timeout_s,
             "decode_responses": False,
+            # A command that fails on a dead connection is sent again on a new one.
+            "retry": Retry(ExponentialWithJitterBackoff(cap=0.25, base=0.01), COMMAND_RETRIES),
         }
         if username:
             kwargs["username"] = username
@@ -119,88 +145,162 @@ class RedisTier:
             logger.info("Redis uplink %s connected", redact(self.url))
         except _ERRORS as err:
             self._mark_down(err)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._write_loop()))
+        self._tasks.append(self._supervisor.spawn("redis_writer", self._write_loop))
 
     def _mark_down(self, err: BaseException) -> None:
-        if self.up or self._reconnecting is None:
+        if self.up or self._probing is None:
             logger.warning("Redis uplink %s down (%s: %s); serving from memory and disk, retrying",
                            redact(self.url), type(err).__name__, err)  # fmt: skip
         self.up = False
-        if self._reconnecting is None or self._reconnecting.done():
-            self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect_loop())
+        self._wake.set()
+        if self._probing is None or self._probing.done():
+            self._probing = self._supervisor.spawn("redis_reconnect", self._reconnect)
 
-    async def _reconnect_loop(self) -> None:
-        backoff = 0.2
-        while not self.up:
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.max_backoff_s)
-            try:
-                await asyncio.wait_for(self._client.ping(), self.timeout_s)
-            except _ERRORS:
-                continue
-            self.up = True
-            self.counters.reconnects += 1
-            logger.info("Redis uplink %s restored", redact(self.url))
-            self._wake.set()
+    async def _drop_connections(self) -> None:
+        """Close every pooled connection: after an outage they lead to the old server."""
+        try:
+            if isinstance(self._client, RedisCluster):
+                await self._client.aclose()  # the next command rediscovers the nodes
+            else:
+                await self._client.connection_pool.disconnect()
+        except _ERRORS:
+            pass
+
+    async def _reconnect(self) -> None:
+        """Probe until Redis answers (redis-py's Retry: exponential backoff with jitter, no limit)."""
+        await self._drop_connections()
+        probe = Retry(ExponentialWithJitterBackoff(cap=self.max_backoff_s, base=0.1), -1, _ERRORS)  # type: ignore[arg-type]
+
+        async def ping() -> None:
+            await asyncio.wait_for(self._client.ping(), self.timeout_s)
+
+        async def failed(err: Exception) -> None:
+            await self._drop_connections()
+
+        await probe.call_with_retry(ping, failed)
+        await self._drop_connections()  # whatever was opened while it was coming back starts afresh
+        self.up = True
+        self.counters.reconnects += 1
+        logger.info("Redis uplink %s restored", redact(self.url))
+        self._wake.set()
 
     async def flush(self, timeout_s: float) -> bool:
-        """Wait until queued writes are written (True) or the timeout passes."""
+        """Wait until queued writes and removals reached Redis (True) or the timeout passes."""
         deadline = time.monotonic() + timeout_s
-        while (self._queue or self._writing) and self.up and time.monotonic() < deadline:
+        while not self._drained() and self.up and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        return not self._queue and not self._writing
+        return self._drained()
+
+    def _drained(self) -> bool:
+        return self.queue.idle() and self._writing is None and not self._building
 
     async def close(self) -> None:
-        for task in [*self._tasks, self._reconnecting]:
+        for task in [*self._tasks, self._probing, *self._building]:
             if task is not None:
                 task.cancel()
-        await asyncio.gather(*[t for t in [*self._tasks, self._reconnecting] if t], return_exceptions=True)
+        await asyncio.gather(*[t for t in [*self._tasks, self._probing, *self._building] if t], return_exceptions=True)
+        if self._own_offload:
+            self._offload.close()
         try:
             await self._client.aclose()
         except _ERRORS:
             pass
 
     # -- writes --------------------------------------------------------------------
-    def enqueue(self, key: ChunkKey, data: Any) -> bool:
-        """Queue a chunk for Redis; False (counted) if the uplink is down or the queue full."""
+    def accepts(self, size: int) -> bool:
+        return self.queue.fits(size)
+
+    def enqueue(self, key: ChunkKey, data: Any, release: Callable[[], None] | None = None) -> bool:
+        """Queue a chunk for Redis; False (counted) if the queue is full.
+
+        The record is built off the event loop from ``data``, which must stay
+        unchanged until ``release()`` is called (once, when it has been copied
+        or the write is dropped); without ``release`` the bytes must never change.
+        """
         size = memoryview(data).nbytes
-        if not self.up or self._queued_bytes + size > self.max_queue_bytes:
+        if not self.queue.fits(size):
             self.counters.dropped_writes += 1
+            if release is not None:
+                release()
             return False
-        header = encode_header(key.namespace, key.digest, data)
-        value = bytearray(len(header) + size)
-        value[: len(header)] = header
-        value[len(header) :] = memoryview(data).cast("B")
-        self._queue.append((key, value, size))
-        self._queued_bytes += size
-        self._wake.set()
+        write = self.queue.add(key, size)
+        if write is None:  # already queued
+            if release is not None:
+                release()
+            return True
+        task = asyncio.get_running_loop().create_task(self._build(write, data, release))
+        self._building.add(task)
+        task.add_done_callback(self._building.discard)
         return True
+
+    async def _build(self, write: Write, data: Any, release: Callable[[], None] | None) -> None:
+        try:
+            record = await self._offload.run(encode_record, write.key.namespace, write.key.digest, data)
+        except Exception as err:
+            logger.warning("Redis uplink: cannot build the record of a chunk (%s); not written", err)
+            self.counters.dropped_writes += 1
+            self.queue.done(write)
+            return
+        finally:
+            if release is not None:
+                release()
+        if self.queue.built(write, record):
+            self._wake.set()
 
     async def _write_loop(self) -> None:
         while True:
-            if not self._queue:
+            if not self.up or (self.queue.head() is None and not self.queue.pending_removals):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            key, value, size = self._queue.popleft()
-            self._writing += 1
+            write: Write | None = None
             try:
-                if not self.up:
-                    self.counters.dropped_writes += 1
-                    continue
-                # A memoryview goes out as its own chunk (redis-py's asyncio packer), uncopied.
-                await self._client.set(self.redis_key(key), memoryview(value), px=self.ttl_ms)
-                self.counters.stores += 1
+                await self._send_removals()
+                write = self.queue.head()
+                if write is not None:
+                    await self._send(write)
             except _ERRORS as err:
                 self.counters.write_errors += 1
-                self.counters.dropped_writes += 1
-                self._mark_down(err)
-            finally:
-                self._writing -= 1
-                self._queued_bytes -= size
+                self._mark_down(err)  # the write stays queued: sent again once Redis is back
+            except Exception:
+                # Not a Redis failure: a bug or a reply nothing expects.  The
+                # supervisor logs, counts and restarts the loop; a write that
+                # keeps failing so is dropped rather than blocking the queue.
+                if write is not None:
+                    write.failures += 1
+                    if write.failures >= POISON_FAILURES:
+                        self.queue.done(write)
+                        self.counters.dropped_writes += 1
+                raise
+
+    async def _send(self, write: Write) -> None:
+        assert write.record is not None
+        self._writing = write
+        write.attempted = True
+        try:
+            # A memoryview goes out as its own chunk (redis-py's asyncio packer), uncopied.
+            await self._client.set(self.redis_key(write.key), memoryview(write.record), px=self.ttl_ms)
+        finally:
+            self._writing = None
+        self.counters.stores += 1
+        self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
+
+    async def _send_removals(self) -> None:
+        clears, deletes = self.queue.take_removals()
+        try:
+            for namespace in list(clears):
+                await self._clear_in_redis(namespace)
+                clears.remove(namespace)
+            while deletes:
+                batch = deletes[-500:]
+                await self._delete_in_redis(batch)
+                del deletes[-len(batch) :]
+        except BaseException:
+            self.queue.put_back(clears, deletes)
+            raise
 
     async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
-        return PutStatus.STORED if self.enqueue(key, data) else PutStatus.NO_SPACE
+        return PutStatus.STORED if self.enqueue(key, bytes(data)) else PutStatus.NO_SPACE
 
     # -- reads ---------------------------------------------------------------------
     def peek(self, key: ChunkKey) -> bool:
@@ -218,6 +318,11 @@ class RedisTier:
         except _ERRORS as err:
             self.counters.read_errors += 1
             self._mark_down(err)
+            return [False] * len(keys)
+        if not isinstance(found, list) or len(found) != len(keys) or not all(isinstance(n, int) for n in found):
+            # A server that speaks RESP but not Redis: answer misses, count it.
+            self.counters.read_errors += 1
+            logger.warning("Redis uplink: EXISTS answered %.80r; treated as misses", found)
             return [False] * len(keys)
         return [bool(n) for n in found]
 
@@ -240,15 +345,13 @@ class RedisTier:
             self.counters.misses += 1
             return None
         try:
-            header = parse_header(value)
-            payload = memoryview(value)[header.header_len :]
-            verify_payload(header, payload, key.namespace, key.digest)
+            payload = await self._offload.run(decode_record, value, key.namespace, key.digest)
         except CorruptRecord as err:
             logger.warning("Redis value %r is damaged (%s); deleted, answered as a miss", rkey, err)
             self.counters.corrupt += 1
             self.counters.misses += 1
             try:
-                await self._client.delete(rkey)
+                await asyncio.wait_for(self._client.delete(rkey), self.timeout_s)
             except _ERRORS:
                 pass
             return None
@@ -257,33 +360,54 @@ class RedisTier:
 
     # -- removal -------------------------------------------------------------------
     async def delete(self, key: ChunkKey) -> bool:
+        """Remove ``key`` from Redis and from the write queue (while down: once it is back)."""
+        queued = self.queue.cancel(key)
         if not self.up:
-            return False
+            self.queue.remember_delete(key)
+            self._wake.set()
+            return queued
         try:
-            return bool(await asyncio.wait_for(self._client.delete(self.redis_key(key)), self.timeout_s))
+            removed = await self._delete_in_redis([key])
         except _ERRORS as err:
+            self.queue.remember_delete(key)
             self._mark_down(err)
-            return False
+            return queued
+        return bool(removed) or queued
+
+    async def _delete_in_redis(self, keys: Sequence[ChunkKey]) -> int:
+        rkeys = [self.redis_key(k) for k in keys]
+        if self._cluster:
+            return await asyncio.wait_for(self._unlink(rkeys), self.timeout_s)
+        return int(await asyncio.wait_for(self._client.delete(*rkeys), self.timeout_s))
 
     async def clear(self, namespace: str | None) -> int:
-        """Remove this daemon's keys (all under the prefix, or one namespace's) from Redis."""
+        """Remove this daemon's keys (all under the prefix, or one namespace's) from
+        Redis and from the write queue (while down: from Redis once it is back)."""
+        queued = self.queue.cancel_namespace(namespace)
         if not self.up:
-            return 0
+            self.queue.remember_clear(namespace)
+            self._wake.set()
+            return queued
+        try:
+            return max(await self._clear_in_redis(namespace), queued)
+        except _ERRORS as err:
+            self.queue.remember_clear(namespace)
+            self._mark_down(err)
+            return queued
+
+    async def _clear_in_redis(self, namespace: str | None) -> int:
         pattern = self.key_prefix + (
             hashlib.sha256(namespace.encode()).hexdigest()[:16] + ":*" if namespace is not None else "*"
         )
         removed = 0
-        try:
-            batch: list[bytes] = []
-            async for rkey in self._client.scan_iter(match=pattern, count=1000):
-                batch.append(rkey)
-                if len(batch) >= 500:
-                    removed += await self._client.delete(*batch) if not self._cluster else await self._unlink(batch)
-                    batch = []
-            if batch:
+        batch: list[bytes] = []
+        async for rkey in self._client.scan_iter(match=pattern, count=1000):
+            batch.append(rkey)
+            if len(batch) >= 500:
                 removed += await self._client.delete(*batch) if not self._cluster else await self._unlink(batch)
-        except _ERRORS as err:
-            self._mark_down(err)
+                batch = []
+        if batch:
+            removed += await self._client.delete(*batch) if not self._cluster else await self._unlink(batch)
         return removed
 
     @property
@@ -307,8 +431,10 @@ class RedisTier:
         return {
             "up": self.up,
             "url": redact(self.url),
-            "queued_writes": len(self._queue) + self._writing,
-            "queued_bytes": self._queued_bytes,
+            "queued_writes": len(self.queue),
+            "queued_bytes": self.queue.nbytes,
+            "pending_removals": self.queue.pending_removals,
+            "lost_deletes": self.queue.lost_deletes,
             "ttl_s": (self.ttl_ms or 0) / 1000,
             **dataclasses.asdict(self.counters),
         }

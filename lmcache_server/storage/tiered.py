@@ -7,28 +7,43 @@ Tiers are ordered fastest first: memory, then disk, then Redis.
 - Writes go to memory.  A chunk evicted from memory *spills* to disk through
   the disk tier's bounded write-behind queue (never blocking the request);
   every chunk stored is also queued for Redis, so other nodes see it.
+- Multi-MiB copies (a put's payload into the pool, a promotion from Redis)
+  run off the event loop (:mod:`.offload`).  A put is answered as soon as its
+  room is reserved; its chunks are *filling* until copied, and every read,
+  lookup, delete or pin of a filling chunk waits for (or counts) the fill, so a
+  client that was answered STORED always sees its chunk.
+- Reservations are never leaked: a read that fails or is cancelled gives its
+  room back, and a cancelled one only once the thread writing into that room
+  has finished; leases taken for a batch are released if the batch fails.
 - Lower tiers are inclusive: a promoted chunk stays on disk, so evicting it
   again costs no write.
 - lookup/exists look at every tier without touching recency.
 
 Batching, promotion, spill and lookup semantics are written here once, not in
-each tier.  Primitives: ``get_many``, ``put_many``, ``lookup``, ``exists``,
-``delete``, ``clear``, ``pin``, ``unpin``, ``stats``, ``flush``, ``close``.
+each tier.  Primitives: ``get_many``, ``prepare_puts``, ``put_many``,
+``reserve``, ``commit``, ``abort``, ``lookup``, ``exists``, ``delete``,
+``clear``, ``pin``, ``unpin``, ``stats``, ``flush``, ``close``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from lmcache_client.protocol import PutStatus
 
+from ..supervisor import Supervisor
 from .base import Chunk, ChunkKey, Tier
 from .disk import DiskTier
 from .memory import MemoryTier, Reservation
+from .offload import Offload
 from .remote import RedisTier
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -39,10 +54,24 @@ class LookupCounters:
 
 
 class TieredStore:
-    def __init__(self, memory: MemoryTier, disk: DiskTier | None = None, remote: RedisTier | None = None):
+    def __init__(
+        self,
+        memory: MemoryTier,
+        disk: DiskTier | None = None,
+        remote: RedisTier | None = None,
+        *,
+        offload: Offload | None = None,
+        supervisor: Supervisor | None = None,
+    ):
         self.memory = memory
         self.disk = disk
         self.remote = remote
+        self.offload = offload if offload is not None else Offload()
+        self._own_offload = offload is None
+        self.supervisor = supervisor if supervisor is not None else Supervisor()
+        self._filling: dict[ChunkKey, asyncio.Future[None]] = {}
+        """Chunks answered STORED whose bytes are still being copied into the pool."""
+        self._fills: set[asyncio.Task[None]] = set()
         self.lower: list[Tier] = [t for t in (disk, remote) if t is not None]
         self.tiers: list[Tier] = [memory, *self.lower]
         self.lookup_counters = LookupCounters()
@@ -66,29 +95,66 @@ class TieredStore:
         disk.enqueue(key, chunk.data)
         return True
 
+    async def _filled(self, key: ChunkKey) -> None:
+        """Return once ``key`` is not filling (a put answered STORED is visible)."""
+        fill = self._filling.get(key)
+        if fill is not None:
+            await asyncio.shield(fill)
+
+    async def _settled(self, namespace: str | None) -> None:
+        """Return once no chunk of ``namespace`` (None: any) is filling."""
+        fills = [f for k, f in self._filling.items() if namespace is None or k.namespace == namespace]
+        if fills:
+            await asyncio.shield(asyncio.gather(*fills, return_exceptions=True))
+
     async def get_many(self, namespace: str, digests: Sequence[bytes]) -> list[Chunk | None]:
-        """One Chunk per hit (release each: memory hits are leased), None per miss."""
+        """One Chunk per hit (release each: memory hits are leased), None per miss.
+        If a tier read fails, the leases already taken are released before the error propagates."""
         out: list[Chunk | None] = []
-        for digest in digests:
-            key = ChunkKey(namespace, digest)
-            chunk = await self.memory.get(key)
-            if chunk is None and self.disk is not None:
-                chunk = await self._promote_from_disk(self.disk, key)
-            if chunk is None:
-                for tier in self.lower:
-                    chunk = await tier.get(key)
-                    if chunk is not None:
-                        if await self.memory.put(key, chunk.data) is PutStatus.STORED:
-                            self.promotions[tier.name] += 1
-                            # Serve the pool copy: leased like any memory hit
-                            # (zero-copy and shared-memory replies need it there).
-                            promoted = self.memory.lease(key)
-                            if promoted is not None:
-                                chunk.release()
-                                chunk = promoted
-                        break
-            out.append(chunk)
+        try:
+            for digest in digests:
+                key = ChunkKey(namespace, digest)
+                await self._filled(key)
+                chunk = await self.memory.get(key)
+                if chunk is None and self.disk is not None:
+                    chunk = await self._promote_from_disk(self.disk, key)
+                if chunk is None:
+                    # (the disk again too: a hit there with no room in the pool is
+                    # still served, from a copy)
+                    for tier in self.lower:
+                        chunk = await tier.get(key)
+                        if chunk is not None:
+                            chunk = await self._promote(tier.name, key, chunk)
+                            break
+                out.append(chunk)
+        except BaseException:
+            for chunk in out:
+                if chunk is not None:
+                    chunk.release()
+            raise
         return out
+
+    async def _promote(self, tier: str, key: ChunkKey, chunk: Chunk) -> Chunk:
+        """Copy a lower-tier hit into the pool (off the loop) and serve the pool copy,
+        leased like any memory hit (zero-copy and shared-memory replies need it
+        there); the hit as read when there is no room."""
+        reservation = self.memory.prepare_store(key, chunk.nbytes)
+        if not isinstance(reservation, Reservation):
+            promoted = self.memory.lease(key) if reservation is PutStatus.EXISTS else None
+        else:
+
+            async def fill() -> bool:
+                await self.offload.copy(reservation.view, chunk.data)
+                return True
+
+            promoted = None
+            if await self._fill_reservation(reservation, fill()) is PutStatus.STORED:
+                self.promotions[tier] += 1
+                promoted = self.memory.lease(key)
+        if promoted is None:
+            return chunk
+        chunk.release()
+        return promoted
 
     async def _promote_from_disk(self, disk: DiskTier, key: ChunkKey) -> Chunk | None:
         """Read a disk chunk straight into reserved pool memory (one copy, then a
@@ -99,17 +165,50 @@ class TieredStore:
         reservation = self.memory.prepare_store(key, size)
         if not isinstance(reservation, Reservation):
             return self.memory.lease(key) if reservation is PutStatus.EXISTS else None
-        if await disk.get(key, reservation.view) is None:
-            self.memory.abort_store(reservation)
-            return None
-        if self.memory.complete_store(reservation) is PutStatus.STORED:
+
+        async def fill() -> bool:
+            return await disk.get(key, reservation.view) is not None
+
+        if await self._fill_reservation(reservation, fill()) is PutStatus.STORED:
             self.promotions[disk.name] += 1
         return self.memory.lease(key)
+
+    async def _fill_reservation(self, reservation: Reservation, fill: Awaitable[bool]) -> PutStatus | None:
+        """Run ``fill`` (it writes ``reservation.view``, possibly from another
+        thread) and make the chunk visible if it returns True; None when it did not.
+
+        The room is given back if the fill fails, is refused or the caller is
+        cancelled, but in that last case only once the fill itself has ended:
+        a thread may still be writing into the room.
+        """
+        task = asyncio.ensure_future(fill)
+        try:
+            ok = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                self.memory.abort_store(reservation)
+            else:
+                task.add_done_callback(lambda t: self._abandoned(reservation, t))
+            raise
+        except BaseException:
+            self.memory.abort_store(reservation)
+            raise
+        if not ok:
+            self.memory.abort_store(reservation)
+            return None
+        return self.memory.complete_store(reservation)
+
+    def _abandoned(self, reservation: Reservation, fill: asyncio.Future[bool]) -> None:
+        """The fill of a cancelled read ended: now its room can go back."""
+        if not fill.cancelled() and fill.exception() is not None:
+            logger.warning("an abandoned read into the pool failed: %s", fill.exception())
+        self.memory.abort_store(reservation)
 
     def reserve(self, namespace: str, digests: Sequence[bytes], sizes: Sequence[int]) -> list[Reservation | PutStatus]:
         """Phase one of a put: room in the pool for each chunk (invisible to
         readers until :meth:`commit`), or the PutStatus saying why there is none.
-        A key repeated within the batch is EXISTS after its first occurrence."""
+        A key repeated within the batch, or still filling from an earlier put,
+        is EXISTS."""
         out: list[Reservation | PutStatus] = []
         reserved: set[ChunkKey] = set()
         # Consecutive keys of one put are (nearly always) one prefix chain: the
@@ -117,7 +216,7 @@ class TieredStore:
         parent: ChunkKey | None = None
         for digest, size in zip(digests, sizes):
             key = ChunkKey(namespace, digest)
-            if key in reserved:
+            if key in reserved or key in self._filling:
                 out.append(PutStatus.EXISTS)
                 continue
             reservation = self.memory.prepare_store(key, size, parent)
@@ -131,42 +230,88 @@ class TieredStore:
         """Phase two: the filled reservation becomes visible, and is queued for Redis."""
         status = self.memory.complete_store(reservation)
         if self.remote is not None and status is PutStatus.STORED:
-            self.remote.enqueue(reservation.key, reservation.view)
+            self._uplink(reservation.key)
         return status
+
+    def _uplink(self, key: ChunkKey) -> None:
+        """Queue a stored chunk for Redis; leased until its record is built (off the loop)."""
+        assert self.remote is not None
+        lease = self.memory.lease(key)
+        if lease is not None:
+            self.remote.enqueue(key, lease.data, lease.release)
 
     def abort(self, reservation: Reservation) -> None:
         self.memory.abort_store(reservation)
 
-    def prepare_puts(
+    async def prepare_puts(
         self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]
-    ) -> tuple[list[PutStatus], Callable[[], None]]:
+    ) -> tuple[list[PutStatus], Callable[[], asyncio.Future[None] | None]]:
         """A put of payload frames: the statuses to answer now, and ``finish``.
 
-        ``finish`` copies the payloads in and makes the chunks visible.  The
-        server calls it right after queueing the reply, in the same event-loop
-        step, so no other request can observe the gap, while ZeroMQ's I/O
-        thread already receives the client's next request: the copy into the
-        pool overlaps the next transfer instead of delaying it.
+        ``finish`` starts copying the payloads in (off the event loop) and
+        returns a future done once every chunk is visible (None: nothing to
+        copy); the payloads must stay alive until then.  The server calls it
+        right after queueing the reply, in the same event-loop step: from then
+        on the chunks are *filling*, and reads of them wait, so no request can
+        observe the gap, while ZeroMQ's I/O thread already receives the
+        client's next request and the event loop serves others.
         """
         sources = [memoryview(p).cast("B") for p in payloads]
-        outcomes = self.reserve(namespace, digests, [src.nbytes for src in sources])
+        sizes = [src.nbytes for src in sources]
+        outcomes = self.reserve(namespace, digests, sizes)
+        if self._fills and PutStatus.NO_SPACE in outcomes:
+            # Chunks still being copied in cannot be evicted yet: once they are
+            # stored (milliseconds), there may be room after all.
+            await asyncio.wait(list(self._fills))
+            for i, outcome in enumerate(outcomes):
+                if outcome is PutStatus.NO_SPACE:
+                    outcomes[i] = self.reserve(namespace, digests[i : i + 1], sizes[i : i + 1])[0]
         pending = [(r, src) for r, src in zip(outcomes, sources) if isinstance(r, Reservation)]
         statuses = [PutStatus.STORED if isinstance(r, Reservation) else r for r in outcomes]
 
-        def finish() -> None:
-            for reservation, src in pending:
-                reservation.view[:] = src
-                self.commit(reservation)
+        def finish() -> asyncio.Future[None] | None:
+            if not pending:
+                return None
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            for reservation, _ in pending:
+                self._filling[reservation.key] = done
+            task = asyncio.get_running_loop().create_task(self._fill(pending, done))
+            self._fills.add(task)
+            task.add_done_callback(self._fills.discard)
+            return done
 
         return statuses, finish
 
+    async def _fill(self, pending: list[tuple[Reservation, memoryview]], done: asyncio.Future[None]) -> None:
+        """Copy a put's payloads into their reservations (off the loop) and commit them."""
+        left = list(pending)
+        try:
+            while left:
+                reservation, src = left[0]
+                await self.offload.copy(reservation.view, src)
+                left.pop(0)
+                self.commit(reservation)
+                del self._filling[reservation.key]
+        except BaseException as err:  # not expected: the copy of two same-sized buffers
+            for reservation, _ in left:
+                self._filling.pop(reservation.key, None)
+                self.memory.abort_store(reservation)
+            if not isinstance(err, asyncio.CancelledError):
+                self.supervisor.failed("put_fill", err)
+        finally:
+            done.set_result(None)
+
     async def put_many(self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]) -> list[PutStatus]:
-        """Store the chunks now (prepare_puts + finish in one step)."""
-        statuses, finish = self.prepare_puts(namespace, digests, payloads)
-        finish()
+        """Store the chunks now (prepare_puts, then wait for finish)."""
+        statuses, finish = await self.prepare_puts(namespace, digests, payloads)
+        done = finish()
+        if done is not None:
+            await done
         return statuses
 
     def _where(self, key: ChunkKey) -> str | None:
+        if key in self._filling:
+            return self.memory.name
         return next((t.name for t in self.tiers if t.peek(key)), None)
 
     async def _locate(self, namespace: str, digests: Sequence[bytes]) -> list[str | None]:
@@ -198,12 +343,14 @@ class TieredStore:
         out = []
         for digest in digests:
             key = ChunkKey(namespace, digest)
+            await self._filled(key)
             out.append(any([await t.delete(key) for t in self.tiers]))
         return out
 
     async def clear(self, namespace: str | None) -> int:
         """Chunks removed (a chunk in two local tiers counts once; Redis keys count
         when no local tier held them)."""
+        await self._settled(namespace)
         keys: set[ChunkKey] = set()
         for tier in self.tiers:
             keys.update(_keys_of(tier, namespace))
@@ -214,11 +361,17 @@ class TieredStore:
                 remote_removed = removed
         return max(len(keys), remote_removed)
 
-    def pin(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
-        return [self.memory.pin(ChunkKey(namespace, d)) for d in digests]
+    async def pin(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
+        keys = [ChunkKey(namespace, d) for d in digests]
+        for key in keys:
+            await self._filled(key)
+        return [self.memory.pin(key) for key in keys]
 
-    def unpin(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
-        return [self.memory.unpin(ChunkKey(namespace, d)) for d in digests]
+    async def unpin(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
+        keys = [ChunkKey(namespace, d) for d in digests]
+        for key in keys:
+            await self._filled(key)
+        return [self.memory.unpin(key) for key in keys]
 
     def stats(self, namespace: str | None = None) -> dict[str, Any]:
         c = self.lookup_counters
@@ -241,18 +394,25 @@ class TieredStore:
         return out
 
     async def flush(self, timeout_s: float) -> bool:
-        """Let write-behind queues drain (shutdown); True if everything was written."""
+        """Let fills and write-behind queues drain (shutdown); True if everything was written."""
         deadline = time.monotonic() + timeout_s
-        done = True
+        if self._fills:
+            await asyncio.wait(list(self._fills), timeout=timeout_s)
+        done = not self._fills
         for tier in (self.remote, self.disk):
             if tier is not None:
                 done = await tier.flush(max(0.0, deadline - time.monotonic())) and done
         return done
 
     async def close(self) -> None:
+        # Fills write into the pool from a thread: let them end (milliseconds) first.
+        if self._fills:
+            await asyncio.wait(list(self._fills))
         # Lowest first: their writers may still be reading pool memory (lent spills).
         for tier in reversed(self.tiers):
             await tier.close()
+        if self._own_offload:
+            self.offload.close()
 
 
 def _keys_of(tier: Tier, namespace: str | None) -> list[ChunkKey]:

@@ -1,0 +1,148 @@
+"""The Redis uplink's write-behind queue: what is still to be written to (or removed from) Redis.
+
+- Writes: one entry per key, in arrival order, bounded by payload bytes.  An
+  entry is added at once (the room is taken) and its record built off the
+  event loop; the writer takes the oldest built entry, and the entry leaves the
+  queue only when Redis acknowledged it, so a write that failed (Redis went
+  away) is written again once it is back, never dropped.
+- Removals: deleting or clearing a queued chunk takes it out of the queue (a
+  queued SET must not re-create a deleted chunk).  A chunk whose SET may
+  already be on its way (the one being written, or one whose write failed
+  half-way) and removals Redis could not be told about (it was down) are
+  remembered and sent before any later write: pending deletes (bounded in
+  count) and pending clears (one per namespace, or all).
+
+Primitive: :class:`WriteQueue` (``fits``, ``add``, ``built``, ``head``,
+``done``, ``cancel``, ``cancel_namespace``, ``remember_delete``,
+``remember_clear``, ``take_removals``, ``idle``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from .base import ChunkKey
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_DELETES = 65536
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Write:
+    key: ChunkKey
+    size: int
+    record: bytearray | None = None  # None until built
+    cancelled: bool = False  # deleted (or cleared) after it was queued
+    attempted: bool = False  # a SET of it was sent at least once (it may have landed)
+    failures: int = 0  # unexpected (non-Redis) errors while writing it
+
+
+class WriteQueue:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.lost_deletes = 0  # removals not remembered (over MAX_PENDING_DELETES)
+        self._writes: dict[ChunkKey, Write] = {}
+        self._deletes: set[ChunkKey] = set()
+        self._clears: set[str | None] = set()
+
+    def __len__(self) -> int:
+        return len(self._writes)
+
+    @property
+    def pending_removals(self) -> int:
+        return len(self._deletes) + len(self._clears)
+
+    def fits(self, size: int) -> bool:
+        return self.nbytes + size <= self.max_bytes
+
+    def idle(self) -> bool:
+        """Nothing to write and nothing to remove."""
+        return not self._writes and not self._deletes and not self._clears
+
+    def add(self, key: ChunkKey, size: int) -> Write | None:
+        """Take room for a write of ``key`` (None: already queued)."""
+        if key in self._writes:
+            return None
+        write = Write(key, size)
+        self._writes[key] = write
+        self.nbytes += size
+        return write
+
+    def built(self, write: Write, record: bytearray) -> bool:
+        """The record of ``write`` is ready; False if it was removed meanwhile."""
+        if self._writes.get(write.key) is not write:
+            return False
+        write.record = record
+        return True
+
+    def head(self) -> Write | None:
+        """The oldest write whose record is built (None if none is)."""
+        return next((w for w in self._writes.values() if w.record is not None), None)
+
+    def done(self, write: Write) -> None:
+        """``write`` left the queue: written, or dropped (its record could not be built)."""
+        if self._writes.get(write.key) is write:
+            del self._writes[write.key]
+            self.nbytes -= write.size
+
+    def _remove(self, write: Write) -> None:
+        write.cancelled = True
+        del self._writes[write.key]
+        self.nbytes -= write.size
+        if write.attempted:  # the SET may still land: delete after it
+            self.remember_delete(write.key)
+
+    def cancel(self, key: ChunkKey) -> bool:
+        """Take a queued write of ``key`` out; True if there was one."""
+        write = self._writes.get(key)
+        if write is None:
+            return False
+        self._remove(write)
+        return True
+
+    def cancel_namespace(self, namespace: str | None) -> int:
+        """Take every queued write of ``namespace`` (None: all) out; how many."""
+        writes = [w for k, w in self._writes.items() if namespace is None or k.namespace == namespace]
+        for write in writes:
+            self._remove(write)
+        return len(writes)
+
+    def remember_delete(self, key: ChunkKey) -> None:
+        """Delete ``key`` in Redis before any later write (it is down, or a SET may still land)."""
+        if len(self._deletes) >= MAX_PENDING_DELETES:
+            if not self.lost_deletes:
+                logger.warning("Redis uplink: over %d deletes wait for Redis; further ones are not remembered",
+                               MAX_PENDING_DELETES)  # fmt: skip
+            self.lost_deletes += 1
+            return
+        self._deletes.add(key)
+
+    def remember_clear(self, namespace: str | None) -> None:
+        """Clear ``namespace`` (None: every namespace) in Redis before any later write."""
+        if None in self._clears:
+            return
+        if namespace is None:
+            self._clears.clear()
+            self._deletes.clear()
+        elif any(k.namespace == namespace for k in self._deletes):
+            self._deletes = {k for k in self._deletes if k.namespace != namespace}
+        self._clears.add(namespace)
+
+    def take_removals(self) -> tuple[list[str | None], list[ChunkKey]]:
+        """The pending clears and deletes, handed to the writer (put back if they fail)."""
+        clears, deletes = list(self._clears), list(self._deletes)
+        self._clears.clear()
+        self._deletes.clear()
+        return clears, deletes
+
+    def put_back(self, clears: list[str | None], deletes: list[ChunkKey]) -> None:
+        """Removals the writer could not send."""
+        for namespace in clears:
+            self.remember_clear(namespace)
+        covered = None in self._clears
+        for key in deletes:
+            if not covered and key.namespace not in self._clears:
+                self.remember_delete(key)
