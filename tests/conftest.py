@@ -79,9 +79,10 @@ class Daemon:
         config: dict[str, Any],
         env: dict[str, str] | None = None,
         prefix: list[str] | None = None,
+        port: int | None = None,
     ):
         self.workdir = workdir
-        self.port = free_port()
+        self.port = port or free_port()
         self.metrics_port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.ipc_address = f"ipc://{workdir}/lmcache.sock"
@@ -160,10 +161,12 @@ class Daemon:
 def _daemons(base: Path) -> Iterator[Callable[..., Daemon]]:
     started: list[Daemon] = []
 
-    def start(env: dict[str, str] | None = None, prefix: list[str] | None = None, **config: Any) -> Daemon:
+    def start(
+        env: dict[str, str] | None = None, prefix: list[str] | None = None, port: int | None = None, **config: Any
+    ) -> Daemon:
         workdir = base / f"daemon{len(started)}"
         workdir.mkdir()
-        daemon = Daemon(workdir, config, env, prefix)
+        daemon = Daemon(workdir, config, env, prefix, port)
         started.append(daemon)
         return daemon.start()
 

@@ -1,12 +1,14 @@
-"""vLLM V1 connector without vLLM: paged copies, scheduler and worker logic, the real daemon.
+"""vLLM V1 connector logic against stand-ins of vLLM's objects, with the real daemon.
 
-vLLM is not installable here, so its data objects are stand-ins carrying the
-attributes vLLM passes (requests, scheduler output, config); the KV caches
-are CPU tensors of vLLM's exact per-layer layout ``(2, num_blocks,
-block_size, kv_heads, head_dim)``; the daemon and its sockets are real.  A
-small engine loop drives the connector the way vLLM's scheduler and model
+These unit tests run without vLLM: its data objects are stand-ins carrying
+the attributes vLLM 0.32 passes (requests, scheduler output, config, the
+attention layer whose ``impl.do_kv_cache_update`` the connector probes); the
+KV caches are CPU tensors in the CPU backend's per-layer layout ``(blocks,
+kv_heads, block_size, 2 * head_dim)`` with K transposed inside each block.
+A small engine loop drives the connector the way vLLM's scheduler and model
 runner call it, including chunked prefill and a pickle round trip of the
-metadata.
+metadata.  They test our reading of vLLM; tests/test_vllm_real.py runs the
+connector inside real vLLM.
 """
 
 from __future__ import annotations
@@ -24,71 +26,46 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from lmcache_client import CacheClient, chunk_keys  # noqa: E402
-from lmcache_client.integrations import paged  # noqa: E402
 from lmcache_client.integrations.vllm_compat import HAVE_VLLM, KVConnectorBase_V1, KVConnectorMetadata  # noqa: E402
 from lmcache_client.integrations.vllm_connector import (  # noqa: E402
     ConnectorSettings,
     LMCacheServerConnectorV1,
     layout_from_vllm_config,
 )
+from lmcache_client.integrations.vllm_layout import UnsupportedLayout  # noqa: E402
 from lmcache_client.integrations.vllm_meta import LMCacheServerConnectorMetadata  # noqa: E402
 
 from .conftest import Daemon  # noqa: E402
+from .test_paged_layout import cpu_write  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
 
 
-# -- paged gather/scatter --------------------------------------------------------------------
 def reference_rows(kv_layer: Any, block_ids: list[int], start: int, end: int, block_size: int) -> Any:
-    """Token rows read one by one, the obvious way: (2, tokens, heads, dim)."""
-    rows = [kv_layer[:, block_ids[p // block_size], p % block_size] for p in range(start, end)]
+    """Token rows read one by one through the CPU layout: (2, tokens, heads, dim)."""
+    n = kv_layer.shape[2]
+    region = kv_layer.reshape(kv_layer.shape[0], HEADS, 2 * n * HEAD_DIM)
+    rows = []
+    for p in range(start, end):
+        b, o = block_ids[p // block_size], p % block_size
+        k = region[b, :, o : n * HEAD_DIM : n]
+        v = region[b, :, n * HEAD_DIM + o * HEAD_DIM : n * HEAD_DIM + (o + 1) * HEAD_DIM]
+        rows.append(torch.stack([k, v]))
     return torch.stack(rows, dim=1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("block_size", "start", "end"), [(4, 0, 32), (4, 8, 24), (16, 0, 37), (4, 6, 19), (1, 3, 9)])
-def test_gather_scatter_match_the_paged_layout(dtype: Any, block_size: int, start: int, end: int) -> None:
-    num_blocks = 24
-    kv = torch.randn(2, num_blocks, block_size, HEADS, HEAD_DIM).to(dtype)
-    assert paged.check_layer(kv) == (num_blocks, block_size, HEADS, HEAD_DIM)
-    block_ids = random.Random(block_size).sample(range(num_blocks), -(-end // block_size))
-    slots = paged.token_slots(block_ids, start, end, block_size)
-    rows = paged.gather_layer(kv, slots)
-    assert rows.dtype == torch.uint8 and rows.shape == (2, end - start, HEADS, HEAD_DIM * kv.element_size())
-    assert torch.equal(rows.view(dtype), reference_rows(kv, block_ids, start, end, block_size))
+class StandInImpl:
+    """The attention implementation's cache write, as the CPU backend does it."""
 
-    target = torch.zeros_like(kv)
-    paged.scatter_layer(target, slots, rows)
-    assert torch.equal(reference_rows(target, block_ids, start, end, block_size), rows.view(dtype))
-    untouched = torch.ones(2, num_blocks, block_size, dtype=torch.bool)
-    blocks, offsets = slots
-    untouched[:, blocks, offsets] = False
-    assert torch.count_nonzero(target[untouched]) == 0, "scatter wrote outside its slots"
+    kv_cache_dtype = "auto"
+
+    def do_kv_cache_update(self, layer: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> None:
+        cpu_write(key, value, kv_cache, slot_mapping)
 
 
-def test_chunk_views_round_trip_with_partial_last_block() -> None:
-    chunk, block_size = 6, 4  # chunks end inside blocks
-    kv = torch.randn(2, 8, block_size, HEADS, HEAD_DIM)
-    block_ids = [5, 1, 7, 0, 3]  # 20 slots for 18 tokens: the last block is partial
-    rows = paged.gather_layer(kv, paged.token_slots(block_ids, 0, 18, block_size))
-    chunks = paged.tokens_to_chunks(rows, chunk)
-    assert chunks.shape == (3, 2, chunk, HEADS, HEAD_DIM * 4)
-    assert torch.equal(chunks[1, :, 0], rows[:, chunk])
-    assert torch.equal(paged.chunks_to_tokens(chunks), rows)
-    assert paged.blocks_covering(block_ids, 6, 13, block_size) == [1, 7, 0]
-    with pytest.raises(ValueError, match="past the request"):
-        paged.token_slots(block_ids, 0, 21, block_size)
-    with pytest.raises(ValueError, match="KV cache"):
-        paged.check_layer(torch.zeros(8, block_size, HEADS, HEAD_DIM))
-
-
-def test_hnd_stride_order_is_the_same_logical_layout() -> None:
-    """vLLM may allocate (2, blocks, heads, block_size, dim) and hand out the NHD permutation."""
-    physical = torch.randn(2, 6, HEADS, 4, HEAD_DIM)
-    logical = physical.permute(0, 1, 3, 2, 4)
-    slots = paged.token_slots([2, 4, 1], 1, 11, 4)
-    rows = paged.gather_layer(logical, slots)
-    assert torch.equal(rows.view(torch.float32), reference_rows(logical, [2, 4, 1], 1, 11, 4))
+class StandInAttention:
+    impl = StandInImpl()
+    attn_backend = SimpleNamespace(get_name=lambda: "STAND_IN_CPU")
 
 
 # -- stand-ins of vLLM's objects ---------------------------------------------------------------
@@ -139,6 +116,9 @@ def vllm_config(address: str, dtype: Any, block_size: int, **extra: Any) -> Any:
         model_config=model_config,
         cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        compilation_config=SimpleNamespace(
+            static_forward_context={f"model.layers.{i}.self_attn.attn": StandInAttention() for i in range(LAYERS)}
+        ),
         kv_transfer_config=SimpleNamespace(
             kv_connector="LMCacheServerConnectorV1",
             kv_role="kv_both",
@@ -166,7 +146,9 @@ class Engine:
         self.worker = LMCacheServerConnectorV1(self.config, Role.WORKER, kv_cache_config=None)
         num_blocks = 64
         self.kv = {
-            f"model.layers.{i}.self_attn.attn": torch.full((2, num_blocks, block_size, HEADS, HEAD_DIM), -1.0).to(dtype)
+            f"model.layers.{i}.self_attn.attn": torch.full((num_blocks, HEADS, block_size, 2 * HEAD_DIM), -1.0).to(
+                dtype
+            )
             for i in range(LAYERS)
         }
         self.worker.register_kv_caches(self.kv)
@@ -190,8 +172,17 @@ class Engine:
         for layer, (name, kv_layer) in enumerate(self.kv.items()):
             self.worker.wait_for_layer_load(name)
             for prompt, blocks, start, end in work:
-                for p in range(start, end):
-                    kv_layer[:, blocks[p // self.block_size], p % self.block_size] = kv_value(prompt[p], p, layer)
+                if end > start:
+                    rows = torch.stack([kv_value(prompt[p], p, layer) for p in range(start, end)], dim=1).to(
+                        kv_layer.dtype
+                    )
+                    slots = torch.tensor(
+                        [
+                            blocks[p // self.block_size] * self.block_size + p % self.block_size
+                            for p in range(start, end)
+                        ]
+                    )
+                    cpu_write(rows[0], rows[1], kv_layer, slots)
                 if layer == 0:
                     self.computed_tokens.extend(range(start, end))
             self.worker.save_kv_layer(name, kv_layer, attn_metadata=None)
@@ -320,7 +311,7 @@ def test_load_beyond_vllms_own_prefix_hit_leaves_its_blocks_alone(engines: Calla
     local = run["blocks"][:4]
     for layer in range(LAYERS):
         kv_layer = list(b.kv.values())[layer]
-        assert torch.all(kv_layer[:, local] == -1), "blocks of vLLM's own prefix hit were written"
+        assert torch.all(kv_layer[local] == -1), "blocks of vLLM's own prefix hit were written"
         assert torch.equal(b.rows(run["blocks"], 16, 41, layer), expected_rows(prompt, 16, 41, layer, torch.float16))
 
 
@@ -405,10 +396,66 @@ def test_layout_and_namespace_from_vllm_config(address: str) -> None:
         )
         assert connector.requires_kv_delivery is False
         assert connector.get_finished({"a"}) == (None, None)
-        with pytest.raises(ValueError, match="does not match"):
-            connector.register_kv_caches({"l0": torch.zeros(2, 4, 16, HEADS, 4), "l1": torch.zeros(2, 4, 16, HEADS, 4)})
     finally:
         connector.shutdown()
+
+
+def _layers(*shape: int) -> dict[str, Any]:
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(*shape, dtype=torch.bfloat16) for i in range(LAYERS)}
+
+
+@pytest.mark.parametrize(
+    ("caches", "spec", "message"),
+    [
+        (_layers(2, 4, 16, HEADS, HEAD_DIM), None, "4-D"),  # the pre-0.32 five-dimensional layout
+        (_layers(4, HEADS + 1, 16, 2 * HEAD_DIM), None, "expected 2 KV heads"),
+        ({"model.layers.0.self_attn.attn": torch.zeros(4, HEADS, 16, 2 * HEAD_DIM)}, None, "1 KV cache layers"),
+        (_layers(4, HEADS, 16, 2 * HEAD_DIM), "MLAAttentionSpec", "only standard attention"),
+        (_layers(4, HEADS, 16, 2 * HEAD_DIM), "two groups", "2 KV cache groups"),
+    ],
+)
+def test_layouts_it_cannot_read_are_refused_at_start(address: str, caches: Any, spec: Any, message: str) -> None:
+    config = vllm_config(address, torch.bfloat16, 16)
+    kv_cache_config = None
+    if spec == "two groups":
+        group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16, num_kv_heads=HEADS, head_size=HEAD_DIM))
+        kv_cache_config = SimpleNamespace(kv_cache_groups=[group, group])
+    elif spec is not None:
+        kind = type(spec, (), {"block_size": 16, "num_kv_heads": HEADS, "head_size": HEAD_DIM})
+        kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=kind())])
+    connector = LMCacheServerConnectorV1(config, Role.WORKER, kv_cache_config=kv_cache_config)
+    try:
+        with pytest.raises(UnsupportedLayout, match=message) as info:
+            connector.register_kv_caches(caches)
+        assert "STAND_IN_CPU" in str(info.value) and "per-layer shape" in str(info.value)
+    finally:
+        connector.shutdown()
+
+
+def test_a_backend_without_a_cache_write_to_probe_is_refused(address: str) -> None:
+    config = vllm_config(address, torch.bfloat16, 16)
+    for name in config.compilation_config.static_forward_context:
+        config.compilation_config.static_forward_context[name] = SimpleNamespace(
+            impl=object(), attn_backend=SimpleNamespace(get_name=lambda: "MYSTERY")
+        )
+    connector = LMCacheServerConnectorV1(config, Role.WORKER)
+    try:
+        with pytest.raises(UnsupportedLayout, match="MYSTERY.*do_kv_cache_update"):
+            connector.register_kv_caches(_layers(4, HEADS, 16, 2 * HEAD_DIM))
+    finally:
+        connector.shutdown()
+
+
+def test_roles_and_settings(address: str) -> None:
+    assert ConnectorSettings.from_extra_config({"malloc_tuning": "false"}).malloc_tuning is False
+    with pytest.raises(ValueError, match="malloc_tuning"):
+        ConnectorSettings.from_extra_config({"malloc_tuning": "maybe"})
+    with pytest.raises(ValueError, match="backoff_s"):
+        ConnectorSettings.from_extra_config({"backoff_s": 5, "max_backoff_s": 1})
+    config = vllm_config(address, torch.float16, 4)
+    config.kv_transfer_config.kv_role = "kv_sideways"
+    with pytest.raises(ValueError, match="kv_role"):
+        LMCacheServerConnectorV1(config, Role.SCHEDULER)
 
 
 def test_connector_subclasses_the_base_in_use() -> None:

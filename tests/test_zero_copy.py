@@ -51,7 +51,8 @@ def test_put_with_fills_in_place_and_get_with_reads_in_place(daemon: Daemon, sha
         # nbytes: a chunk of another size is a miss; prefix: nothing after the first miss.
         missing = os.urandom(KEY_BYTES)
         seen.clear()
-        assert c.get_with([keys[0], missing, keys[1]], lambda i, v: seen.__setitem__(i, bytes(v))) == [True, False, True]
+        hits = c.get_with([keys[0], missing, keys[1]], lambda i, v: seen.__setitem__(i, bytes(v)))
+        assert hits == [True, False, True]
         seen.clear()
         assert c.get_with([keys[0], missing, keys[1]], lambda i, v: None, prefix=True) == [True, False, False]
         assert c.get_with(keys[:2], lambda i, v: None, nbytes=MiB) == [True, False]
@@ -74,9 +75,10 @@ def test_a_failing_fill_stores_nothing(daemon: Daemon, shared_memory: bool) -> N
         if shared_memory:  # the reserved slots were released at once, not at the lease's end
             stats: dict[str, Any] = c.stats()
             assert stats["tiers"]["memory"]["allocated_bytes"] == before["allocated_bytes"]
-        assert c.put_with(keys, [MiB, MiB], lambda i, v: v.__setitem__(slice(None), b"\x02" * v.nbytes)) == [
-            PutStatus.STORED
-        ] * 2
+        assert (
+            c.put_with(keys, [MiB, MiB], lambda i, v: v.__setitem__(slice(None), b"\x02" * v.nbytes))
+            == [PutStatus.STORED] * 2
+        )
         assert [bytes(b) for b in c.get(keys)] == [b"\x02" * MiB] * 2
 
 

@@ -1,8 +1,8 @@
 """Test models built locally (no hub): a config with seeded random weights and a word-level tokenizer.
 
-``python -m tests.vllm_harness.models OUT_DIR ARCH [key=value ...]`` writes a
-Hugging Face checkpoint (``config.json``, ``model.safetensors``, tokenizer
-files) that vLLM and transformers both load.  The tokenizer is a WordLevel
+``python -m tests.vllm_harness.models OUT_DIR ARCH...`` writes, per
+architecture, a Hugging Face checkpoint in ``OUT_DIR/ARCH`` (``config.json``,
+``model.safetensors``, tokenizer files) that vLLM and transformers both load.  The tokenizer is a WordLevel
 vocabulary ``w0 .. wN`` split on whitespace, so a prompt of ``n`` words is
 exactly ``n`` tokens (``prompt(n, seed)`` makes one).  Architectures:
 ``llama`` (GQA, head_dim 64) and ``qwen2`` (another head_dim, 32, and
@@ -88,12 +88,9 @@ def build(out: Path, arch: str, vocab: int = 1024, **overrides: Any) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    out, arch, *extra = argv
-    overrides = {}
-    for item in extra:
-        key, _, value = item.partition("=")
-        overrides[key] = json.loads(value)
-    print(build(Path(out), arch, **overrides))
+    out, *archs = argv
+    for arch in archs:
+        print(build(Path(out) / arch, arch))
     return 0
 
 

@@ -9,7 +9,8 @@ Load it with::
           "kv_connector_extra_config": {"address": "tcp://127.0.0.1:65432"}}'
 
 Extra config keys (all optional; an unknown key or a bad value is refused at
-start): ``address`` (daemon endpoint), ``timeout_s`` (per daemon call; a slow
+start): ``address`` (daemon endpoint; default ``$LMCACHE_SERVER_ADDRESS``, else
+``tcp://127.0.0.1:65432``), ``timeout_s`` (per daemon call; a slow
 or absent daemon is a miss), ``backoff_s`` / ``max_backoff_s`` (how often the
 circuit breaker probes a daemon that is down), ``chunk_size`` (tokens per
 chunk, default 256), ``model_id`` (names the weights; default vLLM's
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 from ..client import DEFAULT_ADDRESS, CacheClient
@@ -55,6 +57,9 @@ from .vllm_worker import WorkerSide
 logger = logging.getLogger(__name__)
 
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
+ADDRESS_ENV = "LMCACHE_SERVER_ADDRESS"
+"""Where the daemon is when ``kv_connector_extra_config`` does not say (one
+command line for every replica; compose sets it per service)."""
 
 
 def _bool(value: Any) -> bool:
@@ -84,7 +89,11 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """Validate ``extra``; ``address`` defaults to ``$LMCACHE_SERVER_ADDRESS``, then
+        ``tcp://127.0.0.1:65432``."""
         extra = dict(extra or {})
+        if "address" not in extra and os.environ.get(ADDRESS_ENV):
+            extra["address"] = os.environ[ADDRESS_ENV]
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - set(fields))
         if unknown:
