@@ -99,7 +99,7 @@ class Processes:
         self.children: list[Child] = []
         self._logs: list[IO[bytes]] = []
 
-    def start(self, name: str, argv: Sequence[str]) -> Child:
+    def start(self, name: str, argv: Sequence[str], cwd: Path | None = None) -> Child:
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - closed in stop_all
         self._logs.append(log)
@@ -108,6 +108,7 @@ class Processes:
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
+            cwd=cwd,
             env=self.env,
             start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
             preexec_fn=_die_with_parent,  # and they go if we are SIGKILLed

@@ -273,6 +273,7 @@ def test_delete_and_clear_purge_the_write_queue(daemon_factory, redis_server: Re
             assert c.put([doomed[0], *keep, *doomed[1:]], [b"d" * 5000] * 6) == [PutStatus.STORED] * 6
             assert other.put(cleared, [b"c" * 5000] * 2) == [PutStatus.STORED] * 2
             wait_for(lambda: remote(c)["queued_writes"] == 8)
+
             # delete and clear wait for the frozen Redis: send them from other threads,
             # and see them take their chunks out of the queue at once.
             def delete() -> None:

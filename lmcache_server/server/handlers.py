@@ -170,7 +170,7 @@ class Handlers:
             or not all(type(n) is int and n > 0 for n in sizes)
         ):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'sizes' must list one positive integer per key", request.id)
-        outcomes = self.store.reserve(self._ns(request), request.keys, sizes)
+        outcomes = await self.store.reserve_waiting(self._ns(request), request.keys, sizes)
         reservations = [r for r in outcomes if isinstance(r, Reservation)]
         fields: dict[str, Any] = {
             "status": [int(PutStatus.STORED) if isinstance(r, Reservation) else int(r) for r in outcomes],

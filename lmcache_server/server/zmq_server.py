@@ -302,42 +302,47 @@ class ZmqServer:
         self, envelope: list[bytes], request: Any, size: int, started: float, scoped: bool, owners: Owners
     ) -> None:
         op = request.op.value
-        held = True  # the request's bytes, counted in flight until released
+        budgeted = counted = True  # the request's bytes in the server's budget / its connection's share
 
-        def release() -> None:
-            nonlocal held
-            if held:
-                held = False
+        def release_budget() -> None:
+            nonlocal budgeted
+            if budgeted:
+                budgeted = False
                 self.budget.release(size)
+
+        def release_share() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
                 _release(owners, size)
 
         try:
             outcome = await self.handlers.handle(request)
             if scoped:
                 outcome.fields["stats"] = namespace_view(outcome.fields["stats"])
-            # A put's payload frames are copied into the pool after the reply:
-            # they stay counted until that is done.
+            release_share()  # the connection's share ends with the answer
             pending = self._reply(envelope, request.id, outcome, op, started, owners)
+            # A put's payload frames are copied into the pool after the reply:
+            # they stay in the server's budget until that is done.
             if pending is not None and not pending.done():
-                pending.add_done_callback(lambda _: release())
-                held_after_reply = True
+                pending.add_done_callback(lambda _: release_budget())
             else:
-                held_after_reply = False
+                release_budget()
+            return
         except ProtocolError as err:
             if err.code == ErrorCode.BUSY:
                 self.metrics.busy.inc()
             self._reply_error(envelope, request.id, err.code, err.message, op, started)
-            held_after_reply = False
         except asyncio.CancelledError:
-            release()
             self._reply_error(envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started)
+            release_budget()
+            release_share()
             raise
         except Exception as err:
             self.supervisor.failed(f"request {op}", err)
             self._reply_error(envelope, request.id, ErrorCode.INTERNAL, "internal error", op, started)
-            held_after_reply = False
-        if not held_after_reply:
-            release()
+        release_budget()
+        release_share()
 
     def _reply(
         self, envelope: list[bytes], request_id: int, outcome: Outcome, op: str, started: float, owners: Owners

@@ -33,7 +33,7 @@ from typing import Any
 
 import crc32c
 
-from .offload import memcopy
+from .offload import memcopy, raw_buffer
 
 MAGIC = b"LMKV"
 FORMAT_VERSION = 1
@@ -103,13 +103,14 @@ def verify_payload(header: RecordHeader, payload: Any, namespace: str, key: byte
         raise CorruptRecord("payload checksum mismatch")
 
 
-def encode_record(namespace: str, key: bytes, payload: Any) -> bytearray:
-    """A whole record (header, then a copy of ``payload``) in one new buffer."""
+def encode_record(namespace: str, key: bytes, payload: Any) -> memoryview:
+    """A whole record (header, then a copy of ``payload``) in one new buffer
+    (not zeroed first: see :func:`.offload.raw_buffer`)."""
     source = memoryview(payload).cast("B")
     header = encode_header(namespace, key, source)
-    record = bytearray(len(header) + source.nbytes)
+    record = raw_buffer(len(header) + source.nbytes)
     record[: len(header)] = header
-    memcopy(memoryview(record)[len(header) :], source)
+    memcopy(record[len(header) :], source)
     return record
 
 

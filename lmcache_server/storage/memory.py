@@ -30,6 +30,7 @@ evicting could make room at all.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ class _Entry:
     leases: int = 0
     pinned: bool = False
     dead: bool = False  # removed from the index; free the extent when the last lease ends
+    lent: bool = False  # evicted and lent to the spill: its extent comes back once written
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -95,7 +97,10 @@ class MemoryTier:
         self.policy = policy if policy is not None else LRUPolicy()
         self.on_evict = on_evict
         self.spill_ahead_bytes = 0  # set by the tiered store when a disk tier takes spills
+        self.lends_spills = False  # set by the tiered store when a disk tier takes spills
         self.dying_bytes = 0  # extents of removed chunks still leased (being sent or spilled)
+        self.lent_bytes = 0  # of which lent to the spill: back once the disk has them
+        self._room: asyncio.Event | None = None  # set when a dying extent is freed
         self.counters = TierCounters()
         self.quotas = TenantQuotas()
         """Per-tenant byte limits (``tenant_quotas``); set by the composition root."""
@@ -132,7 +137,11 @@ class MemoryTier:
             self.leased_chunks -= 1
             if entry.dead:
                 self.dying_bytes -= entry.extent
+                if entry.lent:
+                    self.lent_bytes -= entry.extent
                 self.allocator.free(entry.offset)
+                if self._room is not None:
+                    self._room.set()
             elif not entry.pinned:
                 self.evictable_bytes += entry.extent
 
@@ -180,9 +189,25 @@ class MemoryTier:
             self.allocator.free(offset)  # the shared-memory filesystem is full
             offset = None
         if offset is None:
-            self.counters.rejections += 1
+            if not self.room_coming(size):  # else the caller may wait for it (and counts it if not)
+                self.counters.rejections += 1
             return PutStatus.NO_SPACE
         return Reservation(key, offset, size, parent, self.pool.view[offset : offset + size])
+
+    def room_coming(self, size: int) -> bool:
+        """Whether chunks lent to the spill will free room for ``size`` bytes once written."""
+        return bool(self.lent_bytes) and self.allocator.free_bytes + self.lent_bytes >= aligned(size)
+
+    async def wait_for_room(self, timeout_s: float) -> bool:
+        """Wait until an extent of a removed chunk is freed (False: ``timeout_s`` passed first)."""
+        if self._room is None:
+            self._room = asyncio.Event()
+        self._room.clear()
+        try:
+            await asyncio.wait_for(self._room.wait(), max(timeout_s, 0.0))
+        except TimeoutError:
+            return False
+        return True
 
     def complete_store(self, reservation: Reservation) -> PutStatus:
         """Phase two: make a filled reservation visible (EXISTS if the key was stored meanwhile)."""
@@ -217,16 +242,24 @@ class MemoryTier:
         return offset
 
     def _evict_for(self, size: int) -> int | None:
+        """Evict the policy's victims until the allocation fits; chunks being read
+        (leased) are never victims.  With a disk tier the victims are lent to it
+        (written straight from the pool: copying 32 MiB here would stall the
+        event loop), so their room comes back only once written: None then, and
+        :meth:`room_coming` says the caller may wait for it."""
         if (self.pinned_bytes or self.leased_chunks) and not self._could_fit(size):
             return None  # refuse without evicting chunks for nothing
-        # Evict the policy's victims until the allocation fits; chunks being
-        # read (leased) are never victims.
-        while (key := self.policy.victim(self._is_leased)) is not None:
-            self._evict(self._index[key], lend=False)
+        while not self.room_coming(size) and (key := self.policy.victim(self._is_leased)) is not None:
+            self._evict_lending(self._index[key])
             offset = self.allocator.alloc(size)
             if offset is not None:
                 return offset
         return None
+
+    def _evict_lending(self, entry: _Entry) -> None:
+        """Evict ``entry``, lent to the spill when a disk tier takes it, else at once."""
+        if not (self.lends_spills and self._evict(entry, lend=True)):
+            self._evict(entry, lend=False)  # a spill declined (queue full): dropped, no copy
 
     def _evict_ahead(self) -> None:
         """Lend victims to the spill until ``spill_ahead_bytes`` (at most an eighth
@@ -248,6 +281,9 @@ class MemoryTier:
             elif not taken:
                 chunk.release()
                 return False
+            elif entry.leases:  # still lent: its extent is freed when the spill is written
+                entry.lent = True
+                self.lent_bytes += entry.extent
         self._remove(entry)
         self.counters.evictions += 1
         self.counters.evicted_bytes += entry.size
@@ -273,7 +309,7 @@ class MemoryTier:
             victim = self.policy.victim(not_theirs)
             if victim is None:
                 return False
-            self._evict(self._index[victim], lend=False)
+            self._evict_lending(self._index[victim])
             self.quotas.evictions[tenant] += 1
         return True
 

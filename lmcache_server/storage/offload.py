@@ -13,7 +13,8 @@ here instead, in a few threads that release the GIL while they work:
 Callers keep the buffers alive and unchanged until the awaited call returns
 (a pool extent stays reserved or leased meanwhile).
 
-Primitives: :func:`memcopy`, :class:`Offload` (``run``, ``copy``, ``close``).
+Primitives: :func:`memcopy`, :func:`raw_buffer` (memory that is not zeroed
+under the GIL), :class:`Offload` (``run``, ``copy``, ``close``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -82,6 +84,29 @@ def memcopy(dst: memoryview, src: Any) -> None:
         dst[:] = source
         return
     ctypes.memmove(d, s, dst.nbytes)
+
+
+_libc = ctypes.CDLL(None)
+_libc.malloc.restype = ctypes.c_void_p
+_libc.malloc.argtypes = [ctypes.c_size_t]
+_libc.free.restype = None
+_libc.free.argtypes = [ctypes.c_void_p]
+
+
+def raw_buffer(nbytes: int) -> memoryview:
+    """``nbytes`` of uninitialised memory (malloc), freed when the last view of it goes.
+
+    ``bytearray(n)`` zeroes its memory while holding the GIL: 32 MiB of it
+    (page faults included) stall every other thread, the event loop first.
+    Here the allocation is a foreign call (no GIL), nothing is zeroed, and the
+    pages fault in later, under the GIL-free copy that fills them.
+    """
+    address = _libc.malloc(max(nbytes, 1))
+    if not address:
+        raise MemoryError(f"cannot allocate {nbytes} bytes")
+    array = (ctypes.c_char * max(nbytes, 1)).from_address(address)
+    weakref.finalize(array, _libc.free, address)
+    return memoryview(array).cast("B")[:nbytes]
 
 
 class Offload:

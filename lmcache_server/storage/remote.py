@@ -279,7 +279,7 @@ class RedisTier:
         write.attempted = True
         try:
             # A memoryview goes out as its own chunk (redis-py's asyncio packer), uncopied.
-            await self._client.set(self.redis_key(write.key), memoryview(write.record), px=self.ttl_ms)
+            await self._client.set(self.redis_key(write.key), write.record, px=self.ttl_ms)
         finally:
             self._writing = None
         self.counters.stores += 1

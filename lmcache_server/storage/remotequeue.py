@@ -33,7 +33,7 @@ MAX_PENDING_DELETES = 65536
 class Write:
     key: ChunkKey
     size: int
-    record: bytearray | None = None  # None until built
+    record: memoryview | None = None  # None until built
     cancelled: bool = False  # deleted (or cleared) after it was queued
     attempted: bool = False  # a SET of it was sent at least once (it may have landed)
     failures: int = 0  # unexpected (non-Redis) errors while writing it
@@ -71,7 +71,7 @@ class WriteQueue:
         self.nbytes += size
         return write
 
-    def built(self, write: Write, record: bytearray) -> bool:
+    def built(self, write: Write, record: memoryview) -> bool:
         """The record of ``write`` is ready; False if it was removed meanwhile."""
         if self._writes.get(write.key) is not write:
             return False

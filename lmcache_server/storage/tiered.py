@@ -45,6 +45,9 @@ from .remote import RedisTier
 
 logger = logging.getLogger(__name__)
 
+ROOM_WAIT_S = 5.0
+"""How long a put waits for room that spills being written will free."""
+
 
 @dataclasses.dataclass
 class LookupCounters:
@@ -79,6 +82,7 @@ class TieredStore:
         memory.on_evict = self._spill
         if disk is not None:
             memory.spill_ahead_bytes = disk.spill_ahead_bytes
+            memory.lends_spills = True
 
     def _spill(self, key: ChunkKey, chunk: Chunk, lend: bool) -> bool:
         """An evicted chunk goes to disk: lent (written straight from the pool,
@@ -226,6 +230,25 @@ class TieredStore:
             parent = key
         return out
 
+    async def reserve_waiting(
+        self, namespace: str, digests: Sequence[bytes], sizes: Sequence[int]
+    ) -> list[Reservation | PutStatus]:
+        """:meth:`reserve`, waiting (at most ``ROOM_WAIT_S``) for room that chunks
+        lent to the spill will free once the disk has them."""
+        outcomes = self.reserve(namespace, digests, sizes)
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            coming = self.memory.room_coming
+            waiting = [i for i, o in enumerate(outcomes) if o is PutStatus.NO_SPACE and coming(sizes[i])]
+            if not waiting:
+                break
+            if not await self.memory.wait_for_room(deadline - time.monotonic()):
+                self.memory.counters.rejections += len(waiting)  # gave up: a refusal after all
+                break
+            for i in waiting:
+                outcomes[i] = self.reserve(namespace, digests[i : i + 1], sizes[i : i + 1])[0]
+        return outcomes
+
     def commit(self, reservation: Reservation) -> PutStatus:
         """Phase two: the filled reservation becomes visible, and is queued for Redis."""
         status = self.memory.complete_store(reservation)
@@ -256,16 +279,15 @@ class TieredStore:
         observe the gap, while ZeroMQ's I/O thread already receives the
         client's next request and the event loop serves others.
         """
-        sources = [memoryview(p).cast("B") for p in payloads]
-        sizes = [src.nbytes for src in sources]
-        outcomes = self.reserve(namespace, digests, sizes)
-        if self._fills and PutStatus.NO_SPACE in outcomes:
-            # Chunks still being copied in cannot be evicted yet: once they are
-            # stored (milliseconds), there may be room after all.
+        if self._fills:
+            # One generation of copies at a time: this put's reply waits until the
+            # earlier puts' chunks are in (milliseconds), so a client streaming
+            # puts faster than they are copied is slowed down rather than piling
+            # up payloads, and those chunks are evictable again before this
+            # put asks for room.
             await asyncio.wait(list(self._fills))
-            for i, outcome in enumerate(outcomes):
-                if outcome is PutStatus.NO_SPACE:
-                    outcomes[i] = self.reserve(namespace, digests[i : i + 1], sizes[i : i + 1])[0]
+        sources = [memoryview(p).cast("B") for p in payloads]
+        outcomes = await self.reserve_waiting(namespace, digests, [src.nbytes for src in sources])
         pending = [(r, src) for r, src in zip(outcomes, sources) if isinstance(r, Reservation)]
         statuses = [PutStatus.STORED if isinstance(r, Reservation) else r for r in outcomes]
 
