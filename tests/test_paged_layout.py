@@ -18,40 +18,9 @@ torch = pytest.importorskip("torch")
 
 from lmcache_client.integrations import paged  # noqa: E402
 
+from .vllm_harness.standins import cpu_write, flash_write, swizzled_write  # noqa: E402
+
 H, D = 3, 8
-
-
-def cpu_write(key: Any, value: Any, cache: Any, slots: Any) -> None:
-    """vLLM 0.32 CPU backend ("vec"): per (block, head) K as [D, N], then V as [N, D]."""
-    blocks, _, n_tok, width = cache.shape
-    d = width // 2
-    region = torch.as_strided(cache, (blocks, cache.shape[1], 2 * n_tok * d), (cache.stride(0), cache.stride(1), 1))
-    for i, slot in enumerate(slots.tolist()):
-        b, n = divmod(slot, n_tok)
-        region[b, :, n : n_tok * d : n_tok] = key[i]  # K[h, dim, n] at dim*N + n
-        region[b, :, n_tok * d + n * d : n_tok * d + (n + 1) * d] = value[i]
-
-
-def flash_write(key: Any, value: Any, cache: Any, slots: Any) -> None:
-    """FlashAttention-style: ``cache.transpose(1, 2).split(D, -1)``, token rows K || V."""
-    key_cache, value_cache = cache.transpose(1, 2).split(key.shape[-1], dim=-1)
-    n_tok = cache.shape[2]
-    for i, slot in enumerate(slots.tolist()):
-        b, n = divmod(slot, n_tok)
-        key_cache[b, n] = key[i]
-        value_cache[b, n] = value[i]
-
-
-def swizzled_write(key: Any, value: Any, cache: Any, slots: Any) -> None:
-    """K in dim pairs per token ([D/2, N, 2], as a VNNI packing would): not affine."""
-    blocks, heads, n_tok, width = cache.shape
-    d = width // 2
-    region = torch.as_strided(cache, (blocks, heads, 2 * n_tok * d), (cache.stride(0), cache.stride(1), 1))
-    for i, slot in enumerate(slots.tolist()):
-        b, n = divmod(slot, n_tok)
-        for dim in range(d):
-            region[b, :, (dim // 2) * n_tok * 2 + n * 2 + dim % 2] = key[i, :, dim]
-        region[b, :, n_tok * d + n * d : n_tok * d + (n + 1) * d] = value[i]
 
 
 def head_major(blocks: int, n_tok: int, dtype: Any, layers: int = 1) -> list[Any]:
@@ -172,6 +141,19 @@ def test_gather_returns_what_the_engine_wrote_and_scatter_writes_it_back(
     paged.PagedCopier(fresh, copier.layout).scatter(slots, payload)
     for mine, theirs in zip(fresh, layers):
         assert torch.equal(mine, theirs), "scatter wrote other elements than the engine's own write"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_through_the_engines_own_write(dtype: Any) -> None:
+    layers = head_major(12, 16, dtype, 2)
+    slots = paged.token_slots([3, 9, 1], 5, 40, 16)
+    payload = written_by_engine(cpu_write, layers, slots, 35, dtype)
+    fresh = head_major(12, 16, dtype, 2)
+    writes = [lambda k, v, s, layer=layer: cpu_write(k, v, layer, s) for layer in fresh]
+    paged.PagedCopier(fresh, probe(cpu_write, fresh[0]), writes).scatter(slots, payload)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, layers))
+    with pytest.raises(paged.LayoutError, match="cache writes"):
+        paged.PagedCopier(fresh, probe(cpu_write, fresh[0]), writes[:1])
 
 
 def test_token_slots_maps_scheduler_blocks_to_kernel_blocks() -> None:

@@ -36,7 +36,7 @@ from lmcache_client.integrations.vllm_layout import UnsupportedLayout  # noqa: E
 from lmcache_client.integrations.vllm_meta import LMCacheServerConnectorMetadata  # noqa: E402
 
 from .conftest import Daemon  # noqa: E402
-from .test_paged_layout import cpu_write  # noqa: E402
+from .vllm_harness.standins import cpu_write  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
 
@@ -463,3 +463,35 @@ def test_connector_subclasses_the_base_in_use() -> None:
     assert issubclass(LMCacheServerConnectorV1, KVConnectorBase_V1)
     assert issubclass(LMCacheServerConnectorMetadata, KVConnectorMetadata)
     assert KVConnectorBase_V1.__module__.startswith("vllm.") == HAVE_VLLM
+
+
+def test_tp_lookup_answers_the_smallest_hit_over_ranks(address: str) -> None:
+    """Under tensor parallelism every rank stores its own shard; a chunk is reusable only
+    where every rank holds it (two namespaces here: TP 2 does not run on this machine)."""
+    config = vllm_config(address, torch.float16, 4, chunk_size=8, tenant="tp-test")
+    config.parallel_config.tensor_parallel_size = 2
+    scheduler = LMCacheServerConnectorV1(config, Role.SCHEDULER)
+    try:
+        side = scheduler.scheduler
+        assert side is not None and [t.namespace.split("|")[5] for t in side.transfers] == ["tp0of2", "tp1of2"]
+        prompt = list(range(900, 941))  # 5 reusable chunks of 8
+        keys = chunk_keys(prompt, 8)
+        with CacheClient(address, fail_open=False) as c:
+            c.put(keys[:5], [b"x" * 64] * 5, namespace=side.transfers[0].namespace)  # rank 0 holds 5
+            c.put(keys[:3], [b"x" * 64] * 3, namespace=side.transfers[1].namespace)  # rank 1 only 3
+        assert scheduler.get_num_new_matched_tokens(Request("r", prompt), 0) == (24, False)
+    finally:
+        scheduler.shutdown()
+
+
+def test_lora_and_cache_salt_requests_get_keys_of_their_own(engines: Callable[..., Engine]) -> None:
+    a, b = engines(), engines()
+    prompt = list(range(700, 741))
+    a.prefill("a", prompt)
+    plain = Request("b", prompt)
+    salted = SimpleNamespace(request_id="s", prompt_token_ids=prompt, cache_salt="tenant-7")
+    lora = SimpleNamespace(request_id="l", prompt_token_ids=prompt, lora_request=SimpleNamespace(lora_name="sql"))
+    image = SimpleNamespace(request_id="m", prompt_token_ids=prompt, mm_features=[object()])
+    assert b.scheduler.get_num_new_matched_tokens(plain, 0) == (40, False)
+    for request in (salted, lora, image):
+        assert b.scheduler.get_num_new_matched_tokens(request, 0) == (0, False), request

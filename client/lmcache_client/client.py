@@ -37,7 +37,15 @@ from .curve import CurveKeys
 from .errors import DaemonUnavailable, ServerError
 from .failopen import MISS, PROBE, FailOpen
 
-__all__ = ["COPY_THRESHOLD", "DEFAULT_ADDRESS", "CacheClient", "FailOpen", "namespace_string", "new_dealer", "unavailable"]
+__all__ = [
+    "COPY_THRESHOLD",
+    "DEFAULT_ADDRESS",
+    "CacheClient",
+    "FailOpen",
+    "namespace_string",
+    "new_dealer",
+    "unavailable",
+]
 from .handshake import HandshakeWatch
 from .keys import chunk_keys
 from .namespace import Namespace

@@ -31,7 +31,9 @@ Primitives: :class:`Affine`, :class:`BlockLayout`, :func:`probe_block_layout`,
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -56,6 +58,9 @@ class Affine:
     head: int
     dim: int
 
+
+LayerWriteFn = Callable[[Any, Any, Any], None]
+"""``write(key, value, slot_mapping)``: the engine's cache write into one layer's cache."""
 
 WriteFn = Callable[[Any, Any, Any, Any], None]
 """``write(key, value, cache, slot_mapping)``: the engine's cache write.  ``key`` and
@@ -249,7 +254,14 @@ class PagedCopier:
     #: (``copy_`` of strided views); longer ones by one indexed gather per group.
     MAX_RUNS = 8
 
-    def __init__(self, layers: Sequence[Any], layout: BlockLayout):
+    def __init__(
+        self,
+        layers: Sequence[Any],
+        layout: BlockLayout,
+        writers: Sequence[LayerWriteFn] | None = None,
+        *,
+        threads: int = 2,
+    ):
         if not layers:
             raise LayoutError("no KV cache layers")
         first = layers[0]
@@ -258,12 +270,51 @@ class PagedCopier:
                 raise LayoutError(f"layers differ in shape or strides: {tuple(layer.shape)} vs {tuple(first.shape)}")
             if layer.dtype != first.dtype or layer.device != first.device:
                 raise LayoutError("layers differ in dtype or device")
+        if writers is not None and len(writers) != len(layers):
+            raise LayoutError(f"{len(writers)} cache writes for {len(layers)} layers")
         self.layers = list(layers)
         self.layout = layout
+        self.writers = list(writers) if writers is not None else None
+        """The engine's own cache write per layer: scatters use it when given (the
+        write the layout was probed from, typically faster than strided copies)."""
         self.dtype = first.dtype
         self.device = first.device
         self.num_blocks = int(first.shape[0])
         self.groups = self._group(self.layers) if layout.affine else [self._table_group(i) for i in range(len(layers))]
+        # CPU caches: the layers are split over ``threads`` threads (torch copies drop the
+        # GIL); a CUDA cache's copies are kernels on one stream, issued from one thread.
+        self.threads = max(1, threads) if first.device.type == "cpu" else 1
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _parts(self) -> list[tuple[_Group, int, int]]:
+        """(group, first layer, end layer) pieces of the work, one per thread and group."""
+        parts: list[tuple[_Group, int, int]] = []
+        for g in self.groups:
+            k = min(self.threads, g.count)
+            bounds = [g.count * i // k for i in range(k + 1)]
+            parts.extend((g, bounds[i], bounds[i + 1]) for i in range(k))
+        return parts
+
+    def _parallel(self, jobs: Sequence[Callable[[], Any]]) -> None:
+        """Run ``jobs`` over the copier's threads (this one included); re-raise the first error."""
+        if self.threads == 1 or len(jobs) == 1:
+            for job in jobs:
+                job()
+            return
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.threads - 1, thread_name_prefix="lmcache-paged")
+        shares = [jobs[i :: self.threads] for i in range(self.threads)]
+        futures = [self._pool.submit(_run_all, share) for share in shares[1:] if share]
+        try:
+            _run_all(shares[0])
+        finally:
+            for future in futures:
+                future.result()
 
     @property
     def num_layers(self) -> int:
@@ -316,18 +367,18 @@ class PagedCopier:
     def _runs(self, slots: Slots) -> list[tuple[int, int, int, int]] | None:
         """(kernel block, first offset, end offset, first token) per contiguous run,
         or None when there are more than MAX_RUNS."""
-        blocks = slots.blocks.tolist()
-        offsets = slots.offsets.tolist()
-        runs: list[tuple[int, int, int, int]] = []
-        for t, (b, o) in enumerate(zip(blocks, offsets)):
-            if runs and runs[-1][0] == b and runs[-1][2] == o:
-                kb, lo, _, t0 = runs[-1]
-                runs[-1] = (kb, lo, o + 1, t0)
-            else:
-                if len(runs) == self.MAX_RUNS:
-                    return None
-                runs.append((b, o, o + 1, t))
-        return runs
+        torch = _torch()
+        blocks, offsets = slots.blocks, slots.offsets
+        n = len(blocks)
+        if n == 0:
+            return []
+        breaks = torch.nonzero((blocks[1:] != blocks[:-1]) | (offsets[1:] != offsets[:-1] + 1)).flatten() + 1
+        if len(breaks) >= self.MAX_RUNS:
+            return None
+        starts = [0, *breaks.tolist()]
+        ends = [*starts[1:], n]
+        first_blocks, first_offsets = blocks[starts].tolist(), offsets[starts].tolist()
+        return [(b, o, o + e - s, s) for b, o, s, e in zip(first_blocks, first_offsets, starts, ends)]
 
     def _on_device(self, tensor: Any) -> Any:
         return tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
@@ -344,44 +395,54 @@ class PagedCopier:
             return
         self._check(out, slots)
         runs = self._runs(slots) if self.layout.affine else None
-        for g in self.groups:
-            dest = out[g.first : g.first + g.count]
-            if g.flat is not None:
-                dest.copy_(self._take(g, slots))
-            elif runs is not None:
-                for kb, lo, hi, t0 in runs:
-                    for kv, view in enumerate((g.key, g.value)):
-                        dest[:, kv, t0 : t0 + hi - lo].copy_(view[:, kb, lo:hi])
-            else:
-                blocks, offsets = self._on_device(slots.blocks), self._on_device(slots.offsets)
+        on_device = Slots(self._on_device(slots.blocks), self._on_device(slots.offsets))
+        self._parallel([functools.partial(self._gather_part, part, on_device, runs, out) for part in self._parts()])
+
+    def _gather_part(self, part: tuple[_Group, int, int], slots: Slots, runs: Any, out: Any) -> None:
+        g, lo, hi = part
+        dest = out[g.first + lo : g.first + hi]
+        if g.flat is not None:
+            dest.copy_(self._take(g, slots))
+        elif runs is not None:
+            for kb, o0, o1, t0 in runs:
                 for kv, view in enumerate((g.key, g.value)):
-                    _index_into(view, blocks, offsets, dest[:, kv])
+                    dest[:, kv, t0 : t0 + o1 - o0].copy_(view[lo:hi, kb, o0:o1])
+        else:
+            for kv, view in enumerate((g.key, g.value)):
+                _index_into(view[lo:hi], slots.blocks, slots.offsets, dest[:, kv])
 
     def scatter(self, slots: Slots, src: Any) -> None:
-        """Write ``src`` ``(layers, 2, tokens, heads, dim)`` into the tokens at ``slots``."""
+        """Write ``src`` ``(layers, 2, tokens, heads, dim)`` into the tokens at ``slots``
+        (through the engine's own cache write per layer when the copier has it)."""
         if src.device != self.device:
-            src = self._on_device(src)
+            src = src.to(self.device)  # blocking: the source may be a leased pool slot
         self._check(src, slots)
+        on_device = Slots(self._on_device(slots.blocks), self._on_device(slots.offsets))
+        if self.writers is not None:
+            flat = (on_device.blocks * self.layout.block_tokens + on_device.offsets).long()
+            jobs = [functools.partial(w, src[i, 0], src[i, 1], flat) for i, w in enumerate(self.writers)]
+            self._parallel(jobs)
+            return
         runs = self._runs(slots) if self.layout.affine else None
-        for g in self.groups:
-            part = src[g.first : g.first + g.count]
-            if g.flat is not None:
-                g.flat.index_copy_(0, self._table_index(g, slots).reshape(-1), part.reshape(-1))
-            elif runs is not None:
-                for kb, lo, hi, t0 in runs:
-                    for kv, view in enumerate((g.key, g.value)):
-                        view[:, kb, lo:hi].copy_(part[:, kv, t0 : t0 + hi - lo])
-            else:
-                blocks, offsets = self._on_device(slots.blocks), self._on_device(slots.offsets)
+        self._parallel([functools.partial(self._scatter_part, part, on_device, runs, src) for part in self._parts()])
+
+    def _scatter_part(self, part: tuple[_Group, int, int], slots: Slots, runs: Any, src: Any) -> None:
+        g, lo, hi = part
+        piece = src[g.first + lo : g.first + hi]
+        if g.flat is not None:
+            g.flat.index_copy_(0, self._table_index(g, slots).reshape(-1), piece.reshape(-1))
+        elif runs is not None:
+            for kb, o0, o1, t0 in runs:
                 for kv, view in enumerate((g.key, g.value)):
-                    view[:, blocks, offsets] = part[:, kv]
+                    view[lo:hi, kb, o0:o1].copy_(piece[:, kv, t0 : t0 + o1 - o0])
+        else:
+            for kv, view in enumerate((g.key, g.value)):
+                view[lo:hi, slots.blocks, slots.offsets] = piece[:, kv]
 
     def _table_index(self, g: _Group, slots: Slots) -> Any:
         """Flat element index of every ``(kv, token, head, dim)`` at ``slots``: ``(2, T, H, D)``."""
-        pos = self.layout.positions
-        blocks, offsets = self._on_device(slots.blocks), self._on_device(slots.offsets)
-        within = pos.to(self.device)[:, offsets]  # (2, T, H, D)
-        return within + (blocks * g.block_stride).view(1, -1, 1, 1)
+        within = self.layout.positions.to(self.device)[:, slots.offsets]  # (2, T, H, D)
+        return within + (slots.blocks * g.block_stride).view(1, -1, 1, 1)
 
     def _take(self, g: _Group, slots: Slots) -> Any:
         return g.flat[self._table_index(g, slots)].unsqueeze(0)
@@ -397,6 +458,11 @@ class PagedCopier:
             raise ValueError(f"payload dtype {payload.dtype}, the cache holds {self.dtype}")
         if len(slots.blocks) and int(slots.blocks.max()) >= self.num_blocks:
             raise ValueError(f"kernel block {int(slots.blocks.max())} is past the cache's {self.num_blocks}")
+
+
+def _run_all(jobs: Sequence[Callable[[], Any]]) -> None:
+    for job in jobs:
+        job()
 
 
 def _same_storage(a: Any, b: Any) -> bool:

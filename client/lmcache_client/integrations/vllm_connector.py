@@ -15,7 +15,9 @@ or absent daemon is a miss), ``backoff_s`` / ``max_backoff_s`` (how often the
 circuit breaker probes a daemon that is down), ``chunk_size`` (tokens per
 chunk, default 256), ``model_id`` (names the weights; default vLLM's
 ``--model``), ``tenant`` (isolates tenants), ``malloc_tuning`` (keep glibc
-from re-faulting large receive buffers; default true); for a daemon with
+from re-faulting large receive buffers; default true), ``copy_threads``
+(threads that copy chunks in and out of a CPU KV cache and the pool;
+default 2); for a daemon with
 ``auth: curve``: ``server_public_key`` and ``client_secret_key`` (see
 docs/security.md).
 
@@ -84,6 +86,7 @@ class ConnectorSettings:
     model_id: str = ""
     tenant: str = ""
     malloc_tuning: bool = True
+    copy_threads: int = 2
     server_public_key: str = ""
     client_secret_key: str = ""
 
@@ -106,8 +109,8 @@ class ConnectorSettings:
             except (TypeError, ValueError) as err:
                 raise ValueError(f"kv_connector_extra_config {name}={value!r}: expected {kind.__name__}") from err
         settings = cls(**values)
-        if settings.timeout_s <= 0 or settings.chunk_size <= 0:
-            raise ValueError("kv_connector_extra_config timeout_s and chunk_size must be positive")
+        if settings.timeout_s <= 0 or settings.chunk_size <= 0 or settings.copy_threads <= 0:
+            raise ValueError("kv_connector_extra_config timeout_s, chunk_size and copy_threads must be positive")
         if not 0 <= settings.backoff_s <= settings.max_backoff_s:
             raise ValueError("kv_connector_extra_config needs 0 <= backoff_s <= max_backoff_s")
         return settings
@@ -173,6 +176,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         self.client = CacheClient(
             self.settings.address,
             timeout_s=self.settings.timeout_s,
+            copy_threads=self.settings.copy_threads,
             backoff_s=self.settings.backoff_s,
             max_backoff_s=self.settings.max_backoff_s,
             server_public_key=self.settings.server_public_key or None,
@@ -211,7 +215,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                 self.layout.nbytes,
             )
             namespace = transfer.namespace
-            self.worker = WorkerSide(transfer, self.layout)
+            self.worker = WorkerSide(transfer, self.layout, copy_threads=self.settings.copy_threads)
         logger.info(
             "lmcache-server connector (%s, %s) at %s, namespace %s",
             role,
@@ -296,6 +300,8 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         return None if metrics is None else metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self.worker is not None and self.worker.engine is not None:
+            self.worker.engine.copier.close()
         self.client.close()
 
     # -- scheduler side ------------------------------------------------------------------

@@ -108,15 +108,31 @@ def _check_spec(spec: Any, backend: str, shape: Any) -> None:
         raise _refuse(backend, shape, f"quantized KV ({mode}) is not supported")
 
 
+def _layer_write(attention: Any, cache: Any) -> Any:
+    """``write(key, value, slot_mapping)`` into ``cache`` through the layer's own
+    ``do_kv_cache_update``; None when the layer has none."""
+    impl = getattr(attention, "impl", None)
+    if impl is None or not hasattr(impl, "do_kv_cache_update"):
+        return None
+
+    def write(key: Any, value: Any, slots: Any) -> None:
+        impl.do_kv_cache_update(attention, key, value, cache, slots)
+
+    return write
+
+
 def _fp8_dtype(kv_cache_dtype: str) -> Any:
     import torch
 
     return torch.float8_e5m2 if kv_cache_dtype.endswith("e5m2") else torch.float8_e4m3fn
 
 
-def discover(kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any, chunk: ChunkLayout) -> EngineLayout:
+def discover(
+    kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any, chunk: ChunkLayout, *, copy_threads: int = 2
+) -> EngineLayout:
     """Read and check the layout of ``kv_caches`` (``register_kv_caches``'s argument)
-    against the chunk payload layout the namespace promises."""
+    against the chunk payload layout the namespace promises; CPU caches are copied
+    by ``copy_threads`` threads."""
     import torch
 
     if not kv_caches:
@@ -186,8 +202,13 @@ def discover(kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any, 
     layers = [kv_caches[n] for n in names]
     if first.dtype == torch.uint8 and probe_dtype != torch.uint8:
         layers = [t.view(probe_dtype) for t in layers]
+    # Loads write through the backend's own op (exact by definition, and faster than
+    # strided copies), except for fp8, where it would quantize bytes already quantized.
+    writers = None if fp8 else [_layer_write(context.get(n), kv_caches[n]) for n in names]
+    if writers is not None and any(w is None for w in writers):
+        writers = None
     try:
-        copier = PagedCopier(layers, block)
+        copier = PagedCopier(layers, block, writers, threads=copy_threads)
     except LayoutError as err:
         raise _refuse(backend, shape, str(err)) from err
     layout = EngineLayout(backend, block_size, block_tokens, block, copier, names)

@@ -71,9 +71,10 @@ class WorkerStats:
 class WorkerSide:
     """One worker (one TP rank); its namespace comes with ``transfers[0]``."""
 
-    def __init__(self, transfer: ChunkTransfer, layout: ChunkLayout):
+    def __init__(self, transfer: ChunkTransfer, layout: ChunkLayout, *, copy_threads: int = 2):
         self.transfer = transfer
         self.layout = layout
+        self.copy_threads = copy_threads
         self.engine: EngineLayout | None = None
         self.stats = WorkerStats()
         self.totals: dict[str, float] = {}
@@ -83,7 +84,7 @@ class WorkerSide:
     # -- register_kv_caches ---------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
         """Read vLLM's layout from vLLM and check it against the namespace's."""
-        self.engine = discover(kv_caches, vllm_config, kv_cache_config, self.layout)
+        self.engine = discover(kv_caches, vllm_config, kv_cache_config, self.layout, copy_threads=self.copy_threads)
         if self.engine.copier.device.type == "cuda" and self.transfer.client.pin_shared_pool():
             logger.info("daemon's shared pool page-locked for CUDA copies")
         logger.info("lmcache-server connector: vLLM KV layout %s", self.engine.describe())
