@@ -156,6 +156,21 @@ def test_scatter_through_the_engines_own_write(dtype: Any) -> None:
         paged.PagedCopier(fresh, probe(cpu_write, fresh[0]), writes[:1])
 
 
+def test_copies_split_over_threads_keep_the_callers_inference_mode() -> None:
+    """vLLM runs under torch.inference_mode (thread-local): tensors made there may be
+    updated in place only in inference mode, so the copy threads must enter it too."""
+    with torch.inference_mode():
+        layers = head_major(8, 16, torch.float16, 4)
+        slots = paged.token_slots([1, 5, 2], 0, 48, 16)
+        payload = written_by_engine(cpu_write, layers, slots, 48, torch.float16)
+        copier = paged.PagedCopier(layers, probe(cpu_write, layers[0]), threads=2)
+        out = torch.empty_like(payload)
+        copier.gather(slots, out)
+        copier.scatter(slots, out)
+    assert torch.equal(out, payload)
+    copier.close()
+
+
 def test_token_slots_maps_scheduler_blocks_to_kernel_blocks() -> None:
     slots = paged.token_slots([7, 2], 6, 10, block_size=8, block_tokens=4)
     # token 6: 2nd kernel block of block 7 (7*2+1), offset 2; token 8: 1st of block 2

@@ -309,7 +309,10 @@ class PagedCopier:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.threads - 1, thread_name_prefix="lmcache-paged")
         shares = [jobs[i :: self.threads] for i in range(self.threads)]
-        futures = [self._pool.submit(_run_all, share) for share in shares[1:] if share]
+        # Inference mode is per thread: the helpers run in the caller's (vLLM runs the
+        # model, and so creates the tensors copied here, under torch.inference_mode).
+        inference = _torch().is_inference_mode_enabled()
+        futures = [self._pool.submit(_run_all, share, inference) for share in shares[1:] if share]
         try:
             _run_all(shares[0])
         finally:
@@ -460,9 +463,13 @@ class PagedCopier:
             raise ValueError(f"kernel block {int(slots.blocks.max())} is past the cache's {self.num_blocks}")
 
 
-def _run_all(jobs: Sequence[Callable[[], Any]]) -> None:
-    for job in jobs:
-        job()
+def _run_all(jobs: Sequence[Callable[[], Any]], inference: bool | None = None) -> None:
+    if inference is None:
+        for job in jobs:
+            job()
+        return
+    with _torch().inference_mode(inference):
+        _run_all(jobs)
 
 
 def _same_storage(a: Any, b: Any) -> bool:
