@@ -72,7 +72,7 @@ class ServerMetrics:
             "lmcache_limit_violations",
             "Requests refused by an input or per-client limit, by limit "
             "(header_bytes, message_bytes, frames, keys, msgpack, client_requests, client_bytes, "
-            "key_requests, key_bytes).",
+            "key_requests, key_bytes, fair_share).",
             ["limit"],
             registry=registry,
         )

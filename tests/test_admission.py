@@ -52,15 +52,19 @@ def test_budget_spent_by_unsent_replies_answers_busy(daemon_factory) -> None:  #
         try:
             assert reader.stdout is not None and reader.stdout.readline().strip() == "sent"
             deadline = time.monotonic() + 10
-            while c.stats()["server"]["inflight_bytes"] < 32 * MiB:
+            while c.stats()["server"]["inflight_bytes"] < 16 * MiB:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
+            # Its reply was cut to its fair share, half the budget: one of the two chunks.
+            assert c.stats()["server"]["inflight_bytes"] == 16 * MiB
+            # Half of the rest is too little for a 16 MiB chunk: BUSY ...
             with pytest.raises(ServerError) as info:
-                c.get(small)
+                c.get(keys[1:])
             assert info.value.code == ErrorCode.BUSY
-            assert lenient.get(small) == [None]  # fail-open: BUSY is a miss
+            assert lenient.get(keys[1:]) == [None]  # fail-open: BUSY is a miss
             assert lenient.busy_replies == 1 and lenient.failures == 0
-            # Small requests without payload still pass.
+            # ... while a smaller chunk is served, and requests without payload pass.
+            assert c.get(small)[0] is not None
             assert c.exists(small) == [True]
         finally:
             reader.kill()

@@ -1,7 +1,7 @@
 """Admission control: in-flight limits that answer BUSY instead of queueing.
 
-Primitives: :class:`ByteBudget` (``try_acquire``, ``release``, ``in_use``),
-the server-wide byte budget; :class:`ClientLedger` (``try_admit``,
+Primitives: :class:`ByteBudget` (``try_acquire``, ``release``, ``share``,
+``in_use``), the server-wide byte budget and each holder's fair share of it; :class:`ClientLedger` (``try_admit``,
 ``release``, ``hold``, ``unhold``), each client connection's own share of it,
 so one greedy client gets BUSY while the others keep being served.
 """
@@ -25,6 +25,14 @@ class ByteBudget:
     def release(self, nbytes: int) -> None:
         self.in_use -= nbytes
         assert self.in_use >= 0, "byte budget released more than it lent"
+
+    def share(self, held: int) -> int:
+        """Bytes more a holder of ``held`` bytes may take: it may hold at most
+        half of what the others leave.  So one connection holds at most half
+        the budget, two at most three quarters, and however many clients stop
+        reading their replies, the rest is never spent by them."""
+        others = self.in_use - held
+        return max(0, (self.max_bytes - others) // 2 - held)
 
 
 class ClientLedger:

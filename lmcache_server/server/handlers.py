@@ -35,6 +35,8 @@ class Outcome:
     """Chunk bytes a shared-memory client wrote into the pool (commit), for the byte counters."""
     shm_out_bytes: int = 0
     """Chunk bytes a shared-memory client may now read from the pool (get under a lease)."""
+    trimmed: int = 0
+    """Hits answered as misses because the connection's fair share of the budget was spent."""
     after_reply: Callable[[], asyncio.Future[None] | None] | None = None
     """Work to start right after the reply is queued, before any other request
     runs (a put's copy into the pool: it overlaps the client's next transfer).
@@ -47,6 +49,9 @@ class Handlers:
         self.config = config
         self.budget = budget
         self.shm = shm if shm is not None and shm.enabled else None
+        pool = store.memory.allocator.capacity
+        self.shm_reserve_cap = min(max(config.max_message_size, pool // 4), pool // 2)
+        """Bytes all shared-memory write leases may hold reserved at once."""
         self.started_at = time.time()
         self._table: dict[Op, Callable[[Request], Awaitable[Outcome]]] = {
             Op.HELLO: self.hello,
@@ -65,7 +70,11 @@ class Handlers:
             Op.RELEASE: self.release,
         }
 
-    async def handle(self, request: Request) -> Outcome:
+    async def handle(self, request: Request, reply_share: Callable[[], int] | None = None) -> Outcome:
+        """Answer ``request``; ``reply_share()`` says how many reply payload bytes
+        the requesting connection may take now (its fair share, see admission.py)."""
+        if request.op is Op.GET:
+            return await self.get(request, reply_share)
         return await self._table[request.op](request)
 
     @staticmethod
@@ -106,29 +115,36 @@ class Handlers:
         self.shm.check_segment(request.fields.get("shm"), request.id)
         return self.shm
 
-    async def get(self, request: Request) -> Outcome:
+    def _reply_cap(self, reply_share: Callable[[], int] | None) -> int:
+        cap = self.config.max_message_size
+        return cap if reply_share is None else min(cap, reply_share())
+
+    async def get(self, request: Request, reply_share: Callable[[], int] | None = None) -> Outcome:
         if request.fields.get("shm") is not None:
-            return await self.get_shm(request)
+            return await self.get_shm(request, reply_share)
         chunks = await self.store.get_many(self._ns(request), request.keys)
-        # A reply's payload bytes never exceed max_message_size: hits past it are
-        # answered as misses (the client recomputes them).
-        total = 0
+        # A reply's payload bytes never exceed max_message_size, nor the
+        # connection's fair share of the budget: hits past it are answered as
+        # misses (the client recomputes them, or asks again).
+        cap = self._reply_cap(reply_share)
+        total = trimmed = 0
         for i, chunk in enumerate(chunks):
             if chunk is None:
                 continue
-            if total + chunk.nbytes > self.config.max_message_size:
+            if total + chunk.nbytes > cap:
                 chunk.release()
                 chunks[i] = None
+                trimmed += total + chunk.nbytes <= self.config.max_message_size
             else:
                 total += chunk.nbytes
         hits = [c for c in chunks if c is not None]
-        if not self.budget.try_acquire(total):
+        if (trimmed and not hits) or not self.budget.try_acquire(total):
             for chunk in hits:
                 chunk.release()
             raise ProtocolError(ErrorCode.BUSY, "in-flight byte budget spent; retry", request.id)
-        return Outcome({"found": [c is not None for c in chunks]}, hits, total)
+        return Outcome({"found": [c is not None for c in chunks]}, hits, total, trimmed=trimmed)
 
-    async def get_shm(self, request: Request) -> Outcome:
+    async def get_shm(self, request: Request, reply_share: Callable[[], int] | None = None) -> Outcome:
         """A get answered with pool locations under a read lease; a hit that is
         not in the pool (no room to promote it) still travels as a payload frame."""
         shm = self._shm(request)
@@ -136,18 +152,20 @@ class Handlers:
         leased: list[Chunk] = []
         framed: list[Chunk] = []
         locations: list[list[int] | None] = []
-        total = 0
+        cap = self._reply_cap(reply_share)
+        total = trimmed = 0
         for i, chunk in enumerate(chunks):
             if chunk is None:
                 locations.append(None)
             elif chunk.offset is not None:
                 leased.append(chunk)
                 locations.append([chunk.offset, chunk.nbytes])
-            elif total + chunk.nbytes <= self.config.max_message_size:
+            elif total + chunk.nbytes <= cap:
                 framed.append(chunk)
                 total += chunk.nbytes
                 locations.append(None)
             else:
+                trimmed += total + chunk.nbytes <= self.config.max_message_size
                 chunk.release()
                 chunks[i] = None
                 locations.append(None)
@@ -158,7 +176,7 @@ class Handlers:
         fields: dict[str, Any] = {"found": [c is not None for c in chunks], "loc": locations, "lease": None}
         if leased:
             fields["lease"], fields["expires"] = shm.grant_reads(leased)
-        return Outcome(fields, framed, total, shm_out_bytes=sum(c.nbytes for c in leased))
+        return Outcome(fields, framed, total, shm_out_bytes=sum(c.nbytes for c in leased), trimmed=trimmed)
 
     async def alloc(self, request: Request) -> Outcome:
         """Reserve pool room for chunks the client will write, under a write lease."""
@@ -170,7 +188,27 @@ class Handlers:
             or not all(type(n) is int and n > 0 for n in sizes)
         ):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'sizes' must list one positive integer per key", request.id)
-        outcomes = await self.store.reserve_waiting(self._ns(request), request.keys, sizes)
+        # One alloc reserves at most max_message_size, as a put carries at most
+        # that: a larger chunk is TOO_LARGE, the keys past the total NO_SPACE.
+        limit = self.config.max_message_size
+        outcomes: list[Reservation | PutStatus] = []
+        asked: list[int] = []
+        total = 0
+        for i, size in enumerate(sizes):
+            if size > limit:
+                outcomes.append(PutStatus.TOO_LARGE)
+            elif total + size > limit:
+                outcomes.append(PutStatus.NO_SPACE)
+            else:
+                total += size
+                asked.append(i)
+                outcomes.append(PutStatus.NO_SPACE)  # replaced below
+        self._check_reservation(shm, total, request.id)
+        reserved = await self.store.reserve_waiting(
+            self._ns(request), [request.keys[i] for i in asked], [sizes[i] for i in asked]
+        )
+        for i, outcome in zip(asked, reserved):
+            outcomes[i] = outcome
         reservations = [r for r in outcomes if isinstance(r, Reservation)]
         fields: dict[str, Any] = {
             "status": [int(PutStatus.STORED) if isinstance(r, Reservation) else int(r) for r in outcomes],
@@ -180,6 +218,19 @@ class Handlers:
         if reservations:
             fields["lease"], fields["expires"] = shm.grant_writes(reservations)
         return Outcome(fields)
+
+    def _check_reservation(self, shm: ShmLeases, nbytes: int, request_id: int) -> None:
+        """Bound what shared-memory writers may hold reserved (an alloc is in no
+        byte budget: its payload never crosses the socket): all write leases
+        together (with the slots quarantined after an expiry) at most
+        ``shm_reserve_cap``, so allocs can never evict the whole pool and sit on it."""
+        reserved = int(shm.stats()["reserved_bytes"])
+        if reserved + nbytes > self.shm_reserve_cap:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"shared-memory write reservations spent ({reserved} of {self.shm_reserve_cap} bytes); retry",
+                request_id,
+            )
 
     async def commit(self, request: Request) -> Outcome:
         """Make a write lease's chunks visible; one status per reserved chunk."""

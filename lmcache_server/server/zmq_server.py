@@ -258,6 +258,14 @@ class ZmqServer:
             message = f"{whose} in-flight limit is spent ({over}); retry"
             self._reply_error(envelope, request.id, ErrorCode.BUSY, message, op, started)
             return
+        held = self.clients.in_flight(envelope[0])[1] - size  # the connection's bytes before this request
+        if size and held and size > self.budget.share(held):
+            _release(owners, size)
+            self.metrics.busy.inc()
+            self.metrics.limit_violations.labels("fair_share").inc()
+            message = "this connection holds its share of the in-flight budget; retry"
+            self._reply_error(envelope, request.id, ErrorCode.BUSY, message, op, started)
+            return
         if len(self._tasks) >= MAX_CONCURRENT_REQUESTS or not self.budget.try_acquire(size):
             _release(owners, size)
             self.metrics.busy.inc()
@@ -316,8 +324,15 @@ class ZmqServer:
                 counted = False
                 _release(owners, size)
 
+        peer = envelope[0]
+
+        def reply_share() -> int:
+            return self.budget.share(self.clients.in_flight(peer)[1])
+
         try:
-            outcome = await self.handlers.handle(request)
+            outcome = await self.handlers.handle(request, reply_share)
+            if outcome.trimmed:
+                self.metrics.limit_violations.labels("fair_share").inc()
             if scoped:
                 outcome.fields["stats"] = namespace_view(outcome.fields["stats"])
             release_share()  # the connection's share ends with the answer
