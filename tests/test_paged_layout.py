@@ -104,7 +104,7 @@ CASES = [
     (cpu_write, head_major, 16, 16, 0, 48),
     (cpu_write, head_major, 16, 16, 5, 37),  # starts and ends inside blocks
     (cpu_write, head_major, 32, 16, 3, 61),  # scheduler blocks split into two kernel blocks
-    (flash_write, token_major, 4, 4, 1, 50),  # more runs than MAX_RUNS: the indexed path
+    (flash_write, token_major, 1, 1, 1, 80),  # more block runs than max_runs: the indexed path
     (flash_write, head_major, 4, 4, 0, 16),
     (swizzled_write, head_major, 8, 8, 2, 21),  # position table
 ]
@@ -116,7 +116,7 @@ CASES = [
 def test_gather_returns_what_the_engine_wrote_and_scatter_writes_it_back(
     write: Any, make: Any, block_size: int, kernel: int, start: int, end: int, dtype: Any, shared: bool
 ) -> None:
-    layers_n, kernel_blocks = 3, 40
+    layers_n, kernel_blocks = 3, 100
     layers = (
         make(kernel_blocks, kernel, dtype, layers_n)
         if shared
@@ -195,3 +195,29 @@ def test_copier_checks_payload_shape_dtype_and_blocks() -> None:
         copier.gather(paged.token_slots([0, 9], 0, 8, 4), torch.empty(2, 2, 8, H, D))
     with pytest.raises(paged.LayoutError, match="differ"):
         paged.PagedCopier([layers[0], torch.zeros(4, H, 8, 2 * D)], copier.layout)
+
+
+def test_the_gpu_layout_check_runs_and_says_why_without_a_gpu(tmp_path: Any) -> None:
+    """benchmarks/gpu_layouts.py is the one device run that checks the CUDA layouts;
+    here it must exit 0 saying why, and pass its own checks on CPU tensors."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_layouts.py"
+    for device in ("cuda", "cpu"):
+        out = tmp_path / f"{device}.json"
+        done = subprocess.run(
+            [sys.executable, str(script), "--device", device, "--json", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        result = json.loads(out.read_text())
+        if device == "cpu" or torch.cuda.is_available():
+            assert result["available"] and len(result["rows"]) == 6, done.stdout
+            assert "read back exactly" in done.stdout
+        else:
+            assert not result["available"] and "CUDA" in result["reason"]

@@ -252,7 +252,10 @@ class PagedCopier:
 
     #: Token ranges crossing at most this many block runs are copied run by run
     #: (``copy_`` of strided views); longer ones by one indexed gather per group.
-    MAX_RUNS = 8
+    #: On a GPU each copy is a kernel launch, so long ranges of small blocks take
+    #: the indexed gather sooner; on a CPU strided copies beat indexing by far.
+    MAX_RUNS_CPU = 64
+    MAX_RUNS_CUDA = 8
 
     def __init__(
         self,
@@ -284,6 +287,7 @@ class PagedCopier:
         # CPU caches: the layers are split over ``threads`` threads (torch copies drop the
         # GIL); a CUDA cache's copies are kernels on one stream, issued from one thread.
         self.threads = max(1, threads) if first.device.type == "cpu" else 1
+        self.max_runs = self.MAX_RUNS_CPU if first.device.type == "cpu" else self.MAX_RUNS_CUDA
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def close(self) -> None:
@@ -369,14 +373,14 @@ class PagedCopier:
     # -- copies ------------------------------------------------------------------------------
     def _runs(self, slots: Slots) -> list[tuple[int, int, int, int]] | None:
         """(kernel block, first offset, end offset, first token) per contiguous run,
-        or None when there are more than MAX_RUNS."""
+        or None when there are more than ``max_runs``."""
         torch = _torch()
         blocks, offsets = slots.blocks, slots.offsets
         n = len(blocks)
         if n == 0:
             return []
         breaks = torch.nonzero((blocks[1:] != blocks[:-1]) | (offsets[1:] != offsets[:-1] + 1)).flatten() + 1
-        if len(breaks) >= self.MAX_RUNS:
+        if len(breaks) >= self.max_runs:
             return None
         starts = [0, *breaks.tolist()]
         ends = [*starts[1:], n]
