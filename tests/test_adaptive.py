@@ -23,6 +23,8 @@ from policy_sim import (  # noqa: E402
     trace_keys,
 )
 
+from ._traces import trace_present  # noqa: E402
+
 
 def key(i: int) -> ChunkKey:
     return ChunkKey("ns", i.to_bytes(32, "big"))
@@ -81,12 +83,13 @@ def test_rule_follows_the_experts_and_the_order_is_lfudas() -> None:
 
 
 def test_on_the_trace_start_it_wins_small_and_matches_large() -> None:
-    requests = load_trace(DEFAULT_TRACE, 3000) if DEFAULT_TRACE.exists() else synthetic_requests(3000)
+    on_trace = trace_present()
+    requests = load_trace(DEFAULT_TRACE, 3000) if on_trace else synthetic_requests(3000)
     distinct = distinct_blocks(requests)
     small, large = distinct // 50, distinct // 4
     lfuda_small = simulate(requests, small, "lfuda").token_hit_rate
     adaptive_small = simulate(requests, small, "adaptive").token_hit_rate
-    if DEFAULT_TRACE.exists():
+    if on_trace:
         assert adaptive_small > lfuda_small + 0.003  # 2% of the slice: the head rule pays
     else:
         assert adaptive_small >= lfuda_small - 0.005  # synthetic: never much worse

@@ -42,6 +42,8 @@ from policy_sim import (  # noqa: E402
 )
 from replay_trace import replay  # noqa: E402
 
+from ._traces import require_trace, trace_present  # noqa: E402
+
 
 def key(i: int) -> ChunkKey:
     return ChunkKey("ns", i.to_bytes(32, "big"))
@@ -231,8 +233,7 @@ def test_lfuda_age_moves_only_when_the_victim_leaves() -> None:
 
 
 def test_lfuda_beats_lru_on_the_trace_start() -> None:
-    if not DEFAULT_TRACE.exists():
-        pytest.skip(f"{DEFAULT_TRACE} not present")
+    require_trace()
     requests = load_trace(DEFAULT_TRACE, 3000)
     capacity = distinct_blocks(requests) // 50  # 2%
     lru, lfuda = (simulate(requests, capacity, p).token_hit_rate for p in ("lru", "lfuda"))
@@ -304,7 +305,7 @@ def test_disk_tier_evicts_by_its_policy(tmp_path: Path) -> None:
 
 # -- the offline model ---------------------------------------------------------------------------
 def workload(n: int) -> tuple[str, list[Request]]:
-    if DEFAULT_TRACE.exists():
+    if trace_present():
         return "trace", load_trace(DEFAULT_TRACE, n)
     return "synthetic", synthetic_requests(n)
 
@@ -334,8 +335,8 @@ def plain_lru(requests: list[Request], capacity: int) -> int:
 
 @pytest.mark.parametrize("source", ["trace", "synthetic"])
 def test_model_with_lru_is_textbook_lru_and_belady_bounds_it(source: str) -> None:
-    if source == "trace" and not DEFAULT_TRACE.exists():
-        pytest.skip(f"{DEFAULT_TRACE} not present")
+    if source == "trace":
+        require_trace()
     requests = load_trace(DEFAULT_TRACE, 2000) if source == "trace" else synthetic_requests(2000)
     capacity = max(64, distinct_blocks(requests) // 20)
     lru = simulate(requests, capacity, "lru")
