@@ -14,6 +14,7 @@ entries from the files of the previous life in at least some rounds.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import threading
 import time
@@ -26,7 +27,8 @@ from .conftest import Daemon
 
 KiB = 1024
 MiB = 1024 * KiB
-ROUNDS = 8
+ROUNDS = int(os.environ.get("LMCACHE_CRASH_ROUNDS", "8"))
+"""8 in the suite; longer campaigns (docs/security.md) set LMCACHE_CRASH_ROUNDS."""
 SEED = 20240707
 
 
