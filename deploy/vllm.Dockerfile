@@ -4,7 +4,8 @@
 # Build from the repository root:
 #
 #   docker build -f deploy/vllm.Dockerfile -t lmcache-vllm .
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.11.0
+# The connector follows vLLM 0.32's KV connector API and KV cache layouts (docs/integrations.md).
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 FROM ${VLLM_IMAGE}
 COPY client/ /tmp/lmcache-client/
 # The vLLM images install packages with uv; fall back to pip for older ones.

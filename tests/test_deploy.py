@@ -206,12 +206,24 @@ def test_compose_wiring() -> None:
             "kv_connector": "LMCacheServerConnectorV1",
             "kv_connector_module_path": "lmcache_client.integrations.vllm_connector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"address": "tcp://lmcache-server:65432"},
+            "kv_load_failure_policy": "recompute",
         }
-        # The connector itself accepts that extra config (it refuses unknown keys).
-        from lmcache_client.integrations.vllm_connector import ConnectorSettings
+        # The same flags as the command line docs/integrations.md gives (and the tests run).
+        doc = (REPO / "docs" / "integrations.md").read_text()
+        assert command[command.index("--kv-transfer-config") + 1] in doc
+        # The connector itself accepts that config, its address from the environment.
+        from lmcache_client.integrations.vllm_connector import ADDRESS_ENV, ConnectorSettings
 
-        settings = ConnectorSettings.from_extra_config(kv["kv_connector_extra_config"])
+        assert vllm["environment"][ADDRESS_ENV] == "tcp://lmcache-server:65432"
+        old_env = os.environ.get(ADDRESS_ENV)
+        os.environ[ADDRESS_ENV] = vllm["environment"][ADDRESS_ENV]
+        try:
+            settings = ConnectorSettings.from_extra_config(kv.get("kv_connector_extra_config"))
+        finally:
+            if old_env is None:
+                del os.environ[ADDRESS_ENV]
+            else:
+                os.environ[ADDRESS_ENV] = old_env
         assert settings.address == "tcp://lmcache-server:65432"
         assert settings.chunk_size == load_config(str(DEPLOY / "server.docker.yaml"), environ={}).chunk_size
         assert vllm["depends_on"]["lmcache-server"]["condition"] == "service_healthy"
