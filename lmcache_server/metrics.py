@@ -259,7 +259,7 @@ class TaskFailureCollector(Collector):
         metric = CounterMetricFamily(
             "lmcache_background_task_failures",
             "Unexpected failures by task (disk_writer, redis_writer, redis_reconnect, reply_sweeper, shm_sweeper, "
-            "put_fill, dispatch, 'request OP'); a failed loop is restarted.",
+            "put_fill, redis_OP, dispatch, 'request OP'); a failed loop is restarted.",
             labels=["task"],
         )
         for task, count in sorted(self.failures.items()):

@@ -216,16 +216,19 @@ class Handlers:
             "lease": None,
         }
         if reservations:
-            fields["lease"], fields["expires"] = shm.grant_writes(reservations)
+            fields["lease"], fields["expires"] = shm.grant_writes(reservations, request.fields.get("owner"))
         return Outcome(fields)
 
     def _check_reservation(self, shm: ShmLeases, nbytes: int, request_id: int) -> None:
         """Bound what shared-memory writers may hold reserved (an alloc is in no
         byte budget: its payload never crosses the socket): all write leases
         together (with the slots quarantined after an expiry) at most
-        ``shm_reserve_cap``, so allocs can never evict the whole pool and sit on it."""
+        ``shm_reserve_cap`` (one alloc always, when nothing is reserved), so
+        allocs can never evict the whole pool and sit on it."""
         reserved = int(shm.stats()["reserved_bytes"])
-        if reserved + nbytes > self.shm_reserve_cap:
+        # With nothing reserved any one alloc is admitted (it is at most
+        # max_message_size): a writer larger than the cap is slow, never starved.
+        if reserved and reserved + nbytes > self.shm_reserve_cap:
             raise ProtocolError(
                 ErrorCode.BUSY,
                 f"shared-memory write reservations spent ({reserved} of {self.shm_reserve_cap} bytes); retry",

@@ -156,14 +156,26 @@ class RedisTier:
         if self._probing is None or self._probing.done():
             self._probing = self._supervisor.spawn("redis_reconnect", self._reconnect)
 
+    def _failed(self, op: str, err: Exception) -> None:
+        """A request to Redis failed: the uplink is down.  An error that is not a
+        Redis or network error (a client library surprised by a reply, a bug) is
+        also logged with its traceback and counted as a task failure; the request
+        that asked still gets its miss, never INTERNAL."""
+        if not isinstance(err, _ERRORS):
+            self._supervisor.failed(f"redis_{op}", err)
+        self._mark_down(err)
+
     async def _drop_connections(self) -> None:
-        """Close every pooled connection: after an outage they lead to the old server."""
+        """Close the idle pooled connections: after an outage they lead to the old
+        server.  Ones in use are left to their command, which fails (and is
+        retried on a fresh connection) by itself: closing them underneath it
+        would turn a Redis outage into an error nobody expects."""
         try:
             if isinstance(self._client, RedisCluster):
                 await self._client.aclose()  # the next command rediscovers the nodes
             else:
-                await self._client.connection_pool.disconnect()
-        except _ERRORS:
+                await self._client.connection_pool.disconnect(inuse_connections=False)
+        except Exception:  # best effort: a connection that cannot even close is gone
             pass
 
     async def _reconnect(self) -> None:
@@ -315,9 +327,9 @@ class RedisTier:
                 for key in keys:
                     pipe.exists(self.redis_key(key))
                 found = await asyncio.wait_for(pipe.execute(), self.timeout_s)
-        except _ERRORS as err:
+        except Exception as err:
             self.counters.read_errors += 1
-            self._mark_down(err)
+            self._failed("exists", err)
             return [False] * len(keys)
         if not isinstance(found, list) or len(found) != len(keys) or not all(isinstance(n, int) for n in found):
             # A server that speaks RESP but not Redis: answer misses, count it.
@@ -336,9 +348,9 @@ class RedisTier:
         rkey = self.redis_key(key)
         try:
             value = await asyncio.wait_for(self._client.get(rkey), self.timeout_s)
-        except _ERRORS as err:
+        except Exception as err:
             self.counters.read_errors += 1
-            self._mark_down(err)
+            self._failed("get", err)
             self.counters.misses += 1
             return None
         if value is None:
@@ -368,9 +380,9 @@ class RedisTier:
             return queued
         try:
             removed = await self._delete_in_redis([key])
-        except _ERRORS as err:
+        except Exception as err:
             self.queue.remember_delete(key)
-            self._mark_down(err)
+            self._failed("delete", err)
             return queued
         return bool(removed) or queued
 
@@ -390,9 +402,9 @@ class RedisTier:
             return queued
         try:
             return max(await self._clear_in_redis(namespace), queued)
-        except _ERRORS as err:
+        except Exception as err:
             self.queue.remember_clear(namespace)
-            self._mark_down(err)
+            self._failed("clear", err)
             return queued
 
     async def _clear_in_redis(self, namespace: str | None) -> int:
