@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from lmcache_client import CacheClient, calls
+from lmcache_client import CacheClient, calls, shm
 
 
 def key_of(worker: int, i: int) -> bytes:
@@ -59,7 +59,8 @@ def hold(address: str, ns: str, key_hex: str) -> int:
     pool = c._shared_pool()
     assert pool is not None
     read = c._run(calls.get_shm(ns, [bytes.fromhex(key_hex)], pool.segment))
-    write = c._run(calls.alloc(ns, [hashlib.sha256(b"never committed").digest()], [1 << 20], pool.segment))
+    never = [hashlib.sha256(b"never committed").digest()]
+    write = c._run(calls.alloc(ns, never, [1 << 20], pool.segment, shm.owner()))  # as put_flow does
     print("held", read.lease is not None, write.lease is not None, flush=True)
     time.sleep(3600)
     return 0

@@ -190,7 +190,7 @@ def test_leases_of_a_killed_client_expire(daemon_factory: Callable[..., Daemon])
         s = shm_stats(c)
         assert s["expired_reads"] == 1 and s["expired_writes"] == 1
         assert c.stats()["tiers"]["memory"]["leased_chunks"] == 0
-        # The expired write slot is quarantined for one more timeout, then freed.
+        # The expired write slot is quarantined until its writer is gone: it was killed.
         assert wait_for(lambda: shm_stats(c)["reserved_bytes"] == 0)
         assert c.stats()["tiers"]["memory"]["allocated_bytes"] == 2 * MiB
         assert bytes(c.get([k])[0]) == value(k, 2 * MiB)

@@ -24,7 +24,7 @@ from . import calls, shm
 from .calls import Call, LookupResult
 from .client import COPY_THRESHOLD, DEFAULT_ADDRESS, FailOpen, namespace_string, new_dealer, unavailable
 from .curve import CurveKeys
-from .errors import DaemonUnavailable, ServerError
+from .errors import ClientError, DaemonUnavailable, ServerError
 from .handshake import HandshakeWatch
 from .keys import chunk_keys
 from .namespace import Namespace
@@ -235,17 +235,21 @@ class AsyncCacheClient:
             pass  # the lease expires by itself
 
     async def _drive(self, flow: shm.Flow) -> Any:
-        value = None
+        value: Any = None
+        error: BaseException | None = None
         while True:
             try:
-                step = flow.send(value)
+                step = flow.throw(error) if error is not None else flow.send(value)
             except StopIteration as stop:
                 return stop.value
+            value, error = None, None
             if isinstance(step, shm.Tell):
                 await self._tell(step.call)
-                value = None
             else:
-                value = await self._run(step.call)
+                try:
+                    value = await self._run(step.call)
+                except (ClientError, asyncio.CancelledError) as err:  # into the flow: it may clean up
+                    error = err
 
     async def _over_shm(
         self,

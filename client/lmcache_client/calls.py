@@ -188,7 +188,11 @@ def get_shm(namespace: str, keys: Sequence[bytes], segment: str) -> Call[ShmGran
     return Call(Op.GET, parse, namespace, keys, fields={"shm": segment})
 
 
-def alloc(namespace: str, keys: Sequence[bytes], sizes: Sequence[int], segment: str) -> Call[ShmGrant]:
+def alloc(
+    namespace: str, keys: Sequence[bytes], sizes: Sequence[int], segment: str, owner: dict[str, int] | None = None
+) -> Call[ShmGrant]:
+    """Reserve pool slots under a write lease; ``owner`` names this process so the daemon
+    can tell when a writer whose lease expired can no longer write (shm.owner())."""
     n = len(keys)
 
     def parse(reply: Reply, _: list[Any]) -> ShmGrant:
@@ -196,7 +200,10 @@ def alloc(namespace: str, keys: Sequence[bytes], sizes: Sequence[int], segment: 
         status = [_put_status(s) for s in _field(reply, "status")]
         return dataclasses.replace(grant, status=status)
 
-    return Call(Op.ALLOC, parse, namespace, keys, fields={"sizes": list(sizes), "shm": segment})
+    fields: dict[str, Any] = {"sizes": list(sizes), "shm": segment}
+    if owner is not None:
+        fields["owner"] = owner
+    return Call(Op.ALLOC, parse, namespace, keys, fields=fields)
 
 
 def commit(lease: int, segment: str) -> Call[list[PutStatus | int]]:

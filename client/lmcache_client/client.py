@@ -34,7 +34,7 @@ import zmq
 from . import calls, shm
 from .calls import Call, LookupResult
 from .curve import CurveKeys
-from .errors import DaemonUnavailable, ServerError
+from .errors import ClientError, DaemonUnavailable, ServerError
 from .failopen import MISS, PROBE, FailOpen
 
 __all__ = [
@@ -303,17 +303,23 @@ class CacheClient:
             pass  # the lease expires by itself
 
     def _drive(self, flow: shm.Flow) -> Any:
-        value = None
+        """Run a flow's calls; a call's error is raised inside the flow (which may clean
+        up and re-raise it)."""
+        value: Any = None
+        error: BaseException | None = None
         while True:
             try:
-                step = flow.send(value)
+                step = flow.throw(error) if error is not None else flow.send(value)
             except StopIteration as stop:
                 return stop.value
+            value, error = None, None
             if isinstance(step, shm.Tell):
                 self._tell(step.call)
-                value = None
             else:
-                value = self._run(step.call)
+                try:
+                    value = self._run(step.call)
+                except ClientError as err:
+                    error = err
 
     def _over_shm(self, flow: Callable[[SharedPool], shm.Flow], fallback: Callable[[], T], miss: Callable[[], T]) -> T:
         """Run a shared-memory flow; a daemon that restarted (new segment) is

@@ -103,6 +103,8 @@ class SharedPool:
         self._cuda_registered = False
         self.copy_threads = max(1, copy_threads)
         self._copiers: concurrent.futures.ThreadPoolExecutor | None = None
+        self.unsettled: list[int] = []
+        """Write leases whose commit may not have reached the daemon (see _commit)."""
 
     @classmethod
     def open(cls, offer: Any, copy_threads: int = 1) -> SharedPool | None:
@@ -298,6 +300,44 @@ def on_failure(err: Exception, fail_open: bool) -> str:
     return RAISE
 
 
+_OWNER: tuple[int, dict[str, int] | None] = (0, None)
+
+
+def owner() -> dict[str, int] | None:
+    """This process as a write lease's owner: pid, pid namespace (inode) and start
+    time, so the daemon can tell when it is gone (None off Linux)."""
+    global _OWNER
+    pid = os.getpid()
+    if _OWNER[0] != pid:  # computed once per process (again after a fork)
+        try:
+            pidns = os.stat("/proc/self/ns/pid").st_ino
+            with open("/proc/self/stat") as f:
+                start = int(f.read().rsplit(")", 1)[1].split()[19])
+            _OWNER = (pid, {"pid": pid, "pidns": pidns, "start": start})
+        except (OSError, IndexError, ValueError):
+            _OWNER = (pid, None)
+    return _OWNER[1]
+
+
+def _settle(pool: SharedPool) -> Flow:
+    """Release write leases whose commit never reached the daemon (it holds their
+    slots until it hears their writer is done)."""
+    if pool.unsettled:
+        leases, pool.unsettled = pool.unsettled, []
+        yield Tell(calls.release(leases))
+
+
+def _commit(pool: SharedPool, lease: int) -> Flow:
+    """Commit ``lease``; if the request cannot be sent or answered, remember the lease
+    so the next flow releases it."""
+    try:
+        statuses = yield Ask(calls.commit(lease, pool.segment))
+    except BaseException:
+        pool.unsettled.append(lease)
+        raise
+    return statuses
+
+
 def _nbytes(payload: Any) -> int:
     if hasattr(payload, "data_ptr"):
         return int(payload.numel() * payload.element_size())
@@ -373,7 +413,8 @@ def copy_frame(buf: Any, dest: Any) -> bool:
 
 def put_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], payloads: Sequence[Any]) -> Flow:
     """A put over shared memory: alloc, copy in, commit.  One PutStatus per key."""
-    grant = yield Ask(calls.alloc(namespace, keys, [_nbytes(p) for p in payloads], pool.segment))
+    yield from _settle(pool)
+    grant = yield Ask(calls.alloc(namespace, keys, [_nbytes(p) for p in payloads], pool.segment, owner()))
     statuses: list[PutStatus | int] = list(grant.status)
     if grant.lease is None:
         return statuses
@@ -383,7 +424,7 @@ def put_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], payloads: 
     for payload, loc in zip(payloads, grant.loc):
         if loc is not None:
             pool.copy_in(loc[0], payload)
-    final = iter((yield Ask(calls.commit(grant.lease, pool.segment))))
+    final = iter((yield from _commit(pool, grant.lease)))
     return [next(final, PutStatus.FAILED) if loc is not None else s for s, loc in zip(statuses, grant.loc)]
 
 
@@ -399,7 +440,8 @@ def fill_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], sizes: Se
     others keep the status alloc gave them (EXISTS, NO_SPACE, ...).  An
     exception from ``fill`` releases the slots (nothing becomes visible) and
     propagates.  One PutStatus per key."""
-    grant = yield Ask(calls.alloc(namespace, keys, list(sizes), pool.segment))
+    yield from _settle(pool)
+    grant = yield Ask(calls.alloc(namespace, keys, list(sizes), pool.segment, owner()))
     statuses: list[PutStatus | int] = list(grant.status)
     if grant.lease is None:
         return statuses
@@ -413,7 +455,7 @@ def fill_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], sizes: Se
     except BaseException:
         yield Tell(calls.release([grant.lease]))
         raise
-    final = iter((yield Ask(calls.commit(grant.lease, pool.segment))))
+    final = iter((yield from _commit(pool, grant.lease)))
     return [next(final, PutStatus.FAILED) if loc is not None else s for s, loc in zip(statuses, grant.loc)]
 
 

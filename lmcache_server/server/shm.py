@@ -15,10 +15,25 @@ storage/pool.py).  Then:
 Every lease expires ``timeout_s`` after it was granted, so a client that
 crashed cannot pin memory forever (counted).  The grant carries its deadline
 in CLOCK_MONOTONIC seconds: a client on this host reads the same clock, and a
-copy it finished before the deadline was made under a live lease.  An expired
-write reservation is not reused at once: it is quarantined for another
-``timeout_s`` first, so a client that overran its deadline cannot scribble on
-another chunk's bytes.
+copy it finished before the deadline was made under a live lease.
+
+A committed chunk never changes, so an expired write reservation is never
+handed to another chunk while its writer might still copy into it (a client
+stalled mid-copy, e.g. stopped, that resumes later).  It stays quarantined
+until its writer is known to be done:
+
+- its ``commit`` or ``release`` for that lease arrives (refused, the lease has
+  expired; but the writer sends it after its copy), or
+- its process is gone: the alloc names the writer (``owner``: pid, pid
+  namespace, process start time) and, when the writer is in the daemon's pid
+  namespace, the sweep checks ``/proc/<pid>`` (a pid reused by another process
+  has another start time);
+- a writer the daemon cannot observe (another pid namespace, or no ``owner``)
+  is given ``QUARANTINE_FACTOR`` lease timeouts (10 minutes by default) before
+  its slot is reused: the one case where a writer stopped longer than that and
+  then resumed could still write into a reused slot.  Put the engines in the
+  daemon's pid namespace (compose: ``pid: "service:lmcache-server"``) to rule
+  it out.
 
 Lease ids are random 63-bit numbers: a client cannot guess another's.
 
@@ -30,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import secrets
 import time
 from collections.abc import Sequence
@@ -54,6 +70,62 @@ class _WriteLease:
     reservations: list[Reservation]
     deadline: float
     nbytes: int
+    owner: Owner | None = None
+
+
+QUARANTINE_FACTOR = 20
+"""Lease timeouts an expired write slot of a writer the daemon cannot observe stays
+quarantined (with the default 30 s: 10 minutes)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Owner:
+    """The process holding a write lease, as its alloc described it."""
+
+    pid: int
+    pidns: int
+    start: int
+    """Process start time (clock ticks since boot, /proc/<pid>/stat field 22)."""
+
+    @classmethod
+    def parse(cls, value: Any) -> Owner | None:
+        if not isinstance(value, dict):
+            return None
+        try:
+            owner = cls(int(value["pid"]), int(value["pidns"]), int(value["start"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        return owner if owner.pid > 0 else None
+
+    def observable(self) -> bool:
+        """Whether this daemon sees the owner's pid namespace (so its pid means the same here)."""
+        return _own_pidns() == self.pidns
+
+    def alive(self) -> bool:
+        """The process still exists (the same one: a reused pid has another start time)."""
+        return _start_time(self.pid) == self.start
+
+
+def _own_pidns() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Quarantined:
+    lease: int
+    write: _WriteLease
+    since: float
 
 
 @dataclasses.dataclass
@@ -65,6 +137,10 @@ class ShmCounters:
     expired_reads: int = 0
     expired_writes: int = 0
     aborted_writes: int = 0
+    quarantine_released: int = 0
+    """Expired write slots freed because their writer came back (commit/release) or died."""
+    quarantine_timed_out: int = 0
+    """Expired write slots of unobservable writers freed after QUARANTINE_FACTOR timeouts."""
 
 
 class ShmLeases:
@@ -75,7 +151,7 @@ class ShmLeases:
         self.counters = ShmCounters()
         self._reads: dict[int, _ReadLease] = {}
         self._writes: dict[int, _WriteLease] = {}
-        self._quarantine: list[tuple[float, list[Reservation]]] = []
+        self._quarantine: dict[int, _Quarantined] = {}
 
     @property
     def enabled(self) -> bool:
@@ -119,10 +195,14 @@ class ShmLeases:
         self.counters.read_bytes += nbytes
         return lease, deadline
 
-    def grant_writes(self, reservations: Sequence[Reservation]) -> tuple[int, float]:
+    def grant_writes(self, reservations: Sequence[Reservation], owner: Any = None) -> tuple[int, float]:
+        """Reserve ``reservations`` for one writer (``owner``: its alloc's ``owner``
+        field, see :class:`Owner`): (lease id, deadline)."""
         deadline = time.monotonic() + self.timeout_s
         lease = self._new_id()
-        self._writes[lease] = _WriteLease(list(reservations), deadline, sum(r.size for r in reservations))
+        self._writes[lease] = _WriteLease(
+            list(reservations), deadline, sum(r.size for r in reservations), Owner.parse(owner)
+        )
         self.counters.write_leases += 1
         return lease, deadline
 
@@ -132,11 +212,15 @@ class ShmLeases:
         (one status per chunk, the bytes committed)."""
         grant = self._writes.pop(lease, None) if isinstance(lease, int) else None
         if grant is None:
+            if isinstance(lease, int) and self._end_quarantine(lease):
+                raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"write lease {lease!r} expired", request_id)
             raise ProtocolError(
                 ErrorCode.UNKNOWN_LEASE, f"no write lease {lease!r} (expired or never granted)", request_id
             )
         if time.monotonic() > grant.deadline:
-            self._expire_writes(grant)
+            # Late: refused, but its writer is past its copy, so its room is free now.
+            self.counters.expired_writes += 1
+            self._abort(grant)
             raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"write lease {lease!r} expired", request_id)
         self.counters.committed_bytes += grant.nbytes
         return [self.store.commit(r) for r in grant.reservations], grant.nbytes
@@ -161,13 +245,25 @@ class ShmLeases:
                 continue
             write = self._writes.pop(lease, None)
             if write is not None:
-                for reservation in write.reservations:
-                    self.store.abort(reservation)
+                self._abort(write)
                 self.counters.aborted_writes += 1
                 out.append(now <= write.deadline)
                 continue
+            self._end_quarantine(lease)  # a writer whose lease expired is done with it
             out.append(False)
         return out
+
+    def _abort(self, write: _WriteLease) -> None:
+        for reservation in write.reservations:
+            self.store.abort(reservation)
+
+    def _end_quarantine(self, lease: int) -> bool:
+        held = self._quarantine.pop(lease, None)
+        if held is None:
+            return False
+        self._abort(held.write)
+        self.counters.quarantine_released += 1
+        return True
 
     # -- expiry --------------------------------------------------------------------
     def sweep(self, now: float | None = None) -> int:
@@ -184,22 +280,19 @@ class ShmLeases:
         for lease, write in list(self._writes.items()):
             if now > write.deadline:
                 del self._writes[lease]
-                self._expire_writes(write)
+                self.counters.expired_writes += 1
+                self._quarantine[lease] = _Quarantined(lease, write, now)
                 expired += 1
-        if self._quarantine:
-            keep = []
-            for until, reservations in self._quarantine:
-                if now > until:
-                    for reservation in reservations:
-                        self.store.abort(reservation)
-                else:
-                    keep.append((until, reservations))
-            self._quarantine = keep
+        for lease, held in list(self._quarantine.items()):
+            owner = held.write.owner
+            if owner is not None and owner.observable():
+                if not owner.alive():
+                    self._end_quarantine(lease)
+            elif now - held.since > QUARANTINE_FACTOR * self.timeout_s:
+                del self._quarantine[lease]
+                self._abort(held.write)
+                self.counters.quarantine_timed_out += 1
         return expired
-
-    def _expire_writes(self, write: _WriteLease) -> None:
-        self.counters.expired_writes += 1
-        self._quarantine.append((time.monotonic() + self.timeout_s, write.reservations))
 
     async def run(self) -> None:
         """Sweep until cancelled (a few times per lease timeout)."""
@@ -211,9 +304,8 @@ class ShmLeases:
     def close(self) -> None:
         """Release every lease (shutdown)."""
         self.release(list(self._reads) + list(self._writes))
-        for _, reservations in self._quarantine:
-            for reservation in reservations:
-                self.store.abort(reservation)
+        for held in self._quarantine.values():
+            self._abort(held.write)
         self._quarantine.clear()
 
     def stats(self) -> dict[str, Any]:
@@ -223,6 +315,7 @@ class ShmLeases:
             "active_write_leases": len(self._writes),
             "leased_bytes": sum(r.nbytes for r in self._reads.values()),
             "reserved_bytes": sum(w.nbytes for w in self._writes.values())
-            + sum(r.size for _, rs in self._quarantine for r in rs),
+            + sum(q.write.nbytes for q in self._quarantine.values()),
+            "quarantined_bytes": sum(q.write.nbytes for q in self._quarantine.values()),
             **dataclasses.asdict(self.counters),
         }
