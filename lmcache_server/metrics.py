@@ -247,6 +247,19 @@ class ShmCollector(Collector):
             metric.add_metric(["read"], float(s[read]))
             metric.add_metric(["write"], float(s[write]))
             yield metric
+        yield GaugeMetricFamily(
+            "lmcache_shm_quarantined_bytes",
+            "Expired write slots held until their writer is known to be done (its late commit, or gone).",
+            value=float(s["quarantined_bytes"]),
+        )
+        freed = CounterMetricFamily(
+            "lmcache_shm_quarantine_freed",
+            "Quarantined write slots freed: writer came back or died (released), or unobservable (timed_out).",
+            labels=["how"],
+        )
+        freed.add_metric(["released"], float(s["quarantine_released"]))
+        freed.add_metric(["timed_out"], float(s["quarantine_timed_out"]))
+        yield freed
 
 
 class TaskFailureCollector(Collector):
