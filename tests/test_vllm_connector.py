@@ -495,3 +495,20 @@ def test_lora_and_cache_salt_requests_get_keys_of_their_own(engines: Callable[..
     assert b.scheduler.get_num_new_matched_tokens(plain, 0) == (40, False)
     for request in (salted, lora, image):
         assert b.scheduler.get_num_new_matched_tokens(request, 0) == (0, False), request
+
+
+def test_sleep_mode_touches_no_cache_until_restored(engines: Callable[..., Engine]) -> None:
+    """vLLM 0.33's sleep mode unmaps the KV caches between unregister_kv_caches and
+    restore_kv_caches: a load scheduled meanwhile reports its blocks, writes nothing."""
+    a, b = engines(), engines()
+    prompt = list(range(800, 841))
+    a.prefill("a", prompt)
+    b.worker.unregister_kv_caches()
+    run = b.prefill("b", prompt)
+    assert run["external"] == 40 and b.load_errors == set(run["blocks"][:10])
+    for layer in range(LAYERS):  # nothing was loaded into the (unmapped) caches
+        assert torch.all(b.rows(run["blocks"], 0, 40, layer) == -1)
+    b.worker.restore_kv_caches()
+    b.load_errors.clear()
+    again = b.prefill("c", prompt)
+    assert not b.load_errors and again["computed"] == list(range(40, 41))

@@ -253,6 +253,15 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker().register(kv_caches, self._vllm_config, self._kv_cache_config)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33 sleep mode: the KV caches go away until ``restore_kv_caches``;
+        nothing is loaded or stored meanwhile (vLLM schedules nothing then)."""
+        self._worker().asleep = True
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33 wake-up: the same cache tensors are back (vLLM remaps their memory)."""
+        self._worker().asleep = False
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._meta()
         if meta is not None and meta.loads:

@@ -77,6 +77,8 @@ class WorkerSide:
         self.copy_threads = copy_threads
         self.engine: EngineLayout | None = None
         self.stats = WorkerStats()
+        self.asleep = False
+        """vLLM's sleep mode: the caches are unmapped, nothing may touch them."""
         self.totals: dict[str, float] = {}
         """Every counter since start (``stats`` restarts whenever vLLM takes it)."""
         self._failed: set[int] = set()
@@ -105,6 +107,14 @@ class WorkerSide:
 
     # -- start_load_kv ---------------------------------------------------------------
     def load(self, loads: list[LoadRequest]) -> None:
+        if self.asleep:  # pragma: no cover - vLLM schedules nothing while asleep
+            for request in loads:
+                self._failed.update(
+                    blocks_covering(
+                        request.block_ids, request.start_token, request.end_token, self._engine().block_size
+                    )
+                )
+            return
         for request in loads:
             started = time.perf_counter()
             try:
@@ -161,6 +171,8 @@ class WorkerSide:
         engine = self._engine()
         chunk = self.layout.chunk_size
         stored = 0
+        if self.asleep:  # pragma: no cover - vLLM schedules nothing while asleep
+            return 0
         for request in saves:
             started = time.perf_counter()
             start = request.first_chunk * chunk
