@@ -64,6 +64,8 @@ COMMAND_RETRIES = 2
 """Retries of one command on a fresh connection (redis-py's Retry) before it counts as a failure."""
 POISON_FAILURES = 3
 """A queued write that fails this many times with an unexpected error is dropped (counted)."""
+BATCH_WRITES, BATCH_BYTES = 64, 32 << 20
+"""At most this many writes (and, past the first, bytes) per pipelined round trip to Redis."""
 
 
 @dataclasses.dataclass
@@ -91,7 +93,7 @@ class RedisTier:
         max_queue_bytes: int = 256 << 20,
         username: str | None = None,
         password: str | None = None,
-        max_backoff_s: float = 10.0,
+        max_backoff_s: float = 2.0,
         offload: Offload | None = None,
         supervisor: Supervisor | None = None,
     ):
@@ -112,7 +114,7 @@ class RedisTier:
         self._tasks: list[asyncio.Task[None]] = []
         self._probing: asyncio.Task[None] | None = None
         self._building: set[asyncio.Task[None]] = set()
-        self._writing: Write | None = None
+        self._writing: list[Write] | None = None
 
     def _connect(self, url: str, username: str | None, password: str | None) -> Any:
         kwargs: dict[str, Any] = {
@@ -265,37 +267,47 @@ class RedisTier:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            write: Write | None = None
+            batch: list[Write] = []
             try:
                 await self._send_removals()
-                write = self.queue.head()
-                if write is not None:
-                    await self._send(write)
+                batch = self.queue.heads(BATCH_WRITES, BATCH_BYTES)
+                if batch:
+                    await self._send(batch)
             except _ERRORS as err:
                 self.counters.write_errors += 1
-                self._mark_down(err)  # the write stays queued: sent again once Redis is back
+                self._mark_down(err)  # the writes stay queued: sent again once Redis is back
             except Exception:
                 # Not a Redis failure: a bug or a reply nothing expects.  The
                 # supervisor logs, counts and restarts the loop; a write that
                 # keeps failing so is dropped rather than blocking the queue.
-                if write is not None:
+                for write in batch:
                     write.failures += 1
                     if write.failures >= POISON_FAILURES:
                         self.queue.done(write)
                         self.counters.dropped_writes += 1
                 raise
 
-    async def _send(self, write: Write) -> None:
-        assert write.record is not None
-        self._writing = write
-        write.attempted = True
+    async def _send(self, batch: list[Write]) -> None:
+        """SET a batch in one round trip (a pipeline); the writes leave the queue
+        only if every one was acknowledged (a SET is idempotent: a batch that
+        failed half-way is sent again whole)."""
+        self._writing = batch
+        for write in batch:
+            write.attempted = True
         try:
             # A memoryview goes out as its own chunk (redis-py's asyncio packer), uncopied.
-            await self._client.set(self.redis_key(write.key), write.record, px=self.ttl_ms)
+            if len(batch) == 1:
+                await self._client.set(self.redis_key(batch[0].key), batch[0].record, px=self.ttl_ms)
+            else:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for write in batch:
+                        pipe.set(self.redis_key(write.key), write.record, px=self.ttl_ms)
+                    await pipe.execute()
         finally:
             self._writing = None
-        self.counters.stores += 1
-        self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
+        for write in batch:
+            self.counters.stores += 1
+            self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
 
     async def _send_removals(self) -> None:
         clears, deletes = self.queue.take_removals()

@@ -12,7 +12,7 @@
   remembered and sent before any later write: pending deletes (bounded in
   count) and pending clears (one per namespace, or all).
 
-Primitive: :class:`WriteQueue` (``fits``, ``add``, ``built``, ``head``,
+Primitive: :class:`WriteQueue` (``fits``, ``add``, ``built``, ``head``, ``heads``,
 ``done``, ``cancel``, ``cancel_namespace``, ``remember_delete``,
 ``remember_clear``, ``take_removals``, ``idle``).
 """
@@ -81,6 +81,19 @@ class WriteQueue:
     def head(self) -> Write | None:
         """The oldest write whose record is built (None if none is)."""
         return next((w for w in self._writes.values() if w.record is not None), None)
+
+    def heads(self, max_writes: int, max_bytes: int) -> list[Write]:
+        """The oldest built writes, at most ``max_writes`` and (past the first) ``max_bytes``."""
+        out: list[Write] = []
+        nbytes = 0
+        for write in self._writes.values():
+            if write.record is None:
+                continue
+            if out and (len(out) >= max_writes or nbytes + write.size > max_bytes):
+                break
+            out.append(write)
+            nbytes += write.size
+        return out
 
     def done(self, write: Write) -> None:
         """``write`` left the queue: written, or dropped (its record could not be built)."""
