@@ -1,13 +1,14 @@
-"""SGLang HiCache storage backend without SGLang: real daemon, SGLang-shaped pages.
+"""SGLang HiCache storage backend with stand-ins: real daemon, SGLang-shaped pages.
 
-SGLang is not installable here; ``HiCacheStorageConfig`` and the host KV pool
-are stand-ins with the attributes and page methods SGLang's own classes have
-(an MHA pool ``kv_buffer`` of ``(2, layers, tokens, heads, head_dim)`` in the
-``layer_first`` layout, flat pages of ``(2, layers, page_size, heads,
-head_dim)``; an MLA pool of ``(layers, tokens, 1, kv_cache_dim)``).  The calls
-follow SGLang's cache controller: ``batch_exists`` for the hit length,
-``batch_get`` into dummy pages then ``set_from_flat_data_page``, and
-``batch_set`` of ``get_data_page`` pages.
+These run in the main venv, without SGLang.  ``HiCacheStorageConfig`` and the
+host KV pool are stand-ins with the fields and page methods of SGLang
+0.5.23's own classes (an MHA pool ``kv_buffer`` of ``(2, layers, tokens,
+heads, head_dim)`` in the ``layer_first`` layout, flat pages of ``(2, layers,
+page_size, heads, head_dim)``; an MLA pool of ``(layers, tokens, 1,
+kv_cache_dim)``).  The calls follow SGLang's cache controller:
+``batch_exists`` for the hit length, ``batch_get`` into dummy pages then
+``set_from_flat_data_page``, and ``batch_set`` of ``get_data_page`` pages.
+SGLang's real classes, controller and every host layout: test_sglang_real.py.
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ def storage_config(**overrides: Any) -> Any:
         enable_storage_metrics=False,
         is_page_first_layout=False,
         model_name="test/sglang-model",
+        tp_lcm_size=None,
+        should_split_heads=False,
+        dp_rank=0,
         extra_config=None,
+        dcp_size=1,
+        dcp_rank=0,
+        logical_page_size=None,
     )
     fields.update(overrides)
     return SimpleNamespace(**fields)
@@ -291,3 +298,23 @@ def test_construction_as_sglang_does_it(shared_daemon: Daemon) -> None:
     with pytest.raises(RuntimeError, match="register_mem_pool_host"):
         backend.batch_exists(["x"])
     assert page_key("abc") == hashlib.sha256(b"lmcache-sglang-page-v1abc").digest()
+
+
+def test_pipeline_stages_and_context_parallel_ranks_get_their_own_namespace(replicas: Any) -> None:
+    stage0, stage1 = replicas(pp_rank=0, pp_size=2), replicas(pp_rank=1, pp_size=2)
+    cp1 = replicas(attn_cp_rank=1, attn_cp_size=2)
+    assert "|layout=sglang-layer_first-pp0of2|" in (stage0.backend.namespace or "")
+    assert "|layout=sglang-layer_first-cp1of2|" in (cp1.backend.namespace or "")
+    stage0.fill(seed=9)
+    keys = page_hashes(list(range(2000, 2008)))
+    assert stage0.backup(keys, 0)
+    assert stage1.backend.batch_exists(keys) == 0 and cp1.backend.batch_exists(keys) == 0, "other layers, same hashes"
+
+
+def test_only_the_kv_pool_is_registered(replicas: Any) -> None:
+    r = replicas()
+    r.backend.register_mem_host_pool_v2(r.pool, "kv")
+    with pytest.raises(ValueError, match="stores only the KV pool, not SGLang's mamba pool"):
+        r.backend.register_mem_host_pool_v2(MHAHostPool(32), "mamba")
+    with pytest.raises(ValueError, match="decode context parallelism"):
+        LMCacheServerHiCacheStorage(storage_config(dcp_size=2, is_mla_model=True), {})

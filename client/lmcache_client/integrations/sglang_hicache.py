@@ -9,26 +9,36 @@ Load it with::
             "class_name": "LMCacheServerHiCacheStorage",
             "address": "tcp://127.0.0.1:65432", "timeout_s": 2.0}'
 
-SGLang constructs the backend as ``cls(storage_config, kwargs)`` and then hands
-it its host KV pool (``register_mem_pool_host``).  Pages are SGLang's host
-pages (``page_size`` tokens, every layer, in the host pool's layout) and are
-stored as opaque bytes; SGLang's page hash (a hash chain over the token ids,
-so it names the whole prefix) is mapped to a 32-byte key by SHA-256 under a
-domain string.  The namespace holds the model name, the TP rank and size (one
-shared namespace for MLA models, whose KV is the same on every rank), the
-page geometry and dtype, and the host pool layout, so pages from an
-incompatible pool are never read.
+SGLang's ``StorageBackendFactory`` constructs the backend as
+``cls(storage_config, kwargs)`` and then hands it its host KV pool
+(``register_mem_pool_host``, then ``register_mem_host_pool_v2`` per pool of
+the host pool group).  Pages are SGLang's host pages (``page_size`` tokens,
+every layer, in the host pool's layout) and are stored as opaque bytes;
+SGLang's page hash (a hash chain over the token ids, so it names the whole
+prefix) is mapped to a 32-byte key by SHA-256 under a domain string.  The
+namespace holds the model name, the TP rank and size (one shared namespace
+for MLA models, whose KV is the same on every rank), the pipeline stage and
+the context-parallel rank where there are several, the page geometry and
+dtype, and the host pool layout, so pages from an incompatible pool are never
+read.
 
-Extra config keys besides SGLang's three: ``address``, ``timeout_s``,
-``tenant``, ``model_id`` (default: SGLang's model name), and for a daemon
-with ``auth: curve`` ``server_public_key`` and ``client_secret_key`` (Z85
-text or key file paths; docs/security.md).  A daemon that is down
-or slow is a miss (``get`` -> None, ``exists`` -> False, ``set`` -> False).
-SGLang calls the backend from its prefetch and backup threads at once, so
-each thread gets its own client.
+Extra config keys besides SGLang's: ``address``, ``timeout_s``, ``tenant``,
+``model_id`` (default: SGLang's model name), and for a daemon with
+``auth: curve`` ``server_public_key`` and ``client_secret_key`` (Z85 text or
+key file paths; docs/security.md).  A daemon that is down or slow is a miss
+(``get`` -> None, ``exists`` -> False, ``set`` -> False).  SGLang calls the
+backend from its prefetch and backup threads at once, so each thread gets
+its own client.
 
-Primitives: :class:`LMCacheServerHiCacheStorage` (``get``, ``batch_get``,
-``set``, ``batch_set``, ``exists``, ``batch_exists``, ``clear``) and
+Only the KV pool is stored: a host pool group with other pools (Mamba, SWA,
+DSA indexer or draft sidecars, which SGLang moves with the ``*_v2`` calls)
+is refused when SGLang registers it, as are host pools without SGLang's
+flat-page interface and decode context parallelism (DCP).
+
+Primitives: :class:`LMCacheServerHiCacheStorage` (the generic page interface
+``get``, ``batch_get``, ``set``, ``batch_set``, ``exists``, ``batch_exists``;
+the zero-copy interface ``batch_get_v1`` and ``batch_set_v1``, which SGLang
+uses with ``"interface_v1": 1``; ``clear``, ``get_stats``, ``close``) and
 :func:`page_key`.
 """
 
@@ -37,6 +47,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
+from collections import deque
 from typing import Any
 
 from ..client import DEFAULT_ADDRESS, CacheClient
@@ -59,11 +71,46 @@ except ImportError:
 PAGE_KEY_DOMAIN = b"lmcache-sglang-page-v1"
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 _OUR_KEYS = ("address", "timeout_s", "tenant", "model_id", "server_public_key", "client_secret_key")
+_KV_POOL = "kv"
+"""SGLang's ``PoolName.KV``: the one host pool this backend stores."""
+MAX_STATS_SAMPLES = 4096
+"""Per-transfer samples kept for ``get_stats`` between two reads (oldest dropped)."""
 
 
 def page_key(page_hash: str) -> bytes:
     """The daemon key of one SGLang page hash."""
     return hashlib.sha256(PAGE_KEY_DOMAIN + page_hash.encode()).digest()
+
+
+class _TransferStats:
+    """Pages and GB/s per prefetch and backup call, drained by ``get_stats``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._samples: dict[str, deque[tuple[int, float]]] = {
+            op: deque(maxlen=MAX_STATS_SAMPLES) for op in ("prefetch", "backup")
+        }
+
+    def add(self, op: str, pages: int, page_bytes: int, started: float) -> None:
+        elapsed_s = time.perf_counter() - started
+        gb_per_s = pages * page_bytes / elapsed_s / 1e9 if elapsed_s > 0 else 0.0
+        with self._lock:
+            self._samples[op].append((pages, gb_per_s))
+
+    def take(self) -> dict[str, list[tuple[int, float]]]:
+        with self._lock:
+            out = {op: list(samples) for op, samples in self._samples.items()}
+            for samples in self._samples.values():
+                samples.clear()
+        return out
+
+
+def _page_over(view: memoryview, dtype: Any, shape: Any) -> Any:
+    """A tensor of ``dtype`` and ``shape`` over the page bytes ``view`` (no copy)."""
+    import torch
+
+    # The client's views (a leased pool slot, a received frame) are writable.
+    return torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -74,6 +121,10 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         unknown = sorted(set(extra) - set(_SGLANG_KEYS) - set(_OUR_KEYS))
         if unknown:
             raise ValueError(f"unknown hicache storage extra config keys {unknown}; ours: {list(_OUR_KEYS)}")
+        if int(storage_config.dcp_size) > 1:
+            raise ValueError(
+                "lmcache-server HiCache storage does not support decode context parallelism (dcp_size > 1)"
+            )
         self.address = str(extra.get("address", DEFAULT_ADDRESS))
         self.timeout_s = float(extra.get("timeout_s", 2.0))
         self.tenant = str(extra.get("tenant", ""))
@@ -87,9 +138,21 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.is_mla = bool(storage_config.is_mla_model)
         self.tp_rank = 0 if self.is_mla else int(storage_config.tp_rank)
         self.tp_size = 1 if self.is_mla else int(storage_config.tp_size)
+        # Pipeline stages hold different layers and context-parallel ranks
+        # different slices of each page, under the same page hashes.
+        self.shard_tags = [
+            f"{name}{rank}of{size}"
+            for name, rank, size in (
+                ("pp", storage_config.pp_rank, storage_config.pp_size),
+                ("cp", storage_config.attn_cp_rank, storage_config.attn_cp_size),
+            )
+            if int(size) > 1
+        ]
+        self.stats = _TransferStats() if storage_config.enable_storage_metrics else None
         self.namespace: str | None = None
         self.mem_pool_host: Any = None
         self.page_bytes = 0
+        self.page_size = 0
         self._local = threading.local()
         self._clients: list[CacheClient] = []
         self._lock = threading.Lock()
@@ -97,27 +160,45 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # -- setup ---------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """SGLang's host KV pool: its page geometry completes the namespace."""
+        try:  # the generic and the zero-copy path both go through SGLang's flat pages
+            dummy = mem_pool_host.get_dummy_flat_data_page()
+            mem_pool_host.get_data_page(0, flat=False)
+        except (NotImplementedError, ValueError) as err:
+            raise ValueError(
+                f"lmcache-server HiCache storage needs SGLang's flat host pages, which "
+                f"{type(mem_pool_host).__name__} (layout {mem_pool_host.layout}) does not offer: {err}"
+            ) from err
         self.mem_pool_host = mem_pool_host
-        dummy = mem_pool_host.get_dummy_flat_data_page()
         self.page_bytes = dummy.numel() * dummy.element_size()
+        self.page_size = int(mem_pool_host.page_size)
         if self.is_mla:
             heads, dim = 1, int(mem_pool_host.kv_cache_dim)
         else:
             heads, dim = int(mem_pool_host.head_num), int(mem_pool_host.head_dim)
-        layout = f"sglang-{'mla-' if self.is_mla else ''}{mem_pool_host.layout}"
+        layout = "-".join(["sglang", *(["mla"] if self.is_mla else []), mem_pool_host.layout, *self.shard_tags])
         self.namespace = Namespace(
             model=self.model_id,
             dtype=canonical_dtype(mem_pool_host.dtype),
             num_layers=int(mem_pool_host.layer_num),
             num_kv_heads=heads,
             head_dim=dim,
-            chunk_size=int(mem_pool_host.page_size),
+            chunk_size=self.page_size,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             tenant=self.tenant,
             layout=layout,
         ).wire()
         logger.info("lmcache-server HiCache storage at %s, namespace %s", self.address, self.namespace)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Each pool of SGLang's host pool group: the KV pool only; others are refused."""
+        if str(host_pool_name) != _KV_POOL:
+            raise ValueError(
+                f"lmcache-server HiCache storage stores only the KV pool, not SGLang's "
+                f"{host_pool_name!s} pool ({type(host_pool).__name__}): hybrid models "
+                "(Mamba, SWA, DSA indexer, draft sidecars) are not supported"
+            )
+        # The KV pool is the one register_mem_pool_host gave: nothing more to keep.
 
     def _transfer(self) -> ChunkTransfer:
         """This thread's client, wrapped for batched, size-checked page transfers."""
@@ -150,6 +231,7 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         """Pages into ``target_locations``; None from the first page that is missing
         (SGLang uses the leading run only), or of a size that does not fit."""
+        started = time.perf_counter()
         given = list(target_locations) if target_locations is not None else [None] * len(keys)
         targets: list[Any] = []
         for target in given:
@@ -163,7 +245,23 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             targets.append(target)
         # over shared memory: one copy, from the daemon's pool into the page
         loaded = self._transfer().get_prefix_into([page_key(k) for k in keys[: len(targets)]], targets)
+        self._record("prefetch", loaded, started)
         return targets[:loaded] + [None] * (len(keys) - loaded)
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Zero-copy get: each page straight into its host pool slots (``host_indices``
+        holds ``page_size`` slots per key); True for the leading pages loaded."""
+        started = time.perf_counter()
+        starts = self._page_starts(keys, host_indices)
+        pool = self.mem_pool_host
+
+        def scatter(i: int, view: memoryview) -> None:
+            dest = pool.get_data_page(starts[i], flat=False)  # a view into the host pool
+            dest.copy_(_page_over(view, dest.dtype, dest.shape))
+
+        loaded = self._transfer().get_prefix_with([page_key(k) for k in keys], scatter) if keys else 0
+        self._record("prefetch", loaded, started)
+        return [True] * loaded + [False] * (len(keys) - loaded)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -188,8 +286,37 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if value.numel() * value.element_size() != self.page_bytes:
                 logger.warning("refusing a %d-element page: pages are %d bytes", value.numel(), self.page_bytes)
                 return False
+        started = time.perf_counter()
         payloads = [tensor_bytes(v.detach().cpu()) for v in values]
-        return self._transfer().put([page_key(k) for k in keys], payloads) == len(keys)
+        stored = self._transfer().put([page_key(k) for k in keys], payloads)
+        self._record("backup", stored, started)
+        return stored == len(keys)
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Zero-copy set: each page gathered from its host pool slots straight into the
+        daemon's pool slot (over shared memory).  All True when every page is stored
+        (now or before), else all False (SGLang fails the batch on any False)."""
+        started = time.perf_counter()
+        starts = self._page_starts(keys, host_indices)
+        pool = self.mem_pool_host
+
+        def gather(i: int, view: memoryview) -> None:
+            src = pool.get_data_page(starts[i], flat=False)
+            _page_over(view, src.dtype, src.shape).copy_(src)
+
+        stored = self._transfer().put_with([page_key(k) for k in keys], gather) if keys else 0
+        self._record("backup", stored, started)
+        return [stored == len(keys)] * len(keys)
+
+    def _page_starts(self, keys: list[str], host_indices: Any) -> list[int]:
+        """The first host slot of each key's page."""
+        if self.namespace is None:
+            raise RuntimeError("register_mem_pool_host was not called")
+        if host_indices.numel() != len(keys) * self.page_size:
+            raise ValueError(
+                f"{len(keys)} pages need {len(keys) * self.page_size} host slots, got {host_indices.numel()}"
+            )
+        return [int(slot) for slot in host_indices[:: self.page_size].tolist()]
 
     def clear(self) -> bool:
         """Remove every page of this namespace (other models' and tenants' pages stay)."""
@@ -201,3 +328,25 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return False
         logger.info("cleared %d pages from lmcache-server", removed)
         return True
+
+    # -- metrics -------------------------------------------------------------------------
+    def _record(self, op: str, pages: int, started: float) -> None:
+        if self.stats is not None and pages:
+            self.stats.add(op, pages, self.page_bytes, started)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` since the last call (pages and GB/s per
+        prefetch and backup call), with ``enable_storage_metrics``; else None."""
+        if self.stats is None:
+            return None
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:
+            return None
+        taken = self.stats.take()
+        metrics = StorageMetrics()
+        metrics.prefetch_pgs.extend(pages for pages, _ in taken["prefetch"])
+        metrics.prefetch_bandwidth.extend(rate for _, rate in taken["prefetch"])
+        metrics.backup_pgs.extend(pages for pages, _ in taken["backup"])
+        metrics.backup_bandwidth.extend(rate for _, rate in taken["backup"])
+        return metrics
