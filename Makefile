@@ -76,7 +76,7 @@ run: setup
 	$(BIN)/lmcache-server --set local_disk=file://$(CURDIR)/.lmcache/spill --set max_local_disk_size=10GiB $(ARGS)
 
 ## Run the test suite against real daemon processes (and real redis-server, prometheus, vLLM).
-test: setup-test setup-vllm setup-sglang system-deps
+test: system-deps setup-test setup-vllm setup-sglang
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup-test

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Make sure the system programs the test suite starts are installed:
 # redis-server and redis-cli (Redis tier tests), promtool and prometheus
-# (alert-rule and scrape tests), docker-compose (compose file validation).
+# (alert-rule and scrape tests), docker-compose (compose file validation),
+# g++ and libssl-dev (SGLang's page-hash extension, built by make setup-sglang).
 # Installs the missing ones with apt-get when run as root on Debian/Ubuntu;
 # otherwise says what to install and fails, so a test never silently skips.
 set -euo pipefail
@@ -18,6 +19,10 @@ missing=()
 for program in "${!package_of[@]}"; do
   command -v "$program" >/dev/null 2>&1 || missing+=("${package_of[$program]}")
 done
+# SGLang builds a C++ page-hash extension at its first import (make setup-sglang):
+# a compiler and the OpenSSL headers.
+command -v g++ >/dev/null 2>&1 || missing+=(g++)
+[ -f /usr/include/openssl/sha.h ] || missing+=(libssl-dev)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 packages=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
