@@ -43,20 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import CpuMeter, free_port, raise_on_sigterm, workspace  # noqa: E402
+from tests.vllm_harness.fixtures import doc_command  # noqa: E402
 
 VLLM_PYTHON = Path(os.environ.get("LMCACHE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 MODEL = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8}
 MODEL_HEADS = {"num_attention_heads": 12, "num_key_value_heads": 4}
 CHUNK = 256
-
-
-def doc_command() -> str:
-    import re
-
-    text = (ROOT / "docs" / "integrations.md").read_text()
-    match = re.search(r"<!-- vllm-replica-command.*?-->\s*```sh\n(.*?)```", text, flags=re.S)
-    assert match, "docs/integrations.md lost its replica command block"
-    return match.group(1)
 
 
 def build_model(out: Path) -> Path:
@@ -221,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(row)
                 print(
                     f"{size} tokens rep {rep}: cold {cold:.3f}s, warm B {warm:.3f}s ({warm / cold:.2f}x), "
-                    f"local hit {local:.3f}s; A stored {stored:.0f} chunks, B loaded {loaded:.0f} tokens ({row['loaded_mib']:.0f} MiB) in "
-                    f"{load_s * 1000:.1f} ms, raw get {raw * 1000:.1f} ms",
+                    f"local hit {local:.3f}s; A stored {stored:.0f} chunks, B loaded {loaded:.0f} tokens "
+                    f"({row['loaded_mib']:.0f} MiB) in {load_s * 1000:.1f} ms, raw get {raw * 1000:.1f} ms",
                     flush=True,
                 )
         outside = meter.outside_load()

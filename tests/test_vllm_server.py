@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -29,18 +28,11 @@ from typing import Any
 import pytest
 
 from .conftest import Daemon, free_port, wait_for
-from .vllm_harness.fixtures import ROOT, Server, models, vllm_env, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Server, doc_command, models, vllm_env, vllm_python  # noqa: F401
 from .vllm_harness.models import prompt_tokens, word
 
 pytestmark = pytest.mark.timeout(1800)
 CHUNK = 256  # the connector's default
-
-
-def doc_command() -> str:
-    text = (ROOT / "docs" / "integrations.md").read_text()
-    match = re.search(r"<!-- vllm-replica-command.*?-->\s*```sh\n(.*?)```", text, flags=re.S)
-    assert match, "docs/integrations.md lost its replica command block"
-    return match.group(1)
 
 
 @pytest.fixture(scope="module")

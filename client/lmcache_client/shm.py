@@ -348,6 +348,18 @@ def _in_time(pool: SharedPool, expires: float) -> bool:
     return pool.same_clock and time.monotonic() < expires - DEADLINE_MARGIN_S
 
 
+def _release_read(pool: SharedPool, grant: calls.ShmGrant) -> Flow:
+    """End a read lease; returns whether it was live throughout (a copy finished in
+    time needs no answer, a late one asks the daemon)."""
+    if grant.lease is None:
+        return True
+    if _in_time(pool, grant.expires):
+        yield Tell(calls.release([grant.lease]))
+        return True
+    (live,) = yield Ask(calls.release([grant.lease]))
+    return bool(live)
+
+
 def get_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], out: Sequence[Any] | None) -> Flow:
     """A get over shared memory.  Returns one memoryview (a private copy) or
     None per key when ``out`` is None, else copies each hit into ``out[i]`` and
@@ -370,13 +382,8 @@ def get_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], out: Seque
         if grant.lease is not None:
             yield Tell(calls.release([grant.lease]))
         raise
-    if grant.lease is not None:
-        if _in_time(pool, grant.expires):
-            yield Tell(calls.release([grant.lease]))
-        else:
-            (live,) = yield Ask(calls.release([grant.lease]))
-            if not live:  # the lease lapsed during the copy: those bytes may be torn
-                results = [None if loc is not None else r for r, loc in zip(results, grant.loc)]
+    if not (yield from _release_read(pool, grant)):  # the lease lapsed during the copy: bytes may be torn
+        results = [None if loc is not None else r for r, loc in zip(results, grant.loc)]
     if out is None:
         return results
     done = []
@@ -490,16 +497,11 @@ def use_flow(
         if grant.lease is not None:
             yield Tell(calls.release([grant.lease]))
         raise
-    if grant.lease is not None:
-        if _in_time(pool, grant.expires):
-            yield Tell(calls.release([grant.lease]))
-        else:
-            (live,) = yield Ask(calls.release([grant.lease]))
-            if not live:  # the lease lapsed while in use: those bytes may have changed under us
-                used = [u and loc is None for u, loc in zip(used, grant.loc)]
-                if prefix:
-                    first_lost = next((i for i, u in enumerate(used) if not u), len(used))
-                    used = [u and i < first_lost for i, u in enumerate(used)]
+    if not (yield from _release_read(pool, grant)):  # the lease lapsed while in use: bytes may have changed
+        used = [u and loc is None for u, loc in zip(used, grant.loc)]
+        if prefix:
+            first_lost = next((i for i, u in enumerate(used) if not u), len(used))
+            used = [u and i < first_lost for i, u in enumerate(used)]
     return used
 
 

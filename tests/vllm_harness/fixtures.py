@@ -30,6 +30,16 @@ CONNECTOR = {
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def doc_command() -> str:
+    """The replica command block of docs/integrations.md (run verbatim by the tests and bench_vllm)."""
+    import re
+
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    match = re.search(r"<!-- vllm-replica-command.*?-->\s*```sh\n(.*?)```", text, flags=re.S)
+    assert match, "docs/integrations.md lost its replica command block"
+    return match.group(1)
+
+
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     if not VLLM_PYTHON.exists():
