@@ -11,7 +11,7 @@ Tiers are ordered fastest first: memory, then disk, then Redis.
   run off the event loop (:mod:`.offload`).  A put is answered as soon as its
   room is reserved; its chunks are *filling* until copied, and every read,
   lookup, delete or pin of a filling chunk waits for (or counts) the fill, so a
-  client that was answered STORED always sees its chunk.
+  client that was answered STORED always sees its chunk (:mod:`.filling`).
 - Reservations are never leaked: a read that fails or is cancelled gives its
   room back, and a cancelled one only once the thread writing into that room
   has finished; leases taken for a batch are released if the batch fails.
@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache_client.protocol import PutStatus
@@ -39,11 +38,10 @@ from lmcache_client.protocol import PutStatus
 from ..supervisor import Supervisor
 from .base import Chunk, ChunkKey, Tier
 from .disk import DiskTier
+from .filling import Filling, fill_reservation
 from .memory import MemoryTier, Reservation
 from .offload import Offload
 from .remote import RedisTier
-
-logger = logging.getLogger(__name__)
 
 ROOM_WAIT_S = 5.0
 """How long a put waits for room that spills being written will free."""
@@ -72,9 +70,8 @@ class TieredStore:
         self.offload = offload if offload is not None else Offload()
         self._own_offload = offload is None
         self.supervisor = supervisor if supervisor is not None else Supervisor()
-        self._filling: dict[ChunkKey, asyncio.Future[None]] = {}
+        self.filling = Filling(memory, self.offload, self.commit, self.supervisor)
         """Chunks answered STORED whose bytes are still being copied into the pool."""
-        self._fills: set[asyncio.Task[None]] = set()
         self.lower: list[Tier] = [t for t in (disk, remote) if t is not None]
         self.tiers: list[Tier] = [memory, *self.lower]
         self.lookup_counters = LookupCounters()
@@ -99,18 +96,6 @@ class TieredStore:
         disk.enqueue(key, chunk.data)
         return True
 
-    async def _filled(self, key: ChunkKey) -> None:
-        """Return once ``key`` is not filling (a put answered STORED is visible)."""
-        fill = self._filling.get(key)
-        if fill is not None:
-            await asyncio.shield(fill)
-
-    async def _settled(self, namespace: str | None) -> None:
-        """Return once no chunk of ``namespace`` (None: any) is filling."""
-        fills = [f for k, f in self._filling.items() if namespace is None or k.namespace == namespace]
-        if fills:
-            await asyncio.shield(asyncio.gather(*fills, return_exceptions=True))
-
     async def get_many(self, namespace: str, digests: Sequence[bytes]) -> list[Chunk | None]:
         """One Chunk per hit (release each: memory hits are leased), None per miss.
         If a tier read fails, the leases already taken are released before the error propagates."""
@@ -118,7 +103,7 @@ class TieredStore:
         try:
             for digest in digests:
                 key = ChunkKey(namespace, digest)
-                await self._filled(key)
+                await self.filling.filled(key)
                 chunk = await self.memory.get(key)
                 if chunk is None and self.disk is not None:
                     chunk = await self._promote_from_disk(self.disk, key)
@@ -152,7 +137,7 @@ class TieredStore:
                 return True
 
             promoted = None
-            if await self._fill_reservation(reservation, fill()) is PutStatus.STORED:
+            if await fill_reservation(self.memory, reservation, fill()) is PutStatus.STORED:
                 self.promotions[tier] += 1
                 promoted = self.memory.lease(key)
         if promoted is None:
@@ -173,40 +158,9 @@ class TieredStore:
         async def fill() -> bool:
             return await disk.get(key, reservation.view) is not None
 
-        if await self._fill_reservation(reservation, fill()) is PutStatus.STORED:
+        if await fill_reservation(self.memory, reservation, fill()) is PutStatus.STORED:
             self.promotions[disk.name] += 1
         return self.memory.lease(key)
-
-    async def _fill_reservation(self, reservation: Reservation, fill: Awaitable[bool]) -> PutStatus | None:
-        """Run ``fill`` (it writes ``reservation.view``, possibly from another
-        thread) and make the chunk visible if it returns True; None when it did not.
-
-        The room is given back if the fill fails, is refused or the caller is
-        cancelled, but in that last case only once the fill itself has ended:
-        a thread may still be writing into the room.
-        """
-        task = asyncio.ensure_future(fill)
-        try:
-            ok = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                self.memory.abort_store(reservation)
-            else:
-                task.add_done_callback(lambda t: self._abandoned(reservation, t))
-            raise
-        except BaseException:
-            self.memory.abort_store(reservation)
-            raise
-        if not ok:
-            self.memory.abort_store(reservation)
-            return None
-        return self.memory.complete_store(reservation)
-
-    def _abandoned(self, reservation: Reservation, fill: asyncio.Future[bool]) -> None:
-        """The fill of a cancelled read ended: now its room can go back."""
-        if not fill.cancelled() and fill.exception() is not None:
-            logger.warning("an abandoned read into the pool failed: %s", fill.exception())
-        self.memory.abort_store(reservation)
 
     def reserve(self, namespace: str, digests: Sequence[bytes], sizes: Sequence[int]) -> list[Reservation | PutStatus]:
         """Phase one of a put: room in the pool for each chunk (invisible to
@@ -220,7 +174,7 @@ class TieredStore:
         parent: ChunkKey | None = None
         for digest, size in zip(digests, sizes):
             key = ChunkKey(namespace, digest)
-            if key in reserved or key in self._filling:
+            if key in reserved or key in self.filling:
                 out.append(PutStatus.EXISTS)
                 continue
             reservation = self.memory.prepare_store(key, size, parent)
@@ -279,49 +233,22 @@ class TieredStore:
         observe the gap, while ZeroMQ's I/O thread already receives the
         client's next request and the event loop serves others.
         """
-        if self._fills:
+        if self.filling:
             # One generation of copies at a time: this put's reply waits until the
             # earlier puts' chunks are in (milliseconds), so a client streaming
             # puts faster than they are copied is slowed down rather than piling
             # up payloads, and those chunks are evictable again before this
             # put asks for room.
-            await asyncio.wait(list(self._fills))
+            await self.filling.wait()
         sources = [memoryview(p).cast("B") for p in payloads]
         outcomes = await self.reserve_waiting(namespace, digests, [src.nbytes for src in sources])
         pending = [(r, src) for r, src in zip(outcomes, sources) if isinstance(r, Reservation)]
         statuses = [PutStatus.STORED if isinstance(r, Reservation) else r for r in outcomes]
 
         def finish() -> asyncio.Future[None] | None:
-            if not pending:
-                return None
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            for reservation, _ in pending:
-                self._filling[reservation.key] = done
-            task = asyncio.get_running_loop().create_task(self._fill(pending, done))
-            self._fills.add(task)
-            task.add_done_callback(self._fills.discard)
-            return done
+            return self.filling.start(pending) if pending else None
 
         return statuses, finish
-
-    async def _fill(self, pending: list[tuple[Reservation, memoryview]], done: asyncio.Future[None]) -> None:
-        """Copy a put's payloads into their reservations (off the loop) and commit them."""
-        left = list(pending)
-        try:
-            while left:
-                reservation, src = left[0]
-                await self.offload.copy(reservation.view, src)
-                left.pop(0)
-                self.commit(reservation)
-                del self._filling[reservation.key]
-        except BaseException as err:  # not expected: the copy of two same-sized buffers
-            for reservation, _ in left:
-                self._filling.pop(reservation.key, None)
-                self.memory.abort_store(reservation)
-            if not isinstance(err, asyncio.CancelledError):
-                self.supervisor.failed("put_fill", err)
-        finally:
-            done.set_result(None)
 
     async def put_many(self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]) -> list[PutStatus]:
         """Store the chunks now (prepare_puts, then wait for finish)."""
@@ -332,7 +259,7 @@ class TieredStore:
         return statuses
 
     def _where(self, key: ChunkKey) -> str | None:
-        if key in self._filling:
+        if key in self.filling:
             return self.memory.name
         return next((t.name for t in self.tiers if t.peek(key)), None)
 
@@ -365,14 +292,14 @@ class TieredStore:
         out = []
         for digest in digests:
             key = ChunkKey(namespace, digest)
-            await self._filled(key)
+            await self.filling.filled(key)
             out.append(any([await t.delete(key) for t in self.tiers]))
         return out
 
     async def clear(self, namespace: str | None) -> int:
         """Chunks removed (a chunk in two local tiers counts once; Redis keys count
         when no local tier held them)."""
-        await self._settled(namespace)
+        await self.filling.settled(namespace)
         keys: set[ChunkKey] = set()
         for tier in self.tiers:
             keys.update(_keys_of(tier, namespace))
@@ -386,13 +313,13 @@ class TieredStore:
     async def pin(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
         keys = [ChunkKey(namespace, d) for d in digests]
         for key in keys:
-            await self._filled(key)
+            await self.filling.filled(key)
         return [self.memory.pin(key) for key in keys]
 
     async def unpin(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
         keys = [ChunkKey(namespace, d) for d in digests]
         for key in keys:
-            await self._filled(key)
+            await self.filling.filled(key)
         return [self.memory.unpin(key) for key in keys]
 
     def stats(self, namespace: str | None = None) -> dict[str, Any]:
@@ -418,9 +345,7 @@ class TieredStore:
     async def flush(self, timeout_s: float) -> bool:
         """Let fills and write-behind queues drain (shutdown); True if everything was written."""
         deadline = time.monotonic() + timeout_s
-        if self._fills:
-            await asyncio.wait(list(self._fills), timeout=timeout_s)
-        done = not self._fills
+        done = await self.filling.wait(timeout_s)
         for tier in (self.remote, self.disk):
             if tier is not None:
                 done = await tier.flush(max(0.0, deadline - time.monotonic())) and done
@@ -428,8 +353,7 @@ class TieredStore:
 
     async def close(self) -> None:
         # Fills write into the pool from a thread: let them end (milliseconds) first.
-        if self._fills:
-            await asyncio.wait(list(self._fills))
+        await self.filling.wait()
         # Lowest first: their writers may still be reading pool memory (lent spills).
         for tier in reversed(self.tiers):
             await tier.close()
