@@ -82,11 +82,14 @@ def test_a_draining_daemon_is_a_miss(daemon_factory: Callable[..., Daemon], shar
     )
     try:
         assert reader.stdout is not None and reader.stdout.readline().strip() == "sent"
+        with daemon.client() as probe:  # the reply is stuck in the daemon: the drain will wait for it
+            wait_for(lambda: probe.stats()["server"]["inflight_bytes"] >= 32 * MiB, 20)
         with CacheClient(daemon.address, NAMESPACE, timeout_s=5.0, backoff_s=0.0, shared_memory=shared_memory) as c:
             assert c.uses_shared_memory == shared_memory
             assert daemon.proc is not None
             daemon.proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: "draining" in daemon.log() or "shutting down" in daemon.log().lower(), 10)
+            with CacheClient(daemon.address, NAMESPACE, timeout_s=5.0, fail_open=False) as strict:
+                wait_for(lambda: _draining(strict), 10)
             for _ in range(3):
                 assert c.get(key) == [None]
                 assert c.get_into(key, [bytearray(MiB)]) == [False]
@@ -101,3 +104,11 @@ def test_a_draining_daemon_is_a_miss(daemon_factory: Callable[..., Daemon], shar
         reader.send_signal(signal.SIGKILL)
         reader.wait(10)
     assert daemon.stop() == 0
+
+
+def _draining(client: CacheClient) -> bool:
+    try:
+        client.ping()
+    except Exception as err:
+        return "SHUTTING_DOWN" in str(err)
+    return False
