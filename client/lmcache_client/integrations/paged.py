@@ -240,6 +240,9 @@ class _Group:
     flat: Any = None
     """Position-table layouts: a 1-D view of the layer's storage from its first element."""
     block_stride: int = 0
+    both: Any = None
+    """K and V as one 6-D view ``(count, blocks, tokens, heads, 2, dim)`` when V sits at
+    a constant offset from K (``K || V`` per token): one pass over the cache instead of two."""
 
 
 class PagedCopier:
@@ -360,7 +363,16 @@ class PagedCopier:
                     layer.storage_offset() + a.base,
                 )
             )
-        return _Group(first, count, views[0], views[1])
+        both = None
+        k, v = lay.key, lay.value
+        if (k.token, k.head, k.dim) == (v.token, v.head, v.dim) and v.base > k.base:
+            both = torch.as_strided(
+                layer,
+                (count, self.num_blocks, lay.block_tokens, lay.num_heads, 2, lay.head_dim),
+                (layer_stride, sb, k.token, k.head, v.base - k.base, k.dim),
+                layer.storage_offset() + k.base,
+            )
+        return _Group(first, count, views[0], views[1], both=both)
 
     def _table_group(self, index: int) -> _Group:
         torch = _torch()
@@ -410,6 +422,9 @@ class PagedCopier:
         dest = out[g.first + lo : g.first + hi]
         if g.flat is not None:
             dest.copy_(self._take(g, slots))
+        elif runs is not None and g.both is not None:
+            for kb, o0, o1, t0 in runs:
+                dest[:, :, t0 : t0 + o1 - o0].permute(0, 2, 3, 1, 4).copy_(g.both[lo:hi, kb, o0:o1])
         elif runs is not None:
             for kb, o0, o1, t0 in runs:
                 for kv, view in enumerate((g.key, g.value)):
@@ -438,6 +453,9 @@ class PagedCopier:
         piece = src[g.first + lo : g.first + hi]
         if g.flat is not None:
             g.flat.index_copy_(0, self._table_index(g, slots).reshape(-1), piece.reshape(-1))
+        elif runs is not None and g.both is not None:
+            for kb, o0, o1, t0 in runs:
+                g.both[lo:hi, kb, o0:o1].copy_(piece[:, :, t0 : t0 + o1 - o0].permute(0, 2, 3, 1, 4))
         elif runs is not None:
             for kb, o0, o1, t0 in runs:
                 for kv, view in enumerate((g.key, g.value)):
