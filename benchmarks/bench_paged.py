@@ -44,6 +44,7 @@ from benchmarks._harness import CpuMeter, free_port, measure_group, raise_on_sig
 SHAPES = {4: (8, 4, 128, "float16"), 16: (32, 4, 128, "float16"), 32: (32, 8, 128, "bfloat16")}
 CHUNK_TOKENS, BLOCK, BATCH = 256, 128, 8
 DAEMON_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
+ENGINE_WRITE = True
 
 
 def cpu_writer() -> tuple[Any, str]:
@@ -101,6 +102,8 @@ def make_worker(size_mib: int, layout: str, client: Any, namespace: str) -> tupl
     )
     # Loads write through the engine's own cache write, as the connector does in vLLM.
     writers = [lambda k, v, s, cache=cache: write(k, v, cache, s) for cache in caches] if layout == "cpu" else None
+    if not ENGINE_WRITE:
+        writers = None
     worker = WorkerSide(ChunkTransfer(client, namespace, chunk.nbytes), chunk)
     copier = PagedCopier(caches, block, writers, threads=2)
     worker.engine = EngineLayout(layout, BLOCK, BLOCK, block, copier, [f"l{i}" for i in range(layers)])
@@ -120,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         default=str(DAEMON_PYTHON if DAEMON_PYTHON.exists() else sys.executable),
         help="python of the daemon (default: the repo's .venv, so this can run in vLLM's venv)",
     )
+    parser.add_argument(
+        "--no-engine-write", action="store_true", help="cpu layout: retrieve with our strided copies, not vLLM's op"
+    )
     args = parser.parse_args(argv)
+    global ENGINE_WRITE
+    ENGINE_WRITE = not args.no_engine_write
     raise_on_sigterm()
 
     import torch

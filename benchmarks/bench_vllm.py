@@ -16,9 +16,9 @@ random prefix of 90% of the prompt and three different 10% suffixes:
   the ideal a single replica reaches alone.
 
 TTFT is the latency of a ``/v1/completions`` request with ``max_tokens=1``.
-B's time loading (``vllm:lmcache_server_load_seconds``, measured inside the
-connector) is set against a raw contiguous ``get_into`` of the same bytes
-by the thin client in this process.  vLLM's native CPU offloading
+B's time loading (``vllm:lmcache_server_load_s``, measured inside the
+connector) is set against a raw contiguous ``get_into`` of the same number of
+bytes, freshly stored, by the thin client in this process.  vLLM's native CPU offloading
 (``OffloadingConnector``, ``SimpleCPUOffloadConnector``) refuses CPU-only
 platforms in vLLM 0.32 ("CPU Offloading is currently only supported on
 CUDA-alike and XPU GPUs"), so it has no row here; it keeps KV per process
@@ -114,21 +114,22 @@ def wait_ready(url: str, proc: Any, log: Path, timeout_s: float = 900) -> None:
 
 
 def raw_get_s(address: str, chunk_bytes: int, n_chunks: int, reps: int = 5) -> float:
-    """Median seconds of one contiguous get_into of ``n_chunks`` chunks (the same bytes B loads)."""
+    """Median seconds of a contiguous ``get_into`` of ``n_chunks`` chunks (the bytes B
+    loads) by the thin client, each repetition reading chunks stored just before, as B
+    reads chunks it never saw (so both touch those pool pages for the first time)."""
     from lmcache_client import CacheClient
 
-    keys = [os.urandom(32) for _ in range(n_chunks)]
     data = [bytearray(os.urandom(chunk_bytes)) for _ in range(n_chunks)]
     out = [bytearray(chunk_bytes) for _ in range(n_chunks)]
+    times = []
     with CacheClient(address, "bench-vllm|raw", timeout_s=60, fail_open=False) as c:
-        c.put(keys, data)
-        c.pin(keys)
-        times = []
         for _ in range(reps + 1):
+            keys = [os.urandom(32) for _ in range(n_chunks)]
+            c.put(keys, data)
             started = time.perf_counter()
             assert all(c.get_into(keys, out))
             times.append(time.perf_counter() - started)
-        c.unpin(keys)
+            c.delete(keys)
     return statistics.median(times[1:])
 
 
