@@ -17,8 +17,7 @@ chunk, default 256), ``model_id`` (names the weights; default vLLM's
 ``--model``), ``tenant`` (isolates tenants), ``malloc_tuning`` (keep glibc
 from re-faulting large receive buffers; default true), ``copy_threads``
 (threads that copy chunks in and out of a CPU KV cache and the pool;
-default 1: inside vLLM's CPU worker a second one slowed loads down, as
-vLLM's own threads hold the cores); for a daemon with
+default 2); for a daemon with
 ``auth: curve``: ``server_public_key`` and ``client_secret_key`` (see
 docs/security.md).
 
@@ -87,7 +86,7 @@ class ConnectorSettings:
     model_id: str = ""
     tenant: str = ""
     malloc_tuning: bool = True
-    copy_threads: int = 1
+    copy_threads: int = 2
     server_public_key: str = ""
     client_secret_key: str = ""
 

@@ -71,7 +71,7 @@ class WorkerStats:
 class WorkerSide:
     """One worker (one TP rank); its namespace comes with ``transfers[0]``."""
 
-    def __init__(self, transfer: ChunkTransfer, layout: ChunkLayout, *, copy_threads: int = 1):
+    def __init__(self, transfer: ChunkTransfer, layout: ChunkLayout, *, copy_threads: int = 2):
         self.transfer = transfer
         self.layout = layout
         self.copy_threads = copy_threads
