@@ -13,9 +13,6 @@ connector inside real vLLM.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import pickle
 import random
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -36,199 +33,19 @@ from lmcache_client.integrations.vllm_layout import UnsupportedLayout  # noqa: E
 from lmcache_client.integrations.vllm_meta import LMCacheServerConnectorMetadata  # noqa: E402
 
 from .conftest import Daemon  # noqa: E402
-from .vllm_harness.standins import cpu_write  # noqa: E402
-
-LAYERS, HEADS, HEAD_DIM = 2, 2, 8
-
-
-def reference_rows(kv_layer: Any, block_ids: list[int], start: int, end: int, block_size: int) -> Any:
-    """Token rows read one by one through the CPU layout: (2, tokens, heads, dim)."""
-    n = kv_layer.shape[2]
-    region = kv_layer.reshape(kv_layer.shape[0], HEADS, 2 * n * HEAD_DIM)
-    rows = []
-    for p in range(start, end):
-        b, o = block_ids[p // block_size], p % block_size
-        k = region[b, :, o : n * HEAD_DIM : n]
-        v = region[b, :, n * HEAD_DIM + o * HEAD_DIM : n * HEAD_DIM + (o + 1) * HEAD_DIM]
-        rows.append(torch.stack([k, v]))
-    return torch.stack(rows, dim=1)
-
-
-class StandInImpl:
-    """The attention implementation's cache write, as the CPU backend does it."""
-
-    kv_cache_dtype = "auto"
-
-    def do_kv_cache_update(self, layer: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> None:
-        cpu_write(key, value, kv_cache, slot_mapping)
-
-
-class StandInAttention:
-    impl = StandInImpl()
-    attn_backend = SimpleNamespace(get_name=lambda: "STAND_IN_CPU")
-
-
-# -- stand-ins of vLLM's objects ---------------------------------------------------------------
-class Role(enum.Enum):
-    SCHEDULER = 0
-    WORKER = 1
-
-
-@dataclasses.dataclass
-class Request:  # vllm.v1.request.Request, the attributes connectors read
-    request_id: str
-    prompt_token_ids: list[int]
-
-
-@dataclasses.dataclass
-class NewRequestData:
-    req_id: str
-    prompt_token_ids: list[int]
-    block_ids: tuple[list[int], ...]
-    num_computed_tokens: int
-
-
-@dataclasses.dataclass
-class CachedRequestData:
-    req_ids: list[str] = dataclasses.field(default_factory=list)
-    resumed_req_ids: set[str] = dataclasses.field(default_factory=set)
-    new_block_ids: list[tuple[list[int], ...] | None] = dataclasses.field(default_factory=list)
-    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    scheduled_new_reqs: list[NewRequestData] = dataclasses.field(default_factory=list)
-    scheduled_cached_reqs: CachedRequestData = dataclasses.field(default_factory=CachedRequestData)
-    num_scheduled_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
-    finished_req_ids: set[str] = dataclasses.field(default_factory=set)
-
-
-def vllm_config(address: str, dtype: Any, block_size: int, **extra: Any) -> Any:
-    model_config = SimpleNamespace(
-        model="test/paged-model",
-        dtype=dtype,
-        get_num_layers=lambda parallel_config: LAYERS,
-        get_num_kv_heads=lambda parallel_config: HEADS,
-        get_head_size=lambda: HEAD_DIM,
-    )
-    return SimpleNamespace(
-        model_config=model_config,
-        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        compilation_config=SimpleNamespace(
-            static_forward_context={f"model.layers.{i}.self_attn.attn": StandInAttention() for i in range(LAYERS)}
-        ),
-        kv_transfer_config=SimpleNamespace(
-            kv_connector="LMCacheServerConnectorV1",
-            kv_role="kv_both",
-            kv_connector_extra_config={"address": address, "timeout_s": 5.0, **extra},
-        ),
-    )
-
-
-def kv_value(token: int, position: int, layer: int) -> Any:
-    """What the stand-in model writes for a token: (2, heads, dim), depending on token,
-    position and layer, so a row put in the wrong place shows."""
-    base = torch.arange(2 * HEADS * HEAD_DIM, dtype=torch.float32).reshape(2, HEADS, HEAD_DIM)
-    return (base + token * 0.5 + position * 0.25 + layer * 100.0) / 64.0
-
-
-class Engine:
-    """vLLM's scheduler + model runner, reduced to the calls a KV connector sees."""
-
-    def __init__(
-        self, address: str, tenant: str, *, dtype: Any = torch.float16, block_size: int = 4, chunk_size: int = 8
-    ):
-        self.config = vllm_config(address, dtype, block_size, chunk_size=chunk_size, tenant=tenant)
-        self.block_size = block_size
-        self.scheduler = LMCacheServerConnectorV1(self.config, Role.SCHEDULER, kv_cache_config=None)
-        self.worker = LMCacheServerConnectorV1(self.config, Role.WORKER, kv_cache_config=None)
-        num_blocks = 64
-        self.kv = {
-            f"model.layers.{i}.self_attn.attn": torch.full((num_blocks, HEADS, block_size, 2 * HEAD_DIM), -1.0).to(
-                dtype
-            )
-            for i in range(LAYERS)
-        }
-        self.worker.register_kv_caches(self.kv)
-        self.free = random.Random(0).sample(range(num_blocks), num_blocks)  # scattered block ids
-        self.load_errors: set[int] = set()
-        self.computed_tokens: list[int] = []
-
-    def alloc(self, n_tokens: int) -> list[int]:
-        n = -(-n_tokens // self.block_size)
-        blocks, self.free = self.free[:n], self.free[n:]
-        return blocks
-
-    def step(
-        self, output: SchedulerOutput, work: list[tuple[list[int], list[int], int, int]]
-    ) -> LMCacheServerConnectorMetadata:
-        """One engine step: metadata to the worker (pickled, as between processes), load,
-        the forward pass writing KV of ``work`` (prompt, blocks, start, end) layer by layer, save."""
-        meta = self.scheduler.build_connector_meta(output)
-        self.worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
-        self.worker.start_load_kv(SimpleNamespace())
-        for layer, (name, kv_layer) in enumerate(self.kv.items()):
-            self.worker.wait_for_layer_load(name)
-            for prompt, blocks, start, end in work:
-                if end > start:
-                    rows = torch.stack([kv_value(prompt[p], p, layer) for p in range(start, end)], dim=1).to(
-                        kv_layer.dtype
-                    )
-                    slots = torch.tensor(
-                        [
-                            blocks[p // self.block_size] * self.block_size + p % self.block_size
-                            for p in range(start, end)
-                        ]
-                    )
-                    cpu_write(rows[0], rows[1], kv_layer, slots)
-                if layer == 0:
-                    self.computed_tokens.extend(range(start, end))
-            self.worker.save_kv_layer(name, kv_layer, attn_metadata=None)
-        self.worker.wait_for_save()
-        self.load_errors |= self.worker.get_block_ids_with_load_errors()
-        self.worker.clear_connector_metadata()
-        return meta
-
-    def prefill(
-        self, req_id: str, prompt: list[int], *, local_hit: int = 0, step_tokens: int = 10_000
-    ) -> dict[str, Any]:
-        """Schedule a prompt: lookup, allocation, then chunked-prefill steps until computed."""
-        request = Request(req_id, prompt)
-        external, is_async = self.scheduler.get_num_new_matched_tokens(request, local_hit)
-        assert is_async is False
-        blocks = self.alloc(len(prompt))
-        self.scheduler.update_state_after_alloc(request, SimpleNamespace(), external)
-        computed = local_hit + external
-        self.computed_tokens = []
-        metas = []
-        first = True
-        while computed < len(prompt):
-            n = min(step_tokens, len(prompt) - computed)
-            if first:
-                out = SchedulerOutput(
-                    [NewRequestData(req_id, prompt, (blocks,), computed)], num_scheduled_tokens={req_id: n}
-                )
-            else:
-                cached = CachedRequestData([req_id], set(), [None], [computed])
-                out = SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={req_id: n})
-            metas.append(self.step(out, [(prompt, blocks, computed, computed + n)]))
-            computed += n
-            first = False
-        # One decode step: never saved (prompt chunks only).
-        cached = CachedRequestData([req_id], set(), [None], [computed])
-        metas.append(self.step(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={req_id: 1}), []))
-        assert self.scheduler.request_finished(request, blocks) == (False, None)
-        return {"external": external, "blocks": blocks, "metas": metas, "computed": list(self.computed_tokens)}
-
-    def rows(self, blocks: list[int], start: int, end: int, layer: int) -> Any:
-        kv_layer = list(self.kv.values())[layer]
-        return reference_rows(kv_layer, blocks, start, end, self.block_size)
-
-
-def expected_rows(prompt: list[int], start: int, end: int, layer: int, dtype: Any) -> Any:
-    return torch.stack([kv_value(prompt[p], p, layer) for p in range(start, end)], dim=1).to(dtype)
+from .vllm_harness.engine import (  # noqa: E402
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    CachedRequestData,
+    Engine,
+    NewRequestData,
+    Request,
+    Role,
+    SchedulerOutput,
+    expected_rows,
+    vllm_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -290,13 +107,19 @@ def test_replica_b_loads_what_replica_a_computed(
 
 
 def test_never_reports_the_whole_prompt(engines: Callable[..., Engine]) -> None:
+    """Everything but the last prompt token can be loaded (vLLM needs that one's logits)."""
     a, b = engines(), engines()
     prompt = list(range(100, 132))  # exactly 4 chunks of 8
     a.prefill("a", prompt)
     request = Request("b", prompt)
-    assert b.scheduler.get_num_new_matched_tokens(request, 0) == (24, False)
-    assert b.scheduler.get_num_new_matched_tokens(request, 24) == (0, False)  # vLLM's own cache has it
-    assert b.scheduler.get_num_new_matched_tokens(Request("c", prompt[:8]), 0) == (0, False)
+    assert b.scheduler.get_num_new_matched_tokens(request, 0) == (31, False)
+    assert b.scheduler.get_num_new_matched_tokens(request, 28) == (3, False)
+    assert b.scheduler.get_num_new_matched_tokens(request, 31) == (0, False)  # vLLM's own cache has it
+    assert b.scheduler.get_num_new_matched_tokens(Request("c", prompt[:8]), 0) == (7, False)
+    run = b.prefill("b2", prompt)
+    assert run["computed"] == [31]
+    for layer in range(LAYERS):
+        assert torch.equal(b.rows(run["blocks"], 0, 32, layer), expected_rows(prompt, 0, 32, layer, torch.float16))
     assert b.scheduler.get_num_new_matched_tokens(Request("d", []), 0) == (0, False)
 
 
@@ -512,3 +335,80 @@ def test_sleep_mode_touches_no_cache_until_restored(engines: Callable[..., Engin
     b.load_errors.clear()
     again = b.prefill("c", prompt)
     assert not b.load_errors and again["computed"] == list(range(40, 41))
+
+
+# -- prefill/decode handoff: kv_producer / kv_consumer ---------------------------------------------
+def test_consumer_computes_only_the_last_token_of_a_producers_prompt(engines: Callable[..., Engine]) -> None:
+    """The producer stores the prompt's partial last chunk too; the consumer loads all
+    but the last token (vLLM needs its logits) and stores nothing."""
+    producer, consumer = engines(role="kv_producer"), engines(role="kv_consumer")
+    prompt = list(range(300, 345))  # 5 chunks of 8 and a tail of 5
+    made = producer.prefill("p", prompt)
+    [save] = made["metas"][0].saves
+    assert (len(save.keys), save.tail_start, save.tail_tokens) == (5, 40, 5)
+    assert producer.worker.worker is not None and producer.worker.worker.stats.stored_chunks == 6
+    assert producer.scheduler.get_num_new_matched_tokens(Request("p2", prompt), 0) == (0, False)  # never loads
+    run = consumer.prefill("c", prompt)
+    assert run["external"] == 44 and run["computed"] == [44]
+    assert not consumer.load_errors
+    assert all(not meta.saves for meta in run["metas"])
+    for layer in range(LAYERS):
+        rows = consumer.rows(run["blocks"], 0, 45, layer)
+        assert torch.equal(rows, expected_rows(prompt, 0, 45, layer, torch.float16))
+
+
+def test_a_tail_is_never_read_as_a_chunk_of_another_prompt(engines: Callable[..., Engine]) -> None:
+    producer, reader = engines(role="kv_producer"), engines()
+    prompt = list(range(400, 445))  # 5 chunks of 8 and a tail of 5
+    producer.prefill("p", prompt)
+    longer = prompt + [7, 7, 7]  # its 6th chunk starts with the same 5 tokens: a full chunk, another key
+    assert reader.scheduler.get_num_new_matched_tokens(Request("l", longer), 0) == (40, False)
+    other_tail = prompt[:-1] + [999]  # same full chunks, another last token
+    assert reader.scheduler.get_num_new_matched_tokens(Request("o", other_tail), 0) == (40, False)
+    shorter = prompt[:-1]  # a tail of 4: another length, another key
+    assert reader.scheduler.get_num_new_matched_tokens(Request("s", shorter), 0) == (40, False)
+    assert reader.scheduler.get_num_new_matched_tokens(Request("x", prompt), 0) == (44, False)
+
+
+def test_consumer_waits_for_the_producer_then_loads(engines: Callable[..., Engine]) -> None:
+    producer, consumer = engines(role="kv_producer"), engines(role="kv_consumer", load_wait_s=60)
+    prompt = list(range(500, 529))
+    request = Request("c", prompt)
+    assert consumer.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)  # ask again later
+    producer.prefill("p", prompt)
+    answer = None
+    while answer is None:  # the scheduler asks again each step (at most every POLL_S it reaches the daemon)
+        answer, _ = consumer.scheduler.get_num_new_matched_tokens(request, 0)
+    assert answer == 28
+    stats = consumer.scheduler.get_kv_connector_stats()
+    assert stats is not None and stats.data["load_waits"] == 1 and stats.data["load_wait_expired"] == 0
+
+
+def test_consumer_computes_what_never_arrives(engines: Callable[..., Engine]) -> None:
+    producer, consumer = engines(role="kv_producer"), engines(role="kv_consumer", load_wait_s=0.2)
+    prompt = list(range(600, 637))
+    producer.prefill("p", prompt[:16])  # the producer got as far as two chunks
+    request = Request("c", prompt)
+    answers = []
+    while not answers or answers[-1] is None:
+        answers.append(consumer.scheduler.get_num_new_matched_tokens(request, 0)[0])
+    assert answers[0] is None and answers[-1] == 16
+    stats = consumer.scheduler.get_kv_connector_stats()
+    assert stats is not None and stats.data["load_wait_expired"] == 1
+    no_wait = SimpleNamespace(request_id="n", prompt_token_ids=prompt, kv_transfer_params={"lmcache_load_wait_s": 0})
+    assert consumer.scheduler.get_num_new_matched_tokens(no_wait, 0) == (16, False)  # a proxy's say
+
+
+def test_pd_settings_are_validated() -> None:
+    assert ConnectorSettings.from_extra_config({"load_wait_s": "2.5"}).load_wait_s == 2.5
+    assert ConnectorSettings.from_extra_config({"store_tails": "true"}).store_tails is True
+    with pytest.raises(ValueError, match="load_wait_s"):
+        ConnectorSettings.from_extra_config({"load_wait_s": -1})
+
+
+def test_consumer_does_not_wait_while_the_daemon_is_down(engines: Callable[..., Engine], daemon: Daemon) -> None:
+    consumer = engines(address=daemon.address, role="kv_consumer", load_wait_s=600)
+    daemon.kill()
+    consumer.scheduler.client.timeout_s = 0.3
+    run = consumer.prefill("c", list(range(40)))  # would hang for 600 s if it waited
+    assert run["external"] == 0 and run["computed"] == list(range(40))

@@ -26,7 +26,7 @@ from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.integrations.layout import ChunkLayout
 
 from .conftest import Daemon
-from .vllm_harness.fixtures import connector, models, run_replica, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import connector, loadable, models, run_replica, vllm_python  # noqa: F401
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -109,14 +109,14 @@ def test_replica_b_serves_replica_as_chunks_with_vllms_own_output(matrix: dict[s
     # A stored every full chunk of p1 while computing it.
     assert a["prompts"][0]["counters"]["worker"]["stored_chunks"] == len(p1) // chunk
     assert a["prompts"][0]["num_cached_tokens"] == 0
-    # B, a fresh process, computed only what follows the last full chunk before p1's last token.
+    # B, a fresh process, computed only what follows p1's last full chunk (and p1's last token).
     first = b["prompts"][0]
-    reusable = (len(p1) - 1) // chunk * chunk
+    reusable = loadable(len(p1), chunk)
     assert first["counters"]["worker"]["loaded_tokens"] == reusable
     assert first["num_cached_tokens"] == reusable
     assert first["counters"]["worker"]["stored_chunks"] == 0, "B stored chunks the daemon already held"
-    # p2 shares 450 tokens with p1: its reuse covers at least every full chunk before its last token.
-    assert b["prompts"][1]["num_cached_tokens"] >= (len(p2) - 1) // chunk * chunk
+    # p2 shares 450 tokens with p1: its reuse covers at least every full chunk of p2.
+    assert b["prompts"][1]["num_cached_tokens"] >= loadable(len(p2), chunk)
     assert "CPU_ATTN" in (first["counters"]["layout"] or "")
 
 
@@ -128,7 +128,7 @@ def test_a_failed_load_is_recomputed_with_the_same_output(matrix: dict[str, Any]
     # The lookup found all 18 reusable chunks (the replaced one has the right key); the
     # load stopped at the wrong-sized chunk, and vLLM recomputed from there.
     assert loaded == BROKEN_CHUNK * 16
-    assert failed == (len(prompts()[2]) - 1) // 16 * 16 - BROKEN_CHUNK * 16
+    assert failed == loadable(len(prompts()[2]), 16) - BROKEN_CHUNK * 16
     assert b["prompts"][2]["tokens"] == matrix["plain"][CORRUPTED]["prompts"][2]["tokens"]
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from .conftest import Daemon, free_port, wait_for
-from .vllm_harness.fixtures import Server, doc_command, models, vllm_env, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Server, doc_command, loadable, models, vllm_env, vllm_python  # noqa: F401
 from .vllm_harness.models import prompt_tokens, word
 
 pytestmark = pytest.mark.timeout(1800)
@@ -122,7 +122,7 @@ def test_replica_b_first_request_is_served_from_a(stack: dict[str, Any]) -> None
     wait_for(lambda: complete(a, prompt) and counters(a).get("stored_chunks", 0) >= len(prompt) // CHUNK, 60)
     before = counters(b).get("loaded_tokens", 0)
     answer_b = complete(b, prompt)
-    assert counters(b)["loaded_tokens"] - before == (len(prompt) - 1) // CHUNK * CHUNK
+    assert counters(b)["loaded_tokens"] - before == loadable(len(prompt), CHUNK)
     assert answer_b == complete(a, prompt)
     stack["shared"] = (prompt, answer_b)
 

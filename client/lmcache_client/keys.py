@@ -8,8 +8,17 @@ Algorithm (version 1), identical in every process, host and Python version:
 
 where ``u32le`` packs each token id as an unsigned 32-bit little-endian
 integer and chunk ``i`` covers tokens ``[i*chunk_size, (i+1)*chunk_size)``.
-Only full chunks get keys: a trailing partial chunk is always recomputed.
 Because each key folds in every earlier chunk, a key names a whole prefix.
+
+A prompt's trailing partial chunk (``0 < n < chunk_size`` tokens after its
+last full chunk) may be stored too, under a *tail key* of another domain that
+also folds in the tail's length:
+
+    tail = SHA-256( b"lmcache-tail-v1" || prev || u32le(n) || u32le(tokens of the tail) )
+
+so a tail key names the exact whole prompt and can never equal the key of a
+full chunk (another domain prefix), nor the tail of another prompt.  The
+prefill/decode handoff stores tails so a decoder computes only the last token.
 
 A request whose KV depends on more than its tokens (a LoRA adapter, a
 per-request cache salt) starts its chain from another root:
@@ -17,7 +26,8 @@ per-request cache salt) starts its chain from another root:
 (:func:`salted_root`), so it shares chunks only with requests of the same parts.
 
 Primitives: :func:`chunk_keys` (tokens -> keys), :func:`chain_key` (one step),
-:func:`salted_root`, and :class:`ChunkHasher`, which remembers the chunk size.
+:func:`tail_key` (a prompt's partial last chunk), :func:`salted_root`, and
+:class:`ChunkHasher`, which remembers the chunk size.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from collections.abc import Iterable, Sequence
 from .protocol.codes import KEY_BYTES
 
 KEY_DOMAIN = b"lmcache-chunk-v1"
+TAIL_DOMAIN = b"lmcache-tail-v1"
 ROOT_KEY = bytes(KEY_BYTES)
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -46,6 +57,16 @@ def chain_key(prev: bytes, chunk_tokens: Sequence[int]) -> bytes:
     if len(prev) != KEY_BYTES:
         raise ValueError(f"previous key must be {KEY_BYTES} bytes, got {len(prev)}")
     return hashlib.sha256(KEY_DOMAIN + prev + _pack_tokens(chunk_tokens)).digest()
+
+
+def tail_key(prev: bytes, tail_tokens: Sequence[int]) -> bytes:
+    """The key of a prompt's partial last chunk given the key of the full chunk before
+    it (the chain root when the prompt is shorter than one chunk)."""
+    if len(prev) != KEY_BYTES:
+        raise ValueError(f"previous key must be {KEY_BYTES} bytes, got {len(prev)}")
+    if not tail_tokens:
+        raise ValueError("a tail holds at least one token")
+    return hashlib.sha256(TAIL_DOMAIN + prev + struct.pack("<I", len(tail_tokens)) + _pack_tokens(tail_tokens)).digest()
 
 
 def salted_root(*parts: str) -> bytes:

@@ -65,6 +65,13 @@ def models(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     return {arch: out / arch for arch in ("llama", "qwen2")}
 
 
+def loadable(n_tokens: int, chunk: int) -> int:
+    """Tokens of a prompt a kv_both replica loads when the daemon holds every full
+    chunk (no tails): all of them, but never the last prompt token (vLLM computes
+    it for its logits)."""
+    return min(n_tokens // chunk * chunk, n_tokens - 1)
+
+
 def vllm_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "VLLM_"))}
     env.update(CPU_ENV)

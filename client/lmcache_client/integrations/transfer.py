@@ -171,6 +171,26 @@ class ChunkTransfer:
             stored += sum(s in (PutStatus.STORED, PutStatus.EXISTS) for s in statuses)
         return stored
 
+    def get_one_with(self, key: bytes, nbytes: int, use: UseFn) -> bool:
+        """Call ``use(0, view)`` with the chunk under ``key`` if it is stored with exactly
+        ``nbytes`` bytes (a prompt's partial last chunk); True when it was used."""
+        try:
+            used = self.client.get_with([key], use, nbytes=nbytes, prefix=True, namespace=self.namespace)
+        except ClientError as err:
+            self._failed("get", err)
+            return False
+        return bool(used and used[0])
+
+    def put_one_with(self, key: bytes, nbytes: int, fill: FillFn) -> bool:
+        """Store one chunk of ``nbytes`` bytes (a prompt's partial last chunk) that
+        ``fill(0, view)`` writes in place; True when it is stored now or was already."""
+        try:
+            [status] = self.client.put_with([key], [nbytes], fill, namespace=self.namespace)
+        except ClientError as err:
+            self._failed("put", err)
+            return False
+        return status in (PutStatus.STORED, PutStatus.EXISTS)
+
     def _copy_prefix(self, keys: Sequence[bytes], out: Sequence[Any]) -> int:
         copied = 0
         for buf, dest in zip(self.get_prefix(keys), out):

@@ -17,12 +17,17 @@ chunk, default 256), ``model_id`` (names the weights; default vLLM's
 ``--model``), ``tenant`` (isolates tenants), ``malloc_tuning`` (keep glibc
 from re-faulting large receive buffers; default true), ``copy_threads``
 (threads that copy chunks in and out of a CPU KV cache and the pool;
-default 2); for a daemon with
+default 2), ``store_tails`` (also store each prompt's partial last chunk under
+a key naming the exact prompt; always on for ``kv_producer``), ``load_wait_s``
+(how long a request waits for chunks a producer is still storing before the
+rest is computed; default 5 for ``kv_consumer``, 0 otherwise); for a daemon with
 ``auth: curve``: ``server_public_key`` and ``client_secret_key`` (see
 docs/security.md).
 
-``kv_role``: ``kv_both`` loads and stores, ``kv_producer`` only stores,
-``kv_consumer`` only loads.  Failed loads are reported to vLLM
+``kv_role``: ``kv_both`` loads and stores, ``kv_producer`` only stores (its
+prompts' tails included), ``kv_consumer`` only loads (waiting ``load_wait_s``
+for what a producer has not stored yet): prefill/decode disaggregation
+through the daemon, see docs/integrations.md.  Failed loads are reported to vLLM
 (``get_block_ids_with_load_errors``); with ``kv_load_failure_policy:
 recompute`` vLLM recomputes those blocks, with vLLM's default ``fail`` it
 fails the request, so the connector warns at start when it sees ``fail``.
@@ -59,6 +64,8 @@ from .vllm_worker import WorkerSide
 logger = logging.getLogger(__name__)
 
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
+CONSUMER_WAIT_S = 5.0
+"""How long a ``kv_consumer`` waits for a producer's chunks unless ``load_wait_s`` says."""
 ADDRESS_ENV = "LMCACHE_SERVER_ADDRESS"
 """Where the daemon is when ``kv_connector_extra_config`` does not say (one
 command line for every replica; compose sets it per service)."""
@@ -87,6 +94,9 @@ class ConnectorSettings:
     tenant: str = ""
     malloc_tuning: bool = True
     copy_threads: int = 2
+    store_tails: bool = False
+    load_wait_s: float = -1.0
+    """-1: the role's default (:data:`CONSUMER_WAIT_S` for ``kv_consumer``, else 0)."""
     server_public_key: str = ""
     client_secret_key: str = ""
 
@@ -111,6 +121,8 @@ class ConnectorSettings:
         settings = cls(**values)
         if settings.timeout_s <= 0 or settings.chunk_size <= 0 or settings.copy_threads <= 0:
             raise ValueError("kv_connector_extra_config timeout_s, chunk_size and copy_threads must be positive")
+        if "load_wait_s" in extra and settings.load_wait_s < 0:
+            raise ValueError("kv_connector_extra_config load_wait_s must be >= 0")
         if not 0 <= settings.backoff_s <= settings.max_backoff_s:
             raise ValueError("kv_connector_extra_config needs 0 <= backoff_s <= max_backoff_s")
         return settings
@@ -194,11 +206,16 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                 )
                 for r in range(tp_size)
             ]
+            wait_s = self.settings.load_wait_s
+            if wait_s < 0:
+                wait_s = CONSUMER_WAIT_S if self.kv_role == "kv_consumer" else 0.0
             self.scheduler = SchedulerSide(
                 transfers,
                 self.settings.chunk_size,
                 load=self.kv_role != "kv_producer",
                 save=self.kv_role != "kv_consumer",
+                store_tails=self.settings.store_tails or self.kv_role == "kv_producer",
+                load_wait_s=wait_s,
             )
             namespace: str = transfers[0].namespace
             policy = str(getattr(transfer_config, "kv_load_failure_policy", "recompute"))
@@ -315,6 +332,8 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens to load beyond vLLM's own hit; None (ask again next step) while a
+        consumer waits for a producer's chunks."""
         return self._scheduler().num_new_matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -18,9 +18,10 @@ from .vllm_compat import KVConnectorMetadata
 class LoadRequest:
     """Fill tokens ``[start_token, end_token)`` of a request from the daemon.
 
-    ``keys[i]`` is the key of chunk ``first_chunk + i``; the chunks cover the
-    range.  Tokens before ``start_token`` are vLLM's own prefix-cache hits and are
-    never written.
+    ``keys[i]`` is the key of full chunk ``first_chunk + i``; with ``tail_key``
+    the prompt's partial last chunk (``tail_tokens`` tokens, right after the
+    full chunks) follows them.  Together they cover the range.  Tokens before
+    ``start_token`` are vLLM's own prefix-cache hits and are never written.
     """
 
     req_id: str
@@ -30,17 +31,24 @@ class LoadRequest:
     end_token: int
     block_ids: list[int]
     """The request's blocks, from its first token on."""
+    tail_key: bytes | None = None
+    tail_tokens: int = 0
 
 
 @dataclasses.dataclass
 class SaveRequest:
-    """Store chunks ``first_chunk .. first_chunk + len(keys) - 1`` of a request,
-    computed in this step or earlier and still in its blocks."""
+    """Store full chunks ``first_chunk .. first_chunk + len(keys) - 1`` of a request
+    (and with ``tail_key`` its partial last chunk of ``tail_tokens`` tokens, which
+    starts at token ``tail_start``), computed in this step or earlier and still in
+    its blocks."""
 
     req_id: str
     keys: list[bytes]
     first_chunk: int
     block_ids: list[int]
+    tail_key: bytes | None = None
+    tail_start: int = 0
+    tail_tokens: int = 0
 
 
 @dataclasses.dataclass

@@ -10,9 +10,11 @@ are plain counters (sums over the interval):
 | ``lookups`` | scheduler | prompts looked up in the daemon |
 | ``lookup_hit_tokens`` | scheduler | tokens vLLM was told to load (beyond its own prefix cache) |
 | ``lookup_s`` | scheduler | seconds spent in lookups |
+| ``load_waits`` / ``load_wait_s`` | scheduler | requests that waited for a producer, seconds waited |
+| ``load_wait_expired`` | scheduler | waits that reached ``load_wait_s`` (the rest computed) |
 | ``loaded_tokens`` / ``load_failed_tokens`` | worker | tokens loaded / that had to be recomputed |
 | ``loaded_bytes`` / ``load_s`` | worker | payload bytes read and seconds spent loading |
-| ``stored_chunks`` / ``stored_bytes`` / ``store_s`` | worker | chunks stored (or already there), bytes, seconds |
+| ``stored_chunks`` / ``stored_bytes`` / ``store_s`` | worker | chunks (a tail is one) stored or found, bytes, seconds |
 | ``daemon_failures`` / ``short_circuited`` | both | calls finding the daemon down / misses from the breaker |
 
 In Prometheus they appear as ``vllm:lmcache_server_<counter>_total`` with
@@ -32,6 +34,9 @@ COUNTERS = {
     "lookups": "Prompts looked up in lmcache-server",
     "lookup_hit_tokens": "Tokens vLLM loaded from lmcache-server instead of computing them (scheduled)",
     "lookup_s": "Seconds the scheduler spent in lmcache-server lookups",
+    "load_waits": "Requests that waited for a producer's chunks (load_wait_s)",
+    "load_wait_s": "Seconds requests waited for a producer's chunks",
+    "load_wait_expired": "Waits for a producer's chunks that reached the deadline (the rest was computed)",
     "loaded_tokens": "Tokens loaded from lmcache-server into the KV cache",
     "load_failed_tokens": "Tokens whose load failed and that vLLM recomputed",
     "loaded_bytes": "Payload bytes read from lmcache-server",

@@ -97,13 +97,21 @@ class WorkerSide:
             raise RuntimeError("register_kv_caches has not been called")
         return self.engine
 
-    def _payload(self, view: memoryview, lo: int = 0, hi: int | None = None) -> Any:
-        """A chunk payload tensor over ``view``: ``(layers, 2, tokens, heads, dim)``, tokens sliced."""
+    def _payload(self, view: memoryview, lo: int = 0, hi: int | None = None, *, tokens: int | None = None) -> Any:
+        """A chunk payload tensor over ``view``: ``(layers, 2, tokens, heads, dim)``, tokens
+        sliced; ``tokens``: a tail of that many tokens instead of a full chunk."""
         torch = _torch()
         engine = self._engine()
         flat = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
-        payload = flat.view(engine.copier.dtype).view(self.layout.shape)
+        shape = list(self.layout.shape)
+        if tokens is not None:
+            shape[2] = tokens
+        payload = flat.view(engine.copier.dtype).view(shape)
         return payload if lo == 0 and hi is None else payload[:, :, lo:hi]
+
+    def tail_bytes(self, tokens: int) -> int:
+        """Bytes of a tail payload of ``tokens`` tokens."""
+        return self.layout.nbytes // self.layout.chunk_size * tokens
 
     # -- start_load_kv ---------------------------------------------------------------
     def load(self, loads: list[LoadRequest]) -> None:
@@ -152,10 +160,23 @@ class WorkerSide:
             engine.copier.scatter(Slots(slots.blocks[part], slots.offsets[part]), self._payload(view, lo - c0, hi - c0))
             self.stats.loaded_bytes += view.nbytes
 
-        loaded = self.transfer.get_prefix_with(request.keys, scatter)
+        loaded = self.transfer.get_prefix_with(request.keys, scatter) if request.keys else 0
+        covered = base + loaded * chunk
+        if request.tail_key is not None and loaded == len(request.keys):
+            t0, n = covered, request.tail_tokens
+            lo, hi = max(t0, request.start_token), min(t0 + n, request.end_token)
+
+            def scatter_tail(_: int, view: memoryview) -> None:
+                part = slice(lo - request.start_token, hi - request.start_token)
+                payload = self._payload(view, lo - t0, hi - t0, tokens=n)
+                engine.copier.scatter(Slots(slots.blocks[part], slots.offsets[part]), payload)
+                self.stats.loaded_bytes += view.nbytes
+
+            if hi > lo and self.transfer.get_one_with(request.tail_key, self.tail_bytes(n), scatter_tail):
+                covered = t0 + n
         if engine.copier.device.type == "cuda":
             _torch().cuda.current_stream().synchronize()
-        return max(request.start_token, min(request.end_token, base + loaded * chunk))
+        return max(request.start_token, min(request.end_token, covered))
 
     def take_stats(self) -> dict[str, float]:
         self.stats.add_to(self.totals)
@@ -185,12 +206,30 @@ class WorkerSide:
                     part = slice(i * chunk, (i + 1) * chunk)
                     engine.copier.gather(Slots(slots.blocks[part], slots.offsets[part]), self._payload(view))
 
-                done = self.transfer.put_with(request.keys, gather)
+                done = self.transfer.put_with(request.keys, gather) if request.keys else 0
+                if request.tail_key is not None and done == len(request.keys):
+                    done += self._save_tail(request)
             except Exception:  # a failed save is a future miss, never an engine failure
                 logger.exception("saving KV chunks of request %s failed", request.req_id)
                 continue
             stored += done
             self.stats.stored_chunks += done
-            self.stats.stored_bytes += done * self.layout.nbytes
+            self.stats.stored_bytes += min(done, len(request.keys)) * self.layout.nbytes
+            if done > len(request.keys):
+                self.stats.stored_bytes += self.tail_bytes(request.tail_tokens)
             self.stats.store_s += time.perf_counter() - started
         return stored
+
+    def _save_tail(self, request: SaveRequest) -> int:
+        """Gather and store a request's tail; 1 when it is stored."""
+        engine = self._engine()
+        n = request.tail_tokens
+        slots = token_slots(
+            request.block_ids, request.tail_start, request.tail_start + n, engine.block_size, engine.block_tokens
+        )
+
+        def gather(_: int, view: memoryview) -> None:
+            engine.copier.gather(slots, self._payload(view, tokens=n))
+
+        assert request.tail_key is not None
+        return int(self.transfer.put_one_with(request.tail_key, self.tail_bytes(n), gather))
