@@ -323,6 +323,9 @@ class _CountOracle:
             heapq.heappop(self.heap)
         return None
 
+    def order(self) -> list[ChunkKey]:
+        return sorted(self.rank, key=self.rank.__getitem__)
+
 
 ORACLES: dict[str, Callable[[dict[ChunkKey, int]], EvictionPolicy]] = {
     "oracle-reuse-lru": _ReuseOracleLRU,

@@ -2,7 +2,9 @@
 
 startup (pool, tiers, store, metrics, sockets, HTTP) -> serve until SIGTERM or
 SIGINT -> drain in-flight requests for ``drain_timeout_s`` -> close everything
--> exit code 0.  Nothing here is global: the registry, the config and the
+-> exit code 0.  With ``warm_restart`` the pool segment left by the last clean
+stop is adopted at startup, and a clean stop leaves it, with its index, for
+the next daemon (storage/warmstart.py).  Nothing here is global: the registry, the config and the
 ZeroMQ context are created here and passed down.
 """
 
@@ -35,6 +37,7 @@ from .storage.offload import Offload
 from .storage.policy import make_policy
 from .storage.remote import RedisTier
 from .storage.tenants import TenantQuotas
+from .storage.warmstart import Adoption, WarmStart
 from .summary import SummaryLog
 from .supervisor import Supervisor
 
@@ -64,17 +67,15 @@ class App:
         security = Security.from_config(c)
         if c.malloc_tuning and not tune_malloc():
             logger.info("malloc tuning not applied (not glibc?)")
-        pool = MemoryPool(
-            c.max_local_cpu_size,
-            c.pin_memory,
-            c.shm_dir if c.shared_memory else None,
-            0o600 if c.shm_access == "owner" else 0o660,
-        )
+        warm = WarmStart(c.shm_dir, c.listen, c.max_local_cpu_size) if c.shared_memory and c.warm_restart else None
+        adoption = warm.find() if warm is not None else None
+        pool, adoption = _pool(c, adoption)
         supervisor = Supervisor()  # background loops restart after a failure (logged, counted)
         offload = Offload(COPY_THREADS)  # multi-MiB copies and checksums, off the event loop
         policy = make_policy(c.cache_policy, pool.size, ALIGNMENT)
         memory = MemoryTier(pool, int(c.max_local_cpu_size * c.max_pinned_fraction), policy)
         memory.quotas = TenantQuotas(c.quotas("memory"))
+        warm_leases = adoption.restore(memory) if adoption is not None else None
         disk = None
         if c.local_disk is not None:
             disk = DiskTier(
@@ -112,6 +113,8 @@ class App:
         self.registry.register(TaskFailureCollector(supervisor.failures))
         context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
         shm = ShmLeases(store, pool, c.shm_lease_timeout_s)
+        if warm_leases is not None:
+            shm.take_over(*warm_leases)
         if shm.enabled:
             self.registry.register(ShmCollector(shm.stats))
         server = ZmqServer(c, Handlers(store, c, budget, shm), budget, metrics, context, security, supervisor)
@@ -119,6 +122,7 @@ class App:
         http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready)
         monitor = ConnectionMonitor(metrics)
         summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
+        stopped = False  # a clean stop: signalled and drained (only then is the pool kept)
         try:
             security.start(context, metrics)  # the ZAP handler exists before any handshake
             server.bind()
@@ -146,6 +150,7 @@ class App:
                 logger.warning("drain timed out; cancelled the rest")
             if not await store.flush(max(0.0, deadline - time.monotonic())):
                 logger.warning("drain timed out before every spill reached the disk")
+            stopped = True
         finally:
             self.ready = False
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -156,11 +161,28 @@ class App:
             security.stop()
             if sweeper is not None:
                 sweeper.cancel()
-            shm.close()
+            if warm is not None and stopped and pool.shared:
+                leases = shm.hand_over()
+                await store.filling.wait()  # nothing of ours writes into the pool past this point
+                memory.keep_segment = warm.save(pool, memory, leases)
+            else:
+                shm.close()
             await http.close()
             await store.close()
             await supervisor.close()
             offload.close()
             context.term()
+            pool.release_lock()  # last: a kept segment may be adopted from now on
         logger.info("lmcache-server stopped")
         return 0
+
+
+def _pool(c: ServerConfig, adoption: Adoption | None) -> tuple[MemoryPool, Adoption | None]:
+    """The memory pool: the adopted segment, or (none, or it cannot be mapped) a new one."""
+    mode = 0o600 if c.shm_access == "owner" else 0o660
+    if adoption is not None:
+        try:
+            return MemoryPool(c.max_local_cpu_size, c.pin_memory, c.shm_dir, mode, adopt=adoption.segment), adoption
+        except OSError as err:
+            logger.warning("warm restart refused, the memory tier starts cold: cannot map the old segment (%s)", err)
+    return MemoryPool(c.max_local_cpu_size, c.pin_memory, c.shm_dir if c.shared_memory else None, mode), None

@@ -431,6 +431,13 @@ class ServerConfig:
         "seconds, 0.1..3600",
         "How long a shared-memory client may hold a chunk it reads or a slot it writes before it is reclaimed.",
     )
+    warm_restart: bool = _field(
+        True,
+        _bool,
+        "true or false",
+        "At a clean stop keep the shared pool segment and write its index beside it, so that the next daemon "
+        "with the same listen addresses and pool size adopts the memory tier (a crash always starts cold).",
+    )
     malloc_tuning: bool = _field(
         True, _bool, "true or false", "Keep glibc from mmap/munmap-ing every large receive buffer."
     )

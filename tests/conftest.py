@@ -4,6 +4,8 @@
 config keys (as ``--set key=value``) on a free TCP port and an ipc socket in the
 test's temp dir, waits until it answers ping, and kills it at teardown even
 when the test failed.  ``daemon`` is one started with defaults (64 MiB pool).
+Test daemons start with ``warm_restart`` off (a restart empties the memory
+tier, as the tests of other tiers expect); tests/test_warm_restart.py turns it on.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class Daemon:
             "max_local_cpu_size": "64MiB",
             "drain_timeout_s": 5,
             "shm_dir": str(self.shm_dir),
+            "warm_restart": False,
             **config,
         }
         self.config_path = workdir / "server.yaml"

@@ -37,8 +37,19 @@ until its writer is known to be done:
 
 Lease ids are random 63-bit numbers: a client cannot guess another's.
 
+A warm restart (storage/warmstart.py) keeps the segment, its token and these
+rules: at the clean stop :meth:`ShmLeases.hand_over` lists the leases alive,
+and the next daemon :meth:`ShmLeases.take_over` them: read leases keep their
+chunks until their deadline, and every write slot, expired or not, goes
+straight into the quarantine under its lease id.  Its writer's ``commit`` is
+refused (``UNKNOWN_LEASE``: a write in flight across a restart is aborted) and
+frees the slot, as its ``release`` or its death does; a writer the daemon
+cannot observe gets ``QUARANTINE_FACTOR`` timeouts, counted from the lease's
+deadline.
+
 Primitives: :class:`ShmLeases` (``offer``, ``check_segment``, ``grant_reads``,
-``grant_writes``, ``commit``, ``release``, ``sweep``, ``run``, ``stats``).
+``grant_writes``, ``commit``, ``release``, ``sweep``, ``run``, ``stats``,
+``hand_over``, ``take_over``).
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from lmcache_client.protocol import ErrorCode, ProtocolError, PutStatus
 from ..storage import Chunk, TieredStore
 from ..storage.memory import Reservation
 from ..storage.pool import MemoryPool
+from ..storage.warmstart import HeldLease, HeldSlot
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -300,6 +312,43 @@ class ShmLeases:
         while True:
             await asyncio.sleep(interval)
             self.sweep()
+
+    # -- warm restarts ----------------------------------------------------------------
+    def hand_over(self) -> list[HeldLease]:
+        """The leases alive now, for the next daemon (a clean stop); then :meth:`close`."""
+        out = [
+            HeldLease(
+                lease,
+                False,
+                r.deadline,
+                None,
+                tuple(HeldSlot(c.offset, c.nbytes) for c in r.chunks if c.offset is not None),
+            )
+            for lease, r in self._reads.items()
+        ]
+        writes = [(lease, w, w.deadline) for lease, w in self._writes.items()]
+        writes += [(lease, q.write, q.since) for lease, q in self._quarantine.items()]
+        for lease, w, since in writes:
+            owner = dataclasses.asdict(w.owner) if w.owner is not None else None
+            slots = tuple(HeldSlot(r.offset, r.size, r.key) for r in w.reservations)
+            out.append(HeldLease(lease, True, since, owner, slots))
+        self.close()
+        return out
+
+    def take_over(
+        self,
+        reads: Sequence[tuple[int, float, list[Chunk]]],
+        writes: Sequence[tuple[int, float, dict[str, int] | None, list[Reservation]]],
+    ) -> None:
+        """Leases of the daemon before a warm restart: read leases ``(lease,
+        deadline, chunks)`` held until they end, write slots ``(lease, since,
+        owner, reservations)`` quarantined (see the module docstring)."""
+        for lease, deadline, chunks in reads:
+            self._reads[lease] = _ReadLease(list(chunks), deadline, sum(c.nbytes for c in chunks))
+        for lease, since, owner, reservations in writes:
+            nbytes = sum(r.size for r in reservations)
+            write = _WriteLease(list(reservations), since, nbytes, Owner.parse(owner))
+            self._quarantine[lease] = _Quarantined(lease, write, since)
 
     def close(self) -> None:
         """Release every lease (shutdown)."""

@@ -6,7 +6,9 @@ while letting every chunk be one contiguous range (one zero-copy frame, one
 DMA).  Offsets and sizes are multiples of ALIGNMENT.
 
 Primitives: :meth:`ExtentAllocator.alloc` (offset or None: no room),
-:meth:`ExtentAllocator.free`, and the accounting properties
+:meth:`ExtentAllocator.free`, :meth:`ExtentAllocator.with_used` (an allocator
+whose given extents are in use: a pool adopted at a warm restart), and the
+accounting properties
 (``allocated_bytes``, ``free_bytes``, ``largest_free``, ``fragmentation``).
 
 Cost: O(log n + n_free) per call, with n_free the number of free extents
@@ -34,6 +36,33 @@ class ExtentAllocator:
         self._sizes: list[tuple[int, int]] = [(self.capacity, 0)]  # sorted (size, start)
         self._used: dict[int, int] = {}  # start -> size of live allocations
         self.allocated_bytes = 0
+
+    @classmethod
+    def with_used(cls, capacity: int, extents: list[tuple[int, int]]) -> ExtentAllocator:
+        """An allocator over ``capacity`` bytes in which each ``(offset, size)`` of
+        ``extents`` is allocated and the gaps between them are free.  Raises
+        ValueError for an extent that is unaligned, outside the pool or
+        overlapping another."""
+        allocator = cls(capacity)
+        allocator._by_start.clear()
+        allocator._by_end.clear()
+        allocator._sizes.clear()
+        cursor = 0
+        for offset, size in sorted(extents):
+            if offset % ALIGNMENT or size <= 0 or size % ALIGNMENT:
+                raise ValueError(f"extent ({offset}, {size}) is not page-aligned")
+            if offset < cursor:
+                raise ValueError(f"extent at {offset} overlaps the one before it")
+            if offset + size > allocator.capacity:
+                raise ValueError(f"extent ({offset}, {size}) ends past the pool's {allocator.capacity} bytes")
+            if offset > cursor:
+                allocator._add_free(cursor, offset - cursor)
+            allocator._used[offset] = size
+            allocator.allocated_bytes += size
+            cursor = offset + size
+        if cursor < allocator.capacity:
+            allocator._add_free(cursor, allocator.capacity - cursor)
+        return allocator
 
     @property
     def free_bytes(self) -> int:

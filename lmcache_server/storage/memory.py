@@ -79,6 +79,7 @@ class TierCounters:
     stores: int = 0
     rejections: int = 0
     skipped: int = 0
+    adopted: int = 0  # chunks taken over from the daemon before a warm restart
 
 
 class MemoryTier:
@@ -110,6 +111,7 @@ class MemoryTier:
         self.pinned_bytes = 0
         self.leased_chunks = 0
         self.evictable_bytes = 0  # extents of indexed chunks neither leased nor pinned
+        self.keep_segment = False  # leave the shared segment at close: its index was written
 
     # -- reads ---------------------------------------------------------------------
     async def get(self, key: ChunkKey) -> Chunk | None:
@@ -383,6 +385,44 @@ class MemoryTier:
         self.policy.inserted(key, entry.size, None)
         return True
 
+    # -- warm restarts (storage/warmstart.py) -------------------------------------
+    def snapshot(self) -> list[tuple[ChunkKey, int, int, bool]]:
+        """Every stored chunk as ``(key, offset, size, pinned)``, next victim first
+        (pinned chunks last): what the next daemon needs to adopt the pool."""
+        order = [k for k in self.policy.order() if k in self._index and not self._index[k].pinned]
+        listed = set(order)
+        order += [k for k in self._index if k not in listed]
+        return [(k, self._index[k].offset, self._index[k].size, self._index[k].pinned) for k in order]
+
+    def adopt(self, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None:
+        """Take over a pool left by a clean stop: ``chunks`` as :meth:`snapshot`
+        gave them (inserted in that order: the policy keeps it) and the extents
+        ``(offset, size)`` of leases carried over, allocated until given back
+        (:meth:`abort_store`, or the release of :meth:`held_chunk`).  Only on an
+        empty tier; ValueError when extents overlap or leave the pool."""
+        if self._index:
+            raise ValueError("only an empty memory tier can adopt a pool")
+        extents = [(offset, aligned(size)) for _, offset, size, _ in chunks]
+        self.allocator = ExtentAllocator.with_used(self.pool.size, extents + [(o, aligned(n)) for o, n in held])
+        for key, offset, size, pinned in chunks:
+            if key in self._index:
+                raise ValueError(f"chunk {key.digest.hex()} is listed twice")
+            entry = _Entry(key, offset, size, aligned(size))
+            self._index[key] = entry
+            self.evictable_bytes += entry.extent
+            self.policy.inserted(key, size, None)
+            self._account(entry, +1)
+            if pinned:
+                self.pin(key)
+        self.counters.adopted = len(chunks)
+
+    def held_chunk(self, offset: int, size: int) -> Chunk:
+        """A leased view of a held extent of a read lease whose chunk is gone
+        (deleted or evicted before the restart), freed when the lease ends."""
+        entry = _Entry(ChunkKey("", b""), offset, size, aligned(size), dead=True)
+        self.dying_bytes += entry.extent
+        return self._lease(entry)
+
     # -- introspection -------------------------------------------------------------
     @property
     def chunks(self) -> int:
@@ -418,4 +458,4 @@ class MemoryTier:
     async def close(self) -> None:
         self._index.clear()
         self.evictable_bytes = 0
-        self.pool.close()
+        self.pool.close(keep_segment=self.keep_segment)

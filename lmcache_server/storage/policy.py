@@ -13,6 +13,9 @@ A tier owns the bytes; a policy only orders keys.  Primitives:
 - ``victim(skip)``: the key to evict next, never one for which ``skip(key)``
   is true (chunks being read); None when nothing is evictable.  It only
   names the victim: the tier evicts it and then calls ``removed``.
+- ``order()``: every key it orders, next victim first (what a warm restart
+  keeps: inserting them again in this order gives back the same order,
+  frequencies aside).
 
 Every call is O(1) or O(log n) amortised, except ``victim`` which may pass
 over the (few) skipped keys.  Select one with ``cache_policy``:
@@ -49,6 +52,8 @@ class EvictionPolicy(Protocol):
 
     def victim(self, skip: Callable[[ChunkKey], bool]) -> ChunkKey | None: ...
 
+    def order(self) -> list[ChunkKey]: ...
+
 
 class LRUPolicy:
     """Least recently used: O(1) per operation, 1 dict entry per chunk."""
@@ -76,6 +81,9 @@ class LRUPolicy:
             if not skip(key):
                 return key
         return None
+
+    def order(self) -> list[ChunkKey]:
+        return list(self._order)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -231,6 +239,9 @@ class LFUDAPolicy:
         for item in skipped:
             heapq.heappush(heap, item)
         return found
+
+    def order(self) -> list[ChunkKey]:
+        return sorted(self._entries, key=lambda k: self._entries[k].rank)
 
     def holds(self, key: ChunkKey) -> bool:
         """Whether ``key`` is one of the chunks it orders."""

@@ -5,7 +5,10 @@ tmpfs, ``lmcache-pool-<pid>-<token>``, created owner-only (0600) and mapped
 shared, so that clients on this host can map it too (see server/shm.py and
 docs/protocol.md, "Shared memory").  The random token in the name is what a
 client proves it mapped the right segment with; the file is unlinked at close,
-and segments left by a daemon that died are removed at the next start.  Where
+and segments left by a daemon that died are removed at the next start.  A
+segment left on purpose at a clean stop, with its index (``<name>.warm``,
+storage/warmstart.py), is kept for the next daemon to *adopt*: it maps the same
+file again (same path, same token) instead of creating one.  Where
 the directory is missing, not tmpfs-backed or too small for the pool, the
 pool falls back to an anonymous private mapping (one log line; clients then
 use payload frames).
@@ -19,7 +22,8 @@ the whole mapping is page-locked with ``cudaHostRegister`` so engines can DMA
 from it; elsewhere the daemon logs one line and goes on unpinned.
 
 Primitives: :class:`MemoryPool` (``view``, ``address``, ``pinned``, ``shm_path``,
-``shm_token``, ``commit``, ``close``).
+``shm_token``, ``commit``, ``close``, ``release_lock``), :class:`Segment`,
+:func:`remove_stale_segments`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import mmap
 import os
 import re
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -45,7 +50,19 @@ class PinningError(RuntimeError):
 
 
 SEGMENT_PREFIX = "lmcache-pool-"
-_SEGMENT_RE = re.compile(r"^lmcache-pool-(\d+)-([0-9a-f]{32})$")
+SEGMENT_RE = re.compile(r"^lmcache-pool-(\d+)-([0-9a-f]{32})$")
+INDEX_SUFFIX = ".warm"
+"""A segment with a sibling ``<name>.warm`` was left on purpose by a clean stop."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """An existing pool segment to map again (a warm restart): its path, an open
+    descriptor holding its exclusive flock, and its token."""
+
+    path: Path
+    fd: int
+    token: str
 
 
 _MEMORY_FILESYSTEMS = ("tmpfs", "shm", "hugetlbfs")
@@ -85,8 +102,8 @@ def remove_stale_segments(shm_dir: Path) -> int:
     except OSError:
         return 0
     for name in names:
-        if _SEGMENT_RE.match(name) is None:
-            continue
+        if SEGMENT_RE.match(name) is None or os.path.exists(shm_dir / (name + INDEX_SUFFIX)):
+            continue  # not a segment, or one kept for a warm restart (warmstart.py judges those)
         path = shm_dir / name
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -115,13 +132,21 @@ class MemoryPool:
         pin_memory: str = "auto",
         shm_dir: str | os.PathLike[str] | None = None,
         shm_mode: int = 0o600,
+        adopt: Segment | None = None,
     ):
+        """A pool of ``size`` bytes: in a new segment in ``shm_dir`` (None: an
+        anonymous mapping), or, with ``adopt``, in that existing segment (its
+        bytes kept)."""
         self.size = size
         self.shm_path: Path | None = None
         self.shm_token = ""
         self._fd = -1
         self._committed = 0
-        shared = self._map_shared(Path(shm_dir), shm_mode) if shm_dir is not None else None
+        self._keep_fd = False
+        if adopt is not None:
+            shared: mmap.mmap | None = self._map_adopted(adopt, shm_mode)
+        else:
+            shared = self._map_shared(Path(shm_dir), shm_mode) if shm_dir is not None else None
         self._mmap = shared or mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             try:
@@ -192,6 +217,22 @@ class MemoryPool:
         logger.info("memory pool shared with local clients at %s (%s)", path, who)
         return mapping
 
+    def _map_adopted(self, segment: Segment, mode: int) -> mmap.mmap:
+        """Map an existing segment again (its pages are there: nothing to commit
+        below its size; posix_fallocate keeps existing bytes anyway)."""
+        try:
+            os.fchmod(segment.fd, mode)
+            mapping = mmap.mmap(segment.fd, self.size, flags=mmap.MAP_SHARED)
+        except OSError:
+            os.close(segment.fd)
+            segment.path.unlink(missing_ok=True)
+            raise
+        self._fd = segment.fd
+        self.shm_path = segment.path
+        self.shm_token = segment.token
+        logger.info("memory pool shared with local clients at %s (adopted)", segment.path)
+        return mapping
+
     @property
     def shared(self) -> bool:
         return self.shm_path is not None
@@ -240,15 +281,20 @@ class MemoryPool:
                 return f"cudaHostRegister returned error {rc}"
         return "no CUDA runtime found (libcudart or torch with CUDA)"
 
-    def close(self) -> None:
+    def close(self, keep_segment: bool = False) -> None:
+        """Unmap.  The segment file is unlinked, unless ``keep_segment`` (a warm
+        restart: its index was written beside it); then its lock is held until
+        :meth:`release_lock`, so that no other daemon adopts it while this
+        process may still write into it."""
         if self._unregister is not None:
             self._unregister()  # type: ignore[operator]
             self._unregister = None
-        if self.shm_path is not None:
+        if self.shm_path is not None and not keep_segment:
             # Clients keep their own mappings; the name goes now, the memory with the last one.
             self.shm_path.unlink(missing_ok=True)
-            self.shm_path = None
-        if self._fd >= 0:
+        self.shm_path = None
+        self._keep_fd = keep_segment and self._fd >= 0
+        if self._fd >= 0 and not self._keep_fd:
             os.close(self._fd)
             self._fd = -1
         try:
@@ -257,3 +303,11 @@ class MemoryPool:
         except BufferError:
             # A zero-copy send still references the pool; the mapping goes with the process.
             logger.debug("memory pool still referenced at close")
+
+    def release_lock(self) -> None:
+        """Let another daemon adopt a segment kept by ``close(keep_segment=True)``
+        (call it last, once no thread of this process can write into the pool)."""
+        if self._keep_fd and self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._keep_fd = False

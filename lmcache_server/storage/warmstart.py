@@ -1,0 +1,458 @@
+"""Warm restarts: the memory tier survives a clean stop of the daemon.
+
+At a clean stop (SIGTERM/SIGINT, after the drain and once every fill is in)
+the daemon writes ``<segment>.warm`` beside its pool segment in ``shm_dir``
+and leaves the segment in place (:meth:`WarmStart.save`).  The next daemon
+(:meth:`WarmStart.find`) adopts it when the index is intact and was written
+for the same daemon: the same ``listen`` addresses (its identity: two daemons
+sharing a directory never take each other's pool), the same pool size and
+the same boot.  Anything else is a cold start with one log line saying why,
+and the old segment and its index are removed.
+
+What the index holds, in msgpack under a magic, a format version and a
+BLAKE2b digest of the body:
+
+- every stored chunk: namespace, digest, offset, size, pinned; in the
+  eviction policy's order (next victim first), so the order survives.
+  Frequencies of ``lfuda``/``adaptive`` start again at one;
+- the shared-memory leases alive at the stop (server/shm.py): read leases
+  (the chunks a client may still be copying out of) and write slots (reserved,
+  never committed: a client may still be copying into them).  The next daemon
+  keeps a read lease's extents until its deadline (CLOCK_MONOTONIC is the
+  host's, so deadlines carry over) and holds every write slot in its
+  quarantine under the same lease id, until its writer's late
+  ``commit``/``release`` arrives (refused, the write is aborted), its process
+  is gone, or ``QUARANTINE_FACTOR`` lease timeouts passed: a writer that was
+  mid-copy when the old daemon stopped can never write into a reused slot.
+
+The index file is the clean marker.  It is written last (temp file + rename,
+while the segment's lock is held) and removed by the next daemon the moment it
+has locked the segment, before it serves anything; a daemon killed later
+leaves a segment without index, which the next start removes as stale (see
+pool.py).  So a crash (SIGKILL, OOM kill, power loss) is always a cold start of
+the memory tier: no bytes are adopted without the proof of a clean stop, and a
+put pays nothing for it (no checksum; docs/operations.md).
+
+Primitives: :class:`WarmStart` (``find``, ``save``), :class:`Adoption`
+(``restore``), :class:`HeldLease`, :class:`HeldSlot`, :func:`encode`,
+:func:`decode`, :class:`WarmIndexError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import logging
+import os
+import stat
+import struct
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from .allocator import ExtentAllocator, aligned
+from .base import Chunk, ChunkKey
+from .memory import MemoryTier, Reservation
+from .pool import INDEX_SUFFIX, SEGMENT_RE, MemoryPool, Segment
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MAGIC = b"LMCWARM\x00"
+_HEADER = struct.Struct("<8sIIQ32s")  # magic, version, reserved, body length, blake2b-256 of the body
+MAX_INDEX_BYTES = 1 << 30
+LOCK_WAIT_S = 5.0
+"""How long a new daemon waits for the old one to let go of the segment (it exits right after the index)."""
+TMP_SUFFIX = ".tmp"
+
+
+class WarmIndexError(ValueError):
+    """An index that cannot be adopted; the message says why (logged once)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeldSlot:
+    """One extent of a lease carried over a restart (``key``: a write slot's chunk)."""
+
+    offset: int
+    size: int
+    key: ChunkKey | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeldLease:
+    """A shared-memory lease alive at a clean stop.
+
+    ``deadline``: a read lease's expiry, or when a write slot's quarantine
+    clock starts (server/shm.py); ``owner``: a write lease's owner field."""
+
+    lease: int
+    write: bool
+    deadline: float
+    owner: dict[str, int] | None
+    slots: tuple[HeldSlot, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmIndex:
+    segment: str
+    pool_size: int
+    identity: tuple[str, ...]
+    boot_id: str
+    written_at: float
+    chunks: list[tuple[ChunkKey, int, int, bool]]
+    leases: list[HeldLease]
+
+
+def boot_id() -> str:
+    """This boot of the host (a monotonic deadline means nothing across a reboot)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+# -- the file format ---------------------------------------------------------------
+def encode(index: WarmIndex) -> bytes:
+    """The index file's bytes: header (magic, version, length, digest), then the msgpack body."""
+    body: bytes = msgpack.packb(
+        {
+            "segment": index.segment,
+            "pool_size": index.pool_size,
+            "identity": list(index.identity),
+            "boot_id": index.boot_id,
+            "written_at": index.written_at,
+            "chunks": [[k.namespace, k.digest, off, size, pinned] for k, off, size, pinned in index.chunks],
+            "leases": [
+                [
+                    h.lease,
+                    h.write,
+                    h.deadline,
+                    h.owner,
+                    [
+                        [s.offset, s.size, *((s.key.namespace, s.key.digest) if s.key else (None, None))]
+                        for s in h.slots
+                    ],
+                ]
+                for h in index.leases
+            ],
+        },
+        use_bin_type=True,
+    )
+    digest = hashlib.blake2b(body, digest_size=32).digest()
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body), digest) + body
+
+
+def decode(raw: bytes) -> WarmIndex:
+    """The index in ``raw``; WarmIndexError saying what is wrong with it."""
+    if len(raw) < _HEADER.size:
+        raise WarmIndexError(f"index truncated ({len(raw)} bytes)")
+    magic, version, _, length, digest = _HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise WarmIndexError("not an index file (bad magic)")
+    if version != FORMAT_VERSION:
+        raise WarmIndexError(f"index format version {version}, this daemon reads version {FORMAT_VERSION}")
+    body = raw[_HEADER.size :]
+    if len(body) != length:
+        raise WarmIndexError(f"index truncated ({len(body)} of {length} body bytes)")
+    if hashlib.blake2b(body, digest_size=32).digest() != digest:
+        raise WarmIndexError("index checksum mismatch (corrupt)")
+    try:
+        m = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        chunks = [(ChunkKey(_str(ns), _bytes(d)), _uint(o), _uint(n, 1), _bool(p)) for ns, d, o, n, p in m["chunks"]]
+        leases = [
+            HeldLease(
+                _uint(lease, 1),
+                _bool(write),
+                float(deadline),
+                {str(k): int(v) for k, v in owner.items()} if owner is not None else None,
+                tuple(
+                    HeldSlot(_uint(o), _uint(n, 1), ChunkKey(_str(ns), _bytes(d)) if d is not None else None)
+                    for o, n, ns, d in slots
+                ),
+            )
+            for lease, write, deadline, owner, slots in m["leases"]
+        ]
+        return WarmIndex(
+            _str(m["segment"]),
+            _uint(m["pool_size"], 1),
+            tuple(_str(x) for x in m["identity"]),
+            _str(m["boot_id"]),
+            float(m["written_at"]),
+            chunks,
+            leases,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as err:
+        raise WarmIndexError(f"malformed index ({type(err).__name__}: {err})") from err
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _bytes(v: Any) -> bytes:
+    if not isinstance(v, bytes):
+        raise TypeError(f"expected bytes, got {type(v).__name__}")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"expected a boolean, got {type(v).__name__}")
+    return v
+
+
+def _uint(v: Any, least: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < least:
+        raise ValueError(f"expected an integer >= {least}, got {v!r}")
+    return v
+
+
+# -- adopting ----------------------------------------------------------------------
+@dataclasses.dataclass
+class Adoption:
+    """A segment locked for this daemon and the index it was left with."""
+
+    segment: Segment
+    index: WarmIndex
+
+    def restore(
+        self, memory: MemoryTier, now: float | None = None
+    ) -> tuple[list[tuple[int, float, list[Chunk]]], list[tuple[int, float, dict[str, int] | None, list[Reservation]]]]:
+        """Fill the (new, empty) ``memory`` tier from the index; returns the leases
+        for server/shm.py to take over: read leases still alive ``(lease,
+        deadline, chunks)`` and write slots ``(lease, since, owner, reservations)``."""
+        now = time.monotonic() if now is None else now
+        reads, writes, held = _leases_kept(self.index, now)
+        memory.adopt(self.index.chunks, held)
+        at = {offset: (key, size) for key, offset, size, _ in self.index.chunks}
+        read_grants = []
+        for lease in reads:
+            chunks = []
+            for s in lease.slots:
+                live = at.get(s.offset)
+                found = memory.lease(live[0]) if live is not None and live[1] == s.size else None
+                chunks.append(found if found is not None else memory.held_chunk(s.offset, s.size))
+            read_grants.append((lease.lease, lease.deadline, chunks))
+        view = memory.pool.view
+        write_grants = [
+            (
+                lease.lease,
+                lease.deadline,
+                lease.owner,
+                [
+                    Reservation(s.key or ChunkKey("", b""), s.offset, s.size, None, view[s.offset : s.offset + s.size])
+                    for s in lease.slots
+                ],
+            )
+            for lease in writes
+        ]
+        return read_grants, write_grants
+
+
+def _leases_kept(index: WarmIndex, now: float) -> tuple[list[HeldLease], list[HeldLease], list[tuple[int, int]]]:
+    """Read leases still alive, every write lease, and the extents they hold that
+    no stored chunk covers (those the adopted allocator must keep allocated)."""
+    at = {offset: size for _, offset, size, _ in index.chunks}
+    reads = [h for h in index.leases if not h.write and h.deadline > now]
+    writes = [h for h in index.leases if h.write]
+    held: dict[int, int] = {}
+    for lease in reads + writes:
+        for s in lease.slots:
+            if lease.write or at.get(s.offset) != s.size:
+                if held.get(s.offset, s.size) != s.size:
+                    raise WarmIndexError(f"two leases hold different extents at offset {s.offset}")
+                held[s.offset] = s.size
+    return reads, writes, sorted(held.items())
+
+
+def check(index: WarmIndex, pool_size: int) -> None:
+    """Raise WarmIndexError unless every extent is page-aligned, inside the pool,
+    overlapping no other, and no key is listed twice."""
+    keys = {key for key, _, _, _ in index.chunks}
+    if len(keys) != len(index.chunks):
+        raise WarmIndexError("a chunk is listed twice")
+    _, _, held = _leases_kept(index, float("-inf"))
+    extents = [(o, aligned(n)) for _, o, n, _ in index.chunks] + [(o, aligned(n)) for o, n in held]
+    try:
+        ExtentAllocator.with_used(pool_size, extents)
+    except ValueError as err:
+        raise WarmIndexError(f"inconsistent extents: {err}") from None
+
+
+class WarmStart:
+    """Finds and adopts, or writes, the warm-restart index of one daemon."""
+
+    def __init__(self, shm_dir: str | os.PathLike[str], identity: Sequence[str], pool_size: int):
+        self.shm_dir = Path(shm_dir)
+        self.identity = tuple(sorted(identity))
+        self.pool_size = pool_size
+
+    def find(self) -> Adoption | None:
+        """The segment left by this daemon's last clean stop, locked and with its
+        index removed (the marker is gone: a crash from now on is a cold start);
+        None for a cold start (one log line says why)."""
+        try:
+            names = sorted(os.listdir(self.shm_dir))
+        except OSError:
+            return None
+        found: list[tuple[float, str, WarmIndex]] = []
+        for name in names:
+            segment = name.removesuffix(INDEX_SUFFIX + TMP_SUFFIX).removesuffix(INDEX_SUFFIX)
+            if segment == name or SEGMENT_RE.match(segment) is None:
+                continue
+            if name.endswith(TMP_SUFFIX):
+                if not _locked(self.shm_dir / segment):  # a stop killed mid-write
+                    (self.shm_dir / name).unlink(missing_ok=True)
+                continue
+            try:
+                index = _read(self.shm_dir / name)
+            except WarmIndexError as err:
+                self._refuse(segment, str(err))
+                continue
+            if index.identity != self.identity:
+                logger.info(
+                    "kept %s: left by a clean stop of the daemon listening on %s", segment, ", ".join(index.identity)
+                )
+                continue
+            found.append((index.written_at, segment, index))
+        if not found:
+            return None
+        found.sort(reverse=True)
+        for _, segment, _ in found[1:]:
+            self._refuse(segment, "a newer clean segment of this daemon exists")
+        _, segment, index = found[0]
+        try:
+            return self._adopt(segment, index)
+        except WarmIndexError as err:
+            self._refuse(segment, str(err))
+            return None
+
+    def _adopt(self, name: str, index: WarmIndex) -> Adoption:
+        if index.segment != name:
+            raise WarmIndexError(f"the index names segment {index.segment}")
+        if index.pool_size != self.pool_size:
+            raise WarmIndexError(
+                f"pool size changed ({index.pool_size >> 20} MiB in the index, {self.pool_size >> 20} MiB configured)"
+            )
+        if index.boot_id != boot_id():
+            raise WarmIndexError("the host rebooted since the index was written")
+        check(index, self.pool_size)
+        path = self.shm_dir / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as err:
+            raise WarmIndexError(f"cannot open its segment ({err})") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise WarmIndexError("its segment is not a regular file of this user")
+            if info.st_size != self.pool_size:
+                raise WarmIndexError(f"its segment is {info.st_size} bytes, not {self.pool_size}")
+            _lock(fd, LOCK_WAIT_S)
+            # The marker goes before anything is served: a crash from here on is a cold start.
+            (self.shm_dir / (name + INDEX_SUFFIX)).unlink()
+        except BaseException:
+            os.close(fd)
+            raise
+        chunks = len(index.chunks)
+        logger.info(
+            "warm restart: adopted %s with %d chunks (%d MiB) and %d lease(s) left by the clean stop %.1fs ago",
+            name,
+            chunks,
+            sum(n for _, _, n, _ in index.chunks) >> 20,
+            len(index.leases),
+            max(0.0, time.time() - index.written_at),
+        )
+        return Adoption(Segment(path, fd, SEGMENT_RE.match(name).group(2)), index)  # type: ignore[union-attr]
+
+    def _refuse(self, name: str, reason: str) -> None:
+        """Cold start: one log line, and the segment and its index removed (the
+        segment only when no daemon holds it)."""
+        path = self.shm_dir / name
+        (self.shm_dir / (name + INDEX_SUFFIX)).unlink(missing_ok=True)
+        if not path.exists():
+            fate = f"its pool segment {name} is gone"
+        elif _locked(path, remove=True):
+            fate = f"the old pool segment {name} is in use by a running daemon, left alone"
+        else:
+            fate = f"removed the old pool segment {name}"
+        logger.warning("warm restart refused, the memory tier starts cold: %s; %s", reason, fate)
+
+    def save(self, pool: MemoryPool, memory: MemoryTier, leases: list[HeldLease]) -> bool:
+        """Write the index of ``memory`` beside its segment (call it once nothing
+        writes into the pool any more, before the pool is closed); False
+        (logged) where it could not be written: the segment is then removed."""
+        if pool.shm_path is None:
+            return False
+        path = pool.shm_path.with_name(pool.shm_path.name + INDEX_SUFFIX)
+        tmp = path.with_name(path.name + TMP_SUFFIX)
+        chunks = memory.snapshot()
+        index = WarmIndex(pool.shm_path.name, pool.size, self.identity, boot_id(), time.time(), chunks, leases)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(encode(index))
+            os.rename(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            logger.warning("cannot write the warm-restart index %s (%s): the next start is cold", path, err)
+            return False
+        logger.info(
+            "kept the memory pool for a warm restart: %d chunks (%d MiB), %d lease(s); index %s",
+            len(chunks),
+            sum(n for _, _, n, _ in chunks) >> 20,
+            len(leases),
+            path,
+        )
+        return True
+
+
+def _read(path: Path) -> WarmIndex:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as err:
+        raise WarmIndexError(f"cannot open the index ({err})") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise WarmIndexError("the index is not a regular file of this user")
+        if info.st_size > MAX_INDEX_BYTES:
+            raise WarmIndexError(f"the index is {info.st_size} bytes, more than {MAX_INDEX_BYTES}")
+        return decode(f.read())
+
+
+def _lock(fd: int, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise WarmIndexError(f"its segment is still locked by a running daemon after {wait_s:.0f}s") from None
+            time.sleep(0.02)
+
+
+def _locked(path: Path, remove: bool = False) -> bool:
+    """Whether a live daemon holds ``path``'s lock; with ``remove``, unlink it if none does."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        if remove:
+            path.unlink(missing_ok=True)
+        return False
+    finally:
+        os.close(fd)
