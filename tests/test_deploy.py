@@ -236,6 +236,24 @@ def test_compose_wiring() -> None:
                 assert (REPO / source).exists(), volume
 
 
+def test_pd_compose_file_is_valid_and_runs_the_documented_roles() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "HF_TOKEN")}
+    out = run(*compose_command(), "-f", "deploy/compose.pd.yml", "config", "-q", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stderr.strip() == "", out.stderr
+    services = yaml.safe_load((DEPLOY / "compose.pd.yml").read_text())["services"]
+    assert set(services) == {"lmcache-server", "vllm-prefill", "vllm-decode"}
+    doc = (REPO / "docs" / "integrations.md").read_text()
+    roles = {}
+    for name in ("vllm-prefill", "vllm-decode"):
+        command = services[name]["command"]
+        flags = command[command.index("--kv-transfer-config") + 1]
+        assert flags in doc  # the flags of the documented commands, which tests/test_vllm_pd.py runs
+        roles[name] = json.loads(flags)["kv_role"]
+        assert services[name]["environment"]["LMCACHE_SERVER_ADDRESS"] == "tcp://lmcache-server:65432"
+    assert roles == {"vllm-prefill": "kv_producer", "vllm-decode": "kv_consumer"}
+
+
 def test_container_config_is_valid_with_compose_environment() -> None:
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     env = {

@@ -30,13 +30,14 @@ CONNECTOR = {
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def doc_command() -> str:
-    """The replica command block of docs/integrations.md (run verbatim by the tests and bench_vllm)."""
+def doc_command(block: str = "vllm-replica-command") -> str:
+    """A command block of docs/integrations.md (run verbatim by the tests and benchmarks):
+    the replica's (default), ``vllm-pd-producer-command`` or ``vllm-pd-consumer-command``."""
     import re
 
     text = (ROOT / "docs" / "integrations.md").read_text()
-    match = re.search(r"<!-- vllm-replica-command.*?-->\s*```sh\n(.*?)```", text, flags=re.S)
-    assert match, "docs/integrations.md lost its replica command block"
+    match = re.search(rf"<!-- {re.escape(block)}.*?-->\s*```sh\n(.*?)```", text, flags=re.S)
+    assert match, f"docs/integrations.md lost its {block} block"
     return match.group(1)
 
 
@@ -160,6 +161,29 @@ class Server:
                 name = line.split("{", 1)[0].split(" ", 1)[0]
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
+
+    def vllm_metric(self, name: str, **labels: str) -> float:
+        """One of vLLM's own counters on ``/metrics`` (e.g. ``vllm:prompt_tokens_by_source_total``),
+        summed over the lines whose labels include ``labels``."""
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            if all(f'{key}="{value}"' in line for key, value in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group (engine core included)."""
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
 
     def stop(self) -> None:
         import signal

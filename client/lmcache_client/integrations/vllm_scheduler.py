@@ -103,8 +103,9 @@ class SchedulerSide:
     ``transfers`` has one entry per tensor-parallel rank (the rank's namespace);
     saves and loads are the workers' business, the scheduler only looks up."""
 
-    POLL_S = 0.005
-    """While a request waits for a producer, the daemon is asked at most this often."""
+    POLL_S = 0.01
+    """While a request waits for a producer, the daemon is asked at most this often;
+    and when the engine has nothing else to run, each ask sleeps this long first."""
 
     def __init__(
         self,
@@ -127,6 +128,8 @@ class SchedulerSide:
         self._loads: dict[str, tuple[int, int]] = {}
         self._trackers: dict[str, _Tracker] = {}
         self._waiting: dict[str, _Wait] = {}
+        self._idle = False
+        """The last step scheduled nothing (so a wait may sleep: no decode is held up)."""
         self.stats = {
             "lookups": 0,
             "lookup_hit_tokens": 0,
@@ -211,7 +214,12 @@ class SchedulerSide:
         wait_s = self._wait_s(request)
         now = time.monotonic()
         waiting = self._waiting.get(req_id)
-        if waiting is not None and now - waiting.last < self.POLL_S:
+        if waiting is not None and self._idle:
+            # vLLM's engine loop spins while a request is deferred; with nothing else to
+            # run it would take whole cores from the producer it is waiting for.
+            time.sleep(self.POLL_S)
+            now = time.monotonic()
+        elif waiting is not None and now - waiting.last < self.POLL_S:
             return None
         started = time.perf_counter()
         tiers = self.lookup(keys)
@@ -250,6 +258,7 @@ class SchedulerSide:
     # -- build_connector_meta -------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> LMCacheServerConnectorMetadata:
         meta = LMCacheServerConnectorMetadata()
+        self._idle = not scheduler_output.num_scheduled_tokens
         for req_id in scheduler_output.finished_req_ids:
             self.forget(req_id)
         for new in scheduler_output.scheduled_new_reqs:
