@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from prometheus_client import CollectorRegistry
 
 from lmcache_client.memtune import tune_malloc
 
-from .config import ServerConfig, disk_path
-from .metrics import ServerMetrics, ShmCollector, StoreCollector, TaskFailureCollector
+from .config import ConfigError, ServerConfig, disk_path
+from .events import Announcer, EventPublisher, EventSettings
+from .metrics import EventsCollector, ServerMetrics, ShmCollector, StoreCollector, TaskFailureCollector
 from .security import Security
 from .server.admission import ByteBudget
 from .server.handlers import Handlers
@@ -112,6 +114,10 @@ class App:
         self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))
         self.registry.register(TaskFailureCollector(supervisor.failures))
         context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
+        events = _events(c, context)
+        if events is not None:
+            store.events = events
+            self.registry.register(EventsCollector(events.stats))
         shm = ShmLeases(store, pool, c.shm_lease_timeout_s)
         if warm_leases is not None:
             shm.take_over(*warm_leases)
@@ -122,10 +128,14 @@ class App:
         http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready)
         monitor = ConnectionMonitor(metrics)
         summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
+        replay: asyncio.Task[None] | None = None
         stopped = False  # a clean stop: signalled and drained (only then is the pool kept)
         try:
             security.start(context, metrics)  # the ZAP handler exists before any handshake
             server.bind()
+            if events is not None:
+                _bind_events(events.publisher)
+                replay = supervisor.spawn("events_replay", events.publisher.serve_replay)
             monitor.start(server.sock)
             if c.metrics_port:
                 await http.start()
@@ -169,6 +179,10 @@ class App:
                 shm.close()
             await http.close()
             await store.close()
+            if events is not None:
+                if replay is not None:
+                    replay.cancel()
+                events.publisher.close()  # after the store: its last removals are sent too
             await supervisor.close()
             offload.close()
             context.term()
@@ -186,3 +200,28 @@ def _pool(c: ServerConfig, adoption: Adoption | None) -> tuple[MemoryPool, Adopt
         except OSError as err:
             logger.warning("warm restart refused, the memory tier starts cold: cannot map the old segment (%s)", err)
     return MemoryPool(c.max_local_cpu_size, c.pin_memory, c.shm_dir if c.shared_memory else None, mode), None
+
+
+def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:
+    """The KV-event announcer and its publisher (docs/events.md), None when events are off."""
+    if c.events_endpoint is None:
+        return None
+    publisher = EventPublisher(
+        context,
+        c.events_endpoint,
+        c.events_replay_endpoint,
+        hwm=c.events_hwm,
+        replay_bytes=c.events_replay_size,
+        batch_max_events=c.events_batch_max_events,
+        batch_interval_s=c.events_batch_interval_s,
+    )
+    settings = EventSettings(c.events_topic, c.events_node or socket.gethostname(), c.events_block_size)
+    return Announcer(publisher, settings)
+
+
+def _bind_events(publisher: EventPublisher) -> None:
+    try:
+        publisher.bind()
+    except zmq.ZMQError as err:
+        key = "events_endpoint" if publisher.replay_endpoint is None else "events_endpoint/events_replay_endpoint"
+        raise ConfigError(key, publisher.endpoint, f"an endpoint this host can bind ({err})") from None

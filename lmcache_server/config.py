@@ -179,6 +179,23 @@ def _listen(value: Any) -> tuple[str, ...]:
     return tuple(parse_listen_address(str(item).strip()) for item in items)
 
 
+def _events_endpoint(value: Any) -> str:
+    """A ZeroMQ endpoint to bind: ``tcp://HOST:PORT`` (HOST may be ``*``) or ``ipc:///path``."""
+    if not isinstance(value, str):
+        raise ValueError
+    return parse_listen_address(value)
+
+
+def _topic(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError
+    try:
+        value.format(model="m", namespace="n", node="h")
+    except (KeyError, IndexError, ValueError):
+        raise ValueError from None
+    return value
+
+
 def _str(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError
@@ -454,6 +471,52 @@ class ServerConfig:
         'a map of tenant name to {memory: SIZE, disk: SIZE}, e.g. {acme: {memory: "8GiB", disk: "100GiB"}}',
         "Per-tenant byte caps in the memory and disk tiers; a tenant over its cap evicts its own chunks.",
     )
+    # -- KV events for KV-aware routers (docs/events.md) ------------------------------
+    events_endpoint: str | None = _field(
+        None,
+        _optional(_events_endpoint),
+        "a tcp://HOST:PORT (HOST may be *) or ipc:///PATH endpoint",
+        "Where the daemon publishes KV events in vLLM's format (ZeroMQ PUB); unset: no events.",
+    )
+    events_replay_endpoint: str | None = _field(
+        None,
+        _optional(_events_endpoint),
+        "a tcp://HOST:PORT (HOST may be *) or ipc:///PATH endpoint",
+        "ZeroMQ ROUTER answering replay requests for past event batches (vLLM's protocol); unset: no replay.",
+    )
+    events_topic: str = _field(
+        "kv@{node}@{model}",
+        _topic,
+        "a string; placeholders {model}, {namespace} and {node} only",
+        "Topic of each event batch, per namespace: {model} is its model id, {node} is events_node.",
+    )
+    events_node: str = _field(
+        "", _str, "a string (empty: the host name)", "The node name in events_topic (e.g. the pod name for llm-d)."
+    )
+    events_block_size: int = _field(
+        16,
+        _int(1, 1 << 20),
+        "an integer number of tokens that divides chunk_size",
+        "Tokens per announced block: set it to the engine's (and router's) block size.",
+    )
+    events_replay_size: int = _field(
+        64 * 1024**2,
+        _size(1 << 20),
+        'a size of at least 1 MiB, e.g. "64MiB"',
+        "Bytes of event batches kept for replay (the oldest fall out).",
+    )
+    events_hwm: int = _field(
+        1000,
+        _int(1, 1 << 24),
+        "an integer 1..16777216",
+        "Batches queued per subscriber; a slower subscriber loses batches (and may replay them).",
+    )
+    events_batch_max_events: int = _field(
+        256, _int(1, 1 << 20), "an integer 1..1048576", "Events in one batch at most; a full batch is sent at once."
+    )
+    events_batch_interval_s: float = _field(
+        0.05, _float(0.0, 60.0), "seconds, 0..60", "How long an event waits for others to share its batch."
+    )
     log_level: str = _field(
         "INFO", _choice("debug", "info", "warning", "error"), "DEBUG, INFO, WARNING or ERROR", "Log verbosity."
     )
@@ -486,6 +549,14 @@ class ServerConfig:
             for key in ("max_key_inflight_requests", "max_key_inflight_bytes"):
                 if getattr(self, key):
                     raise ConfigError(key, getattr(self, key), "0 unless auth is curve (a client key names the client)")
+        if self.chunk_size % self.events_block_size:
+            raise ConfigError(
+                "events_block_size", self.events_block_size, f"a divisor of chunk_size ({self.chunk_size})"
+            )
+        if self.events_replay_endpoint is not None and self.events_endpoint is None:
+            raise ConfigError(
+                "events_replay_endpoint", self.events_replay_endpoint, "unset unless events_endpoint is set"
+            )
         object.__setattr__(self, "log_level", self.log_level.upper())
 
     def quotas(self, tier: str) -> dict[str, int]:

@@ -278,3 +278,32 @@ class TaskFailureCollector(Collector):
         for task, count in sorted(self.failures.items()):
             metric.add_metric([task], float(count))
         yield metric
+
+
+class EventsCollector(Collector):
+    """Exports the KV-event publisher's counters (lmcache_server/events/) at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats()
+        families = [
+            ("lmcache_events_published", "KV events sent on the events endpoint.", "events"),
+            ("lmcache_event_batches_published", "KV event batches sent (one sequence number each).", "batches"),
+            ("lmcache_event_batches_dropped",
+             "KV event batches ZeroMQ refused to send (kept for replay); a slow subscriber's own "
+             "losses past its high-water mark are silent in ZeroMQ and seen by it as sequence gaps.",
+             "dropped_batches"),
+            ("lmcache_event_replays", "Replay requests answered.", "replays"),
+            ("lmcache_event_chunks_announced", "Chunks announced as BlockStored.", "announced_chunks"),
+            ("lmcache_event_chunks_removed", "Announced chunks that left the node (BlockRemoved).", "removed_chunks"),
+            ("lmcache_event_chunks_skipped",
+             "Puts with token ids that were not a whole number of event blocks (not announced).", "skipped_chunks"),
+            ("lmcache_event_errors", "Unexpected failures while building events (logged).", "errors"),
+        ]  # fmt: skip
+        for name, doc, field in families:
+            yield CounterMetricFamily(name, doc, value=float(s[field]))
+        yield GaugeMetricFamily(
+            "lmcache_event_announced_blocks", "Blocks announced and not removed.", value=float(s["announced_blocks"])
+        )

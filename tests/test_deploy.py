@@ -354,3 +354,24 @@ def test_deploy_doc_covers_the_stack() -> None:
     alerts = {r["alert"] for g in rule_groups() for r in g["rules"] if "alert" in r}
     for alert in alerts:
         assert f"`{alert}`" in ops, alert
+
+
+def test_events_compose_file_is_valid_and_turns_events_on() -> None:
+    """deploy/compose.events.yml (docs/events.md): a valid override whose environment
+    gives the container config an events endpoint the tap subscribes to."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MODEL", "HF_TOKEN", "LMCACHE_"))}
+    files = ["-f", "docker-compose.yml", "-f", "deploy/compose.events.yml"]
+    out = run(*compose_command(), *files, "config", "-q", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    base = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["lmcache-server"]["environment"]
+    override = yaml.safe_load((DEPLOY / "compose.events.yml").read_text())["services"]
+    merged = {**base, **override["lmcache-server"]["environment"]}
+    environ = {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in merged.items()}
+    config: ServerConfig = load_config(str(DEPLOY / "server.docker.yaml"), environ=environ)
+    assert config.events_endpoint == "tcp://0.0.0.0:5557"
+    assert config.events_replay_endpoint == "tcp://0.0.0.0:5558"
+    assert config.events_block_size == 16 and config.allow_insecure
+    assert config.events_topic == "kv@{node}@{model}"
+    tap = override["kv-events-tap"]["command"][0]
+    assert "tcp://lmcache-server:5557" in tap and "tcp://lmcache-server:5558" in tap
+    assert {"5557", "5558"} <= set(override["lmcache-server"]["expose"])

@@ -282,14 +282,20 @@ class AsyncCacheClient:
         return await self._run(calls.ping(), timeout_s)
 
     async def put(
-        self, keys: Sequence[bytes], payloads: Sequence[Any], *, namespace: Namespace | str | None = None
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[Any],
+        *,
+        namespace: Namespace | str | None = None,
+        tokens: calls.TokensArg = None,
     ) -> list[PutStatus | int]:
+        """As :meth:`CacheClient.put <lmcache_client.client.CacheClient.put>` (``tokens`` included)."""
         ns = self._ns(namespace)
-        call = calls.put(ns, keys, payloads)
+        call = calls.put(ns, keys, payloads, tokens)
         if sum(memoryview(p).nbytes for p in payloads) < shm.PUT_MIN_BYTES:
             return await self._run(call)
         return await self._over_shm(
-            lambda pool: shm.put_flow(pool, ns, keys, payloads),
+            lambda pool: shm.put_flow(pool, ns, keys, payloads, tokens),
             lambda: self._run(call),
             lambda: [PutStatus.FAILED] * len(keys),
         )

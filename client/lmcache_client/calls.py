@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from .errors import ServerError
+from .keys import ChunkTokens
 from .protocol import ErrorCode, Op, PutStatus, Reply
 
 T = TypeVar("T")
@@ -73,7 +74,21 @@ def _put_status(value: int) -> PutStatus | int:
         return value
 
 
-def put(namespace: str, keys: Sequence[bytes], payloads: Sequence[Any]) -> Call[list[PutStatus | int]]:
+TokensArg = Sequence[ChunkTokens | None] | None
+"""A put's optional token ids: one :class:`ChunkTokens` (or None) per key (docs/events.md)."""
+
+
+def _tokens_field(keys: Sequence[bytes], tokens: TokensArg) -> dict[str, Any]:
+    if tokens is None:
+        return {}
+    if len(tokens) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(tokens)} token entries")
+    return {"tokens": [None if t is None else [t.parent, t.packed] for t in tokens]}
+
+
+def put(
+    namespace: str, keys: Sequence[bytes], payloads: Sequence[Any], tokens: TokensArg = None
+) -> Call[list[PutStatus | int]]:
     if len(keys) != len(payloads):
         raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
     n = len(keys)
@@ -83,6 +98,7 @@ def put(namespace: str, keys: Sequence[bytes], payloads: Sequence[Any]) -> Call[
         namespace,
         keys,
         payloads,
+        fields=_tokens_field(keys, tokens),
         miss=lambda: [PutStatus.FAILED] * n,
     )
 
@@ -189,7 +205,12 @@ def get_shm(namespace: str, keys: Sequence[bytes], segment: str) -> Call[ShmGran
 
 
 def alloc(
-    namespace: str, keys: Sequence[bytes], sizes: Sequence[int], segment: str, owner: dict[str, int] | None = None
+    namespace: str,
+    keys: Sequence[bytes],
+    sizes: Sequence[int],
+    segment: str,
+    owner: dict[str, int] | None = None,
+    tokens: TokensArg = None,
 ) -> Call[ShmGrant]:
     """Reserve pool slots under a write lease; ``owner`` names this process so the daemon
     can tell when a writer whose lease expired can no longer write (shm.owner())."""
@@ -200,7 +221,7 @@ def alloc(
         status = [_put_status(s) for s in _field(reply, "status")]
         return dataclasses.replace(grant, status=status)
 
-    fields: dict[str, Any] = {"sizes": list(sizes), "shm": segment}
+    fields: dict[str, Any] = {"sizes": list(sizes), "shm": segment, **_tokens_field(keys, tokens)}
     if owner is not None:
         fields["owner"] = owner
     return Call(Op.ALLOC, parse, namespace, keys, fields=fields)

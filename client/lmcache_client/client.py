@@ -360,18 +360,25 @@ class CacheClient:
         return self._run(calls.ping(), timeout_s)
 
     def put(
-        self, keys: Sequence[bytes], payloads: Sequence[Any], *, namespace: Namespace | str | None = None
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[Any],
+        *,
+        namespace: Namespace | str | None = None,
+        tokens: calls.TokensArg = None,
     ) -> list[PutStatus | int]:
         """Store one payload per key; a PutStatus per key (a bare int for a status
         this client does not know).  Do not modify the payload buffers until it returns.
+        ``tokens``: each chunk's token ids (keys.chunk_tokens), for a daemon that
+        publishes KV events (its hello offers ``events``; docs/events.md).
 
         On the daemon's host, large puts are copied straight into its pool."""
         ns = self._ns(namespace)
-        call = calls.put(ns, keys, payloads)
+        call = calls.put(ns, keys, payloads, tokens)
         if sum(memoryview(p).nbytes for p in payloads) < shm.PUT_MIN_BYTES:
             return self._run(call)
         return self._over_shm(
-            lambda pool: shm.put_flow(pool, ns, keys, payloads),
+            lambda pool: shm.put_flow(pool, ns, keys, payloads, tokens),
             lambda: self._run(call),
             lambda: [PutStatus.FAILED] * len(keys),
         )
@@ -447,12 +454,14 @@ class CacheClient:
         fill: shm.FillFn,
         *,
         namespace: Namespace | str | None = None,
+        tokens: calls.TokensArg = None,
     ) -> list[PutStatus | int]:
         """Store ``len(keys)`` payloads that ``fill(i, view)`` writes into ``view``
         (writable, ``sizes[i]`` bytes): over shared memory straight into the
         daemon's pool slot (one copy in all, the caller's), else into a buffer
         then sent.  ``fill`` is not called for keys that need no bytes (already
-        stored, no room); an exception from it stores none of the batch."""
+        stored, no room); an exception from it stores none of the batch.
+        ``tokens`` as for :meth:`put`."""
         ns = self._ns(namespace)
         if len(sizes) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
@@ -461,10 +470,10 @@ class CacheClient:
             bufs = [bytearray(n) for n in sizes]
             for i, buf in enumerate(bufs):
                 fill(i, memoryview(buf))
-            return self._run(calls.put(ns, keys, bufs))
+            return self._run(calls.put(ns, keys, bufs, tokens))
 
         return self._over_shm(
-            lambda pool: shm.fill_flow(pool, ns, keys, sizes, fill),
+            lambda pool: shm.fill_flow(pool, ns, keys, sizes, fill, tokens),
             frames,
             lambda: [PutStatus.FAILED] * len(keys),
         )

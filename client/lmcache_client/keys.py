@@ -26,8 +26,10 @@ per-request cache salt) starts its chain from another root:
 (:func:`salted_root`), so it shares chunks only with requests of the same parts.
 
 Primitives: :func:`chunk_keys` (tokens -> keys), :func:`chain_key` (one step),
-:func:`tail_key` (a prompt's partial last chunk), :func:`salted_root`, and
-:class:`ChunkHasher`, which remembers the chunk size.
+:func:`tail_key` (a prompt's partial last chunk), :func:`salted_root`,
+:class:`ChunkHasher`, which remembers the chunk size, and :class:`ChunkTokens`
+with :func:`chunk_tokens`: what a put may say about each chunk's tokens (the
+daemon announces them to KV-aware routers, docs/events.md).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from .protocol.codes import KEY_BYTES
 
@@ -50,6 +53,20 @@ def _pack_tokens(tokens: Sequence[int]) -> bytes:
     except struct.error:
         bad = next(t for t in tokens if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN_ID))
         raise ValueError(f"token id {bad!r} is not an unsigned 32-bit integer") from None
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as the keys hash them: unsigned 32-bit little-endian."""
+    return _pack_tokens(tokens)
+
+
+class ChunkTokens(NamedTuple):
+    """A chunk's token ids for a put's ``tokens`` field: ``key == chain_key(parent, ids)``."""
+
+    parent: bytes
+    """The key of the chunk before it (the chain root for the first chunk)."""
+    packed: bytes
+    """The token ids, packed by :func:`pack_tokens`."""
 
 
 def chain_key(prev: bytes, chunk_tokens: Sequence[int]) -> bytes:
@@ -96,6 +113,16 @@ def chunk_keys(tokens: Sequence[int] | Iterable[int], chunk_size: int, root: byt
         prev = chain_key(prev, seq[start : start + chunk_size])
         keys.append(prev)
     return keys
+
+
+def chunk_tokens(tokens: Sequence[int] | Iterable[int], chunk_size: int, root: bytes = ROOT_KEY) -> list[ChunkTokens]:
+    """The :class:`ChunkTokens` of every full chunk of ``tokens`` (in the order of
+    :func:`chunk_keys` with the same arguments)."""
+    seq: Sequence[int] = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+    keys = chunk_keys(seq, chunk_size, root)
+    parents = [root, *keys[:-1]]
+    n = chunk_size
+    return [ChunkTokens(parent, _pack_tokens(seq[i * n : (i + 1) * n])) for i, parent in enumerate(parents)]
 
 
 class ChunkHasher:

@@ -418,10 +418,17 @@ def copy_frame(buf: Any, dest: Any) -> bool:
     return True
 
 
-def put_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], payloads: Sequence[Any]) -> Flow:
+def put_flow(
+    pool: SharedPool,
+    namespace: str,
+    keys: Sequence[bytes],
+    payloads: Sequence[Any],
+    tokens: calls.TokensArg = None,
+) -> Flow:
     """A put over shared memory: alloc, copy in, commit.  One PutStatus per key."""
     yield from _settle(pool)
-    grant = yield Ask(calls.alloc(namespace, keys, [_nbytes(p) for p in payloads], pool.segment, owner()))
+    sizes = [_nbytes(p) for p in payloads]
+    grant = yield Ask(calls.alloc(namespace, keys, sizes, pool.segment, owner(), tokens))
     statuses: list[PutStatus | int] = list(grant.status)
     if grant.lease is None:
         return statuses
@@ -441,14 +448,21 @@ UseFn = Callable[[int, memoryview], None]
 """``use(i, view)``: consume hit ``i`` from ``view`` (its bytes; do not keep the view)."""
 
 
-def fill_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], sizes: Sequence[int], fill: FillFn) -> Flow:
+def fill_flow(
+    pool: SharedPool,
+    namespace: str,
+    keys: Sequence[bytes],
+    sizes: Sequence[int],
+    fill: FillFn,
+    tokens: calls.TokensArg = None,
+) -> Flow:
     """A put whose bytes ``fill`` writes straight into the reserved pool slots
     (one copy: the caller's).  ``fill`` runs only for keys given a slot; the
     others keep the status alloc gave them (EXISTS, NO_SPACE, ...).  An
     exception from ``fill`` releases the slots (nothing becomes visible) and
     propagates.  One PutStatus per key."""
     yield from _settle(pool)
-    grant = yield Ask(calls.alloc(namespace, keys, list(sizes), pool.segment, owner()))
+    grant = yield Ask(calls.alloc(namespace, keys, list(sizes), pool.segment, owner(), tokens))
     statuses: list[PutStatus | int] = list(grant.status)
     if grant.lease is None:
         return statuses

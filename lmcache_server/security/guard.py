@@ -56,7 +56,28 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return False
 
 
+def _check_events_exposure(config: ServerConfig) -> None:
+    """The events sockets have no authentication and their events carry token ids
+    (prompt text): a non-loopback one needs allow_insecure, whatever ``auth`` is."""
+    for key in ("events_endpoint", "events_replay_endpoint"):
+        endpoint = getattr(config, key)
+        if endpoint is None or is_loopback_endpoint(endpoint):
+            continue
+        if not config.allow_insecure:
+            raise ConfigError(
+                key,
+                endpoint,
+                "a loopback or ipc:// endpoint: KV events carry every prompt's token ids and their sockets "
+                "are not authenticated. Set allow_insecure: true on a private network you trust (docs/events.md)",
+            )
+        logger.warning(
+            "INSECURE: %s publishes KV events (token ids of every prompt) to anyone who reaches it (docs/events.md)",
+            endpoint,
+        )
+
+
 def _check_exposure(config: ServerConfig) -> None:
+    _check_events_exposure(config)
     exposed = [e for e in config.listen if not is_loopback_endpoint(e)]
     if not exposed or config.auth != "none":
         return

@@ -23,6 +23,7 @@ from ..storage import Chunk, TieredStore
 from ..storage.memory import Reservation
 from .admission import ByteBudget
 from .shm import ShmLeases
+from .tokens import parse_tokens
 
 
 @dataclasses.dataclass
@@ -98,6 +99,8 @@ class Handlers:
                 "save_decode_cache": c.save_decode_cache,
                 "tiers": [t.name for t in self.store.tiers],
                 "shm": self.shm.offer() if self.shm is not None else None,
+                # KV events on: puts may carry token ids (server/tokens.py, docs/events.md)
+                "events": {"block_size": c.events_block_size} if c.events_endpoint is not None else None,
             }
         )
 
@@ -105,7 +108,8 @@ class Handlers:
         return Outcome({"time": time.time()})
 
     async def put(self, request: Request) -> Outcome:
-        statuses, finish = await self.store.prepare_puts(self._ns(request), request.keys, request.payloads)
+        tokens = parse_tokens(request)
+        statuses, finish = await self.store.prepare_puts(self._ns(request), request.keys, request.payloads, tokens)
         return Outcome({"status": [int(s) for s in statuses]}, after_reply=finish)
 
     def _shm(self, request: Request) -> ShmLeases:
@@ -188,6 +192,7 @@ class Handlers:
             or not all(type(n) is int and n > 0 for n in sizes)
         ):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'sizes' must list one positive integer per key", request.id)
+        tokens = parse_tokens(request)
         # One alloc reserves at most max_message_size, as a put carries at most
         # that: a larger chunk is TOO_LARGE, the keys past the total NO_SPACE.
         limit = self.config.max_message_size
@@ -205,7 +210,10 @@ class Handlers:
                 outcomes.append(PutStatus.NO_SPACE)  # replaced below
         self._check_reservation(shm, total, request.id)
         reserved = await self.store.reserve_waiting(
-            self._ns(request), [request.keys[i] for i in asked], [sizes[i] for i in asked]
+            self._ns(request),
+            [request.keys[i] for i in asked],
+            [sizes[i] for i in asked],
+            None if tokens is None else [tokens[i] for i in asked],
         )
         for i, outcome in zip(asked, reserved):
             outcomes[i] = outcome

@@ -36,6 +36,7 @@ from ..storage import Chunk
 from ..supervisor import Supervisor
 from .admission import ByteBudget, ClientLedger
 from .handlers import Handlers, Outcome
+from .tokens import token_header_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class ZmqServer:
         self.metrics = metrics
         self.context = context
         self.limits = Limits(
-            max_header_bytes=max(64 * 1024, config.max_keys_per_request * 40 + 4096),
+            max_header_bytes=max(64 * 1024, config.max_keys_per_request * 40 + 4096) + token_header_bytes(config),
             max_keys=config.max_keys_per_request,
             max_message_bytes=config.max_message_size,
         )

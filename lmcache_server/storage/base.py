@@ -5,6 +5,11 @@ Primitives:
 - :class:`ChunkKey`: (namespace, 32-byte digest); opaque to the tiers.
 - :class:`Chunk`: a readable view of a stored chunk; ``release()`` it when done
   (a memory-tier chunk is leased: its bytes cannot be reused until released).
+- :class:`ChunkTokens` (from the client's keys): a chunk's token ids and the key
+  before it, as a put sent them and the server checked them; kept only until
+  the chunk is announced.
+- :class:`Residency`: what the tiered store tells a listener (the KV-event
+  announcer) about chunks becoming readable on this node and leaving it.
 - :class:`Tier`: ``get`` (miss = None), ``put`` (a PutStatus), ``contains``,
   ``delete``, ``clear``, ``close``, plus ``peek`` and ``stats`` for lookups
   and introspection.  Promotion and spill between tiers live in
@@ -16,12 +21,35 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 
 class ChunkKey(NamedTuple):
     namespace: str
     digest: bytes
+
+
+class Residency(Protocol):
+    """Told by the tiered store, on the event loop; must never block or raise."""
+
+    def stored(self, key: ChunkKey, tokens: ChunkTokens, tier: str) -> None:
+        """``key`` became readable in ``tier`` (a put with token ids)."""
+        ...
+
+    def announced(self, key: ChunkKey) -> bool:
+        """Whether ``key`` was announced (and not yet removed)."""
+        ...
+
+    def removed(self, key: ChunkKey) -> None:
+        """``key`` left the last local tier that held it."""
+        ...
+
+    def cleared(self, namespace: str | None) -> None:
+        """Every chunk of ``namespace`` (None: all) is being removed."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 class Chunk:

@@ -140,6 +140,9 @@ class DiskTier:
         self._io_threads = io_threads
         self._supervisor = supervisor if supervisor is not None else Supervisor()
         self._opened = False
+        self.on_removed: Callable[[ChunkKey], None] | None = None
+        """Called when a chunk is no longer readable here (dropped, deleted, a spill
+        not written); set by the tiered store."""
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         async with self._io:
@@ -302,6 +305,7 @@ class DiskTier:
                         await self.delete(key)
             finally:
                 self.spills.done(key, data, release)
+                self._left(key)
 
     async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
         if key in self._index:
@@ -370,6 +374,11 @@ class DiskTier:
             self.counters.evicted_bytes += entry.payload_len
 
     # -- removal -------------------------------------------------------------------
+    def _left(self, key: ChunkKey) -> None:
+        """Tell ``on_removed`` when ``key`` is neither indexed nor queued any more."""
+        if self.on_removed is not None and key not in self._index and key not in self.spills:
+            self.on_removed(key)
+
     def _add(self, key: ChunkKey, entry: _Entry) -> None:
         self._index[key] = entry
         self.policy.inserted(key, entry.payload_len, None)
@@ -393,6 +402,7 @@ class DiskTier:
         counts[1] -= entry.payload_len
         if counts[0] == 0:
             del self._by_namespace[key.namespace]
+        self._left(key)
         try:
             await self._run(unlink, entry.path)
         except OSError as err:
@@ -402,12 +412,15 @@ class DiskTier:
         queued = self.spills.cancel(key)  # the writer skips it
         entry = self._index.get(key)
         if entry is None:
+            self._left(key)
             return queued
         await self._drop(key, entry)
         return True
 
     async def clear(self, namespace: str | None) -> int:
         queued = self.spills.cancel_namespace(namespace)
+        for key in queued:
+            self._left(key)
         victims = [(k, e) for k, e in self._index.items() if namespace is None or k.namespace == namespace]
         for key, entry in victims:
             await self._drop(key, entry)

@@ -36,6 +36,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from .allocator import ExtentAllocator, aligned
@@ -68,6 +69,8 @@ class Reservation:
     size: int
     parent: ChunkKey | None
     view: memoryview
+    tokens: ChunkTokens | None = None
+    """The chunk's token ids, when its put sent them (announced at commit, then dropped)."""
 
 
 @dataclasses.dataclass
@@ -97,6 +100,8 @@ class MemoryTier:
         self.max_pinned_bytes = max_pinned_bytes
         self.policy = policy if policy is not None else LRUPolicy()
         self.on_evict = on_evict
+        self.on_removed: Callable[[ChunkKey], None] | None = None
+        """Called after a chunk leaves the index (evicted, deleted, cleared); set by the tiered store."""
         self.spill_ahead_bytes = 0  # set by the tiered store when a disk tier takes spills
         self.lends_spills = False  # set by the tiered store when a disk tier takes spills
         self.dying_bytes = 0  # extents of removed chunks still leased (being sent or spilled)
@@ -348,6 +353,8 @@ class MemoryTier:
             self.dying_bytes += entry.extent
         else:
             self.allocator.free(entry.offset)
+        if self.on_removed is not None:
+            self.on_removed(entry.key)
 
     def _account(self, entry: _Entry, sign: int) -> None:
         self.stored_bytes += sign * entry.size

@@ -18,6 +18,9 @@ Tiers are ordered fastest first: memory, then disk, then Redis.
 - Lower tiers are inclusive: a promoted chunk stays on disk, so evicting it
   again costs no write.
 - lookup/exists look at every tier without touching recency.
+- KV events (:class:`.base.Residency`, optional): a put that carries token ids
+  is announced when it becomes readable; a chunk that leaves the last local
+  tier (memory, disk) is announced as removed; a clear, as cleared.
 
 Batching, promotion, spill and lookup semantics are written here once, not in
 each tier.  Primitives: ``get_many``, ``prepare_puts``, ``put_many``,
@@ -33,10 +36,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from ..supervisor import Supervisor
-from .base import Chunk, ChunkKey, Tier
+from .base import Chunk, ChunkKey, Residency, Tier
 from .disk import DiskTier
 from .filling import Filling, fill_reservation
 from .memory import MemoryTier, Reservation
@@ -77,6 +81,11 @@ class TieredStore:
         self.lookup_counters = LookupCounters()
         self.promotions: dict[str, int] = {t.name: 0 for t in self.lower}
         memory.on_evict = self._spill
+        self.events: Residency | None = None
+        """Told what becomes readable and what leaves (the KV-event announcer); set by the composition root."""
+        memory.on_removed = self._left
+        if disk is not None:
+            disk.on_removed = self._left
         if disk is not None:
             memory.spill_ahead_bytes = disk.spill_ahead_bytes
             memory.lends_spills = True
@@ -95,6 +104,11 @@ class TieredStore:
             return disk.enqueue(key, chunk.data, chunk.release)
         disk.enqueue(key, chunk.data)
         return True
+
+    def _left(self, key: ChunkKey) -> None:
+        """A tier dropped ``key``: announce it removed once no local tier holds it."""
+        if self.events is not None and self.events.announced(key) and self._where(key) is None:
+            self.events.removed(key)
 
     async def get_many(self, namespace: str, digests: Sequence[bytes]) -> list[Chunk | None]:
         """One Chunk per hit (release each: memory hits are leased), None per miss.
@@ -162,17 +176,24 @@ class TieredStore:
             self.promotions[disk.name] += 1
         return self.memory.lease(key)
 
-    def reserve(self, namespace: str, digests: Sequence[bytes], sizes: Sequence[int]) -> list[Reservation | PutStatus]:
+    def reserve(
+        self,
+        namespace: str,
+        digests: Sequence[bytes],
+        sizes: Sequence[int],
+        tokens: Sequence[ChunkTokens | None] | None = None,
+    ) -> list[Reservation | PutStatus]:
         """Phase one of a put: room in the pool for each chunk (invisible to
         readers until :meth:`commit`), or the PutStatus saying why there is none.
         A key repeated within the batch, or still filling from an earlier put,
-        is EXISTS."""
+        is EXISTS.  ``tokens`` (one per digest) travel with the reservations
+        until commit announces them."""
         out: list[Reservation | PutStatus] = []
         reserved: set[ChunkKey] = set()
         # Consecutive keys of one put are (nearly always) one prefix chain: the
         # previous key is a hint to the eviction policy.
         parent: ChunkKey | None = None
-        for digest, size in zip(digests, sizes):
+        for i, (digest, size) in enumerate(zip(digests, sizes)):
             key = ChunkKey(namespace, digest)
             if key in reserved or key in self.filling:
                 out.append(PutStatus.EXISTS)
@@ -180,16 +201,22 @@ class TieredStore:
             reservation = self.memory.prepare_store(key, size, parent)
             if isinstance(reservation, Reservation):
                 reserved.add(key)
+                if tokens is not None and self.events is not None:
+                    reservation.tokens = tokens[i]
             out.append(reservation)
             parent = key
         return out
 
     async def reserve_waiting(
-        self, namespace: str, digests: Sequence[bytes], sizes: Sequence[int]
+        self,
+        namespace: str,
+        digests: Sequence[bytes],
+        sizes: Sequence[int],
+        tokens: Sequence[ChunkTokens | None] | None = None,
     ) -> list[Reservation | PutStatus]:
         """:meth:`reserve`, waiting (at most ``ROOM_WAIT_S``) for room that chunks
         lent to the spill will free once the disk has them."""
-        outcomes = self.reserve(namespace, digests, sizes)
+        outcomes = self.reserve(namespace, digests, sizes, tokens)
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
             coming = self.memory.room_coming
@@ -200,14 +227,19 @@ class TieredStore:
                 self.memory.counters.rejections += len(waiting)  # gave up: a refusal after all
                 break
             for i in waiting:
-                outcomes[i] = self.reserve(namespace, digests[i : i + 1], sizes[i : i + 1])[0]
+                one = None if tokens is None else tokens[i : i + 1]
+                outcomes[i] = self.reserve(namespace, digests[i : i + 1], sizes[i : i + 1], one)[0]
         return outcomes
 
     def commit(self, reservation: Reservation) -> PutStatus:
         """Phase two: the filled reservation becomes visible, and is queued for Redis."""
         status = self.memory.complete_store(reservation)
-        if self.remote is not None and status is PutStatus.STORED:
-            self._uplink(reservation.key)
+        if status is PutStatus.STORED:
+            if self.remote is not None:
+                self._uplink(reservation.key)
+            if reservation.tokens is not None and self.events is not None:
+                self.events.stored(reservation.key, reservation.tokens, self.memory.name)
+        reservation.tokens = None
         return status
 
     def _uplink(self, key: ChunkKey) -> None:
@@ -221,9 +253,14 @@ class TieredStore:
         self.memory.abort_store(reservation)
 
     async def prepare_puts(
-        self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]
+        self,
+        namespace: str,
+        digests: Sequence[bytes],
+        payloads: Sequence[Any],
+        tokens: Sequence[ChunkTokens | None] | None = None,
     ) -> tuple[list[PutStatus], Callable[[], asyncio.Future[None] | None]]:
         """A put of payload frames: the statuses to answer now, and ``finish``.
+        ``tokens``: one per digest (or None), announced once the chunk is visible.
 
         ``finish`` starts copying the payloads in (off the event loop) and
         returns a future done once every chunk is visible (None: nothing to
@@ -241,7 +278,7 @@ class TieredStore:
             # put asks for room.
             await self.filling.wait()
         sources = [memoryview(p).cast("B") for p in payloads]
-        outcomes = await self.reserve_waiting(namespace, digests, [src.nbytes for src in sources])
+        outcomes = await self.reserve_waiting(namespace, digests, [src.nbytes for src in sources], tokens)
         pending = [(r, src) for r, src in zip(outcomes, sources) if isinstance(r, Reservation)]
         statuses = [PutStatus.STORED if isinstance(r, Reservation) else r for r in outcomes]
 
@@ -250,9 +287,15 @@ class TieredStore:
 
         return statuses, finish
 
-    async def put_many(self, namespace: str, digests: Sequence[bytes], payloads: Sequence[Any]) -> list[PutStatus]:
+    async def put_many(
+        self,
+        namespace: str,
+        digests: Sequence[bytes],
+        payloads: Sequence[Any],
+        tokens: Sequence[ChunkTokens | None] | None = None,
+    ) -> list[PutStatus]:
         """Store the chunks now (prepare_puts, then wait for finish)."""
-        statuses, finish = await self.prepare_puts(namespace, digests, payloads)
+        statuses, finish = await self.prepare_puts(namespace, digests, payloads, tokens)
         done = finish()
         if done is not None:
             await done
@@ -300,6 +343,8 @@ class TieredStore:
         """Chunks removed (a chunk in two local tiers counts once; Redis keys count
         when no local tier held them)."""
         await self.filling.settled(namespace)
+        if self.events is not None:
+            self.events.cleared(namespace)
         keys: set[ChunkKey] = set()
         for tier in self.tiers:
             keys.update(_keys_of(tier, namespace))
@@ -334,6 +379,8 @@ class TieredStore:
             "lookup_hit_chunks": c.chunks_hit,
             "lookup_hit_rate": round(c.chunks_hit / c.chunks_asked, 4) if c.chunks_asked else 0.0,
         }
+        if self.events is not None:
+            out["events"] = self.events.stats()
         per_tier = {t.name: t.namespaces() for t in self.tiers}
         if namespace is not None:
             out["namespace"] = {"name": namespace, **_namespace_stats(per_tier, namespace)}

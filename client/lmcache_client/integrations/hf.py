@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..client import CacheClient
-from ..keys import chunk_keys
+from ..keys import chunk_keys, chunk_tokens
 from ..tensors import tensor_bytes
 from .layout import ChunkLayout
 from .transfer import DEFAULT_MAX_BATCH_BYTES, ChunkTransfer
@@ -210,7 +210,11 @@ class CachedPrefill:
                 # (1, heads, tokens, dim) -> (chunks, tokens per chunk, heads, dim)
                 part = states[0, :, start:end].reshape(heads, m, chunk, dim).permute(1, 2, 0, 3)
                 staging[:, layer, kv].copy_(part)
-        result.saved_chunks = self.transfer.put(result.keys[first:last], [tensor_bytes(staging[i]) for i in range(m)])
+        result.saved_chunks = self.transfer.put(
+            result.keys[first:last],
+            [tensor_bytes(staging[i]) for i in range(m)],
+            chunk_tokens(result.tokens, self.chunk_size)[first:last],  # for KV events (docs/events.md)
+        )
         result.timings.save_s = time.perf_counter() - started
         return result.saved_chunks
 

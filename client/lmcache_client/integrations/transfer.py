@@ -21,6 +21,7 @@ from typing import Any
 
 from ..client import CacheClient
 from ..errors import ClientError
+from ..keys import ChunkTokens
 from ..namespace import Namespace
 from ..protocol import PutStatus
 from ..shm import FillFn, UseFn, copy_frame
@@ -53,6 +54,17 @@ class ChunkTransfer:
         self.batch_keys = max(1, min(max_batch_keys, max_batch_bytes // chunk_bytes))
         self.errors = 0
         """Client errors turned into misses (daemon down, refused requests)."""
+        self._events: bool | None = None  # whether the daemon publishes KV events (asked once)
+
+    def wants_tokens(self) -> bool:
+        """Whether the daemon publishes KV events, so puts should carry token ids
+        (its hello offers ``events``; asked once, again after a failed ask)."""
+        if self._events is None:
+            try:
+                self._events = bool(self.client.hello().get("events"))
+            except ClientError:
+                return False
+        return self._events
 
     def _failed(self, op: str, err: ClientError) -> None:
         self.errors += 1
@@ -151,9 +163,12 @@ class ChunkTransfer:
                 break
         return done
 
-    def put_with(self, keys: Sequence[bytes], fill: FillFn) -> int:
+    def put_with(self, keys: Sequence[bytes], fill: FillFn, tokens: Sequence[ChunkTokens] | None = None) -> int:
         """Store ``len(keys)`` chunks of ``chunk_bytes`` that ``fill(i, view)`` writes
-        in place; returns how many are stored now or were already."""
+        in place; returns how many are stored now or were already.  ``tokens``
+        (one per key) are sent when the daemon publishes KV events."""
+        if tokens is not None and not self.wants_tokens():
+            tokens = None
         stored = 0
         for start in range(0, len(keys), self.batch_keys):
             batch = keys[start : start + self.batch_keys]
@@ -163,7 +178,11 @@ class ChunkTransfer:
 
             try:
                 statuses = self.client.put_with(
-                    batch, [self.chunk_bytes] * len(batch), shifted, namespace=self.namespace
+                    batch,
+                    [self.chunk_bytes] * len(batch),
+                    shifted,
+                    namespace=self.namespace,
+                    tokens=None if tokens is None else tokens[start : start + self.batch_keys],
                 )
             except ClientError as err:
                 self._failed("put", err)
@@ -202,15 +221,23 @@ class ChunkTransfer:
             copied += 1
         return copied
 
-    def put(self, keys: Sequence[bytes], payloads: Sequence[Any]) -> int:
-        """Store payloads; returns how many are stored now or were already."""
+    def put(self, keys: Sequence[bytes], payloads: Sequence[Any], tokens: Sequence[ChunkTokens] | None = None) -> int:
+        """Store payloads; returns how many are stored now or were already.  ``tokens``
+        (one per key) are sent when the daemon publishes KV events."""
         if len(keys) != len(payloads):
             raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
+        if tokens is not None and not self.wants_tokens():
+            tokens = None
         stored = 0
         for start in range(0, len(keys), self.batch_keys):
             batch = slice(start, start + self.batch_keys)
             try:
-                statuses = self.client.put(keys[batch], payloads[batch], namespace=self.namespace)
+                statuses = self.client.put(
+                    keys[batch],
+                    payloads[batch],
+                    namespace=self.namespace,
+                    tokens=None if tokens is None else tokens[batch],
+                )
             except ClientError as err:
                 self._failed("put", err)
                 continue

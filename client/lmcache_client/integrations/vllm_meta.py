@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..keys import ChunkTokens
 from .vllm_compat import KVConnectorMetadata
 
 
@@ -49,6 +50,9 @@ class SaveRequest:
     tail_key: bytes | None = None
     tail_start: int = 0
     tail_tokens: int = 0
+    tokens: list[ChunkTokens] | None = None
+    """Each full chunk's parent key and token ids, for a daemon that publishes KV
+    events (None for requests whose keys start from a salted root)."""
 
 
 @dataclasses.dataclass

@@ -41,7 +41,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..keys import chunk_keys, salted_root, tail_key
+from ..keys import ROOT_KEY, ChunkTokens, chunk_keys, pack_tokens, salted_root, tail_key
 from .transfer import ChunkTransfer
 from .vllm_compat import first_group, resumed
 from .vllm_meta import LMCacheServerConnectorMetadata, LoadRequest, SaveRequest
@@ -80,6 +80,8 @@ class _Tracker:
     tail_stored: bool = False
     tail_start: int = 0
     """First token of the tail (the end of the last full chunk)."""
+    prompt: list[int] | None = None
+    """The prompt's token ids, for KV events (None: a salted chain, not announced)."""
 
 
 def key_root(request: Any) -> bytes | None:
@@ -277,6 +279,7 @@ class SchedulerSide:
                 tail,
                 hit_chunks > len(full),
                 len(full) * self.chunk_size,
+                prompt if root == ROOT_KEY else None,
             )
             self._trackers[new.req_id] = tracker
             self._emit_load(meta, new.req_id, tracker)
@@ -348,10 +351,21 @@ class SchedulerSide:
                 tracker.tail_key if with_tail else None,
                 tracker.tail_start,
                 tracker.prompt_len - tracker.tail_start if with_tail else 0,
+                self._chunk_tokens(tracker, first, ready),
             )
         )
         tracker.stored_chunks = max(first, ready)
         tracker.tail_stored = tracker.tail_stored or with_tail
+
+    def _chunk_tokens(self, tracker: _Tracker, first: int, end: int) -> list[ChunkTokens] | None:
+        """Parent key and token ids of full chunks ``first .. end - 1`` (KV events)."""
+        if tracker.prompt is None or end <= first:
+            return None
+        c, prompt, keys = self.chunk_size, tracker.prompt, tracker.keys
+        return [
+            ChunkTokens(keys[i - 1] if i else ROOT_KEY, pack_tokens(prompt[i * c : (i + 1) * c]))
+            for i in range(first, end)
+        ]
 
     # -- request_finished -----------------------------------------------------------
     def forget(self, req_id: str) -> None:

@@ -206,7 +206,7 @@ class WorkerSide:
                     part = slice(i * chunk, (i + 1) * chunk)
                     engine.copier.gather(Slots(slots.blocks[part], slots.offsets[part]), self._payload(view))
 
-                done = self.transfer.put_with(request.keys, gather) if request.keys else 0
+                done = self.transfer.put_with(request.keys, gather, request.tokens) if request.keys else 0
                 if request.tail_key is not None and done == len(request.keys):
                     done += self._save_tail(request)
             except Exception:  # a failed save is a future miss, never an engine failure

@@ -1,0 +1,116 @@
+"""Event block hashes and which announced blocks a topic still holds.
+
+A chunk of ``n * block_size`` tokens is announced as ``n`` blocks.  Their
+hashes are a function of the token prefix alone, so every replica and every
+node announces the same hash for the same prefix (docs/events.md, "Hashes"):
+
+    block j < n-1:  h = SHA-256(b"lmcache-event-block-v1" || parent || u32le(tokens[: (j+1) * block_size]))
+    block n-1:      h = the chunk's own key (it names the same prefix)
+    event hash      = the first 8 bytes of h, big-endian, masked to 63 bits
+
+``parent`` is the key of the chunk before it, so the first block's parent
+hash is the previous chunk's last block hash (None after the chain root).
+63 bits fit consumers that read hashes as int64 and those that read uint64.
+
+Two chunks may share leading blocks (same parent, same first tokens): a topic
+counts references per block hash, announces a block when its first holder
+arrives and removes it when its last holder leaves.
+
+Primitives: :func:`block_hashes`, :func:`parent_hash`, :class:`BlockIndex`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from lmcache_client.keys import ROOT_KEY
+
+from ..storage.base import ChunkKey
+
+BLOCK_DOMAIN = b"lmcache-event-block-v1"
+HASH_MASK = (1 << 63) - 1
+
+
+def event_hash(digest: bytes) -> int:
+    """The 63-bit event hash of a 32-byte digest."""
+    return int.from_bytes(digest[:8], "big") & HASH_MASK
+
+
+def parent_hash(parent: bytes) -> int | None:
+    """The hash of the block before a chunk's first block (None: the chain starts here)."""
+    return None if parent == ROOT_KEY else event_hash(parent)
+
+
+def block_hashes(key: bytes, parent: bytes, packed: bytes, block_size: int) -> list[int]:
+    """The event hash of each block of a chunk (``packed``: its u32le token ids, a
+    whole number of blocks)."""
+    step = 4 * block_size
+    n = len(packed) // step
+    h = hashlib.sha256(BLOCK_DOMAIN + parent)
+    out = []
+    for j in range(n - 1):
+        h.update(packed[j * step : (j + 1) * step])
+        out.append(event_hash(h.copy().digest()))
+    out.append(event_hash(key))
+    return out
+
+
+class BlockIndex:
+    """The blocks one topic has announced: per chunk its block hashes, per hash
+    how many announced chunks hold it."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[ChunkKey, array[int]] = {}
+        self._refs: dict[int, int] = {}
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        return key in self._chunks
+
+    def __len__(self) -> int:
+        """Announced chunks."""
+        return len(self._chunks)
+
+    @property
+    def blocks(self) -> int:
+        """Distinct announced blocks."""
+        return len(self._refs)
+
+    def add(self, key: ChunkKey, hashes: Sequence[int]) -> int:
+        """Record ``key``'s blocks; returns how many leading blocks were already
+        announced (held by another chunk): only the rest are new."""
+        self._chunks[key] = array("Q", hashes)
+        shared = 0
+        for i, h in enumerate(hashes):
+            count = self._refs.get(h, 0)
+            self._refs[h] = count + 1
+            if count and shared == i:
+                shared += 1
+        return shared
+
+    def remove(self, key: ChunkKey) -> list[int]:
+        """Forget ``key``; returns the hashes no announced chunk holds any more."""
+        hashes = self._chunks.pop(key, None)
+        if hashes is None:
+            return []
+        gone = []
+        for h in hashes:
+            count = self._refs[h] - 1
+            if count:
+                self._refs[h] = count
+            else:
+                del self._refs[h]
+                gone.append(h)
+        return gone
+
+    def remove_namespace(self, namespace: str) -> list[int]:
+        """Forget every chunk of ``namespace``; returns the hashes no chunk holds any more."""
+        gone: list[int] = []
+        for key in [k for k in self._chunks if k.namespace == namespace]:
+            gone.extend(self.remove(key))
+        return gone
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._refs.clear()

@@ -1,0 +1,178 @@
+"""The events endpoint: a PUB socket, an optional replay ROUTER, batching and sequence numbers.
+
+- Events are queued per topic and sent as one ``KVEventBatch`` per topic when
+  ``batch_max_events`` are pending or ``batch_interval_s`` after the first
+  (whichever comes first).  ``publish`` only appends to a list: it never
+  blocks and never raises into a request.
+- Every batch gets the next sequence number (one counter per endpoint, from
+  0) and goes into the replay buffer before it is sent, so the sequence a
+  subscriber can recover is gap-free.
+- The PUB socket sends without blocking: a subscriber past its high-water
+  mark (``hwm``) loses batches (ZeroMQ drops them for that subscriber only,
+  silently) and can ask the replay endpoint for them.  A send ZeroMQ refuses
+  outright is dropped and counted (``dropped_batches``).
+- Replay (vLLM's protocol): a request ``[b"", seq (8 bytes, big-endian)]``
+  (a DEALER sends ``[b"", seq]``; a REQ socket adds the empty frame itself)
+  is answered with every kept batch from ``seq`` on, each
+  ``[b"", topic, seq, payload]``, then ``[b"", b"", END_SEQ, b""]``.
+
+Primitive: :class:`EventPublisher` (``bind``, ``publish``, ``flush``,
+``serve_replay``, ``close``, ``stats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from .replay import ReplayBuffer
+from .wire import END_SEQ, Event, encode_batch, seq_bytes
+
+logger = logging.getLogger(__name__)
+
+REPLAY_YIELD_EVERY = 256
+"""Batches sent to one replay request between two yields to the event loop."""
+REPLAY_HWM = 100_000
+"""Messages queued to one replay requester; beyond, ROUTER drops them (a requester that does not read)."""
+
+
+@dataclasses.dataclass
+class PublisherCounters:
+    events: int = 0
+    batches: int = 0
+    bytes: int = 0
+    dropped_batches: int = 0
+    replays: int = 0
+    replayed_batches: int = 0
+    bad_replay_requests: int = 0
+
+
+class EventPublisher:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        hwm: int = 1000,
+        replay_bytes: int = 64 << 20,
+        batch_max_events: int = 256,
+        batch_interval_s: float = 0.05,
+        data_parallel_rank: int = 0,
+    ):
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.batch_max_events = batch_max_events
+        self.batch_interval_s = batch_interval_s
+        self.data_parallel_rank = data_parallel_rank
+        self.counters = PublisherCounters()
+        self.buffer = ReplayBuffer(replay_bytes)
+        self.next_seq = 0
+        self._pending: dict[bytes, list[Event]] = {}
+        self._pending_events = 0
+        self._timer: asyncio.TimerHandle | None = None
+        # A plain (blocking-API) socket over the same ZeroMQ context: sends with
+        # NOBLOCK complete at once, without a future per batch.
+        self._sync: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(context.underlying)
+        self._pub: zmq.Socket[bytes] = self._sync.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay: zmq.asyncio.Socket | None = None
+        if replay_endpoint is not None:
+            self._replay = context.socket(zmq.ROUTER)
+            # A whole replay fits in the socket's queue (otherwise ROUTER drops the rest).
+            self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+            self._replay.setsockopt(zmq.LINGER, 0)
+
+    def bind(self) -> None:
+        """Bind both endpoints (a bad or taken address raises zmq.ZMQError)."""
+        self._pub.bind(self.endpoint)
+        if self._replay is not None and self.replay_endpoint is not None:
+            self._replay.bind(self.replay_endpoint)
+
+    # -- publishing ----------------------------------------------------------------
+    def publish(self, topic: bytes, events: list[Event]) -> None:
+        """Queue ``events`` for ``topic``; sent within ``batch_interval_s``."""
+        if not events:
+            return
+        self._pending.setdefault(topic, []).extend(events)
+        self._pending_events += len(events)
+        if self._pending_events >= self.batch_max_events:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.batch_interval_s, self.flush)
+
+    def flush(self) -> None:
+        """Send what is pending now, one batch per topic (at most ``batch_max_events`` each)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        pending, self._pending, self._pending_events = self._pending, {}, 0
+        ts = time.time()
+        for topic, events in pending.items():
+            for start in range(0, len(events), self.batch_max_events):
+                part = events[start : start + self.batch_max_events]
+                self._send(topic, encode_batch(ts, part, self.data_parallel_rank), len(part))
+
+    def _send(self, topic: bytes, payload: bytes, n_events: int) -> None:
+        seq = self.next_seq
+        self.next_seq += 1
+        self.buffer.append(seq, topic, payload)
+        c = self.counters
+        try:
+            self._pub.send_multipart([topic, seq_bytes(seq), payload], zmq.NOBLOCK)
+        except zmq.ZMQError as err:
+            c.dropped_batches += 1
+            logger.debug("event batch %d not sent (%s); it stays in the replay buffer", seq, err)
+            return
+        c.batches += 1
+        c.events += n_events
+        c.bytes += len(payload)
+
+    # -- replay ----------------------------------------------------------------------
+    async def serve_replay(self) -> None:
+        """Answer replay requests until cancelled (returns at once without a replay endpoint)."""
+        sock = self._replay
+        if sock is None:
+            return
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                self.counters.bad_replay_requests += 1
+                logger.debug("ignoring a malformed replay request (%d frames)", len(frames))
+                continue
+            identity, start = frames[0], int.from_bytes(frames[2], "big")
+            self.counters.replays += 1
+            for i, (seq, topic, payload) in enumerate(self.buffer.since(start)):
+                sock.send_multipart([identity, b"", topic, seq_bytes(seq), payload], zmq.NOBLOCK)
+                self.counters.replayed_batches += 1
+                if (i + 1) % REPLAY_YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+            sock.send_multipart([identity, b"", b"", END_SEQ, b""], zmq.NOBLOCK)
+
+    def close(self) -> None:
+        """Send what is pending, then close the sockets."""
+        try:
+            self.flush()
+        except Exception:  # closing anyway
+            logger.exception("last event batch not sent")
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "next_seq": self.next_seq,
+            "pending_events": self._pending_events,
+            "replay_buffered_batches": len(self.buffer),
+            "replay_buffered_bytes": self.buffer.nbytes,
+            **dataclasses.asdict(self.counters),
+        }
