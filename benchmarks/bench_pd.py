@@ -7,15 +7,16 @@ Builds the local Llama of bench_vllm.py (random weights, 8 layers, hidden
 768: prefill dominates on a CPU), starts a daemon, a producer and a consumer
 (the PD command lines of docs/integrations.md) and a plain vLLM instance
 without the connector (the same command without ``--kv-transfer-config``).
-Requests go to the plain instance directly and, for PD, through
-tests/vllm_harness/pd_proxy.py (producer with ``max_tokens=1``, then the
-consumer).  All requests stream; per prompt size and repetition, with a
-fresh random prompt each time:
+Requests go to the plain instance directly and, for PD, as
+tests/vllm_harness/pd_proxy.py sends them (producer with ``max_tokens=1``,
+then the consumer), from this process, so no relay sits in the timings.
+All requests stream; per prompt size and repetition, with a fresh random
+prompt each time:
 
 - **TTFT**: request sent to first streamed token (PD: the producer's whole
-  prefill, the consumer's load and its one-token prefill, and the proxy);
+  prefill, then the consumer's load and its one-token prefill);
 - **ITL**: mean gap between the following tokens (decode speed);
-- **decode stall**: a short request decoding ``--tokens`` tokens while a
+- **decode stall**: a short request decoding ``4 * --tokens`` tokens while a
   long prompt of the size arrives: the largest gap between its tokens.  One
   instance prefills the long prompt between its decode steps; the PD
   consumer only loads it.
@@ -46,11 +47,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._harness import free_port, raise_on_sigterm, workspace  # noqa: E402
 from benchmarks.bench_vllm import VLLM_PYTHON, build_model, counters, wait_ready  # noqa: E402
 from tests.vllm_harness.fixtures import doc_command  # noqa: E402
-from tests.vllm_harness.pd_proxy import PDProxy  # noqa: E402
 
 
-def stream(url: str, model: str, tokens: list[int], n: int) -> list[float]:
-    """Stream a greedy completion; the arrival time (perf_counter) of each token."""
+def stream(url: str, model: str, tokens: list[int], n: int, times: list[float] | None = None) -> list[float]:
+    """Stream a greedy completion; the arrival time (perf_counter) of each token, appended
+    to ``times`` as they arrive."""
     body = {
         "model": model,
         "prompt": tokens,
@@ -62,7 +63,7 @@ def stream(url: str, model: str, tokens: list[int], n: int) -> list[float]:
     request = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    times: list[float] = []
+    times = [] if times is None else times
     with urllib.request.urlopen(request, timeout=900) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -74,21 +75,31 @@ def stream(url: str, model: str, tokens: list[int], n: int) -> list[float]:
     return times
 
 
-def ttft_itl(url: str, model: str, tokens: list[int], n: int) -> tuple[float, float]:
+def ttft_itl(url: str, model: str, tokens: list[int], n: int, prefill_url: str | None = None) -> tuple[float, float]:
+    """Time to the first token and mean inter-token gap; with ``prefill_url`` the PD flow
+    (what tests/vllm_harness/pd_proxy.py does, without the relay): the prompt on the
+    producer with one output token, then streamed from the consumer at ``url``."""
     started = time.perf_counter()
+    if prefill_url is not None:
+        stream(prefill_url, model, tokens, 1)
     times = stream(url, model, tokens, n)
     gaps = [b - a for a, b in zip(times, times[1:])]
     return times[0] - started, statistics.mean(gaps) if gaps else float("nan")
 
 
-def decode_stall(url: str, model: str, short: list[int], long: list[int], n: int) -> float:
-    """Largest gap between the tokens of ``short`` decoding while ``long`` arrives."""
+def decode_stall(
+    url: str, model: str, short: list[int], long: list[int], n: int, prefill_url: str | None = None
+) -> float:
+    """Largest gap between the tokens of ``short`` decoding on ``url`` while ``long``
+    arrives (with ``prefill_url``: prefilled there, then sent to ``url``)."""
     times: list[float] = []
-    worker = threading.Thread(target=lambda: times.extend(stream(url, model, short, n)))
+    worker = threading.Thread(target=stream, args=(url, model, short, n, times))
     worker.start()
     deadline = time.monotonic() + 300
     while len(times) < 4 and worker.is_alive() and time.monotonic() < deadline:
         time.sleep(0.005)  # the short request is decoding
+    if prefill_url is not None:
+        stream(prefill_url, model, long, 1)
     stream(url, model, long, 1)
     worker.join()
     gaps = [b - a for a, b in zip(times, times[1:])]
@@ -141,26 +152,30 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers.values():
             print(f"waiting for vLLM server {s['name']} ...", file=sys.stderr, flush=True)
             wait_ready(s["url"], s["child"].proc, s["child"].log_path)
-        proxy = PDProxy(servers["producer"]["url"], servers["consumer"]["url"]).start()
-        targets = {"single": servers["single"]["url"], "pd": proxy.url}
+        producer, consumer = servers["producer"]["url"], servers["consumer"]["url"]
+        targets = {"single": (servers["single"]["url"], None), "pd": (consumer, producer)}
         rng = random.Random(0)
 
         def prompt(n: int) -> list[int]:
             return [rng.randrange(3, 1024) for _ in range(n)]
 
-        for url in targets.values():  # warm-up, not measured: first requests, first store and load
-            stream(url, model, prompt(600), 4)
+        for url, prefill in targets.values():  # warm-up, not measured: first requests, store and load
+            ttft_itl(url, model, prompt(600), 4, prefill)
         for size in sizes:
             for rep in range(args.reps):
                 row: dict[str, Any] = {"tokens": size, "rep": rep}
-                for name, url in targets.items():
+                for name, (url, prefill) in targets.items():
                     before = counters(servers["consumer"])
-                    row[f"{name}_ttft_s"], row[f"{name}_itl_s"] = ttft_itl(url, model, prompt(size), args.tokens)
+                    row[f"{name}_ttft_s"], row[f"{name}_itl_s"] = ttft_itl(
+                        url, model, prompt(size), args.tokens, prefill
+                    )
                     if name == "pd":
                         after = counters(servers["consumer"])
                         row["pd_loaded_tokens"] = after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
                         row["pd_load_s"] = after.get("load_s", 0) - before.get("load_s", 0)
-                    row[f"{name}_stall_s"] = decode_stall(url, model, prompt(128), prompt(size), args.tokens)
+                    row[f"{name}_stall_s"] = decode_stall(
+                        url, model, prompt(128), prompt(size), args.tokens * 4, prefill
+                    )
                 rows.append(row)
                 print(
                     f"{size} tokens rep {rep}: TTFT single {row['single_ttft_s']:.2f}s pd {row['pd_ttft_s']:.2f}s; "
@@ -169,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"consumer loaded {row['pd_loaded_tokens']:.0f} tokens in {row['pd_load_s'] * 1000:.0f} ms",
                     flush=True,
                 )
-        proxy.close()
     print(f"\nmedians of {args.reps}; ratios PD / single")
     print(
         f"{'tokens':>6} {'TTFT 1':>8} {'TTFT PD':>8} {'ratio':>6} {'ITL 1':>8} {'ITL PD':>8} {'ratio':>6} "
