@@ -56,6 +56,7 @@ from ..namespace import canonical_dtype
 from .layout import ChunkLayout
 from .transfer import ChunkTransfer
 from .vllm_compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, tp_rank
+from .vllm_events import ConnectorEvents
 from .vllm_meta import LMCacheServerConnectorMetadata
 from .vllm_scheduler import SchedulerSide
 from .vllm_stats import LMCacheServerConnectorStats, prom_metrics_class
@@ -151,6 +152,14 @@ def _fp8_dtype(cache_dtype: str) -> str:
     return canonical_dtype(cache_dtype)
 
 
+def _connector_events(vllm_config: Any, chunk_size: int) -> ConnectorEvents | None:
+    """The connector's KV events when vLLM publishes KV events (``--kv-events-config``)."""
+    events_config = getattr(vllm_config, "kv_events_config", None)
+    if events_config is None or not getattr(events_config, "enable_kv_cache_events", False):
+        return None
+    return ConnectorEvents(int(vllm_config.cache_config.block_size), chunk_size)
+
+
 def _log_through_vllm() -> None:
     """Send this package's INFO lines to vLLM's log handlers when nothing else
     handles them (vLLM configures only its own ``vllm`` logger)."""
@@ -217,6 +226,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                 store_tails=self.settings.store_tails or self.kv_role == "kv_producer",
                 load_wait_s=wait_s,
             )
+            self.scheduler.events = _connector_events(vllm_config, self.settings.chunk_size)
             namespace: str = transfers[0].namespace
             policy = str(getattr(transfer_config, "kv_load_failure_policy", "recompute"))
             if policy != "recompute" and self.kv_role != "kv_producer":
@@ -358,3 +368,8 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler().forget(request.request_id)
         return False, None
+
+    def take_events(self) -> list[Any]:
+        """KV events of blocks this replica can load from the daemon (vllm_events.py)."""
+        events = self._scheduler().events if self.scheduler is not None else None
+        return events.take() if events is not None else []

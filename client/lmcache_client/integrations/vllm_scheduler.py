@@ -44,6 +44,7 @@ from typing import Any
 from ..keys import ROOT_KEY, ChunkTokens, chunk_keys, pack_tokens, salted_root, tail_key
 from .transfer import ChunkTransfer
 from .vllm_compat import first_group, resumed
+from .vllm_events import ConnectorEvents
 from .vllm_meta import LMCacheServerConnectorMetadata, LoadRequest, SaveRequest
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,9 @@ class SchedulerSide:
         self._loads: dict[str, tuple[int, int]] = {}
         self._trackers: dict[str, _Tracker] = {}
         self._waiting: dict[str, _Wait] = {}
+        self._requests: dict[str, Any] = {}  # vLLM's Request objects, for their block hashes (events)
+        self.events: ConnectorEvents | None = None
+        """Set when vLLM publishes KV events: blocks stored to / loaded from the daemon (vllm_events.py)."""
         self._idle = False
         """The last step scheduled nothing (so a wait may sleep: no decode is held up)."""
         self.stats = {
@@ -205,6 +209,8 @@ class SchedulerSide:
         prompt = request.prompt_token_ids
         root = key_root(request)
         self._roots[req_id] = root
+        if self.events is not None:
+            self._requests[req_id] = request
         if not prompt or root is None or not self.load_enabled:
             return 0
         n = len(prompt)
@@ -326,6 +332,7 @@ class SchedulerSide:
                 tracker.prompt_len - tracker.tail_start if with_tail else 0,
             )
         )
+        self._announce(req_id, tracker, first, last)
         tracker.stored_chunks = max(tracker.stored_chunks, last)
         tracker.tail_stored = tracker.tail_stored or with_tail
 
@@ -354,8 +361,15 @@ class SchedulerSide:
                 self._chunk_tokens(tracker, first, ready),
             )
         )
+        self._announce(req_id, tracker, first, ready)
         tracker.stored_chunks = max(first, ready)
         tracker.tail_stored = tracker.tail_stored or with_tail
+
+    def _announce(self, req_id: str, tracker: _Tracker, first: int, end: int) -> None:
+        """KV events for full chunks ``first .. end - 1`` (stored or loaded), when vLLM publishes them."""
+        request = self._requests.get(req_id)
+        if self.events is not None and request is not None and tracker.prompt is not None and end > first:
+            self.events.chunks(request, first, end, tracker.prompt)
 
     def _chunk_tokens(self, tracker: _Tracker, first: int, end: int) -> list[ChunkTokens] | None:
         """Parent key and token ids of full chunks ``first .. end - 1`` (KV events)."""
@@ -374,3 +388,4 @@ class SchedulerSide:
         self._loads.pop(req_id, None)
         self._trackers.pop(req_id, None)
         self._waiting.pop(req_id, None)
+        self._requests.pop(req_id, None)
