@@ -431,3 +431,20 @@ def test_a_stalled_subscriber_never_holds_up_puts_and_replays_what_it_lost(
     recovered = replay(daemon, missing[0])  # ... and replay has every one of them
     assert set(missing) <= {seq for _, seq, _ in recovered}
     assert [s for _, s, _ in recovered] == list(range(missing[0], total))
+
+
+def test_a_chunk_stored_without_token_ids_is_announced_when_put_again_with_them(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    daemon = events_daemon(daemon_factory)
+    tokens = prompt(7, 1)
+    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    with daemon.client(namespace=NS) as c:
+        assert c.put(keys, [b"x" * 4096]) == [PutStatus.STORED]  # an older client
+        assert quiet(c)["announced_chunks"] == 0
+        assert c.put(keys, [b"x" * 4096], tokens=toks) == [PutStatus.EXISTS]
+        assert c.put(keys, [b"x" * 4096], tokens=toks) == [PutStatus.EXISTS]  # once only
+        events = events_of(decode(all_batches(daemon, c, announced_chunks=1)))
+    assert [(e["type"], e["block_hashes"]) for e in events] == [
+        ("BlockStored", expected_hashes(keys[0], ROOT_KEY, tokens))
+    ]

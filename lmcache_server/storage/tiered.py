@@ -105,6 +105,9 @@ class TieredStore:
         disk.enqueue(key, chunk.data)
         return True
 
+    def _unannounced(self, key: ChunkKey) -> bool:
+        return self.events is not None and not self.events.announced(key)
+
     def _left(self, key: ChunkKey) -> None:
         """A tier dropped ``key``: announce it removed once no local tier holds it."""
         if self.events is not None and self.events.announced(key) and self._where(key) is None:
@@ -199,10 +202,13 @@ class TieredStore:
                 out.append(PutStatus.EXISTS)
                 continue
             reservation = self.memory.prepare_store(key, size, parent)
+            told = tokens[i] if tokens is not None and self.events is not None else None
             if isinstance(reservation, Reservation):
                 reserved.add(key)
-                if tokens is not None and self.events is not None:
-                    reservation.tokens = tokens[i]
+                reservation.tokens = told
+            elif told is not None and reservation is PutStatus.EXISTS and self._unannounced(key):
+                # Stored before without token ids (an older client, a warm restart): announce it now.
+                self.events.stored(key, told, self.memory.name)  # type: ignore[union-attr]
             out.append(reservation)
             parent = key
         return out
