@@ -575,6 +575,7 @@ class ServerConfig:
             f"{f' ({self.max_local_disk_size / gib:.2f}GiB)' if self.local_disk else ''} "
             f"remote={redact(self.remote_url) if self.remote_url else 'off'} "
             f"metrics={'off' if not self.metrics_port else f'http://{self.metrics_host}:{self.metrics_port}'} "
+            f"events={self.events_endpoint or 'off'} "
             f"max_message={self.max_message_size >> 20}MiB inflight_budget={self.max_inflight_bytes >> 20}MiB"
         )
 

@@ -448,3 +448,22 @@ def test_a_chunk_stored_without_token_ids_is_announced_when_put_again_with_them(
     assert [(e["type"], e["block_hashes"]) for e in events] == [
         ("BlockStored", expected_hashes(keys[0], ROOT_KEY, tokens))
     ]
+
+
+def test_adapters_send_token_ids_only_to_a_daemon_that_publishes_events(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    from lmcache_client.integrations.transfer import ChunkTransfer
+
+    tokens = prompt(8, 2)
+    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    with_events, without = events_daemon(daemon_factory), daemon_factory()
+    for daemon, announced in ((with_events, True), (without, False)):
+        with daemon.client(namespace=NS) as c:
+            transfer = ChunkTransfer(c, NS, 4096)
+            assert transfer.wants_tokens() is announced
+            assert transfer.put(keys, [b"x" * 4096] * 2, toks) == 2
+            if announced:
+                assert quiet(c, announced_chunks=2)["announced_chunks"] == 2
+            else:
+                assert "events" not in c.stats()

@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 REPLAY_YIELD_EVERY = 256
 """Batches sent to one replay request between two yields to the event loop."""
+CLOSE_LINGER_MS = 200
+"""At close, how long the last batches may take to leave (a stalled subscriber gets none)."""
 REPLAY_HWM = 100_000
 """Messages queued to one replay requester; beyond, ROUTER drops them (a requester that does not read)."""
 
@@ -162,7 +164,7 @@ class EventPublisher:
             self.flush()
         except Exception:  # closing anyway
             logger.exception("last event batch not sent")
-        self._pub.close(linger=0)
+        self._pub.close(linger=CLOSE_LINGER_MS)  # the last batch still goes to subscribers that read
         if self._replay is not None:
             self._replay.close(linger=0)
 

@@ -186,6 +186,8 @@ class ChunkTransfer:
                 )
             except ClientError as err:
                 self._failed("put", err)
+                if tokens is not None:
+                    self._events = None  # a daemon restarted without events refuses them: ask again
                 continue
             stored += sum(s in (PutStatus.STORED, PutStatus.EXISTS) for s in statuses)
         return stored
@@ -240,6 +242,8 @@ class ChunkTransfer:
                 )
             except ClientError as err:
                 self._failed("put", err)
+                if tokens is not None:
+                    self._events = None  # a daemon restarted without events refuses them: ask again
                 continue
             stored += sum(s in (PutStatus.STORED, PutStatus.EXISTS) for s in statuses)
         return stored
