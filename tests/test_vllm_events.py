@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 from .conftest import Daemon, free_port, wait_for
-from .test_events import END_SEQ, decode_with_vllm, events_daemon, events_of, quiet, replay
+from .test_events import END_SEQ, decode, decode_with_vllm, events_daemon, events_of, quiet, replay
 from .vllm_harness.fixtures import Server, doc_command, models, vllm_env, vllm_python  # noqa: F401
 from .vllm_harness.models import prompt_tokens
 
@@ -79,16 +79,18 @@ def test_replica_publishes_the_connectors_events_and_its_puts_carry_token_ids(
 
         seen: list[dict[str, Any]] = []
 
-        def connector_events() -> list[dict[str, Any]] | None:
-            seen[:] = events_of(decode_with_vllm(vllm_python, replay_from(events_config["replay_endpoint"])))
+        def connector_events() -> list[tuple[bytes, int, bytes]] | None:
+            frames = replay_from(events_config["replay_endpoint"])
+            seen[:] = events_of(decode(frames))  # msgpack here; vLLM's own decoder once, below
             ours = [e for e in seen if e["type"] == "BlockStored" and e["medium"] == "CPU"]
-            return seen if sum(len(e["block_hashes"]) for e in ours) >= 2 * CHUNK // BLOCK else None
+            return frames if sum(len(e["block_hashes"]) for e in ours) >= 2 * CHUNK // BLOCK else None
 
         try:
-            events = wait_for(connector_events, timeout_s=120)
+            frames = wait_for(connector_events, timeout_s=120)
         except AssertionError:
             summary = [(e["type"], e.get("medium"), len(e.get("block_hashes", []))) for e in seen]
             raise AssertionError(f"vLLM's stream: {summary}") from None
+        events = events_of(decode_with_vllm(vllm_python, frames))
     finally:
         server.stop()
     ours = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU"]
