@@ -2,6 +2,11 @@
 
 Implements :class:`..storage.base.Residency`:
 
+Calls from the store only record what happened (a dict update and an
+append): the hashing and the events are built when the batch is flushed
+(:meth:`EventPublisher.flush`, a callback of its own on the event loop), so a
+put's commit never waits for them.  In that order:
+
 - ``stored``: a chunk whose put carried token ids became readable.  Its
   ``n = tokens / block_size`` blocks are recorded in its topic's
   :class:`.blocks.BlockIndex`, and the blocks no other announced chunk holds
@@ -80,8 +85,10 @@ class Announcer:
         self.counters = AnnouncerCounters()
         self._topics: dict[str, bytes] = {}  # namespace -> topic
         self._index: dict[bytes, BlockIndex] = {}  # topic -> its announced blocks
-        self._where: dict[ChunkKey, bytes] = {}  # announced chunk -> its topic
+        self._where: dict[ChunkKey, bytes] = {}  # announced chunk -> its topic (kept current)
         self._medium: dict[bytes, str] = {}  # topic -> the medium its chunks were announced with
+        self._ops: list[tuple[Any, ...]] = []  # what happened since the last flush, in order
+        publisher.prepare = self._build
 
     def topic(self, namespace: str) -> bytes:
         topic = self._topics.get(namespace)
@@ -91,42 +98,66 @@ class Announcer:
             self._index.setdefault(topic, BlockIndex())
         return topic
 
-    # -- Residency -------------------------------------------------------------------
+    # -- Residency: record only ------------------------------------------------------
     def stored(self, key: ChunkKey, tokens: ChunkTokens, tier: str) -> None:
         try:
-            self._stored(key, tokens, tier)
+            if key in self._where:
+                return
+            if not tokens.packed or len(tokens.packed) % (4 * self.settings.block_size):
+                self.counters.skipped_chunks += 1
+                return
+            topic = self.topic(key.namespace)
+            self._where[key] = topic
+            self.counters.announced_chunks += 1
+            self._record(("stored", key, topic, tokens, MEDIUM.get(tier, tier.upper())))
         except Exception:
             self._failed("stored")
 
+    def announced(self, key: ChunkKey) -> bool:
+        return key in self._where
+
     def removed(self, key: ChunkKey) -> None:
-        try:
-            self._removed(key)
-        except Exception:
-            self._failed("removed")
+        topic = self._where.pop(key, None)
+        if topic is not None:
+            self.counters.removed_chunks += 1
+            self._record(("removed", key, topic))
 
     def cleared(self, namespace: str | None) -> None:
-        try:
-            self._cleared(namespace)
-        except Exception:
-            self._failed("cleared")
+        self.counters.clears += 1
+        if namespace is None:
+            self._where.clear()
+        else:
+            for key in [k for k in self._where if k.namespace == namespace]:
+                del self._where[key]
+        self._record(("cleared", namespace))
+
+    def _record(self, op: tuple[Any, ...]) -> None:
+        self._ops.append(op)
+        self.publisher.wake(len(self._ops))
 
     def _failed(self, what: str) -> None:
         self.counters.errors += 1
         logger.exception("KV event (%s) not published", what)
 
-    def _stored(self, key: ChunkKey, tokens: ChunkTokens, tier: str) -> None:
+    # -- at flush: the events ----------------------------------------------------------
+    def _build(self) -> None:
+        ops, self._ops = self._ops, []
+        for op in ops:
+            try:
+                if op[0] == "stored":
+                    self._build_stored(*op[1:])
+                elif op[0] == "removed":
+                    self._build_removed(*op[1:])
+                else:
+                    self._build_cleared(*op[1:])
+            except Exception:
+                self._failed(str(op[0]))
+
+    def _build_stored(self, key: ChunkKey, topic: bytes, tokens: ChunkTokens, medium: str) -> None:
         bs = self.settings.block_size
-        if key in self._where:
-            return
-        if not tokens.packed or len(tokens.packed) % (4 * bs):
-            self.counters.skipped_chunks += 1
-            return
-        topic = self.topic(key.namespace)
         hashes = block_hashes(key.digest, tokens.parent, tokens.packed, bs)
         shared = self._index[topic].add(key, hashes)
-        self._where[key] = topic
-        medium = self._medium.setdefault(topic, MEDIUM.get(tier, tier.upper()))
-        self.counters.announced_chunks += 1
+        medium = self._medium.setdefault(topic, medium)
         if shared == len(hashes):
             return  # every block already announced by another chunk
         parent = parent_hash(tokens.parent) if shared == 0 else hashes[shared - 1]
@@ -134,31 +165,19 @@ class Announcer:
         ids.frombytes(tokens.packed[shared * 4 * bs :])
         self.publisher.publish(topic, [block_stored(hashes[shared:], parent, ids.tolist(), bs, medium)])
 
-    def announced(self, key: ChunkKey) -> bool:
-        return key in self._where
-
-    def _removed(self, key: ChunkKey) -> None:
-        topic = self._where.pop(key, None)
-        if topic is None:
-            return
-        medium = self._medium[topic]
-        self.counters.removed_chunks += 1
+    def _build_removed(self, key: ChunkKey, topic: bytes) -> None:
         gone = self._index[topic].remove(key)
         if gone:
-            self.publisher.publish(topic, [block_removed(gone, medium)])
+            self.publisher.publish(topic, [block_removed(gone, self._medium[topic])])
 
-    def _cleared(self, namespace: str | None) -> None:
-        self.counters.clears += 1
+    def _build_cleared(self, namespace: str | None) -> None:
         if namespace is None:
             for topic, index in self._index.items():
                 index.clear()
                 self.publisher.publish(topic, [all_cleared()])
-            self._where.clear()
             return
         topic = self.topic(namespace)
         index = self._index[topic]
-        for key in [k for k in self._where if k.namespace == namespace]:
-            del self._where[key]
         gone = index.remove_namespace(namespace)
         if not len(index):
             self.publisher.publish(topic, [all_cleared()])
@@ -166,10 +185,12 @@ class Announcer:
             self.publisher.publish(topic, [block_removed(gone, self._medium.get(topic, MEDIUM["memory"]))])
 
     def stats(self) -> dict[str, Any]:
-        return {
+        out = {
             "topics": len(self._index),
-            "announced_chunks": len(self._where),
+            "announced_chunks_now": len(self._where),
             "announced_blocks": sum(i.blocks for i in self._index.values()),
             **dataclasses.asdict(self.counters),
             **self.publisher.stats(),
         }
+        out["pending_events"] += len(self._ops)
+        return out

@@ -2,8 +2,10 @@
 
 - Events are queued per topic and sent as one ``KVEventBatch`` per topic when
   ``batch_max_events`` are pending or ``batch_interval_s`` after the first
-  (whichever comes first).  ``publish`` only appends to a list: it never
-  blocks and never raises into a request.
+  (whichever comes first), always from a callback of its own on the event
+  loop: ``publish`` and ``wake`` only append or schedule, never block and
+  never raise into a request.  ``prepare`` (the announcer's) runs first at each
+  flush and turns what it recorded into events.
 - Every batch gets the next sequence number (one counter per endpoint, from
   0) and goes into the replay buffer before it is sent, so the sequence a
   subscriber can recover is gap-free.
@@ -16,8 +18,8 @@
   is answered with every kept batch from ``seq`` on, each
   ``[b"", topic, seq, payload]``, then ``[b"", b"", END_SEQ, b""]``.
 
-Primitive: :class:`EventPublisher` (``bind``, ``publish``, ``flush``,
-``serve_replay``, ``close``, ``stats``).
+Primitive: :class:`EventPublisher` (``bind``, ``publish``, ``wake``,
+``flush``, ``serve_replay``, ``close``, ``stats``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -79,6 +82,10 @@ class EventPublisher:
         self._pending: dict[bytes, list[Event]] = {}
         self._pending_events = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._soon: asyncio.Handle | None = None
+        self._flushing = False
+        self.prepare: Callable[[], None] | None = None
+        """Called at the start of every flush (the announcer builds its events then)."""
         # A plain (blocking-API) socket over the same ZeroMQ context: sends with
         # NOBLOCK complete at once, without a future per batch.
         self._sync: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(context.underlying)
@@ -105,16 +112,33 @@ class EventPublisher:
             return
         self._pending.setdefault(topic, []).extend(events)
         self._pending_events += len(events)
-        if self._pending_events >= self.batch_max_events:
-            self.flush()
+        self.wake(self._pending_events)
+
+    def wake(self, pending: int) -> None:
+        """``pending`` events wait (queued here or recorded by ``prepare``'s owner):
+        flush at the next turn of the loop when they fill a batch, else after
+        ``batch_interval_s``."""
+        if self._flushing:
+            return
+        loop = asyncio.get_running_loop()
+        if pending >= self.batch_max_events:
+            if self._soon is None:
+                self._soon = loop.call_soon(self.flush)
         elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.batch_interval_s, self.flush)
+            self._timer = loop.call_later(self.batch_interval_s, self.flush)
 
     def flush(self) -> None:
         """Send what is pending now, one batch per topic (at most ``batch_max_events`` each)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for handle in (self._timer, self._soon):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._soon = None
+        if self.prepare is not None:
+            self._flushing = True
+            try:
+                self.prepare()
+            finally:
+                self._flushing = False
         pending, self._pending, self._pending_events = self._pending, {}, 0
         ts = time.time()
         for topic, events in pending.items():
