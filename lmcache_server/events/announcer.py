@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from array import array
 from typing import Any
 
 from lmcache_client.keys import ChunkTokens
@@ -161,9 +160,8 @@ class Announcer:
         if shared == len(hashes):
             return  # every block already announced by another chunk
         parent = parent_hash(tokens.parent) if shared == 0 else hashes[shared - 1]
-        ids = array("I")
-        ids.frombytes(tokens.packed[shared * 4 * bs :])
-        self.publisher.publish(topic, [block_stored(hashes[shared:], parent, ids.tolist(), bs, medium)])
+        ids = tokens.packed[shared * 4 * bs :]
+        self.publisher.publish(topic, [block_stored(hashes[shared:], parent, ids, bs, medium)])
 
     def _build_removed(self, key: ChunkKey, topic: bytes) -> None:
         gone = self._index[topic].remove(key)

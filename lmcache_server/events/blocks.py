@@ -47,12 +47,12 @@ def block_hashes(key: bytes, parent: bytes, packed: bytes, block_size: int) -> l
     """The event hash of each block of a chunk (``packed``: its u32le token ids, a
     whole number of blocks)."""
     step = 4 * block_size
-    n = len(packed) // step
     h = hashlib.sha256(BLOCK_DOMAIN + parent)
+    update, copy, from_bytes, mask = h.update, h.copy, int.from_bytes, HASH_MASK
     out = []
-    for j in range(n - 1):
-        h.update(packed[j * step : (j + 1) * step])
-        out.append(event_hash(h.copy().digest()))
+    for j in range(len(packed) // step - 1):
+        update(packed[j * step : (j + 1) * step])
+        out.append(from_bytes(copy().digest()[:8], "big") & mask)  # event_hash, inlined: it runs per block
     out.append(event_hash(key))
     return out
 

@@ -12,6 +12,12 @@ optional ones (defaults in vLLM) are left out:
 - ``BlockRemoved``: block_hashes, medium;
 - ``AllBlocksCleared``: no fields.
 
+Each event is encoded once, when it is built (an :data:`Event` is its msgpack
+bytes), and a batch is those bytes behind the batch's array header: no event
+is packed twice, and a chunk's token ids go from the packed u32le bytes the
+put carried straight to msgpack ``uint 32`` items (any integer width is valid
+msgpack; vLLM's msgspec decoder takes them), without a Python int per token.
+
 Primitives: :func:`block_stored`, :func:`block_removed`, :func:`all_cleared`,
 :func:`encode_batch`, :func:`seq_bytes`, :data:`END_SEQ`.
 """
@@ -19,43 +25,80 @@ Primitives: :func:`block_stored`, :func:`block_removed`, :func:`all_cleared`,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import msgpack
 
-Event = dict[str, Any]
+Event = bytes
+"""One event, msgpack-encoded."""
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of the replay endpoint's end-of-replay marker."""
 
+_NIL = b"\xc0"
 
-def block_stored(
-    hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int, medium: str
-) -> Event:
-    return {
-        "type": "BlockStored",
-        "block_hashes": list(hashes),
-        "parent_block_hash": parent,
-        "token_ids": list(token_ids),
-        "block_size": block_size,
-        "lora_id": None,
-        "medium": medium,
-        "lora_name": None,
-    }
+
+def _str(text: str) -> bytes:
+    packed: bytes = msgpack.packb(text)
+    return packed
+
+
+def _pack(value: object) -> bytes:
+    packed: bytes = msgpack.packb(value, use_bin_type=True)
+    return packed
+
+
+_STORED = b"\x88" + _str("type") + _str("BlockStored")
+_REMOVED = b"\x83" + _str("type") + _str("BlockRemoved")
+_CLEARED = b"\x81" + _str("type") + _str("AllBlocksCleared")
+_K = {name: _str(name) for name in (
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+)}  # fmt: skip
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes([0x90 | n])
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _u32_array(packed: bytes) -> bytes:
+    """A msgpack array of the u32le integers in ``packed``, each as ``uint 32`` (0xce, big-endian)."""
+    n = len(packed) // 4
+    out = bytearray(5 * n)
+    out[0::5] = b"\xce" * n
+    for i in range(4):
+        out[1 + i :: 5] = packed[3 - i :: 4]
+    return _array_header(n) + bytes(out)
+
+
+def block_stored(hashes: Sequence[int], parent: int | None, packed_ids: bytes, block_size: int, medium: str) -> Event:
+    """``packed_ids``: the blocks' token ids, u32le (as puts carry them)."""
+    k = _K
+    return b"".join((
+        _STORED,
+        k["block_hashes"], _pack(list(hashes)),
+        k["parent_block_hash"], _pack(parent),
+        k["token_ids"], _u32_array(packed_ids),
+        k["block_size"], _pack(block_size),
+        k["lora_id"], _NIL,
+        k["medium"], _str(medium),
+        k["lora_name"], _NIL,
+    ))  # fmt: skip
 
 
 def block_removed(hashes: Sequence[int], medium: str) -> Event:
-    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
+    return b"".join((_REMOVED, _K["block_hashes"], _pack(list(hashes)), _K["medium"], _str(medium)))
 
 
 def all_cleared() -> Event:
-    return {"type": "AllBlocksCleared"}
+    return _CLEARED
 
 
 def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int = 0) -> bytes:
-    """One ``KVEventBatch`` payload."""
-    payload: bytes = msgpack.packb([ts, list(events), data_parallel_rank], use_bin_type=True)
-    return payload
+    """One ``KVEventBatch`` payload: ``[ts, [events...], data_parallel_rank]``."""
+    return b"".join((b"\x93", _pack(float(ts)), _array_header(len(events)), *events, _pack(data_parallel_rank)))
 
 
 def seq_bytes(seq: int) -> bytes:
