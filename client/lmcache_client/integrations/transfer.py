@@ -60,6 +60,8 @@ class ChunkTransfer:
         """Whether the daemon publishes KV events, so puts should carry token ids
         (its hello offers ``events``; asked once, again after a failed ask)."""
         if self._events is None:
+            if self.client.fail_open_stats.get("down"):
+                return False  # never a hello past the open breaker: it would wait out timeout_s
             try:
                 self._events = bool(self.client.hello().get("events"))
             except ClientError:
