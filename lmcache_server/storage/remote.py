@@ -115,6 +115,7 @@ class RedisTier:
         self._probing: asyncio.Task[None] | None = None
         self._building: set[asyncio.Task[None]] = set()
         self._writing: list[Write] | None = None
+        self._removing = 0  # removals taken from the queue and not yet acknowledged by Redis
 
     def _connect(self, url: str, username: str | None, password: str | None) -> Any:
         kwargs: dict[str, Any] = {
@@ -206,7 +207,7 @@ class RedisTier:
         return self._drained()
 
     def _drained(self) -> bool:
-        return self.queue.idle() and self._writing is None and not self._building
+        return self.queue.idle() and self._writing is None and not self._building and not self._removing
 
     async def close(self) -> None:
         for task in [*self._tasks, self._probing, *self._building]:
@@ -311,6 +312,7 @@ class RedisTier:
 
     async def _send_removals(self) -> None:
         clears, deletes = self.queue.take_removals()
+        self._removing = len(clears) + len(deletes)
         try:
             for namespace in list(clears):
                 await self._clear_in_redis(namespace)
@@ -322,6 +324,8 @@ class RedisTier:
         except BaseException:
             self.queue.put_back(clears, deletes)
             raise
+        finally:
+            self._removing = 0
 
     async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
         return PutStatus.STORED if self.enqueue(key, bytes(data)) else PutStatus.NO_SPACE
@@ -457,7 +461,7 @@ class RedisTier:
             "url": redact(self.url),
             "queued_writes": len(self.queue),
             "queued_bytes": self.queue.nbytes,
-            "pending_removals": self.queue.pending_removals,
+            "pending_removals": self.queue.pending_removals + self._removing,
             "lost_deletes": self.queue.lost_deletes,
             "ttl_s": (self.ttl_ms or 0) / 1000,
             **dataclasses.asdict(self.counters),
