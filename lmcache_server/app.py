@@ -69,7 +69,11 @@ class App:
         security = Security.from_config(c)
         if c.malloc_tuning and not tune_malloc():
             logger.info("malloc tuning not applied (not glibc?)")
-        warm = WarmStart(c.shm_dir, c.listen, c.max_local_cpu_size) if c.shared_memory and c.warm_restart else None
+        warm = (
+            WarmStart(c.shm_dir, c.listen, c.max_local_cpu_size, c.warm_restart_max_age_s)
+            if c.shared_memory and c.warm_restart
+            else None
+        )
         adoption = warm.find() if warm is not None else None
         pool, adoption = _pool(c, adoption)
         supervisor = Supervisor()  # background loops restart after a failure (logged, counted)

@@ -455,6 +455,13 @@ class ServerConfig:
         "At a clean stop keep the shared pool segment and write its index beside it, so that the next daemon "
         "with the same listen addresses and pool size adopts the memory tier (a crash always starts cold).",
     )
+    warm_restart_max_age_s: float = _field(
+        3600.0,
+        _float(0.0, 30 * 86400.0),
+        "seconds, 0..2592000",
+        "A clean pool segment that a daemon with other listen addresses left in shm_dir longer ago than this "
+        "is an orphan (that daemon moved or retired) and is removed at start; younger ones are kept for it.",
+    )
     malloc_tuning: bool = _field(
         True, _bool, "true or false", "Keep glibc from mmap/munmap-ing every large receive buffer."
     )

@@ -275,6 +275,23 @@ def test_a_segment_of_another_daemon_is_left_alone(daemon_factory: Callable[...,
         assert [sha(g) for g in c.get(keys)] == [sums[k] for k in keys]
 
 
+def test_an_orphaned_segment_of_another_daemon_is_removed_once_old(daemon_factory: Callable[..., Daemon]) -> None:
+    """A clean segment whose daemon moved to other addresses would hold host memory
+    forever: past warm_restart_max_age_s the next daemon's start removes it."""
+    a = warm_daemon(daemon_factory)
+    put_all(a, [key(i, "orphan") for i in range(2)])
+    segment = segment_of(a)
+    assert a.stop() == 0
+    young = warm_daemon(daemon_factory, shm_dir=str(a.shm_dir))
+    assert segment.exists() and "MiB of host memory" in young.log()
+    assert young.stop() == 0
+    old = warm_daemon(daemon_factory, shm_dir=str(a.shm_dir), warm_restart_max_age_s=0)
+    assert not segment.exists() and not index_of(segment).exists()
+    assert "warm_restart_max_age_s" in old.log() and REFUSED in old.log()
+    with old.client() as c:  # and the daemon serves
+        assert c.put([key(9)], [value(key(9))]) == [PutStatus.STORED]
+
+
 # -- the index format, without a daemon -------------------------------------------
 def _index(**changes: object) -> WarmIndex:
     k = ChunkKey("ns", b"\x01" * 32)

@@ -286,13 +286,25 @@ def check(index: WarmIndex, pool_size: int) -> None:
         raise WarmIndexError(f"inconsistent extents: {err}") from None
 
 
+DEFAULT_MAX_AGE_S = 3600.0
+
+
 class WarmStart:
     """Finds and adopts, or writes, the warm-restart index of one daemon."""
 
-    def __init__(self, shm_dir: str | os.PathLike[str], identity: Sequence[str], pool_size: int):
+    def __init__(
+        self,
+        shm_dir: str | os.PathLike[str],
+        identity: Sequence[str],
+        pool_size: int,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+    ):
         self.shm_dir = Path(shm_dir)
         self.identity = tuple(sorted(identity))
         self.pool_size = pool_size
+        self.max_age_s = max_age_s
+        """A clean segment another daemon left longer ago than this is an orphan (its
+        daemon moved or retired): removed, so it does not hold the host's memory forever."""
 
     def find(self) -> Adoption | None:
         """The segment left by this daemon's last clean stop, locked and with its
@@ -317,9 +329,7 @@ class WarmStart:
                 self._refuse(segment, str(err))
                 continue
             if index.identity != self.identity:
-                logger.info(
-                    "kept %s: left by a clean stop of the daemon listening on %s", segment, ", ".join(index.identity)
-                )
+                self._foreign(segment, index)
                 continue
             found.append((index.written_at, segment, index))
         if not found:
@@ -371,6 +381,28 @@ class WarmStart:
             max(0.0, time.time() - index.written_at),
         )
         return Adoption(Segment(path, fd, SEGMENT_RE.match(name).group(2)), index)  # type: ignore[union-attr]
+
+    def _foreign(self, name: str, index: WarmIndex) -> None:
+        """A clean segment of a daemon with other ``listen`` addresses: kept for it while
+        young, removed once older than ``max_age_s``."""
+        age = max(0.0, time.time() - index.written_at)
+        owner = ", ".join(index.identity)
+        if age > self.max_age_s:
+            self._refuse(name, f"left by the daemon listening on {owner} {age:.0f}s ago (warm_restart_max_age_s)")
+            return
+        try:
+            held = os.stat(self.shm_dir / name).st_blocks * 512
+        except OSError:
+            held = 0
+        logger.warning(
+            "kept %s (%d MiB of host memory): left by a clean stop of the daemon listening on %s %.0fs ago; "
+            "removed when that daemon starts, or by the first start after warm_restart_max_age_s (%.0fs)",
+            name,
+            held >> 20,
+            owner,
+            age,
+            self.max_age_s,
+        )
 
     def _refuse(self, name: str, reason: str) -> None:
         """Cold start: one log line, and the segment and its index removed (the
