@@ -467,3 +467,17 @@ def test_adapters_send_token_ids_only_to_a_daemon_that_publishes_events(
                 assert quiet(c, announced_chunks=2)["announced_chunks"] == 2
             else:
                 assert "events" not in c.stats()
+
+
+def test_the_replay_buffer_is_bounded_in_bytes_and_gap_free() -> None:
+    from lmcache_server.events.replay import ReplayBuffer
+
+    buffer = ReplayBuffer(max_bytes=10_000)
+    for seq in range(100):
+        buffer.append(seq, b"t", bytes(999))  # 1000 bytes with the topic
+    assert buffer.nbytes <= 10_000 and len(buffer) == 10
+    assert [s for s, _, _ in buffer.since(0)] == list(range(90, 100))  # the oldest fell out
+    assert [s for s, _, _ in buffer.since(95)] == list(range(95, 100))
+    assert buffer.since(100) == []
+    buffer.append(100, b"t", bytes(50_000))  # larger than the bound: kept alone
+    assert [s for s, _, _ in buffer.since(0)] == [100]
