@@ -5,7 +5,8 @@ Primitives:
 - :class:`Processes`: starts child processes (daemon, echo server, redis-server)
   in their own sessions with ``PR_SET_PDEATHSIG``, and stops every one of them
   (SIGTERM, then SIGKILL) from a ``finally``, also on Ctrl-C or SIGTERM.
-- :func:`free_port`, :func:`wait_until`.
+- :func:`free_port`, :func:`wait_until`, :func:`start_daemon` (a daemon with
+  ``--set`` settings, returned once it answers a ping).
 - :func:`measure` / :func:`measure_group`: warm-up calls, then ``reps`` timed
   repetitions of ``calls`` calls each (interleaved across the members of a
   group); a :class:`Stats` of MiB/s (median, min, max) per member.
@@ -64,6 +65,28 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, alive
             return
         time.sleep(0.05)
     raise TimeoutError(f"{what} not ready within {timeout_s:.0f}s")
+
+
+def start_daemon(procs: Processes, name: str, port: int, settings: dict[str, object]) -> Child:
+    """Start ``python -m lmcache_server`` on ``tcp://127.0.0.1:port`` (metrics off) with
+    ``settings`` as ``--set`` flags; returns once it answers a ping."""
+    from lmcache_client import CacheClient, DaemonUnavailable
+
+    argv = [sys.executable, "-m", "lmcache_server", "--listen", f"tcp://127.0.0.1:{port}", "--metrics-port", "0"]
+    for k, v in settings.items():
+        argv += ["--set", f"{k}={v}"]
+    child = procs.start(name, argv)
+
+    def up() -> bool:
+        try:
+            with CacheClient(f"tcp://127.0.0.1:{port}", "bench|ping", timeout_s=0.3, fail_open=False) as c:
+                c.ping(timeout_s=0.3)
+            return True
+        except DaemonUnavailable:
+            return False
+
+    wait_until(up, 60, f"{name} to answer", child.check_alive)
+    return child
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -42,10 +42,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Child, Processes, free_port, measure_group, raise_on_sigterm, wait_until, workspace  # noqa: E402
+from _harness import Child, Processes, free_port, measure_group, raise_on_sigterm, workspace  # noqa: E402
+from _harness import start_daemon as harness_start_daemon  # noqa: E402
 
 from lmcache_client import CacheClient  # noqa: E402
-from lmcache_client.errors import DaemonUnavailable  # noqa: E402
 from lmcache_client.keys import ChunkTokens, chunk_keys, chunk_tokens  # noqa: E402
 
 CHUNK_TOKENS = 256
@@ -55,8 +55,7 @@ NAMESPACE = "bench/events|bfloat16|L32|KV8|D128|tp0of1|c256"
 def start_daemon(
     procs: Processes, name: str, port: int, shm_dir: Path, pool: str, events: dict[str, object] | None
 ) -> Child:
-    argv = [sys.executable, "-m", "lmcache_server", "--listen", f"tcp://127.0.0.1:{port}", "--metrics-port", "0"]
-    settings = {
+    settings: dict[str, object] = {
         "max_local_cpu_size": pool,
         "shm_dir": str(shm_dir),
         "warm_restart": "false",
@@ -64,20 +63,7 @@ def start_daemon(
         "stats_log_interval_s": 0,
     }
     settings.update(events or {})
-    for k, v in settings.items():
-        argv += ["--set", f"{k}={v}"]
-    child = procs.start(name, argv)
-
-    def up() -> bool:
-        try:
-            with CacheClient(f"tcp://127.0.0.1:{port}", NAMESPACE, timeout_s=0.3, fail_open=False) as c:
-                c.ping(timeout_s=0.3)
-            return True
-        except DaemonUnavailable:
-            return False
-
-    wait_until(up, 60, f"{name} to answer", child.check_alive)
-    return child
+    return harness_start_daemon(procs, name, port, settings)
 
 
 def prompts(n: int, chunks: int, seed: int) -> list[tuple[list[bytes], list[ChunkTokens]]]:

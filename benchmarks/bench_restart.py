@@ -36,9 +36,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Child, Processes, free_port, raise_on_sigterm, wait_until, workspace  # noqa: E402
+from _harness import Child, Processes, free_port, raise_on_sigterm, workspace  # noqa: E402
+from _harness import start_daemon as harness_start_daemon  # noqa: E402
 
-from lmcache_client import CacheClient, DaemonUnavailable  # noqa: E402
+from lmcache_client import CacheClient  # noqa: E402
 from lmcache_client.keys import chunk_keys  # noqa: E402
 
 NAMESPACE = "bench-restart|bfloat16|L32|KV8|D128|tp0of1|c256"
@@ -75,29 +76,15 @@ class Workload:
 
 
 def start_daemon(procs: Processes, name: str, port: int, shm_dir: Path, pool: int, warm: bool, policy: str) -> Child:
-    argv = [sys.executable, "-m", "lmcache_server", "--listen", f"tcp://127.0.0.1:{port}", "--metrics-port", "0"]
-    for k, v in {
+    settings: dict[str, object] = {
         "max_local_cpu_size": f"{pool}B",
         "shm_dir": str(shm_dir),
         "warm_restart": "true" if warm else "false",
         "cache_policy": policy,
         "stats_log_interval_s": 0,
         "max_inflight_bytes": "4GiB",
-    }.items():
-        argv += ["--set", f"{k}={v}"]
-    child = procs.start(name, argv)
-    address = f"tcp://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            with CacheClient(address, NAMESPACE, timeout_s=0.3, fail_open=False) as c:
-                c.ping(timeout_s=0.3)
-            return True
-        except DaemonUnavailable:
-            return False
-
-    wait_until(up, 60, f"{name} to answer", child.check_alive)
-    return child
+    }
+    return harness_start_daemon(procs, name, port, settings)
 
 
 def fill(address: str, w: Workload) -> int:
