@@ -152,12 +152,16 @@ def put_chunks(c: Any, n: int, fill: bytes) -> list[bytes]:
 
 
 def test_spill_directory_removed_mid_run(disk_daemon: Any) -> None:
-    daemon = disk_daemon()
+    daemon = disk_daemon(disk_retry_s=0.5)
     with daemon.client() as c:
         old = put_chunks(c, 16, b"a")
         wait_for(lambda: disk_stats(c)["spills"] >= 8)
         shutil.rmtree(disk_daemon.root)
         assert c.get(old[:4]) is not None  # misses where the files went, never an error
+        # A spill that was writing when the directory went fails and degrades the tier
+        # for disk_retry_s; later puts find it writing again (the directory comes back).
+        spilled = disk_stats(c)["spills"]
+        wait_for(lambda: put_chunks(c, 2, b"c") and disk_stats(c)["spills"] > spilled, 30)
         spilled = disk_stats(c)["spills"]
         new = put_chunks(c, 16, b"b")
         wait_for(lambda: disk_stats(c)["spills"] >= spilled + 8)  # the writers go on (the directory comes back)
