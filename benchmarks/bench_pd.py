@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -45,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import free_port, raise_on_sigterm, workspace  # noqa: E402
-from benchmarks.bench_vllm import VLLM_PYTHON, build_model, counters, wait_ready  # noqa: E402
+from benchmarks.bench_vllm import VLLM_PYTHON, build_model, counters, start_servers  # noqa: E402
 from tests.vllm_harness.fixtures import doc_command  # noqa: E402
 
 
@@ -135,23 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             "consumer": doc_command("vllm-pd-consumer-command"),
             "single": plain,
         }
-        servers: dict[str, dict[str, Any]] = {}
-        for name, command in commands.items():
-            http = free_port()
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "VLLM_"))}
-            env.update(
-                MODEL=model,
-                PORT=str(http),
-                LMCACHE_SERVER_ADDRESS=address,
-                VLLM_CPU_KVCACHE_SPACE="2",
-                PATH=f"{VLLM_PYTHON.parent}:{env.get('PATH', '')}",
-            )
-            procs.env = env
-            child = procs.start(f"vllm-{name}", ["bash", "-c", command], cwd=ROOT)
-            servers[name] = {"name": name, "url": f"http://127.0.0.1:{http}", "child": child}
-        for s in servers.values():
-            print(f"waiting for vLLM server {s['name']} ...", file=sys.stderr, flush=True)
-            wait_ready(s["url"], s["child"].proc, s["child"].log_path)
+        servers = {s["name"]: s for s in start_servers(procs, commands, Path(model), address)}
         producer, consumer = servers["producer"]["url"], servers["consumer"]["url"]
         targets = {"single": (servers["single"]["url"], None), "pd": (consumer, producer)}
         rng = random.Random(0)

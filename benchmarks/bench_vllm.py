@@ -113,6 +113,30 @@ def wait_ready(url: str, proc: Any, log: Path, timeout_s: float = 900) -> None:
     raise TimeoutError(f"vLLM server at {url} not ready")
 
 
+def start_servers(procs: Any, commands: dict[str, str], model: Path, address: str) -> list[dict[str, Any]]:
+    """One vLLM OpenAI server per ``commands`` entry (a shell command line of
+    docs/integrations.md), on a free port, the daemon at ``address``; returned once
+    every one answers ``/health``: dicts of ``name``, ``url``, ``child``, ``model``."""
+    servers = []
+    for name, command in commands.items():
+        http = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "VLLM_"))}
+        env.update(
+            MODEL=str(model),
+            PORT=str(http),
+            LMCACHE_SERVER_ADDRESS=address,
+            VLLM_CPU_KVCACHE_SPACE="2",
+            PATH=f"{VLLM_PYTHON.parent}:{env.get('PATH', '')}",
+        )
+        procs.env = env
+        child = procs.start(f"vllm-{name}", ["bash", "-c", command], cwd=ROOT)
+        servers.append({"name": name, "url": f"http://127.0.0.1:{http}", "child": child, "model": str(model)})
+    for s in servers:
+        print(f"waiting for vLLM server {s['name']} ...", file=sys.stderr, flush=True)
+        wait_ready(s["url"], s["child"].proc, s["child"].log_path)
+    return servers
+
+
 def raw_get_s(address: str, chunk_bytes: int, n_chunks: int, reps: int = 5) -> float:
     """Median seconds of a contiguous ``get_into`` of ``n_chunks`` chunks (the bytes B
     loads) by the thin client, each repetition reading chunks stored just before, as B
@@ -155,23 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-m", "lmcache_server", "--set", f"listen=[tcp://127.0.0.1:{port}]"]
             + ["--set", "max_local_cpu_size=4GiB", "--set", "metrics_port=0", "--set", "cache_policy=lru"],
         )
-        servers = []
-        for name in ("a", "b"):
-            http = free_port()
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "VLLM_"))}
-            env.update(
-                MODEL=str(model),
-                PORT=str(http),
-                LMCACHE_SERVER_ADDRESS=address,
-                VLLM_CPU_KVCACHE_SPACE="2",
-                PATH=f"{VLLM_PYTHON.parent}:{env.get('PATH', '')}",
-            )
-            procs.env = env
-            child = procs.start(f"vllm-{name}", ["bash", "-c", doc_command()], cwd=ROOT)
-            servers.append({"name": name, "url": f"http://127.0.0.1:{http}", "child": child, "model": str(model)})
-        for s in servers:
-            print(f"waiting for vLLM server {s['name']} ...", file=sys.stderr, flush=True)
-            wait_ready(s["url"], s["child"].proc, s["child"].log_path)
+        servers = start_servers(procs, {"a": doc_command(), "b": doc_command()}, model, address)
         daemon.check_alive()
         a, b = servers
         meter = CpuMeter(lambda: descendants([c.proc.pid for c in procs.children]))
