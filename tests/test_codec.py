@@ -1,0 +1,245 @@
+"""The KV codec (client/lmcache_client/codec): specs and tags, exact round trips
+of ``lossless``, the error bounds of the lossy modes, partial chunks, and every
+kind of damage to a frame raising CodecError (a miss), never garbage."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmcache_client.codec import CodecError, CodecSpec, make_codec
+from lmcache_client.codec.frame import DTYPE_CODES, MAGIC
+
+SHAPE = (3, 2, 48, 2, 64)  # layers, K/V, tokens, kv heads, head dim
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+ALL_SPECS = ["none", "lossless", "int8", "int8:bits=4", "int8:bits=2", "cachegen", "cachegen:bits=2"]
+
+
+def kv_like(shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
+    """Structured KV-like data: smooth along tokens, outlier channels in K, per-layer scale."""
+    g = torch.Generator().manual_seed(seed)
+    layers, _, tokens, heads, dim = shape
+    base = torch.randn(layers, 2, 1, heads, dim, generator=g)
+    walk = torch.randn(layers, 2, tokens, heads, dim, generator=g).cumsum(2) * 0.1
+    noise = torch.randn(layers, 2, tokens, heads, dim, generator=g) * 0.3
+    x = base + walk + noise
+    x[:, 0, :, :, :4] *= 8.0  # outlier channels in K
+    x *= torch.linspace(0.5, 3.0, layers).view(-1, 1, 1, 1, 1)
+    return x.to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(
+        b.contiguous().view(torch.uint8).numpy()
+    )
+
+
+# -- specs -----------------------------------------------------------------------
+
+
+def test_spec_defaults_make_spellings_equal() -> None:
+    assert CodecSpec.parse("int8") == CodecSpec.parse("int8:group=32") == CodecSpec.parse(" INT8 : bits=8 , group=32 ")
+    assert CodecSpec.parse("cachegen") == CodecSpec.parse("cachegen:bits=4,anchor=16")
+    assert CodecSpec.parse("int8:group=64") != CodecSpec.parse("int8")
+
+
+@pytest.mark.parametrize("text", ALL_SPECS + ["int8:group=64", "lossless:level=3", "cachegen:bits=3,anchor=8"])
+def test_spec_round_trips(text: str) -> None:
+    spec = CodecSpec.parse(text)
+    assert CodecSpec.from_dict(spec.to_dict()) == spec
+    assert CodecSpec.parse(str(spec)) == spec
+    assert "|" not in spec.tag and " " not in spec.tag
+    assert (spec.tag == "") == (spec.mode == "none")
+    if spec.tag:
+        assert ".v1" in spec.tag  # the format version is in every tag
+    assert spec.lossy == (spec.mode in ("int8", "cachegen"))
+
+
+def test_tags_differ_where_decoding_differs() -> None:
+    tags = {CodecSpec.parse(t).tag for t in ["lossless", "int8", "int8:group=64", "int8:bits=4", "cachegen", "cachegen:bits=3"]}
+    assert len(tags) == 6
+    assert CodecSpec.parse("int8").tag == "int8.v1-g32"
+    assert CodecSpec.parse("cachegen").tag == "cachegen.v1-a16b4"
+    # the zstd level changes the bytes but not what they decode to
+    assert CodecSpec.parse("lossless:level=5").tag == CodecSpec.parse("lossless").tag == "lossless.v1"
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("zip", "valid modes: none, lossless, int8, cachegen"),
+        ("int8:group=33", "expected one of 8, 16"),
+        ("int8:grp=32", "valid parameters: group, bits"),
+        ("int8:bits", "not name=value"),
+        ("none:level=1", "valid parameters: none"),
+        ("cachegen:bits=four", "expected one of 2, 3, 4"),
+        ("", "non-empty"),
+        ("int8:group=32,group=64", "given twice"),
+    ],
+)
+def test_bad_specs_name_the_choices(text: str, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        CodecSpec.parse(text)
+
+
+def test_bad_dicts() -> None:
+    with pytest.raises(ValueError):
+        CodecSpec.from_dict({"params": {}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        CodecSpec.from_dict({"mode": "int8", "level": 3})
+    with pytest.raises(ValueError, match="invalid"):
+        CodecSpec.from_dict({"mode": "int8", "params": {"group": True}})
+
+
+# -- lossless ----------------------------------------------------------------------
+
+
+def special_values(dtype: torch.dtype, n: int) -> torch.Tensor:
+    """Random bit patterns (NaNs with payloads, infs, subnormals) plus -0.0, +-inf, NaN."""
+    width = torch.empty((), dtype=dtype).element_size()
+    int_type = {2: torch.int16, 4: torch.int32}[width]
+    g = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2 ** (8 * width - 1)), 2 ** (8 * width - 1) - 1, (n,), generator=g, dtype=torch.int64)
+    x = bits.to(int_type).view(dtype).clone()
+    x[:6] = torch.tensor([-0.0, 0.0, math.inf, -math.inf, math.nan, 1.0], dtype=dtype)
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lossless_exact_on_any_bit_pattern(dtype: torch.dtype) -> None:
+    codec = make_codec("lossless", SHAPE, dtype)
+    x = special_values(dtype, math.prod(SHAPE)).view(SHAPE)
+    y = codec.decode_tensor(codec.encode(x))
+    assert same_bits(x, y)
+    assert len(codec.encode(x)) <= codec.max_encoded_bytes(SHAPE[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lossless_exact_and_smaller_on_structured_data(dtype: torch.dtype) -> None:
+    codec = make_codec("lossless:level=3", SHAPE, dtype)
+    x = kv_like(dtype=dtype)
+    frame = codec.encode(x)
+    out = torch.empty_like(x)
+    codec.decode(frame, out)
+    assert same_bits(x, out)
+    assert len(frame) < codec.raw_bytes(SHAPE[2])
+
+
+def test_none_is_the_raw_bytes() -> None:
+    codec = make_codec("none", SHAPE, torch.bfloat16)
+    x = kv_like()
+    frame = codec.encode(x)
+    assert frame == bytes(x.view(torch.uint8).numpy())
+    assert same_bits(codec.decode_tensor(frame), x)
+    with pytest.raises(CodecError):
+        codec.decode(frame[:-2], torch.empty_like(x))
+
+
+# -- partial chunks, shapes ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+@pytest.mark.parametrize("tokens", [1, 5, 17, 47, 48])
+def test_partial_chunks(spec: str, tokens: int) -> None:
+    codec = make_codec(spec, SHAPE, torch.bfloat16)
+    x = kv_like()[:, :, :tokens].contiguous()
+    frame = codec.encode(x)
+    assert len(frame) <= codec.max_encoded_bytes(tokens)
+    out = torch.full_like(x, 12345.0)
+    codec.decode(frame, out)
+    assert out.shape == x.shape
+    assert codec.decode_tensor(frame).shape == x.shape
+    if not CodecSpec.parse(spec).lossy:
+        assert same_bits(out, x)
+    else:
+        assert torch.isfinite(out).all()
+        assert (out.float() - x.float()).abs().max() < x.float().abs().max()
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_wrong_shapes_and_dtypes_are_refused(spec: str) -> None:
+    codec = make_codec(spec, SHAPE, torch.bfloat16)
+    with pytest.raises(ValueError):
+        codec.encode(torch.zeros(3, 2, 49, 2, 64, dtype=torch.bfloat16))  # more tokens than a chunk
+    with pytest.raises(ValueError):
+        codec.encode(torch.zeros(3, 2, 8, 4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        codec.encode(torch.zeros(SHAPE, dtype=torch.float16))
+    frame = codec.encode(kv_like())
+    with pytest.raises(CodecError):
+        codec.decode(frame, torch.empty(3, 2, 20, 2, 64, dtype=torch.bfloat16))  # out of another token count
+
+
+# -- corruption -----------------------------------------------------------------------------
+
+
+ENCODED_SPECS = [s for s in ALL_SPECS if s != "none"]
+
+
+@pytest.mark.parametrize("spec", ENCODED_SPECS)
+def test_any_flipped_byte_is_an_error(spec: str) -> None:
+    codec = make_codec(spec, (2, 2, 16, 1, 32), torch.bfloat16)
+    frame = codec.encode(kv_like((2, 2, 16, 1, 32)))
+    out = torch.zeros(2, 2, 16, 1, 32, dtype=torch.bfloat16)
+    for pos in range(len(frame)):
+        for flip in (0x01, 0x80):
+            bad = bytearray(frame)
+            bad[pos] ^= flip
+            with pytest.raises(CodecError):
+                codec.decode(bytes(bad), out)
+    assert not out.any(), "a failed decode wrote into out"
+
+
+@pytest.mark.parametrize("spec", ENCODED_SPECS)
+def test_truncated_or_padded_frames_are_errors(spec: str) -> None:
+    codec = make_codec(spec, SHAPE, torch.bfloat16)
+    frame = codec.encode(kv_like())
+    for cut in list(range(0, 64)) + list(range(64, len(frame), max(1, len(frame) // 97))) + [len(frame) - 1]:
+        with pytest.raises(CodecError):
+            codec.decode_tensor(frame[:cut])
+    with pytest.raises(CodecError):
+        codec.decode_tensor(frame + b"\0")
+    with pytest.raises(CodecError):
+        codec.decode_tensor(b"")
+
+
+def _reframe(frame: bytes, pos: int, value: int) -> bytes:
+    """Change one header byte and fix the checksum, so only the header check can refuse it."""
+    from lmcache_client.codec.frame import checksum
+
+    bad = bytearray(frame)
+    bad[pos] = value
+    body = bytes(bad[:-4])
+    return body + checksum(body).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("spec", ENCODED_SPECS)
+def test_wrong_magic_version_mode_dtype_are_errors(spec: str) -> None:
+    codec = make_codec(spec, SHAPE, torch.bfloat16)
+    frame = codec.encode(kv_like())
+    assert frame[:4] == MAGIC and frame[4] == 1
+    with pytest.raises(CodecError, match="magic"):
+        codec.decode_tensor(_reframe(frame, 0, ord("X")))
+    with pytest.raises(CodecError, match="version 2"):
+        codec.decode_tensor(_reframe(frame, 4, 2))
+    with pytest.raises(CodecError, match="codec"):
+        codec.decode_tensor(_reframe(frame, 5, (frame[5] % 3) + 1))
+    with pytest.raises(CodecError, match="dtype"):
+        codec.decode_tensor(_reframe(frame, 6, DTYPE_CODES["float16"]))
+
+
+@pytest.mark.parametrize("spec", ENCODED_SPECS)
+def test_frames_of_another_spec_or_shape_are_errors(spec: str) -> None:
+    codec = make_codec(spec, SHAPE, torch.bfloat16)
+    frame = codec.encode(kv_like())
+    others = [s for s in ENCODED_SPECS if CodecSpec.parse(s) != CodecSpec.parse(spec)] + ["int8:group=64"]
+    for other in others:
+        with pytest.raises(CodecError):
+            make_codec(other, SHAPE, torch.bfloat16).decode_tensor(frame)
+    for shape in [(4, 2, 48, 2, 64), (3, 2, 48, 1, 64), (3, 2, 48, 2, 32), (3, 2, 40, 2, 64)]:
+        with pytest.raises(CodecError):
+            make_codec(spec, shape, torch.bfloat16).decode_tensor(frame)
+    with pytest.raises(CodecError):
+        make_codec(spec, SHAPE, torch.float16).decode_tensor(frame)
