@@ -33,6 +33,8 @@ from typing import Any
 
 import yaml
 
+from .kv_codec import CODEC_MODES, CodecParams, CodecSettingError, parse_codec, parse_codec_params, resolve_codec
+
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "LMCACHE_"
@@ -276,7 +278,24 @@ class ServerConfig:
         "Redis uplink shared by every node; unset: no Redis tier.",
     )
     remote_serde: str = _field(
-        "naive", _choice("naive", "cachegen"), "naive or cachegen", "Encoding of chunks sent to the remote tier."
+        "naive",
+        _choice("naive", "cachegen"),
+        "naive or cachegen",
+        "What engine-side clients store (LMCache's meaning): cachegen is kv_codec cachegen with its defaults; "
+        "naive: raw chunks unless kv_codec says otherwise.",
+    )
+    kv_codec: str | None = _field(
+        None,
+        _optional(parse_codec),
+        f"one of {', '.join(CODEC_MODES)}, optionally with parameters as 'mode:name=value,...'",
+        "KV codec the engine adapters encode chunks with (announced in hello; the codec is part of the "
+        "namespace); unset: from remote_serde.  See docs/codec.md.",
+    )
+    kv_codec_params: CodecParams = _field(
+        (),
+        parse_codec_params,
+        "a map of codec parameter name to value, e.g. {bits: 4}",
+        "Parameters of kv_codec (docs/codec.md lists each mode's).",
     )
     save_decode_cache: bool = _field(
         False, _bool, "true or false", "Hint to clients: also store KV produced while decoding."
@@ -540,8 +559,12 @@ class ServerConfig:
             raise ConfigError(
                 "max_local_disk_size", self.max_local_disk_size, "a size of at least 1 MiB when local_disk is set"
             )
-        if self.remote_serde == "cachegen":
-            raise ConfigError("remote_serde", "cachegen", "naive (the cachegen codec is not built)")
+        try:
+            codec = resolve_codec(self.kv_codec, self.kv_codec_params, self.remote_serde)
+        except CodecSettingError as err:
+            value = dict(self.kv_codec_params) if err.key == "kv_codec_params" else self.kv_codec
+            raise ConfigError(err.key, value, err.expected) from None
+        object.__setattr__(self, "_codec", codec)
         if not self.local_cpu:
             raise ConfigError("local_cpu", False, "true: every chunk passes through the memory tier")
         if self.max_message_size > self.max_inflight_bytes:
@@ -566,6 +589,11 @@ class ServerConfig:
             )
         object.__setattr__(self, "log_level", self.log_level.upper())
 
+    @property
+    def codec(self) -> Any:
+        """The effective :class:`~lmcache_client.codec.CodecSpec` clients encode with; ``None``: raw."""
+        return self.__dict__["_codec"]
+
     def quotas(self, tier: str) -> dict[str, int]:
         """``tenant_quotas`` of one tier ("memory" or "disk"): tenant -> bytes."""
         index = 1 if tier == "memory" else 2
@@ -583,6 +611,7 @@ class ServerConfig:
             f"remote={redact(self.remote_url) if self.remote_url else 'off'} "
             f"metrics={'off' if not self.metrics_port else f'http://{self.metrics_host}:{self.metrics_port}'} "
             f"events={self.events_endpoint or 'off'} "
+            f"kv_codec={self.codec.tag if self.codec is not None else 'none'} "
             f"max_message={self.max_message_size >> 20}MiB inflight_budget={self.max_inflight_bytes >> 20}MiB"
         )
 

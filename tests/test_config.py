@@ -89,7 +89,14 @@ def test_env_values_are_typed() -> None:
         ({"disk_fsync": "sometimes"}, "disk_fsync", "none, data or full"),
         ({"remote_ttl_s": -1}, "remote_ttl_s", "seconds"),
         ({"remote_key_prefix": "a b"}, "remote_key_prefix", "without spaces"),
-        ({"remote_serde": "cachegen"}, "remote_serde", "cachegen codec is not built"),
+        ({"kv_codec": "zstd"}, "kv_codec", "none, lossless, int8, cachegen"),
+        ({"kv_codec": "int8:grp=3"}, "kv_codec", "valid parameters: group, bits"),
+        ({"kv_codec": "int8", "kv_codec_params": {"group": 7}}, "kv_codec_params", "8, 16, 32"),
+        ({"kv_codec_params": {"bits": 4}}, "kv_codec_params", "unless kv_codec is set"),
+        ({"kv_codec_params": [4]}, "kv_codec_params", "a map of codec parameter"),
+        ({"kv_codec": "int8:group=64", "kv_codec_params": {"bits": 4}}, "kv_codec_params", "kv_codec gives"),
+        ({"kv_codec": "int8", "remote_serde": "cachegen"}, "kv_codec", "when remote_serde is cachegen"),
+        ({"kv_codec": "none", "remote_serde": "cachegen"}, "kv_codec", "when remote_serde is cachegen"),
         ({"local_cpu": False}, "local_cpu", "passes through the memory tier"),
         ({"max_message_size": "2GiB", "max_inflight_bytes": "1GiB"}, "max_message_size", "max_inflight_bytes"),
     ],
@@ -99,6 +106,23 @@ def test_bad_values_name_key_value_and_expectation(overrides: dict[str, object],
         load_config(None, {}, overrides)
     assert info.value.key == key
     assert f"'{key}'" in str(info.value) and fragment in str(info.value)
+
+
+def test_codec_settings() -> None:
+    assert load_config(None, {}).codec is None  # raw chunks by default
+    # remote_serde keeps LMCache's meaning: cachegen is what the engine side stores.
+    assert load_config(None, {}, {"remote_serde": "cachegen"}).codec.to_dict() == {
+        "mode": "cachegen",
+        "params": {"anchor": 16, "bits": 4},
+    }
+    assert load_config(None, {}, {"remote_serde": "cachegen", "kv_codec": "cachegen:bits=3"}).codec.get("bits") == 3
+    env = {"LMCACHE_KV_CODEC": "int8", "LMCACHE_KV_CODEC_PARAMS": "{group: 64}"}
+    c = load_config(None, env)
+    assert c.codec.tag == load_config(None, {}, {"kv_codec": "int8:group=64"}).codec.tag == "int8.v1-g64"
+    assert "kv_codec=int8.v1-g64" in c.summary()
+    # naive + an explicit codec: the codec; kv_codec none is raw chunks.
+    assert load_config(None, {}, {"remote_serde": "naive", "kv_codec": "lossless"}).codec.mode == "lossless"
+    assert load_config(None, {}, {"kv_codec": "none"}).codec is None
 
 
 def test_unknown_keys_in_file_and_on_the_command_line(tmp_path: Path) -> None:

@@ -73,3 +73,18 @@ def test_namespace_dtype_spellings_share_one_namespace() -> None:
     assert a.wire() == b.wire() == c.wire() == "m|bfloat16|L2|KV2|D64|tp0of1|c16"
     with pytest.raises(ValueError, match="unknown dtype"):
         Namespace("m", "float128", 2, 2, 64, 16)
+
+
+def test_namespace_codec_field() -> None:
+    raw = Namespace("m", "bf16", 2, 2, 64, 16, layout="L2THD", tenant="acme")
+    coded = Namespace("m", "bf16", 2, 2, 64, 16, layout="L2THD", tenant="acme", codec="int8.v1-g32")
+    # the codec goes before the tenant: the daemon reads the tenant as the last field
+    assert coded.wire() == "m|bfloat16|L2|KV2|D64|tp0of1|c16|layout=L2THD|codec=int8.v1-g32|tenant=acme"
+    assert raw.wire() != coded.wire()
+    assert Namespace("m", "bf16", 2, 2, 64, 16, codec="int8.v1-g64").wire() != Namespace(
+        "m", "bf16", 2, 2, 64, 16, codec="int8.v1-g32"
+    ).wire()
+    for bad in ("a|b", "int8 g32", ""):
+        if bad:
+            with pytest.raises(ValueError, match="codec"):
+                Namespace("m", "bf16", 2, 2, 64, 16, codec=bad)

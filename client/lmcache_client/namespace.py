@@ -2,8 +2,10 @@
 
 Two engines share chunks only if they would compute identical KV bytes for the
 same tokens: same model, same KV layout, same tensor-parallel shard.  The
-namespace string folds all of that together, plus an optional tenant salt so
-two tenants never see each other's chunks.  The server treats it as opaque.
+namespace string folds all of that together, plus the KV codec chunks are
+encoded with (encoded and raw chunks, or two codec settings, never mix), plus
+an optional tenant salt so two tenants never see each other's chunks.  The
+server treats it as opaque.
 
 Primitive: :class:`Namespace` and its :meth:`Namespace.wire` string.
 """
@@ -17,10 +19,12 @@ from .protocol.codes import MAX_NAMESPACE_BYTES
 
 @dataclasses.dataclass(frozen=True)
 class Namespace:
-    """Model id + KV layout + tp rank/size + optional tenant.
+    """Model id + KV layout + tp rank/size + optional codec and tenant.
 
     ``wire()`` gives the canonical string, e.g.
-    ``meta-llama/Llama-3.1-8B|bfloat16|L32|KV8|D128|tp0of1|c256``.
+    ``meta-llama/Llama-3.1-8B|bfloat16|L32|KV8|D128|tp0of1|c256``, and with a
+    codec and a tenant ``...|c256|layout=L2THD|codec=<tag>|tenant=acme`` (the
+    tenant stays the last field: the daemon's quotas and grants read it there).
     """
 
     model: str
@@ -36,6 +40,9 @@ class Namespace:
     tenant: str = ""
     layout: str = ""
     """Free-form layout tag (e.g. "mla" or an adapter's own tensor layout)."""
+    codec: str = ""
+    """Tag of the KV codec the chunks are encoded with (``CodecSpec.tag``: mode,
+    parameters and format version); empty for raw chunks."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
@@ -48,6 +55,8 @@ class Namespace:
             raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
         if "|" in self.tenant or "|" in self.layout:
             raise ValueError("tenant and layout must not contain '|'")
+        if "|" in self.codec or any(c.isspace() for c in self.codec):
+            raise ValueError(f"codec tag must not contain '|' or whitespace: {self.codec!r}")
         if len(self.wire().encode()) > MAX_NAMESPACE_BYTES:
             raise ValueError(f"namespace longer than {MAX_NAMESPACE_BYTES} bytes")
 
@@ -68,6 +77,8 @@ class Namespace:
         ]
         if self.layout:
             parts.append(f"layout={self.layout}")
+        if self.codec:
+            parts.append(f"codec={self.codec}")
         if self.tenant:
             parts.append(f"tenant={self.tenant}")
         return "|".join(parts)

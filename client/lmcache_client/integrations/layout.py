@@ -55,8 +55,11 @@ class ChunkLayout:
         layers, kv, tokens, heads, dim = self.shape
         return layers * kv * tokens * heads * dim * self.element_bytes
 
-    def namespace(self, model: str, *, tp_rank: int = 0, tp_size: int = 1, tenant: str = "") -> Namespace:
-        """The namespace under which chunks of this layout are stored."""
+    def namespace(
+        self, model: str, *, tp_rank: int = 0, tp_size: int = 1, tenant: str = "", codec: str = ""
+    ) -> Namespace:
+        """The namespace under which chunks of this layout are stored (``codec``: the
+        tag of the codec they are encoded with, empty for raw payloads)."""
         return Namespace(
             model=model,
             dtype=self.dtype,
@@ -68,4 +71,5 @@ class ChunkLayout:
             tp_size=tp_size,
             tenant=tenant,
             layout=CHUNK_LAYOUT,
+            codec=codec,
         )
