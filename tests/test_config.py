@@ -236,3 +236,16 @@ def test_cli_print_config_shows_effective_values() -> None:
     assert out.returncode == 0, out.stderr
     assert f"max_local_cpu_size: {3 * GiB}" in out.stdout
     assert "chunk_size: 64" in out.stdout
+
+
+def test_codec_setting_is_checked_without_torch() -> None:
+    # `make setup` installs the daemon without torch; the codec setting is still validated.
+    script = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from lmcache_server.config import ConfigError, load_config\n"
+        "print(load_config(None, {}, {'kv_codec': 'cachegen:bits=3'}).codec.tag)\n"
+        "try:\n    load_config(None, {}, {'kv_codec': 'int8:group=7'})\nexcept ConfigError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[0] == "cachegen.v1-a16b3"
+    assert "kv_codec" in out.splitlines()[1] and "one of 8, 16" in out.splitlines()[1]
