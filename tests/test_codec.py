@@ -243,3 +243,56 @@ def test_frames_of_another_spec_or_shape_are_errors(spec: str) -> None:
             make_codec(spec, shape, torch.bfloat16).decode_tensor(frame)
     with pytest.raises(CodecError):
         make_codec(spec, SHAPE, torch.float16).decode_tensor(frame)
+
+
+# -- int8 (grouped quantization) -------------------------------------------------------------
+
+
+def out_rounding(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half an ulp of the chunk dtype at |x| (the final cast back to that dtype)."""
+    mant = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[dtype]
+    return x.abs() * 2.0**-mant + 1e-7
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits, group", [(8, 32), (8, 64), (4, 32), (2, 32), (4, 16)])
+def test_int8_error_within_half_a_step_per_element(dtype: torch.dtype, bits: int, group: int) -> None:
+    from lmcache_client.codec.quant import quantize_groups
+
+    codec = make_codec(f"int8:bits={bits},group={group}", SHAPE, dtype)
+    x = kv_like(dtype=dtype, seed=bits + group)
+    frame = codec.encode(x)
+    y = codec.decode_tensor(frame)
+    _, _, steps = quantize_groups(x.reshape(-1, group).float(), bits)
+    err = (y.float() - x.float()).reshape(-1, group)
+    bound = steps.float()[:, None] / 2 * (1 + 1e-6) + out_rounding(y.float().reshape(-1, group), dtype)
+    assert (err.abs() <= bound).all(), float((err.abs() - bound).max())
+    # the step is what the group's range needs, not more (rounded up to float16 only)
+    span = x.reshape(-1, group).float().amax(1) - x.reshape(-1, group).float().amin(1)
+    assert (steps.float() <= span / (2**bits - 1) * 1.002 + 1e-7).all()
+    assert len(frame) == codec.max_encoded_bytes(SHAPE[2])
+    elements = math.prod(SHAPE)
+    assert len(frame) * 8 / elements == pytest.approx(bits + 32 / group, abs=0.05)
+
+
+def test_int8_constant_and_tiny_groups() -> None:
+    codec = make_codec("int8", SHAPE, torch.bfloat16)
+    for x in (torch.full(SHAPE, 3.5), torch.zeros(SHAPE), torch.full(SHAPE, 1e-7), torch.randn(SHAPE) * 1e-6):
+        x = x.bfloat16()
+        y = codec.decode_tensor(codec.encode(x))
+        assert (y.float() - x.float()).abs().max() <= 1e-6 + x.float().abs().max() * 2**-7
+
+
+@pytest.mark.parametrize("spec", ["int8", "cachegen"])
+def test_lossy_modes_refuse_values_they_cannot_hold(spec: str) -> None:
+    codec = make_codec(spec, SHAPE, torch.float32)
+    for bad in (math.inf, math.nan, 1e6):
+        x = kv_like(dtype=torch.float32)
+        x[1, 1, 3, 0, 5] = bad
+        with pytest.raises(ValueError, match="finite"):
+            codec.encode(x)
+
+
+def test_int8_group_must_divide_the_row() -> None:
+    with pytest.raises(ValueError, match="must divide"):
+        make_codec("int8:group=256", (2, 2, 16, 1, 64), torch.bfloat16)
