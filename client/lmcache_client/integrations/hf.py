@@ -17,7 +17,9 @@ KV cache).  For a prompt it:
 Payloads use the shared layout of :mod:`.layout`: GQA caches keep their
 ``num_key_value_heads``; fp32, fp16 and bf16 models work (the namespace holds
 the dtype).  Batch size is 1.  ``model_id`` must name the *weights*: two
-models stored under one id would read each other's KV.
+models stored under one id would read each other's KV.  Chunks are encoded
+with the KV codec the daemon announces in ``hello`` (``kv_codec``; none by
+default), under that codec's namespace: no code changes for the user.
 
 Primitives: :class:`CachedPrefill` (``prefill``, ``save``, ``generate``),
 :class:`PrefillResult`, :class:`GenerateResult`, :class:`Timings`.
@@ -122,7 +124,10 @@ class CachedPrefill:
         self.model = model
         self.layout = ChunkLayout(config.num_hidden_layers, kv_heads, head_dim, chunk_size, str(model.dtype))
         self.namespace = self.layout.namespace(model_id, tenant=tenant)
-        self.transfer = ChunkTransfer(client, self.namespace, self.layout.nbytes, max_batch_bytes=max_batch_bytes)
+        # codec_layout: chunks are encoded with the codec the daemon announces (docs/codec.md)
+        self.transfer = ChunkTransfer(
+            client, self.namespace, self.layout.nbytes, max_batch_bytes=max_batch_bytes, codec_layout=self.layout
+        )
         # transformers 5 renamed the forward argument `past_key_values` to `cache`
         # (the old name still works there, with a deprecation warning).
         params = inspect.signature(model.forward).parameters

@@ -7,16 +7,21 @@ only up to its first hole), refuses payloads of the wrong size (never
 garbage into a KV cache), and turns every client failure into a miss: a
 cache that is down costs a recompute, never a failed inference request.
 
+With a ``codec_layout`` the transfer follows the KV codec the daemon
+announces (:mod:`.coded`): payloads are encoded before they are stored and
+decoded before a caller sees them, under the codec's own namespace; the
+callers' raw payloads and callbacks stay as they are.
+
 Primitive: :class:`ChunkTransfer` with ``lookup``, ``get_prefix``,
 ``get_prefix_into``, ``get_prefix_with``, ``put`` and ``put_with`` (the
 ``_with`` pair hands the bytes in place to a callback: over shared memory the
-daemon's pool slots themselves).
+daemon's pool slots themselves; with a codec a decoded scratch copy).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..client import CacheClient
@@ -25,6 +30,8 @@ from ..keys import ChunkTokens
 from ..namespace import Namespace
 from ..protocol import PutStatus
 from ..shm import FillFn, UseFn, copy_frame
+from .coded import CodecBinding, CodedChunks
+from .layout import ChunkLayout
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +42,13 @@ DEFAULT_MAX_BATCH_KEYS = 256
 
 
 class ChunkTransfer:
-    """Reads and writes whole chunks of ``chunk_bytes`` bytes in one namespace."""
+    """Reads and writes whole chunks of ``chunk_bytes`` bytes in one namespace.
+
+    ``codec_layout``: the payloads' shape (``namespace`` must then be a
+    :class:`Namespace`); the transfer then uses the codec the daemon announces
+    (asked on first use).  ``lossy_ok=False``: payloads that are not in that
+    layout, whose bytes only a lossless codec may encode (a lossy codec
+    announced is refused with a log line, and chunks are stored raw)."""
 
     def __init__(
         self,
@@ -45,12 +58,24 @@ class ChunkTransfer:
         *,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         max_batch_keys: int = DEFAULT_MAX_BATCH_KEYS,
+        codec_layout: ChunkLayout | None = None,
+        lossy_ok: bool = True,
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.client = client
-        self.namespace = namespace.wire() if isinstance(namespace, Namespace) else namespace
+        self.raw_namespace = namespace.wire() if isinstance(namespace, Namespace) else namespace
+        """The namespace of raw chunks (the codec's adds ``codec=<tag>``)."""
         self.chunk_bytes = chunk_bytes
+        self._binding: CodecBinding | None = CodecBinding(self.raw_namespace)
+        self._codec_args: tuple[Namespace, ChunkLayout, bool] | None = None
+        if codec_layout is not None:
+            if not isinstance(namespace, Namespace):
+                raise TypeError("a codec_layout needs the namespace as a Namespace")
+            if codec_layout.nbytes != chunk_bytes:
+                raise ValueError(f"codec_layout holds {codec_layout.nbytes} bytes, chunk_bytes is {chunk_bytes}")
+            self._codec_args = (namespace, codec_layout, lossy_ok)
+            self._binding = None  # asked on first use
         self.batch_keys = max(1, min(max_batch_keys, max_batch_bytes // chunk_bytes))
         self.errors = 0
         """Client errors turned into misses (daemon down, refused requests)."""
@@ -68,6 +93,40 @@ class ChunkTransfer:
                 return False
         return self._events
 
+    @property
+    def namespace(self) -> str:
+        """The namespace chunks go to: the codec's once it is known, else the raw one."""
+        binding = self._binding
+        return binding.namespace if binding is not None and binding.namespace is not None else self.raw_namespace
+
+    @property
+    def codec_errors(self) -> int:
+        """Stored chunks that did not decode (each one a miss)."""
+        binding = self._binding
+        return binding.coded.errors if binding is not None and binding.coded is not None else 0
+
+    def binding(self) -> CodecBinding | None:
+        """The codec binding, asked from the daemon's hello on first use (None while the
+        daemon cannot be asked: every op is then a miss)."""
+        if self._binding is None and self._codec_args is not None:
+            if self.client.fail_open_stats.get("down"):
+                return None  # never a hello past the open breaker
+            try:
+                hello = self.client.hello()
+            except ClientError as err:
+                self._failed("hello", err)
+                return None
+            base, layout, lossy_ok = self._codec_args
+            self._binding = CodecBinding.resolve(hello.get("codec"), base, layout, lossy_ok=lossy_ok)
+        return self._binding
+
+    def _route(self) -> tuple[str | None, CodedChunks | None]:
+        """(namespace, codec path) for the next op; namespace None: a miss, store nothing."""
+        binding = self.binding()
+        if binding is None:
+            return None, None
+        return binding.namespace, binding.coded
+
     def _failed(self, op: str, err: ClientError) -> None:
         self.errors += 1
         logger.warning("lmcache %s failed (%s); treating it as a miss", op, err)
@@ -78,11 +137,14 @@ class ChunkTransfer:
 
     def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
         """The tier holding each of the leading ``keys`` the daemon holds."""
+        namespace, _ = self._route()
         tiers: list[str] = []
+        if namespace is None:
+            return tiers
         for start in range(0, len(keys), self.batch_keys):
             batch = keys[start : start + self.batch_keys]
             try:
-                result = self.client.lookup(batch, namespace=self.namespace)
+                result = self.client.lookup(batch, namespace=namespace)
             except ClientError as err:
                 self._failed("lookup", err)
                 return tiers
@@ -94,18 +156,26 @@ class ChunkTransfer:
     def get_prefix(self, keys: Sequence[bytes]) -> list[Any]:
         """Payloads (read-only buffers) of the leading ``keys`` that are stored with the
         right size; stops at the first miss, failure or wrong-sized payload."""
+        namespace, coded = self._route()
         out: list[Any] = []
+        if namespace is None:
+            return out
         for start in range(0, len(keys), self.batch_keys):
             batch = keys[start : start + self.batch_keys]
             try:
-                bufs = self.client.get(batch, namespace=self.namespace)
+                bufs = self.client.get(batch, namespace=namespace)
             except ClientError as err:
                 self._failed("get", err)
                 return out
             for buf in bufs:
                 if buf is None:
                     return out
-                if memoryview(buf).nbytes != self.chunk_bytes:
+                if coded is not None:
+                    raw = coded.decode_raw(buf, self.chunk_bytes)
+                    if raw is None:
+                        return out
+                    buf = bytes(raw)
+                elif memoryview(buf).nbytes != self.chunk_bytes:
                     logger.warning(
                         "lmcache chunk is %d bytes, expected %d; ignoring it and what follows",
                         memoryview(buf).nbytes,
@@ -120,16 +190,22 @@ class ChunkTransfer:
         of ``chunk_bytes`` each); returns how many leading destinations hold a hit.
 
         Over shared memory each chunk goes from the daemon's pool straight into its
-        destination: one copy fewer than :meth:`get_prefix` and a copy.  A chunk of
-        the wrong size stops the prefix there, as in :meth:`get_prefix`."""
+        destination: one copy fewer than :meth:`get_prefix` and a copy (with a
+        codec: decoded from the pool into the destination).  A chunk of the wrong
+        size, or one that does not decode, stops the prefix there."""
         if len(keys) != len(out):
             raise ValueError(f"{len(keys)} keys but {len(out)} destinations")
+        namespace, coded = self._route()
+        if namespace is None:
+            return 0
+        if coded is not None:
+            return self._decode_prefix(keys, namespace, coded, lambda i, frame: coded.decode_into(frame, out[i]))
         done = 0
         for start in range(0, len(keys), self.batch_keys):
             batch = keys[start : start + self.batch_keys]
             dests = out[start : start + len(batch)]
             try:
-                hits = self.client.get_into(batch, dests, namespace=self.namespace)
+                hits = self.client.get_into(batch, dests, namespace=namespace)
             except ClientError as err:
                 self._failed("get", err)
                 return done
@@ -145,6 +221,19 @@ class ChunkTransfer:
         """Call ``use(i, view)`` for the leading hits of ``keys`` (``view``: the chunk's
         ``chunk_bytes`` bytes, valid only during the call); returns how many leading
         keys were used.  A miss, a chunk of the wrong size or a failure ends the run."""
+        namespace, coded = self._route()
+        if namespace is None:
+            return 0
+        if coded is not None:
+
+            def decoded(i: int, frame: memoryview) -> bool:
+                raw = coded.decode_raw(frame, self.chunk_bytes)
+                if raw is None:
+                    return False
+                use(i, raw)
+                return True
+
+            return self._decode_prefix(keys, namespace, coded, decoded)
         done = 0
         for start in range(0, len(keys), self.batch_keys):
             batch = keys[start : start + self.batch_keys]
@@ -153,9 +242,7 @@ class ChunkTransfer:
                 use(at + i, view)
 
             try:
-                used = self.client.get_with(
-                    batch, shifted, nbytes=self.chunk_bytes, prefix=True, namespace=self.namespace
-                )
+                used = self.client.get_with(batch, shifted, nbytes=self.chunk_bytes, prefix=True, namespace=namespace)
             except ClientError as err:
                 self._failed("get", err)
                 return done
@@ -165,27 +252,60 @@ class ChunkTransfer:
                 break
         return done
 
+    def _decode_prefix(
+        self, keys: Sequence[bytes], namespace: str, coded: CodedChunks, step: Callable[[int, memoryview], bool]
+    ) -> int:
+        """Run ``step(i, frame)`` (decode and hand on; False: it did not decode) over the
+        leading hits of ``keys``, straight from the pool slots over shared memory."""
+        done = 0
+        for start in range(0, len(keys), self.batch_keys):
+            batch = keys[start : start + self.batch_keys]
+            bad = [len(batch)]  # the first frame that did not decode ends the run
+
+            def stepped(i: int, frame: memoryview, at: int = start) -> None:
+                if i < bad[0] and not step(at + i, frame):
+                    bad[0] = i
+
+            try:
+                used = self.client.get_with(batch, stepped, prefix=True, namespace=namespace)
+            except ClientError as err:
+                self._failed("get", err)
+                return done
+            run = min(bad[0], next((i for i, u in enumerate(used) if not u), len(used)))
+            done += run
+            if run < len(batch):
+                break
+        return done
+
     def put_with(self, keys: Sequence[bytes], fill: FillFn, tokens: Sequence[ChunkTokens] | None = None) -> int:
         """Store ``len(keys)`` chunks of ``chunk_bytes`` that ``fill(i, view)`` writes
         in place; returns how many are stored now or were already.  ``tokens``
-        (one per key) are sent when the daemon publishes KV events."""
+        (one per key) are sent when the daemon publishes KV events.  With a codec
+        ``fill`` writes into scratch memory, and the encoded frame is stored."""
+        namespace, coded = self._route()
+        if namespace is None:
+            return 0
         if tokens is not None and not self.wants_tokens():
             tokens = None
         stored = 0
         for start in range(0, len(keys), self.batch_keys):
             batch = keys[start : start + self.batch_keys]
+            batch_tokens = None if tokens is None else tokens[start : start + self.batch_keys]
 
             def shifted(i: int, view: memoryview, at: int = start) -> None:
                 fill(at + i, view)
 
             try:
-                statuses = self.client.put_with(
-                    batch,
-                    [self.chunk_bytes] * len(batch),
-                    shifted,
-                    namespace=self.namespace,
-                    tokens=None if tokens is None else tokens[start : start + self.batch_keys],
-                )
+                if coded is not None:
+                    frames = [
+                        coded.encode_filled(self.chunk_bytes, lambda view, i=i: shifted(i, view))
+                        for i in range(len(batch))
+                    ]
+                    statuses = self.client.put(batch, frames, namespace=namespace, tokens=batch_tokens)
+                else:
+                    statuses = self.client.put_with(
+                        batch, [self.chunk_bytes] * len(batch), shifted, namespace=namespace, tokens=batch_tokens
+                    )
             except ClientError as err:
                 self._failed("put", err)
                 if tokens is not None:
@@ -197,8 +317,21 @@ class ChunkTransfer:
     def get_one_with(self, key: bytes, nbytes: int, use: UseFn) -> bool:
         """Call ``use(0, view)`` with the chunk under ``key`` if it is stored with exactly
         ``nbytes`` bytes (a prompt's partial last chunk); True when it was used."""
+        namespace, coded = self._route()
+        if namespace is None:
+            return False
+        if coded is not None:
+
+            def decoded(_: int, frame: memoryview) -> bool:
+                raw = coded.decode_raw(frame, nbytes)
+                if raw is None:
+                    return False
+                use(0, raw)
+                return True
+
+            return self._decode_prefix([key], namespace, coded, decoded) == 1
         try:
-            used = self.client.get_with([key], use, nbytes=nbytes, prefix=True, namespace=self.namespace)
+            used = self.client.get_with([key], use, nbytes=nbytes, prefix=True, namespace=namespace)
         except ClientError as err:
             self._failed("get", err)
             return False
@@ -207,8 +340,15 @@ class ChunkTransfer:
     def put_one_with(self, key: bytes, nbytes: int, fill: FillFn) -> bool:
         """Store one chunk of ``nbytes`` bytes (a prompt's partial last chunk) that
         ``fill(0, view)`` writes in place; True when it is stored now or was already."""
+        namespace, coded = self._route()
+        if namespace is None:
+            return False
         try:
-            [status] = self.client.put_with([key], [nbytes], fill, namespace=self.namespace)
+            if coded is not None:
+                frame = coded.encode_filled(nbytes, lambda view: fill(0, view))
+                [status] = self.client.put([key], [frame], namespace=namespace)
+            else:
+                [status] = self.client.put_with([key], [nbytes], fill, namespace=namespace)
         except ClientError as err:
             self._failed("put", err)
             return False
@@ -230,6 +370,9 @@ class ChunkTransfer:
         (one per key) are sent when the daemon publishes KV events."""
         if len(keys) != len(payloads):
             raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
+        namespace, coded = self._route()
+        if namespace is None:
+            return 0
         if tokens is not None and not self.wants_tokens():
             tokens = None
         stored = 0
@@ -238,8 +381,8 @@ class ChunkTransfer:
             try:
                 statuses = self.client.put(
                     keys[batch],
-                    payloads[batch],
-                    namespace=self.namespace,
+                    [coded.encode(p) for p in payloads[batch]] if coded is not None else payloads[batch],
+                    namespace=namespace,
                     tokens=None if tokens is None else tokens[batch],
                 )
             except ClientError as err:

@@ -212,6 +212,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                     self.client,
                     self.layout.namespace(model_id, tp_rank=r, tp_size=tp_size, tenant=self.settings.tenant),
                     self.layout.nbytes,
+                    codec_layout=self.layout,  # the daemon's kv_codec, as the worker (same namespace)
                 )
                 for r in range(tp_size)
             ]
@@ -240,6 +241,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                 self.client,
                 self.layout.namespace(model_id, tp_rank=tp_rank(), tp_size=tp_size, tenant=self.settings.tenant),
                 self.layout.nbytes,
+                codec_layout=self.layout,  # encodes with the codec the daemon announces (docs/codec.md)
             )
             namespace = transfer.namespace
             self.worker = WorkerSide(transfer, self.layout, copy_threads=self.settings.copy_threads)

@@ -1,0 +1,230 @@
+"""The KV codec wired through real daemons: hello, namespaces, corrupt frames, the HF adapter.
+
+Each daemon is started with a ``kv_codec`` setting and announces it in
+``hello``; the adapters encode with it under the codec's namespace.  The
+model is the 4-layer GQA Llama of test_hf_adapter (seeded, no download),
+chunks of 16 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("zstandard")
+
+from lmcache_client import CacheClient, chunk_keys  # noqa: E402
+from lmcache_client.integrations.hf import CachedPrefill  # noqa: E402
+from lmcache_client.integrations.layout import ChunkLayout  # noqa: E402
+from lmcache_client.integrations.transfer import ChunkTransfer  # noqa: E402
+
+from ._hf_replica import VOCAB, build_model  # noqa: E402
+from .conftest import Daemon, RedisServer, wait_for  # noqa: E402
+
+CHUNK = 16
+MODEL_ID = "test/llama-4L-256-gqa"
+MODES = {"none": "none", "lossless": "lossless", "int8": "int8", "cachegen": "cachegen"}
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(1, VOCAB, (n,), generator=g)]  # no 0: generate() masks pad_token_id 0
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return build_model()
+
+
+@pytest.fixture(scope="module")
+def daemons(module_daemon_factory: Callable[..., Daemon]) -> dict[str, Daemon]:
+    """One daemon per codec mode (the codec is a daemon setting)."""
+    return {mode: module_daemon_factory(kv_codec=spec) for mode, spec in MODES.items()}
+
+
+def adapter(model: Any, client: CacheClient, tenant: str) -> CachedPrefill:
+    return CachedPrefill(model, client, model_id=MODEL_ID, chunk_size=CHUNK, tenant=tenant)
+
+
+def tenant_of(request: pytest.FixtureRequest) -> str:
+    return request.node.name.replace("[", "-").replace("]", "")
+
+
+def test_hello_announces_the_codec(daemons: dict[str, Daemon]) -> None:
+    with daemons["none"].client() as c:
+        assert c.hello()["codec"] is None
+    with daemons["int8"].client() as c:
+        assert c.hello()["codec"] == {"mode": "int8", "params": {"bits": 8, "group": 32}}
+    with daemons["cachegen"].client() as c:
+        assert c.hello()["codec"]["mode"] == "cachegen"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_hf_adapter_end_to_end_with_each_mode(
+    model: Any, daemons: dict[str, Daemon], mode: str, request: pytest.FixtureRequest
+) -> None:
+    prompt = tokens(100, seed=3)
+    ids = torch.tensor([prompt])
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(prompt) :].tolist()
+    with torch.inference_mode():
+        full = model(ids).logits[0, 96:]
+    with daemons[mode].client() as client:
+        a = adapter(model, client, tenant_of(request))
+        cold = a.generate(prompt, 8)
+        assert cold.prefill.saved_chunks == 100 // CHUNK
+        ns = a.transfer.namespace
+        assert ("codec=" in ns) == (mode != "none") and (mode == "none" or f"codec={mode}." in ns)
+        warm = a.prefill(prompt, all_logits=True, save=False)
+        assert warm.reused_tokens == 96 and a.transfer.codec_errors == 0
+        stored = [bytes(b) for b in client.get(warm.keys[:6], namespace=ns)]
+        raw = a.layout.nbytes
+        sizes = [len(b) for b in stored]
+        again = a.generate(prompt, 8)
+    error = float((warm.logits[0].float() - full.float()).abs().max())
+    print(f"codec {mode}: frames {sizes} of {raw} raw bytes; max |logit error| {error:.4g} (max |logit| {float(full.abs().max()):.4g})")
+    scale = float(full.float().abs().max())
+    if mode in ("none", "lossless"):
+        # bit-identical KV: the same output as no cache, logits as close as a raw-cache reuse
+        assert again.tokens == plain
+        assert error <= 1e-4 * scale, error
+        if mode == "lossless":
+            assert all(s < raw for s in sizes), (sizes, raw)
+        else:
+            assert sizes == [raw] * 6
+    else:
+        # lossy: each frame far smaller than the raw chunk; logits near the uncached ones
+        assert all(s <= raw // 2 for s in sizes), (sizes, raw)
+        assert error <= 0.25 * scale, (error, scale)
+        agree = sum(x == y for x, y in zip(again.tokens, plain)) / len(plain)
+        assert agree >= 0.5, (again.tokens, plain)
+
+
+def test_raw_and_encoded_chunks_never_mix(model: Any, daemons: dict[str, Daemon]) -> None:
+    """On one daemon: what the codec adapter stores is invisible to a raw transfer of the
+    same model and layout, and raw chunks under the raw namespace are invisible to it."""
+    prompt = tokens(80, seed=5)
+    with daemons["lossless"].client() as client:
+        coded = adapter(model, client, "mix")
+        layout = coded.layout
+        raw = ChunkTransfer(client, layout.namespace(MODEL_ID, tenant="mix"), layout.nbytes)  # no codec_layout
+        assert coded.prefill(prompt).saved_chunks == 5
+        keys = chunk_keys(prompt, CHUNK)
+        assert coded.transfer.lookup(keys) == 5
+        assert raw.lookup(keys) == 0 and raw.namespace != coded.transfer.namespace
+        # raw chunks under the raw namespace: the codec adapter never reads them
+        other = tokens(80, seed=6)
+        other_keys = chunk_keys(other, CHUNK)
+        assert raw.put(other_keys, [os.urandom(layout.nbytes) for _ in other_keys]) == 5
+        result = coded.prefill(other, save=False)
+        assert result.reused_tokens == 0 and coded.transfer.codec_errors == 0
+
+
+def test_two_codec_settings_never_mix_across_a_shared_redis(
+    model: Any, daemon_factory: Callable[..., Daemon], redis_server: RedisServer
+) -> None:
+    """Daemons sharing one Redis with int8 group 32, int8 group 64 and no codec: only the
+    daemon with the same setting reads what the first stored."""
+    settings = {"g32": "int8:group=32", "g64": "int8:group=64", "raw": "none", "g32b": "int8"}
+    nodes = {name: daemon_factory(remote_url=redis_server.url, kv_codec=s) for name, s in settings.items()}
+    prompt = tokens(80, seed=7)
+    keys = chunk_keys(prompt, CHUNK)
+    with nodes["g32"].client() as c:
+        assert adapter(model, c, "fleet").prefill(prompt).saved_chunks == 5
+        wait_for(lambda: c.stats()["tiers"]["redis"]["queued_writes"] == 0)
+    hits = {}
+    for name in ("g64", "raw", "g32b"):
+        with nodes[name].client() as c:
+            a = adapter(model, c, "fleet")
+            hits[name] = (a.transfer.lookup(keys), a.prefill(prompt, save=False).reused_tokens)
+    assert hits == {"g64": (0, 0), "raw": (0, 0), "g32b": (5, 64)}
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_a_corrupt_or_truncated_frame_is_a_miss(
+    model: Any, daemons: dict[str, Daemon], shared_memory: bool, request: pytest.FixtureRequest
+) -> None:
+    """Garbage stored under a codec namespace key, or a frame cut short, ends the prefix
+    there: the adapter recomputes and its output is the uncached one."""
+    prompt = tokens(100, seed=8)
+    ids = torch.tensor([prompt])
+    plain = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, len(prompt) :].tolist()
+    with daemons["lossless"].client(shared_memory=shared_memory) as client:
+        a = adapter(model, client, tenant_of(request))
+        keys = chunk_keys(prompt, CHUNK)
+        # chunk 0 valid, chunk 1 truncated, chunk 2 garbage, the rest valid
+        assert a.prefill(prompt).saved_chunks == 6
+        ns = a.transfer.namespace
+        assert "codec=lossless" in ns
+        frames = [bytes(f) for f in client.get(keys, namespace=ns)]
+        client.delete(keys[1:3], namespace=ns)
+        client.put([keys[1]], [frames[1][: len(frames[1]) // 2]], namespace=ns)
+        client.put([keys[2]], [os.urandom(len(frames[2]))], namespace=ns)
+        assert a.transfer.lookup(keys) == 6  # the daemon holds them all: it cannot tell
+        result = a.generate(prompt, 4, save=False)
+        assert result.prefill.reused_tokens == CHUNK and result.tokens == plain
+        assert a.transfer.codec_errors == 1
+        # the zero-copy callback path (the vLLM and SGLang adapters') stops there too
+        used: list[int] = []
+        assert a.transfer.get_prefix_with(keys, lambda i, view: used.append(i)) == 1 and used == [0]
+        assert a.transfer.codec_errors == 2
+
+
+def test_a_codec_the_client_cannot_build_caches_nothing(
+    model: Any, daemons: dict[str, Daemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """zstandard missing on the engine side of a lossless daemon: the adapter neither
+    reads nor writes that codec's namespace, nor the raw one."""
+    import lmcache_client.codec.lossless as lossless
+
+    monkeypatch.setattr(lossless, "zstandard", None)
+    prompt = tokens(64, seed=9)
+    keys = chunk_keys(prompt, CHUNK)
+    with daemons["lossless"].client() as client:
+        a = adapter(model, client, "nozstd")
+        first = a.prefill(prompt)
+        assert first.saved_chunks == 0 and a.prefill(prompt).reused_tokens == 0
+        assert a.transfer.binding() is not None and a.transfer.binding().namespace is None
+        layout: ChunkLayout = a.layout
+        raw_ns = layout.namespace(MODEL_ID, tenant="nozstd")
+        assert client.exists(keys, namespace=raw_ns) == [False] * len(keys)
+    monkeypatch.undo()
+    with daemons["lossless"].client() as client:  # a client that has zstandard caches again
+        b = adapter(model, client, "nozstd")
+        assert b.prefill(prompt).saved_chunks == 4 and b.prefill(prompt).reused_tokens == 48
+
+
+def test_tails_go_through_the_codec(daemons: dict[str, Daemon]) -> None:
+    """A partial last chunk (the vLLM adapter's tails) is encoded and decoded at its size."""
+    layout = ChunkLayout(2, 2, 64, CHUNK, "float32")
+    with daemons["lossless"].client() as client:
+        t = ChunkTransfer(client, layout.namespace("tails"), layout.nbytes, codec_layout=layout)
+        tail = torch.randn(2, 2, 5, 2, 64)
+        raw = tail.numpy().tobytes()
+        key = os.urandom(32)
+        assert t.put_one_with(key, len(raw), lambda _, view: view.__setitem__(slice(None), raw))
+        assert len(bytes(client.get([key], namespace=t.namespace)[0])) < len(raw)
+        got: list[bytes] = []
+        assert t.get_one_with(key, len(raw), lambda _, view: got.append(bytes(view)))
+        assert got == [raw]
+        assert not t.get_one_with(key, len(raw) // 5 * 4, lambda _, view: None)  # another size: a miss
+
+
+@pytest.fixture
+def unreachable_client() -> Iterator[CacheClient]:
+    from .conftest import free_port
+
+    with CacheClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3) as c:
+        yield c
+
+
+def test_no_daemon_no_codec_yet_every_op_a_miss(unreachable_client: CacheClient) -> None:
+    layout = ChunkLayout(2, 2, 64, CHUNK, "float32")
+    t = ChunkTransfer(unreachable_client, layout.namespace("down"), layout.nbytes, codec_layout=layout)
+    key = os.urandom(32)
+    assert t.lookup([key]) == 0 and t.put([key], [bytes(layout.nbytes)]) == 0
+    assert t.binding() is None  # asked again once the daemon answers
