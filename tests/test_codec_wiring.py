@@ -228,3 +228,35 @@ def test_no_daemon_no_codec_yet_every_op_a_miss(unreachable_client: CacheClient)
     key = os.urandom(32)
     assert t.lookup([key]) == 0 and t.put([key], [bytes(layout.nbytes)]) == 0
     assert t.binding() is None  # asked again once the daemon answers
+
+
+@pytest.mark.parametrize("mode", ["lossless", "int8"])
+def test_sglang_backend_with_a_codec(daemons: dict[str, Daemon], mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang's host pages: lossless encodes them as they are; a lossy codec is refused
+    (pages not in the L2THD layout) with one log line, and pages are stored raw."""
+    from .test_sglang_backend import MHAHostPool, Replica, page_hashes
+
+    address = daemons[mode].address
+    a = Replica(address, extra={"tenant": f"sgl-{mode}"})
+    b = Replica(address, pool=MHAHostPool(64), extra={"tenant": f"sgl-{mode}"})
+    try:
+        a.fill(seed=11)
+        keys = page_hashes(list(range(24)))
+        with caplog.at_level("WARNING", logger="lmcache_client.integrations.coded"):
+            assert a.backup(keys, first_slot=8)
+        assert b.prefetch(keys, first_slot=20) == 6
+        assert torch.equal(b.pool.kv_buffer[:, :, 20:44], a.pool.kv_buffer[:, :, 8:32])  # bit-exact either way
+        ns = a.backend._transfer().namespace
+        refused = [r for r in caplog.records if "lossy KV codec" in r.getMessage()]
+        if mode == "lossless":
+            assert "codec=lossless" in ns and not refused
+        else:
+            assert ns == a.backend.namespace and refused  # once per transfer (one per SGLang thread)
+        with daemons[mode].client() as c:
+            from lmcache_client.integrations.sglang_hicache import page_key
+
+            frame = bytes(c.get([page_key(keys[0])], namespace=ns)[0])
+        assert (len(frame) != a.backend.page_bytes) == (mode == "lossless")
+    finally:
+        a.backend.close()
+        b.backend.close()

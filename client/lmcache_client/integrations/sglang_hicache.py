@@ -30,6 +30,12 @@ key file paths; docs/security.md).  A daemon that is down or slow is a miss
 backend from its prefetch and backup threads at once, so each thread gets
 its own client.
 
+KV codec: the daemon's announced codec (``kv_codec``, docs/codec.md) is used
+when it is lossless, on the page bytes as they are; a lossy one (int8,
+cachegen) needs the ``(layers, 2, tokens, heads, dim)`` layout, which no
+SGLang host layout is, so it is refused with one log line and pages are
+stored raw (in the raw namespace).
+
 Only the KV pool is stored: a host pool group with other pools (Mamba, SWA,
 DSA indexer or draft sidecars, which SGLang moves with the ``*_v2`` calls)
 is refused when SGLang registers it, as are host pools without SGLang's
@@ -56,6 +62,7 @@ from ..curve import CurveKeys
 from ..errors import ClientError
 from ..namespace import Namespace, canonical_dtype
 from ..tensors import tensor_bytes
+from .layout import ChunkLayout
 from .transfer import ChunkTransfer
 
 logger = logging.getLogger(__name__)
@@ -113,6 +120,17 @@ def _page_over(view: memoryview, dtype: Any, shape: Any) -> Any:
     return torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(shape)
 
 
+def _bytes_layout(page: Any, page_size: int) -> ChunkLayout | None:
+    """A stand-in (1, 2, page_size, 1, n) layout holding a page's elements, for a lossless
+    codec (which sees only the bytes); None when no such shape fits the page or the
+    codec does not take its dtype."""
+    elements = int(page.numel())
+    dtype = str(page.dtype).removeprefix("torch.")
+    if dtype not in ("float32", "float16", "bfloat16") or elements % (2 * page_size):
+        return None
+    return ChunkLayout(1, 1, elements // (2 * page_size), page_size, dtype)
+
+
 class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """A ``HiCacheStorage`` whose pages live in the lmcache-server daemon."""
 
@@ -150,6 +168,9 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         ]
         self.stats = _TransferStats() if storage_config.enable_storage_metrics else None
         self.namespace: str | None = None
+        """The raw pages' namespace; with a lossless codec pages go to its own (``codec=...``)."""
+        self._namespace: Namespace | None = None
+        self._codec_layout: ChunkLayout | None = None
         self.mem_pool_host: Any = None
         self.page_bytes = 0
         self.page_size = 0
@@ -176,7 +197,7 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         else:
             heads, dim = int(mem_pool_host.head_num), int(mem_pool_host.head_dim)
         layout = "-".join(["sglang", *(["mla"] if self.is_mla else []), mem_pool_host.layout, *self.shard_tags])
-        self.namespace = Namespace(
+        namespace = Namespace(
             model=self.model_id,
             dtype=canonical_dtype(mem_pool_host.dtype),
             num_layers=int(mem_pool_host.layer_num),
@@ -187,7 +208,10 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             tp_size=self.tp_size,
             tenant=self.tenant,
             layout=layout,
-        ).wire()
+        )
+        self.namespace = namespace.wire()
+        self._namespace = namespace
+        self._codec_layout = _bytes_layout(dummy, self.page_size)
         logger.info("lmcache-server HiCache storage at %s, namespace %s", self.address, self.namespace)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -214,7 +238,14 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             )
             with self._lock:
                 self._clients.append(client)
-            transfer = self._local.transfer = ChunkTransfer(client, self.namespace, self.page_bytes)
+            assert self._namespace is not None
+            transfer = self._local.transfer = ChunkTransfer(
+                client,
+                self._namespace,
+                self.page_bytes,
+                codec_layout=self._codec_layout,
+                lossy_ok=False,  # the page is in SGLang's host layout, not (layers, 2, tokens, heads, dim)
+            )
         return transfer
 
     def close(self) -> None:
@@ -321,6 +352,7 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def clear(self) -> bool:
         """Remove every page of this namespace (other models' and tenants' pages stay)."""
         transfer = self._transfer()
+        transfer.binding()  # the codec's namespace, if the daemon announces one
         try:
             removed = transfer.client.clear(namespace=transfer.namespace)
         except ClientError as err:
