@@ -33,15 +33,15 @@ chunks of one model.
 
 from __future__ import annotations
 
-import collections
-
 from .base import ChunkKey
+from .history import KeyHistory, key_hash
 from .policy import LFUDAPolicy
 
 _EXPERT_GHOST_FACTOR = 2
 _DECAY_CACHEFULS = 4
 _REFUSED_FACTOR = 4  # refused keys remembered per cached chunk (at least _MIN_REFUSED)
 _MIN_REFUSED = 4096
+_MIN_SAMPLED = 8192  # the experts model at least this many chunks: sampling starts at twice it
 
 
 def _never(key: ChunkKey) -> bool:
@@ -55,18 +55,14 @@ class _Refused:
     __slots__ = ("_keys",)
 
     def __init__(self) -> None:
-        self._keys: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._keys = KeyHistory(_MIN_REFUSED, with_values=False)
 
     def add(self, key: ChunkKey, cached: int) -> None:
-        keys = self._keys
-        keys[hash(key)] = None
-        keys.move_to_end(hash(key))
-        limit = max(_MIN_REFUSED, _REFUSED_FACTOR * cached)
-        while len(keys) > limit:
-            keys.popitem(last=False)
+        self._keys.bound(max(_MIN_REFUSED, _REFUSED_FACTOR * cached))
+        self._keys.add(key_hash(key))
 
     def __contains__(self, key: ChunkKey) -> bool:
-        return hash(key) in self._keys
+        return key_hash(key) in self._keys
 
 
 def _first_seen(policy: LFUDAPolicy, refused: _Refused, key: ChunkKey) -> bool:
@@ -86,9 +82,10 @@ class _Expert:
         self._refusing = False
         self._refused = _Refused()
 
-    def access(self, key: ChunkKey, parent: ChunkKey | None, put: bool, capacity: int) -> None:
-        """``put``: a new chunk of a put (``parent``: the chunk before it in that put);
-        else a hit of the real tier (a get, or a put that found the chunk stored)."""
+    def access(self, key: ChunkKey, parent: ChunkKey | None, put: bool, capacity: int, head: bool) -> None:
+        """``put``: a new chunk of a put (``parent``: the chunk before it in that put,
+        None for the first one the expert sees; ``head``: it is the put's first
+        chunk); else a hit of the real tier (a get, or a put that found the chunk stored)."""
         order = self.order
         if order.holds(key):
             order.touched(key)
@@ -99,7 +96,7 @@ class _Expert:
         elif parent is None:
             self._refusing = self.head_only and _first_seen(order, self._refused, key)
         order.admit(key, 1, parent)
-        if put and parent is not None and self._refusing:
+        if put and not head and self._refusing:
             self._refused.add(key, order.chunks)
             return
         while order.chunks >= capacity and (victim := order.victim(_never)) is not None:
@@ -125,6 +122,8 @@ class AdaptivePolicy(LFUDAPolicy):
         self._admitted_chunks = 0
         self._refusing = False
         self._refused = _Refused()
+        self._sample_bits: int | None = None  # the experts see keys whose hash ends in this many zero bits
+        self._sampled_parent: ChunkKey | None = None  # the open put's last chunk in the sample
 
     def capacity_chunks(self) -> int | None:
         """The tier's capacity in chunks of the mean size put so far, as allocated (None: not known yet)."""
@@ -136,10 +135,22 @@ class AdaptivePolicy(LFUDAPolicy):
         capacity = self.capacity_chunks()
         if capacity is None:
             return
+        head = parent is None
+        if self._sample_bits is None:  # fixed at the first capacity known: the experts' keys stay comparable
+            self._sample_bits = max(0, (capacity // _MIN_SAMPLED).bit_length() - 1)
+        bits = self._sample_bits
+        if bits:
+            if put and head:
+                self._sampled_parent = None  # a new put
+            if key_hash(key) & ((1 << bits) - 1):
+                return  # not in the sample: the experts see 1 key in 2**bits, and model a cache that much smaller
+            if put:  # the put as sampled: its first sampled chunk decides the head rule, as its head would
+                parent, self._sampled_parent = self._sampled_parent, key
+            capacity = max(1, capacity >> bits)
         keep = 1.0 - 1.0 / (_DECAY_CACHEFULS * capacity)
         for expert in (self._all, self._heads):
             expert.hits *= keep
-            expert.access(key, parent, put, capacity)
+            expert.access(key, parent, put, capacity, head)
         ahead = self._heads.hits > self._all.hits
         if ahead != self.head_rule:
             self.head_rule = ahead

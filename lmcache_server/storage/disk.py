@@ -41,6 +41,7 @@ import dataclasses
 import errno
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -70,11 +71,26 @@ from .tenants import TenantQuotas, tenant_of
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, frozen=True)
 class _Entry:
-    path: str
+    """A chunk's sizes; its file is ``path_for(root, key)``, so no path is kept (a
+    million paths are 150 MB).  Shared between the chunks of one size: see :func:`_entry`."""
+
     payload_len: int
     disk_bytes: int
+
+
+_entries: dict[tuple[int, int], _Entry] = {}
+
+
+def _entry(payload_len: int, disk_bytes: int) -> _Entry:
+    """The one entry of these sizes (chunks of a model are one size: no object per chunk)."""
+    entry = _entries.get((payload_len, disk_bytes))
+    if entry is None:
+        entry = _Entry(payload_len, disk_bytes)
+        if len(_entries) < 4096:
+            _entries[(payload_len, disk_bytes)] = entry
+    return entry
 
 
 @dataclasses.dataclass
@@ -163,15 +179,15 @@ class DiskTier:
                 logger.info("disk tier: %s does not take O_DIRECT; writing through the page cache", self.root)
             snapshot = await self._run(disksnapshot.load, self.root)
             if snapshot is not None:
-                for key, path, payload_len, disk_bytes in snapshot:
-                    self._add(key, _Entry(path, payload_len, disk_bytes))
+                for key, payload_len, disk_bytes in snapshot:
+                    self._add(key, _entry(payload_len, disk_bytes))
                 self.counters.rebuilt_entries = len(snapshot)
                 self.counters.rebuilt_from_snapshot = 1
             else:
                 found, removed = await self._run(scan, self.root)
                 self.counters.corrupt += removed
-                for _, key, path, payload_len, disk_bytes in found:
-                    self._add(key, _Entry(path, payload_len, disk_bytes))
+                for _, key, _, payload_len, disk_bytes in found:
+                    self._add(key, _entry(payload_len, disk_bytes))
                 self.counters.rebuilt_entries = len(found)
             await self._shrink_to(self.max_bytes)
             for tenant in list(self.quotas.limits):  # a quota lowered since the last run
@@ -242,16 +258,17 @@ class DiskTier:
             copy[:] = pending
             self.counters.hits += 1
             return Chunk(copy, self.name)
+        path = path_for(self.root, key)
         try:
-            payload = await self._run(read_record, entry.path, key, out, self.direct)
+            payload = await self._run(read_record, path, key, out, self.direct)
         except CorruptRecord as err:
-            logger.warning("disk tier: %s is damaged (%s); removed, answered as a miss", entry.path, err)
+            logger.warning("disk tier: %s is damaged (%s); removed, answered as a miss", path, err)
             self.counters.corrupt += 1
             await self._drop(key, entry)
             self.counters.misses += 1
             return None
         except OSError as err:
-            logger.warning("disk tier: cannot read %s (%s); answered as a miss", entry.path, err)
+            logger.warning("disk tier: cannot read %s (%s); answered as a miss", path, err)
             await self._drop(key, entry)
             self.counters.misses += 1
             return None
@@ -331,7 +348,7 @@ class DiskTier:
             self.degraded = None
         if key in self._index:  # written twice concurrently: keep one
             return PutStatus.EXISTS
-        self._add(key, _Entry(path, size, disk_bytes))
+        self._add(key, _entry(size, disk_bytes))
         self.counters.stores += 1
         await self._shrink_to(self.max_bytes)
         if self.quotas:
@@ -380,6 +397,9 @@ class DiskTier:
             self.on_removed(key)
 
     def _add(self, key: ChunkKey, entry: _Entry) -> None:
+        namespace = sys.intern(key.namespace)  # one string per namespace, not one per chunk
+        if namespace is not key.namespace:
+            key = ChunkKey(namespace, key.digest)
         self._index[key] = entry
         self.policy.inserted(key, entry.payload_len, None)
         self.stored_bytes += entry.payload_len
@@ -404,9 +424,9 @@ class DiskTier:
             del self._by_namespace[key.namespace]
         self._left(key)
         try:
-            await self._run(unlink, entry.path)
+            await self._run(unlink, path_for(self.root, key))
         except OSError as err:
-            logger.warning("disk tier: cannot remove %s: %s", entry.path, err)
+            logger.warning("disk tier: cannot remove %s: %s", path_for(self.root, key), err)
 
     async def delete(self, key: ChunkKey) -> bool:
         queued = self.spills.cancel(key)  # the writer skips it

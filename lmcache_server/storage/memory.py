@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +59,26 @@ class _Entry:
     pinned: bool = False
     dead: bool = False  # removed from the index; free the extent when the last lease ends
     lent: bool = False  # evicted and lent to the spill: its extent comes back once written
+
+
+_ints: dict[int, int] = {}
+
+
+def _shared(n: int) -> int:
+    """One int object per chunk size (a model's chunks are one size), not one per chunk."""
+    got = _ints.get(n)
+    if got is None:
+        if len(_ints) >= 4096:
+            return n
+        got = _ints[n] = n
+    return got
+
+
+def _canonical(key: ChunkKey) -> ChunkKey:
+    """``key`` with the one interned string of its namespace (each request decodes
+    its own copy: ~150 bytes per chunk if kept)."""
+    namespace = sys.intern(key.namespace)
+    return key if namespace is key.namespace else ChunkKey(namespace, key.digest)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -222,10 +243,11 @@ class MemoryTier:
         if r.key in self._index:
             self.allocator.free(r.offset)
             return PutStatus.EXISTS
-        entry = _Entry(r.key, r.offset, r.size, self.allocator.size_of(r.offset))
-        self._index[r.key] = entry
+        key = _canonical(r.key)
+        entry = _Entry(key, r.offset, _shared(r.size), _shared(self.allocator.size_of(r.offset)))
+        self._index[key] = entry
         self.evictable_bytes += entry.extent
-        self.policy.inserted(r.key, r.size, r.parent)
+        self.policy.inserted(key, r.size, r.parent)
         self._account(entry, +1)
         self.counters.stores += 1
         return PutStatus.STORED
@@ -414,7 +436,8 @@ class MemoryTier:
         for key, offset, size, pinned in chunks:
             if key in self._index:
                 raise ValueError(f"chunk {key.digest.hex()} is listed twice")
-            entry = _Entry(key, offset, size, aligned(size))
+            key = _canonical(key)
+            entry = _Entry(key, offset, _shared(size), _shared(aligned(size)))
             self._index[key] = entry
             self.evictable_bytes += entry.extent
             self.policy.inserted(key, size, None)

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .base import ChunkKey
+from .history import KeyHistory, key_hash
 
 
 class EvictionPolicy(Protocol):
@@ -93,7 +94,7 @@ class LRUPolicy:
 class _Entry:
     freq: int  # accesses, counting those before an eviction the history remembers
     depth: int  # chunks before this one in its known prefix chain (0: unknown or a head)
-    rank: tuple[int, int, int]  # (priority, tie-break, sequence): its live heap item
+    rank: int  # (priority, tie-break, sequence) packed in one int (_rank): its live heap item's
     tail: bool = False  # the last chunk of a multi-chunk put, not read since: one access fewer
 
 
@@ -154,8 +155,8 @@ class LFUDAPolicy:
         self.depth_penalty = depth_penalty
         self.tails_first = tails_first
         self._entries: dict[ChunkKey, _Entry] = {}
-        self._heap: list[tuple[int, int, int, ChunkKey]] = []
-        self._ghost: collections.OrderedDict[int, int] = collections.OrderedDict()  # hash(key) -> freq
+        self._heap: list[tuple[int, ChunkKey]] = []  # (rank, key)
+        self._ghost = KeyHistory(min_ghost)  # key_hash(key) -> freq
         self._age = 0  # L
         self._clock = 0  # chunk operations so far
         self._seq = 0
@@ -186,9 +187,9 @@ class LFUDAPolicy:
                 depth = known.depth + 1
             elif parent == self._last[0]:  # evicted to make room for this very chunk
                 depth = self._last[1] + 1
-        freq = self._ghost.pop(hash(key), 0) + 1
+        freq = self._ghost.pop(key_hash(key)) + 1
         self._clock += 1
-        entry = _Entry(freq, depth, (0, 0, 0))
+        entry = _Entry(freq, depth, 0)
         if key == self._pending_tail:
             entry.tail, self._pending_tail = True, None
         self._entries[key] = entry
@@ -213,28 +214,25 @@ class LFUDAPolicy:
         if key == self._named[0]:  # the victim left: L becomes its H (never going back)
             self._age = max(self._age, self._named[1])
             self._named = (None, 0)
-        ghost = self._ghost
-        ghost[hash(key)] = entry.freq
-        limit = max(self.min_ghost, self.ghost_factor * len(self._entries))
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
+        self._ghost.bound(max(self.min_ghost, self.ghost_factor * len(self._entries)))
+        self._ghost.add(key_hash(key), entry.freq)
 
     def victim(self, skip: Callable[[ChunkKey], bool]) -> ChunkKey | None:
         heap = self._heap
-        skipped: list[tuple[int, int, int, ChunkKey]] = []
+        skipped: list[tuple[int, ChunkKey]] = []
         found: ChunkKey | None = None
         while heap:
-            item = heap[0]
-            entry = self._entries.get(item[3])
-            if entry is None or entry.rank != item[:3]:
+            rank, key = heap[0]
+            entry = self._entries.get(key)
+            if entry is None or entry.rank != rank:
                 heapq.heappop(heap)  # stale: the chunk was touched again or removed
                 continue
-            if skip(item[3]):
+            if skip(key):
                 skipped.append(heapq.heappop(heap))
                 continue
-            found = item[3]
+            found = key
             # L moves when the victim is removed, not now: the tier may keep it (a spill declined).
-            self._named = (found, item[0])
+            self._named = (found, rank >> _PRIORITY_SHIFT)
             break
         for item in skipped:
             heapq.heappush(heap, item)
@@ -249,7 +247,7 @@ class LFUDAPolicy:
 
     def remembers(self, key: ChunkKey) -> bool:
         """Whether ``key`` is in the history of recently evicted keys."""
-        return hash(key) in self._ghost
+        return key_hash(key) in self._ghost
 
     @property
     def chunks(self) -> int:
@@ -262,11 +260,24 @@ class LFUDAPolicy:
         self._seq += 1
         # A put tail counts one access fewer: a new one ranks with the chunks at L.
         priority = self._age + entry.freq - (1 if entry.tail else 0)
-        entry.rank = (priority, self._clock - self.depth_penalty * entry.depth, self._seq)
-        heapq.heappush(self._heap, (*entry.rank, key))
+        entry.rank = _rank(priority, self._clock - self.depth_penalty * entry.depth, self._seq)
+        heapq.heappush(self._heap, (entry.rank, key))
         if len(self._heap) > 2 * len(self._entries) + 64:
-            self._heap = [(*e.rank, k) for k, e in self._entries.items()]
+            self._heap = [(e.rank, k) for k, e in self._entries.items()]
             heapq.heapify(self._heap)
+
+
+_FIELD = 48  # bits of the tie-break and of the sequence number in a rank
+_TIE_OFFSET = 1 << (_FIELD - 1)
+_PRIORITY_SHIFT = 2 * _FIELD
+
+
+def _rank(priority: int, tie: int, seq: int) -> int:
+    """``(priority, tie, seq)`` as one int that orders as the tuple would: one int
+    object per chunk instead of a tuple of three (``priority`` >= 0, ``|tie|`` and
+    ``seq`` below 2**47: 10**14 chunk operations)."""
+    tie = min(max(tie + _TIE_OFFSET, 0), (1 << _FIELD) - 1)
+    return (priority << _PRIORITY_SHIFT) | (tie << _FIELD) | (seq & ((1 << _FIELD) - 1))
 
 
 PolicyFactory = Callable[[int | None, int], EvictionPolicy]
