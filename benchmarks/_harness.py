@@ -13,6 +13,8 @@ Primitives:
 - :class:`CpuMeter`: how much CPU other processes took meanwhile (noise check);
   :func:`minor_faults`: page faults of a process (receive buffers that glibc
   handed back to the kernel fault in again on every message).
+- :func:`write_chunk_files`: N small chunk files written with the disk tier's
+  own record writer (what an index rebuild is timed on).
 - :func:`redis_client`: redis-py with the hiredis *parser* but the pure-Python
   *serializer* (the hiredis serializer copies every large value into one bytes
   object before sending; the Python one sends memoryviews as they are).
@@ -326,6 +328,23 @@ def filled_buffer(size: int, seed: int) -> bytearray:
         n = min(4096, size - offset)
         view[offset : offset + n] = block[:n]
     return out
+
+
+def write_chunk_files(
+    directory: Path, entries: int, namespace: str, payload_bytes: int = 4096, start: int = 0
+) -> None:
+    """Write chunk files ``start``..``entries - 1`` under ``directory`` (a disk tier's
+    root) with the daemon's own record writer, keys ``(namespace, i as 32
+    little-endian bytes)``."""
+    from lmcache_server.storage.base import ChunkKey
+    from lmcache_server.storage.diskfiles import path_for, write_record
+
+    payload = os.urandom(payload_bytes)
+    for i in range(start, entries):
+        key = ChunkKey(namespace, i.to_bytes(32, "little"))
+        write_record(path_for(directory, key), key, payload, "none")
+        if i and i % 100000 == 0:
+            print(f"  wrote {i} files", flush=True)
 
 
 # -- redis-py -----------------------------------------------------------------------------

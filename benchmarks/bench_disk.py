@@ -57,11 +57,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import MIB, Processes, free_port, raise_on_sigterm, wait_until  # noqa: E402
+from _harness import MIB, Processes, free_port, raise_on_sigterm, wait_until, write_chunk_files  # noqa: E402
 
 from lmcache_client import CacheClient  # noqa: E402
 from lmcache_client.memtune import tune_malloc  # noqa: E402
-from lmcache_server.storage.base import ChunkKey  # noqa: E402
 
 NAMESPACE = "bench-disk|float16|L1|KV1|D1|tp0of1|c256"
 
@@ -149,14 +148,8 @@ def rebuild_times(directory: Path, entries: int) -> tuple[float, float]:
     by the scan (no snapshot: after a crash, or the first start), then from the
     snapshot its clean shutdown wrote.  The page cache is dropped before each."""
     from lmcache_server.storage.disk import DiskTier
-    from lmcache_server.storage.diskfiles import path_for, write_record
 
-    payload = os.urandom(4096)
-    for i in range(entries):
-        key = ChunkKey(NAMESPACE, i.to_bytes(32, "little"))
-        write_record(path_for(directory, key), key, payload, "none")
-        if i and i % 20000 == 0:
-            print(f"  wrote {i} files", flush=True)
+    write_chunk_files(directory, entries, NAMESPACE)
 
     async def open_tier(from_snapshot: int) -> float:
         tier = DiskTier(directory, 1 << 40)
