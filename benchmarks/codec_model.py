@@ -126,6 +126,7 @@ def train(steps: int, batch: int, lr: float) -> dict[str, Any]:
     )
     g = torch.Generator().manual_seed(1)
     t0 = time.perf_counter()
+    recent: list[float] = []
     for step in range(1, steps + 1):
         starts = torch.randint(0, len(ids) - SEQ - 1, (batch,), generator=g)
         x = torch.stack([ids[s : s + SEQ] for s in starts.tolist()])
@@ -135,8 +136,10 @@ def train(steps: int, batch: int, lr: float) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        recent.append(loss.item())
         if step % 25 == 0 or step == 1:
-            print(f"step {step:4d}  loss {loss.item():.3f}  {time.perf_counter() - t0:.0f} s", flush=True)
+            mean = sum(recent[-25:]) / len(recent[-25:])
+            print(f"step {step:4d}  loss {mean:.3f} (mean of the last 25)  {time.perf_counter() - t0:.0f} s", flush=True)
     ppl = perplexity(model, held_ids)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(CACHE_DIR)
@@ -156,7 +159,7 @@ def load(rebuild: bool = True) -> tuple[Any, Any, dict[str, Any]]:
         if not rebuild:
             raise FileNotFoundError(f"no codec model in {CACHE_DIR}; run benchmarks/codec_model.py")
         torch.set_num_threads(2)
-        train(steps=300, batch=4, lr=2e-3)
+        train(steps=300, batch=4, lr=1e-3)
     model = LlamaForCausalLM.from_pretrained(CACHE_DIR, dtype=torch.float32).eval()
     tok = PreTrainedTokenizerFast.from_pretrained(CACHE_DIR)
     return model, tok, json.loads((CACHE_DIR / "meta.json").read_text())
@@ -172,7 +175,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--force", action="store_true", help="retrain even when the cache has a model")
     args = ap.parse_args()

@@ -1,11 +1,10 @@
-"""Mode ``lossless``: exact bytes, byte-shuffled then zstd.
+"""Mode ``lossless``: exact bytes, byte planes then zstd.
 
-The chunk's elements are split into byte planes (for bfloat16: all low bytes,
-then all high bytes), on the chunk's own device, and the planes are
-compressed with zstd.  The high byte of a bfloat16/float16 KV element (sign
-and exponent) takes few distinct values and compresses well; the mantissa
-bytes are close to random, and zstd stores such blocks raw at memcpy-like
-speed.  Body: one zstd frame of the shuffled bytes (its content size set).
+The chunk's elements are split into byte planes (for bfloat16: all low
+bytes, then all high bytes), on the chunk's own device.  The top plane (sign
+and exponent) takes few distinct values and compresses well with zstd; the
+mantissa planes are close to random and are stored raw unless a sample
+shows zstd gains (:mod:`.planes`).  Body: a :mod:`.planes` container.
 
 Primitive: :class:`LosslessCodec`.
 """
@@ -16,57 +15,33 @@ from typing import Any
 
 import torch
 
-from .base import Codec, Shape5, bytes_tensor, tensor_bytes
-from .frame import CodecError
+from .base import Codec, Shape5, bytes_tensor
+from .planes import max_packed_bytes, need_zstd, pack_planes, unpack_planes
 from .spec import CodecSpec
-
-try:
-    import zstandard
-except ImportError:  # pragma: no cover - the `codec` extra installs it
-    zstandard = None
-
-
-def need_zstd() -> Any:
-    if zstandard is None:
-        raise ImportError("KV codec modes lossless and cachegen need zstandard: pip install 'lmcache-client[codec]'")
-    return zstandard
-
-
-def shuffle(chunk: torch.Tensor) -> torch.Tensor:
-    """Byte planes of ``chunk`` (on its device): shape (element bytes, elements), uint8."""
-    esize = chunk.element_size()
-    return chunk.reshape(-1).view(torch.uint8).view(-1, esize).t().contiguous()
-
-
-def unshuffle(planes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`shuffle`: a flat tensor of ``dtype``."""
-    return planes.t().contiguous().view(dtype).reshape(-1)
 
 
 class LosslessCodec(Codec):
-    """Byte shuffle + zstd; decodes to the identical bytes (NaN payloads, -0.0 included)."""
+    """Byte planes + zstd; decodes to the identical bytes (NaN payloads, -0.0 included)."""
 
     def __init__(self, spec: CodecSpec, shape: Shape5, dtype: Any) -> None:
         super().__init__(spec, shape, dtype)
-        zstd = need_zstd()
-        self._compressor = zstd.ZstdCompressor(level=int(spec.get("level")), write_content_size=True)
-        self._decompressor = zstd.ZstdDecompressor()
+        need_zstd()
+        self.level = int(spec.get("level"))
 
     def _max_body_bytes(self, tokens: int) -> int:
-        raw = self.raw_bytes(tokens)
-        # zstd's documented worst case (ZSTD_compressBound) plus its frame header
-        return raw + (raw >> 8) + 64
+        elements = self.raw_bytes(tokens) // self.element_bytes
+        return max_packed_bytes([elements] * self.element_bytes)
 
     def _encode_body(self, chunk: torch.Tensor) -> bytes:
-        planes = shuffle(chunk.detach()).cpu()
-        return self._compressor.compress(tensor_bytes(planes))
+        u = chunk.detach().reshape(-1).view(torch.uint8).view(-1, self.element_bytes)
+        planes = [u[:, i].contiguous().cpu() for i in range(self.element_bytes)]
+        return pack_planes(planes, self.level, always=(self.element_bytes - 1,))
 
     def _decode_body(self, body: memoryview, tokens: int, device: torch.device) -> torch.Tensor:
-        raw = self.raw_bytes(tokens)
-        try:
-            data = self._decompressor.decompress(body, max_output_size=raw)
-        except zstandard.ZstdError as err:
-            raise CodecError(f"lossless body does not decompress: {err}") from err
-        planes = bytes_tensor(data, raw).view(self.element_bytes, -1).to(device)
+        elements = self.raw_bytes(tokens) // self.element_bytes
+        planes = unpack_planes(body, [elements] * self.element_bytes)
+        u = torch.empty(elements, self.element_bytes, dtype=torch.uint8)
+        for i, data in enumerate(planes):
+            u[:, i] = bytes_tensor(data)
         shape = (*self.shape[:2], tokens, *self.shape[3:])
-        return unshuffle(planes, self.dtype).view(shape)
+        return u.view(self.dtype).view(shape).to(device)

@@ -1,0 +1,155 @@
+"""Mode ``cachegen``: anchor/delta quantization, per-layer step allocation,
+rate control and entropy coding (after CacheGen, SIGCOMM'24).
+
+Per layer and K/V, per channel (kv head x head dim), over the chunk's tokens:
+
+- the tokens are split into groups of ``anchor``; the first token of a group
+  is its anchor, quantized against the channel mean ``m`` with the fine step
+  ``d / 2``; every other token is quantized as its delta against the
+  *decoded* anchor with step ``d``, so errors do not accumulate:
+  ``|x - x'| <= d / 4`` for anchors and ``<= d / 2`` for the others;
+- the step ``d`` of a channel is ``lam * w[layer, K/V] * s`` where ``s`` mixes
+  the channel's spread with its layer's (K has outlier channels: a channel's
+  own scale keeps them from eating everyone's precision), ``w`` gives early
+  layers finer steps, and ``lam`` is found by rate control: a few rounds of
+  "quantize, estimate the entropy from histograms, rescale" until the frame
+  fits ``bits`` bits per element, all overhead included;
+- the integer symbols are entropy coded (:mod:`.entropy`).
+
+Only the encoder chooses steps; the frame stores them (float16 per channel)
+with the channel means, so the allocation can improve without a new format.
+Body: steps fp16 (L, 2, H, D), means fp16 (L, 2, H, D), then the symbols.
+
+Primitive: :class:`CacheGenCodec`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .base import Codec, Shape5, bytes_tensor
+from .entropy import decode_symbols, encode_symbols, entropy_bits, max_symbol_bytes
+from .frame import CodecError, header_bytes
+from .quant import check_range
+from .spec import CodecSpec
+
+ANCHOR_RATIO = 2.0
+"""Anchors use a step this many times finer than deltas (format constant)."""
+_FP16_TINY = 2.0**-24
+_FP16_BIG = 32768.0
+
+
+class CacheGenCodec(Codec):
+    """CacheGen-style codec; ``bits`` is the target of average bits per element, frame included."""
+
+    # encoder-only knobs (the frame stores the steps they produce)
+    channel_weight = 0.5
+    """0: one step per layer and K/V; 1: steps proportional to each channel's spread."""
+    layer_tilt = 1.0
+    """log2 ratio of the last layer's step to the first's (> 0: finer steps early)."""
+    k_weight = 1.0
+    v_weight = 1.0
+    slack = 0.985
+    """Fraction of the bit budget the rate control aims at (Huffman's loss over entropy)."""
+
+    def __init__(self, spec: CodecSpec, shape: Shape5, dtype: Any) -> None:
+        super().__init__(spec, shape, dtype)
+        self.bits = int(spec.get("bits"))
+        self.anchor = int(spec.get("anchor"))
+        self.channels = self.shape[0] * 2 * self.shape[3] * self.shape[4]
+
+    def _elements(self, tokens: int) -> int:
+        return self.raw_bytes(tokens) // self.element_bytes
+
+    def _max_body_bytes(self, tokens: int) -> int:
+        # the rate control's fallback never exceeds 16-bit symbols (two planes) plus zstd's bound
+        return 4 * self.channels + max_symbol_bytes(self._elements(tokens))
+
+    # -- encoder ----------------------------------------------------------------
+    def _layer_weights(self, device: torch.device) -> torch.Tensor:
+        layers = self.shape[0]
+        pos = torch.linspace(-0.5, 0.5, layers, device=device) if layers > 1 else torch.zeros(1, device=device)
+        w = torch.pow(2.0, pos * self.layer_tilt)
+        kv = torch.tensor([self.k_weight, self.v_weight], device=device)
+        return (w[:, None] * kv[None, :]).view(layers, 2, 1, 1, 1)
+
+    def _symbols(self, x: torch.Tensor, mean: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        a = self.anchor
+        fine = step / ANCHOR_RATIO
+        anchor_sym = torch.round((x[:, :, ::a] - mean) / fine)
+        anchors = mean + anchor_sym * fine
+        pred = anchors.repeat_interleave(a, dim=2)[:, :, : x.shape[2]]
+        sym = torch.round((x - pred) / step)
+        sym[:, :, ::a] = anchor_sym
+        return sym.to(torch.int32)
+
+    def _steps(self, lam: float, base: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+        step = torch.maximum(base * lam, floor).clamp_(max=_FP16_BIG).to(torch.float16)
+        return step.clamp_(min=_FP16_TINY).float()
+
+    def _encode_body(self, chunk: torch.Tensor) -> bytes:
+        x = chunk.detach().float()
+        layers, _, tokens, heads, dim = x.shape
+        n = x.numel()
+        check_range(x.amin(), x.amax())
+        mean = x.mean(dim=2, keepdim=True).to(torch.float16).float()
+        dev = x - mean
+        rms_c = dev.square().mean(dim=2, keepdim=True).sqrt()
+        rms_l = dev.square().mean(dim=(2, 3, 4), keepdim=True).sqrt()
+        cw = self.channel_weight
+        base = (rms_c.clamp(min=1e-12) ** cw) * (rms_l.clamp(min=1e-12) ** (1 - cw)) * self._layer_weights(x.device)
+        # no symbol may pass MAX_SYMBOL: anchors <= 2 * 2 * 5000, deltas <= (2 max|dev| + d/4) / d
+        floor = dev.abs().amax(dim=2, keepdim=True) / 5000
+        fixed = header_bytes(self.tag) + 4 * self.channels + 32
+        budget_bits = self.bits * n - 8 * fixed
+        target = max(budget_bits * self.slack, 0.05 * n)
+        groups = layers * 2
+        lam = 4.13 * 2.0 ** (-target / n)
+        for _ in range(3):
+            sym = self._symbols(x, mean, self._steps(lam, base, floor))
+            est = entropy_bits(sym, groups)
+            lam *= 2.0 ** ((est - target) / n)
+        body = b""
+        for _ in range(4):
+            step = self._steps(lam, base, floor)
+            sym = self._symbols(x, mean, step)
+            coded = encode_symbols(sym)
+            body = self._pack(step, mean, coded)
+            over = len(body) * 8 - (budget_bits + 8 * (4 * self.channels))
+            if over <= 0 or lam > 1e12:  # a chunk of a few tokens: the side info alone passes the budget
+                break
+            lam *= 2.0 ** (1.1 * over / n + 0.01)
+        return body
+
+    def _pack(self, step: torch.Tensor, mean: torch.Tensor, coded: bytes) -> bytes:
+        side = torch.stack([step.to(torch.float16), mean.to(torch.float16)]).cpu()
+        return bytes(side.contiguous().view(torch.uint8).reshape(-1).numpy()) + coded
+
+    # -- decoder ----------------------------------------------------------------
+    def _decode_body(self, body: memoryview, tokens: int, device: torch.device) -> torch.Tensor:
+        layers, _, _, heads, dim = self.shape
+        side_bytes = 4 * self.channels
+        if len(body) < side_bytes:
+            raise CodecError("cachegen body truncated before its steps")
+        side = bytes_tensor(body[:side_bytes]).to(device).view(torch.float16).view(2, layers, 2, 1, heads, dim).float()
+        step, mean = side[0], side[1]
+        if not bool(torch.isfinite(side).all()) or not bool((step > 0).all()):
+            raise CodecError("cachegen body has invalid steps")
+        sym = decode_symbols(body[side_bytes:], self._elements(tokens), device)
+        sym = sym.view(layers, 2, tokens, heads, dim).float()
+        a = self.anchor
+        anchors = mean + sym[:, :, ::a] * (step / ANCHOR_RATIO)
+        x = anchors.repeat_interleave(a, dim=2)[:, :, :tokens] + sym * step
+        x[:, :, ::a] = anchors
+        return x.to(self.dtype)
+
+    def bound(self, frame_step: torch.Tensor) -> torch.Tensor:
+        """Per-element error bound for the steps of a frame (anchors d/4, others d/2)."""
+        return frame_step / 2
+
+    @staticmethod
+    def expected_bits_per_element(bits: int) -> float:
+        return float(bits) if bits > 0 else math.nan

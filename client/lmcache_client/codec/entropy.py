@@ -1,0 +1,71 @@
+"""Entropy coding of quantized symbols for the ``cachegen`` mode.
+
+Symbols are small signed integers (int32 tensors).  They are zigzag-mapped
+(0, -1, 1, -2, ... -> 0, 1, 2, 3, ...); when every mapped symbol fits a byte
+(the usual case) they are one byte plane, else a low and a high plane (the
+high one almost all zero); the planes are compressed with zstd
+(:mod:`.planes`), whose Huffman stage codes each 128 KiB block near its
+order-0 entropy.  :func:`entropy_bits` estimates that cost from histograms,
+for rate control.
+
+Primitives: :func:`zigzag`, :func:`unzigzag`, :func:`encode_symbols`,
+:func:`decode_symbols`, :func:`entropy_bits`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import bytes_tensor
+from .frame import CodecError
+from .planes import max_packed_bytes, pack_planes, unpack_planes
+
+MAX_SYMBOL = 32767
+
+
+def zigzag(s: torch.Tensor) -> torch.Tensor:
+    """Signed int32 symbols -> non-negative int32 (0, -1, 1, -2 -> 0, 1, 2, 3)."""
+    return (s << 1) ^ (s >> 31)
+
+
+def unzigzag(z: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`zigzag`."""
+    return (z >> 1) ^ -(z & 1)
+
+
+def entropy_bits(symbols: torch.Tensor, groups: int) -> float:
+    """Estimated coded bits of ``symbols`` (int32, leading dim split into ``groups`` equal parts,
+    each coded with its own order-0 statistics), from zigzag histograms clamped at 256."""
+    z = zigzag(symbols.reshape(groups, -1)).clamp_(max=255)
+    offsets = torch.arange(groups, device=z.device, dtype=torch.int64)[:, None] * 256
+    counts = torch.bincount((z + offsets).reshape(-1), minlength=groups * 256).view(groups, 256).double()
+    total = counts.sum(dim=1, keepdim=True)
+    p = counts / total
+    bits = -(counts * torch.where(p > 0, p.log2(), torch.zeros_like(p))).sum()
+    return float(bits)
+
+
+def encode_symbols(symbols: torch.Tensor, level: int = 1) -> bytes:
+    """Symbols (int32, |s| <= MAX_SYMBOL) -> a planes container of one or two byte planes."""
+    z = zigzag(symbols.reshape(-1))
+    if int(z.max()) < 256:
+        planes = [z.to(torch.uint8).cpu()]
+    else:
+        planes = [(z & 0xFF).to(torch.uint8).cpu(), (z >> 8).to(torch.uint8).cpu()]
+    return pack_planes(planes, level, always=tuple(range(len(planes))))
+
+
+def max_symbol_bytes(count: int) -> int:
+    """Upper bound of :func:`encode_symbols` for ``count`` symbols."""
+    return max_packed_bytes([count, count])
+
+
+def decode_symbols(body: memoryview, count: int, device: torch.device) -> torch.Tensor:
+    """Inverse of :func:`encode_symbols`: ``count`` int32 symbols on ``device``."""
+    if len(body) < 1 or body[0] not in (1, 2):
+        raise CodecError("cachegen symbols have a bad plane count")
+    planes = unpack_planes(body, [count] * body[0])
+    z = bytes_tensor(planes[0]).to(device).to(torch.int32)
+    if len(planes) == 2:
+        z |= bytes_tensor(planes[1]).to(device).to(torch.int32) << 8
+    return unzigzag(z)

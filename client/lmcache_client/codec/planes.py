@@ -1,0 +1,88 @@
+"""Byte planes, each stored raw or as a zstd frame: the container both the
+``lossless`` and the ``cachegen`` bodies are made of.
+
+Container: ``u8`` plane count, then per plane ``u8`` method (0 raw, 1 zstd)
+and ``u64`` stored length, then the planes' bytes in order.  Every plane
+decodes to a length the codec knows from the frame's shape, and any other
+length is a :class:`CodecError`.  zstd is tried on a sample first, so a
+near-random plane (mantissa bytes) costs a memcpy, not a compression pass.
+
+Primitives: :func:`pack_planes`, :func:`unpack_planes`, :func:`need_zstd`.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import torch
+
+from .frame import CodecError
+
+try:
+    import zstandard
+except ImportError:  # pragma: no cover - the `codec` extra installs it
+    zstandard = None
+
+_COUNT = struct.Struct("<B")
+_ENTRY = struct.Struct("<BQ")
+RAW, ZSTD = 0, 1
+_SAMPLE = 1 << 16
+
+
+def need_zstd() -> Any:
+    if zstandard is None:
+        raise ImportError("KV codec modes lossless and cachegen need zstandard: pip install 'lmcache-client[codec]'")
+    return zstandard
+
+
+def pack_planes(planes: list[torch.Tensor], level: int = 1, always: tuple[int, ...] = ()) -> bytes:
+    """uint8 CPU tensors -> container bytes; planes in ``always`` are compressed without a sample test."""
+    zstd = need_zstd()
+    comp = zstd.ZstdCompressor(level=level, write_content_size=True)
+    entries, datas = [], []
+    for i, plane in enumerate(planes):
+        raw = memoryview(plane.contiguous().numpy())
+        method, data = RAW, raw
+        if len(raw) and (i in always or len(comp.compress(raw[:_SAMPLE])) < 0.9 * min(len(raw), _SAMPLE)):
+            packed = comp.compress(raw)
+            if len(packed) < len(raw):
+                method, data = ZSTD, packed
+        entries.append(_ENTRY.pack(method, len(data)))
+        datas.append(data)
+    return b"".join([_COUNT.pack(len(planes)), *entries, *datas])
+
+
+def max_packed_bytes(sizes: list[int]) -> int:
+    """Upper bound of :func:`pack_planes` for planes of these sizes."""
+    return _COUNT.size + len(sizes) * _ENTRY.size + sum(sizes)
+
+
+def unpack_planes(body: memoryview, sizes: list[int]) -> list[bytes | memoryview]:
+    """Inverse of :func:`pack_planes`; ``sizes`` are the decoded plane lengths the frame's shape implies."""
+    zstd = need_zstd()
+    if len(body) < _COUNT.size or body[0] != len(sizes):
+        raise CodecError(f"encoded body has {body[0] if len(body) else 0} byte planes, expected {len(sizes)}")
+    pos = _COUNT.size
+    if len(body) < pos + len(sizes) * _ENTRY.size:
+        raise CodecError("encoded body truncated in its plane table")
+    entries = [_ENTRY.unpack_from(body, pos + i * _ENTRY.size) for i in range(len(sizes))]
+    pos += len(sizes) * _ENTRY.size
+    if pos + sum(length for _, length in entries) != len(body):
+        raise CodecError("encoded body's planes do not add up to its length")
+    out: list[bytes | memoryview] = []
+    dec = zstd.ZstdDecompressor()
+    for (method, length), size in zip(entries, sizes):
+        data = body[pos : pos + length]
+        pos += length
+        if method == ZSTD:
+            try:
+                data = dec.decompress(data, max_output_size=size)
+            except zstd.ZstdError as err:
+                raise CodecError(f"encoded plane does not decompress: {err}") from err
+        elif method != RAW:
+            raise CodecError(f"encoded plane has unknown method {method}")
+        if len(data) != size:
+            raise CodecError(f"encoded plane decodes to {len(data)} bytes, expected {size}")
+        out.append(data)
+    return out
