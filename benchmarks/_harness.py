@@ -11,6 +11,7 @@ Primitives:
   repetitions of ``calls`` calls each (interleaved across the members of a
   group); a :class:`Stats` of MiB/s (median, min, max) per member.
 - :class:`CpuMeter`: how much CPU other processes took meanwhile (noise check);
+  :func:`cpu_seconds`: a process's CPU time (servers' CPU seconds per GiB moved);
   :func:`minor_faults`: page faults of a process (receive buffers that glibc
   handed back to the kernel fault in again on every message).
 - :func:`write_chunk_files`: N small chunk files written with the disk tier's
@@ -212,6 +213,9 @@ class Stats:
     high: float
     reps: int
     faults_per_gib: tuple[float, float] = (0.0, 0.0)
+    cpu_s_per_gib: float | None = None
+    """CPU seconds (user + system, all threads) the member's server process spent per
+    GiB moved during the timed repetitions; None without a CPU probe."""
 
     def spread(self) -> str:
         return f"[{self.low:,.0f}..{self.high:,.0f}]"
@@ -219,6 +223,21 @@ class Stats:
 
 FaultProbe = Callable[[], tuple[int, int]]
 """Minor page faults so far of (this process, the server process); see :func:`minor_faults`."""
+CpuProbe = Callable[[], float]
+"""CPU seconds a process has used so far; see :func:`cpu_seconds`."""
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far, all its threads (this process if None)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def minor_faults(pid: int | None) -> int:
@@ -244,6 +263,7 @@ def measure_group(
     reps: int,
     warmup: int,
     settles: Sequence[Callable[[], None] | None] | None = None,
+    cpu_probes: Sequence[CpuProbe | None] | None = None,
 ) -> list[Stats]:
     """Like :func:`measure` for several systems at once, interleaved: repetition i
     of every member runs before repetition i+1 of any, so a burst of outside load
@@ -252,27 +272,37 @@ def measure_group(
     and a ``settle`` call timed at the end of each of its repetitions: a server
     that finishes work after answering (the daemon copies a put into its pool
     right after the reply) pays for it in its own repetition, not the next
-    member's."""
+    member's.  A ``cpu_probe`` per member (its server's :func:`cpu_seconds`) gives
+    :attr:`Stats.cpu_s_per_gib`."""
     settles = settles or [None] * len(members)
+    cpu_probes = cpu_probes or [None] * len(members)
     for call, _ in members:
         for _ in range(warmup):
             call()
     rates: list[list[float]] = [[] for _ in members]
     faults = [[0, 0] for _ in members]
+    cpu = [0.0 for _ in members]
     for _ in range(reps):
-        for (call, probe), settle, out, fault in zip(members, settles, rates, faults):
+        for i, ((call, probe), settle, out, fault) in enumerate(zip(members, settles, rates, faults)):
             before = probe() if probe else (0, 0)
+            cpu_probe = cpu_probes[i]
+            cpu_before = cpu_probe() if cpu_probe else 0.0
             start = time.perf_counter()
             for _ in range(calls):
                 call()
             if settle is not None:
                 settle()
             out.append(bytes_per_call * calls / MIB / (time.perf_counter() - start))
+            if cpu_probe:
+                cpu[i] += cpu_probe() - cpu_before
             after = probe() if probe else (0, 0)
             fault[0] += after[0] - before[0]
             fault[1] += after[1] - before[1]
     gib = bytes_per_call * calls * reps / 1024**3
-    return [Stats(statistics.median(r), min(r), max(r), reps, (f[0] / gib, f[1] / gib)) for r, f in zip(rates, faults)]
+    return [
+        Stats(statistics.median(r), min(r), max(r), reps, (f[0] / gib, f[1] / gib), c / gib if probe else None)
+        for r, f, c, probe in zip(rates, faults, cpu, cpu_probes)
+    ]
 
 
 class CpuMeter:

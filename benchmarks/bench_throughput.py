@@ -52,10 +52,16 @@ daemon repetition ends with a ping (timed): the daemon copies a put's payload
 into its pool right after answering, and the ping waits for that copy, so the
 last put's copy counts in its own repetition instead of slowing whichever
 member runs next.
-Targets (at ``--target-mib``, 16 by default): daemon >= 0.8x zmq-echo on the
-same transport, and >= 3x Redis (SET for put, GET for get), for put and get,
-checked for each transport; daemon shm >= 0.7x memcpy and >= 2x the daemon's
-payload-frame path (tcp and ipc).
+Targets (issue #15), at every measured size, put and get: daemon frames >=
+0.85x zmq-echo on the same transport at 4-32 MiB and >= 0.7x at 1 MiB (tcp and
+ipc); daemon shm >= 0.8x memcpy at 16-32 MiB, >= 0.6x at 4 MiB, >= 0.35x at
+1 MiB.  At ``--target-mib`` (16 by default) also: daemon >= 3x Redis (SET for
+put, GET for get) and shm >= 2x the daemon's payload-frame path.
+
+CPU per byte: every cell records the CPU seconds (user + system, all threads)
+its server process (daemon, echo server, redis-server) spent per GiB moved; the
+table after the figures lists them per path.  On a shared node every daemon
+core is taken from the engines.
 
 Diagnostics printed with the figures: the CPU other processes used during the
 run (on a 2-core machine anything above ~0.1 core makes the figures noisy), and
@@ -105,6 +111,7 @@ from _harness import (  # noqa: E402
     free_port,
     limit_malloc_arenas,
     load_average,
+    cpu_seconds,
     measure_group,
     minor_faults,
     raise_on_sigterm,
@@ -117,8 +124,9 @@ BATCH = 8
 NAMESPACE = "bench-throughput"
 TRANSPORTS = ("tcp", "ipc")
 OPS = ("put", "get")
-ECHO_RATIO_TARGET = 0.8
-SHM_MEMCPY_TARGET = 0.7
+# Targets of issue #15 per chunk size in MiB (smaller sizes: the 1 MiB one).
+ECHO_RATIO_TARGETS = {1: 0.7, 4: 0.85, 16: 0.85, 32: 0.85}
+SHM_MEMCPY_TARGETS = {1: 0.35, 4: 0.6, 16: 0.8, 32: 0.8}
 SHM_FRAMES_TARGET = 2.0
 REDIS_RATIO_TARGET = 3.0
 FULL_REFAULT_PER_GIB = 1024**3 // 4096
@@ -154,6 +162,7 @@ class Row:
             "op": self.op,
             "size_bytes": self.size_bytes,
             "mib_per_s": round(self.stats.median, 1),
+            "server_cpu_s_per_gib": None if self.stats.cpu_s_per_gib is None else round(self.stats.cpu_s_per_gib, 4),
         }
 
 
@@ -315,18 +324,24 @@ class Bench:
         # A daemon answers a put before copying it into the pool: a ping at the end
         # of each repetition (timed) charges that copy to the put's own figure.
         settles = [self.daemon[t].ping if system == "daemon" else None for system, t, _ in members]
-        results = measure_group(probed, batch_bytes, calls, o.reps, o.warmup, settles)
+        cpu_probes = [self._cpu_probe(system) for system, _, _ in members]
+        results = measure_group(probed, batch_bytes, calls, o.reps, o.warmup, settles, cpu_probes)
         for (system, transport, _), stats in zip(members, results):
             self._cell += 1
             if system != "memcpy-fresh":
                 self.rows.append(Row(system, transport, op, size, stats))
             client_faults, server_faults = stats.faults_per_gib
+            cpu = "" if stats.cpu_s_per_gib is None else f"; server CPU {stats.cpu_s_per_gib:.3f} s/GiB"
             self.progress(
                 f"[{self._cell:2d}/{self._cells}] {system:12s} {transport:3s} {op} {size >> 20:3d} MiB x{BATCH}: "
                 f"{stats.median:8,.0f} MiB/s {stats.spread():17s} ({o.reps} reps x {calls} requests; "
-                f"page faults/GiB client {client_faults:,.0f} server {server_faults:,.0f})"
+                f"page faults/GiB client {client_faults:,.0f} server {server_faults:,.0f}{cpu})"
             )
         return results
+
+    def _cpu_probe(self, system: str) -> Callable[[], float] | None:
+        server = self.server_pids.get(system)
+        return (lambda: cpu_seconds(server)) if server else None
 
     def _fault_probe(self, system: str) -> FaultProbe:
         server = self.server_pids.get(system)
@@ -506,32 +521,56 @@ class Bench:
         print(f"memcpy-fresh (into a freshly mmapped destination, page faults included), MiB/s: {fresh}")
         return self.targets()
 
-    def targets(self) -> bool | None:
-        size = self.opts.target_mib * MIB
-        if self.opts.target_mib not in self.opts.sizes_mib:
-            print(f"\ntargets not evaluated: {self.opts.target_mib} MiB not among --sizes")
-            return None
-        print(f"\ntargets at {self.opts.target_mib} MiB:")
-        ok = True
+    def cpu_table(self) -> None:
+        """Server CPU seconds per GiB moved, per system and path: on a shared node every
+        daemon core is taken from the engines."""
+        print("\nserver CPU seconds per GiB moved (user + system, all threads of the server process)")
+        systems = [("daemon", t) for t in (*TRANSPORTS, "shm", "shm-1t")] + [("zmq-echo", t) for t in TRANSPORTS]
+        if self.redis is not None:
+            systems.append(("redis", "tcp"))
+        print(f"{'op':3s} {'size':>6s} " + " ".join(f"{(s + ' ' + t):>14s}" for s, t in systems))
         for op in OPS:
-            redis = self.rate("redis", "tcp", op, size)
-            for t in TRANSPORTS:
-                daemon = self.rate("daemon", t, op, size)
-                echo = self.rate("zmq-echo", t, op, size)
-                checks = [("zmq-echo " + t, echo, ECHO_RATIO_TARGET)]
-                if redis is not None:
-                    checks.append(("redis " + ("GET" if op == "get" else "SET"), redis, REDIS_RATIO_TARGET))
-                for name, base, want in checks:
-                    ok &= _check(f"daemon {t} {op}", daemon, name, base, want)
-            shm = self.rate("daemon", "shm", op, size)
-            ok &= _check(f"daemon shm {op}", shm, "memcpy", self.rate("memcpy", "-", "put", size), SHM_MEMCPY_TARGET)
-            one = self.rate("daemon", "shm-1t", op, size)
-            print(f"  info  daemon shm {op} with copy_threads=1: {_fmt(one)} MiB/s = "
-                  f"{_ratio(one, self.rate('memcpy', '-', 'put', size))} memcpy, "
-                  f"{_ratio(one, self.rate('daemon', 'ipc', op, size))} daemon ipc frames")  # fmt: skip
-            for t in TRANSPORTS:
-                frames = self.rate("daemon", t, op, size)
-                ok &= _check(f"daemon shm {op}", shm, f"daemon {t} frames", frames, SHM_FRAMES_TARGET)
+            for size_mib in self.opts.sizes_mib:
+                cells = []
+                for system, transport in systems:
+                    row = next((r for r in self.rows if (r.system, r.transport, r.op, r.size_bytes)
+                                == (system, transport, op, size_mib * MIB)), None)  # fmt: skip
+                    cpu = None if row is None else row.stats.cpu_s_per_gib
+                    cells.append("-" if cpu is None else f"{cpu:.3f}")
+                print(f"{op:3s} {size_mib:3d} MiB " + " ".join(f"{c:>14s}" for c in cells))
+
+    def targets(self) -> bool | None:
+        """Issue #15's targets at every measured size, and the Redis and shm-vs-frames
+        ones at ``--target-mib``."""
+        self.cpu_table()
+        print("\ntargets:")
+        ok = True
+        for size_mib in self.opts.sizes_mib:
+            size = size_mib * MIB
+            echo_want = _target_for(ECHO_RATIO_TARGETS, size_mib)
+            shm_want = _target_for(SHM_MEMCPY_TARGETS, size_mib)
+            memcpy = self.rate("memcpy", "-", "put", size)
+            for op in OPS:
+                for t in TRANSPORTS:
+                    daemon, echo = self.rate("daemon", t, op, size), self.rate("zmq-echo", t, op, size)
+                    ok &= _check(f"daemon {t} {op} {size_mib} MiB", daemon, "zmq-echo " + t, echo, echo_want)
+                shm = self.rate("daemon", "shm", op, size)
+                ok &= _check(f"daemon shm {op} {size_mib} MiB", shm, "memcpy", memcpy, shm_want)
+                if size_mib == self.opts.target_mib:
+                    redis = self.rate("redis", "tcp", op, size)
+                    if redis is not None:
+                        for t in TRANSPORTS:
+                            daemon = self.rate("daemon", t, op, size)
+                            name = "redis " + ("GET" if op == "get" else "SET")
+                            ok &= _check(f"daemon {t} {op} {size_mib} MiB", daemon, name, redis, REDIS_RATIO_TARGET)
+                    for t in TRANSPORTS:
+                        frames = self.rate("daemon", t, op, size)
+                        ok &= _check(f"daemon shm {op} {size_mib} MiB", shm, f"daemon {t} frames", frames,
+                                     SHM_FRAMES_TARGET)  # fmt: skip
+                    one = self.rate("daemon", "shm-1t", op, size)
+                    print(f"  info  daemon shm {op} {size_mib} MiB with copy_threads=1: {_fmt(one)} MiB/s = "
+                          f"{_ratio(one, memcpy)} memcpy, "
+                          f"{_ratio(one, self.rate('daemon', 'ipc', op, size))} daemon ipc frames")  # fmt: skip
         return ok
 
     def write_json(self, path: Path) -> None:
@@ -565,6 +604,12 @@ def _check(what: str, value: float | None, name: str, base: float | None, want: 
     print(f"  {'PASS' if passed else 'MISS'}  {what}: {_fmt(value)} MiB/s = "
           f"{ratio:.2f}x {name} ({_fmt(base)} MiB/s), target >= {want}x")  # fmt: skip
     return passed
+
+
+def _target_for(targets: dict[int, float], size_mib: int) -> float:
+    """The target of the largest listed size not above ``size_mib`` (the smallest one below it)."""
+    fitting = [k for k in targets if k <= size_mib]
+    return targets[max(fitting)] if fitting else targets[min(targets)]
 
 
 def _fmt(value: float | None) -> str:
