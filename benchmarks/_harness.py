@@ -360,9 +360,7 @@ def filled_buffer(size: int, seed: int) -> bytearray:
     return out
 
 
-def write_chunk_files(
-    directory: Path, entries: int, namespace: str, payload_bytes: int = 4096, start: int = 0
-) -> None:
+def write_chunk_files(directory: Path, entries: int, namespace: str, payload_bytes: int = 4096, start: int = 0) -> None:
     """Write chunk files ``start``..``entries - 1`` under ``directory`` (a disk tier's
     root) with the daemon's own record writer, keys ``(namespace, i as 32
     little-endian bytes)``."""
