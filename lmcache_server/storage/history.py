@@ -90,7 +90,8 @@ class _Table:
         return self.buckets * _SLOTS
 
     def start(self, fp: bytes) -> int:
-        return (int.from_bytes(fp, "little") >> 20) % self.buckets * _ROW
+        """Where the bucket of ``fp`` begins (Fibonacci hashing: any 64 bits spread)."""
+        return ((int.from_bytes(fp, "little") * 0x9E3779B97F4A7C15 & _MASK) >> 32) % self.buckets * _ROW
 
     def find(self, fp: bytes, start: int) -> int:
         """The byte offset of ``fp``'s slot in the bucket at ``start``, or -1."""
