@@ -69,16 +69,20 @@ def main() -> None:
         out = torch.empty_like(x)
         for threads in threads_list:
             torch.set_num_threads(threads)
-            copy_s = timed(lambda: out.copy_(x), reps * 3)
-            print(f"\n{name}: {tuple(shape)} bf16 = {mib:.1f} MiB, torch threads {threads}; "
-                  f"memcpy {mib / copy_s:,.0f} MiB/s (baseline)")
-            print(f"{'mode':<18} {'bits/el':>7} {'x bf16':>6} {'enc MiB/s':>10} {'dec MiB/s':>10} {'dec/memcpy':>10} "
-                  f"{'load vs raw @shm':>16}  " + "  ".join(f"{k:>14}" for k in LINKS_GBS))
+            copy_s = timed(lambda x=x, out=out: out.copy_(x), reps * 3)
+            print(
+                f"\n{name}: {tuple(shape)} bf16 = {mib:.1f} MiB, torch threads {threads}; "
+                f"memcpy {mib / copy_s:,.0f} MiB/s (baseline)"
+            )
+            print(
+                f"{'mode':<18} {'bits/el':>7} {'x bf16':>6} {'enc MiB/s':>10} {'dec MiB/s':>10} {'dec/memcpy':>10} "
+                f"{'load vs raw @shm':>16}  " + "  ".join(f"{k:>14}" for k in LINKS_GBS)
+            )
             for mode in args.modes:
                 codec = make_codec(mode, shape, torch.bfloat16)
                 frame = codec.encode(x)
-                enc_s = timed(lambda codec=codec: codec.encode(x), reps)
-                dec_s = timed(lambda codec=codec, frame=frame: codec.decode(frame, out), reps)
+                enc_s = timed(lambda codec=codec, x=x: codec.encode(x), reps)
+                dec_s = timed(lambda codec=codec, frame=frame, out=out: codec.decode(frame, out), reps)
                 bits = len(frame) * 8 / x.numel()
                 # warm load: the encoded bytes over the link, then decode; against the raw bytes over it
                 shm_ratio = (len(frame) / raw * copy_s + dec_s) / copy_s
@@ -86,16 +90,20 @@ def main() -> None:
                 for gbs in LINKS_GBS.values():
                     link_raw = raw / (gbs * 1e9)
                     links.append((len(frame) / (gbs * 1e9) + dec_s) / link_raw)
-                print(f"{mode:<18} {bits:7.3f} {16 / bits:6.2f} {mib / enc_s:10,.0f} {mib / dec_s:10,.0f} "
-                      f"{copy_s / dec_s:10.3f} {shm_ratio:15.2f}x  " + "  ".join(f"{r:13.2f}x" for r in links),
-                      flush=True)
+                print(
+                    f"{mode:<18} {bits:7.3f} {16 / bits:6.2f} {mib / enc_s:10,.0f} {mib / dec_s:10,.0f} "
+                    f"{copy_s / dec_s:10.3f} {shm_ratio:15.2f}x  " + "  ".join(f"{r:13.2f}x" for r in links),
+                    flush=True,
+                )
                 if threads == threads_list[-1] and name == "llama3-8b":
                     verdicts.append((mode, shm_ratio, links))
     print("\nload time of an encoded chunk / raw chunk over the same path (< 1: the codec pays); target <= 1.20 at shm")
     for mode, shm_ratio, links in verdicts:
         pays = [k for k, r in zip(LINKS_GBS, links) if r < 1.0] or ["none of them"]
-        print(f"{'PASS' if shm_ratio <= 1.2 else 'MISS'}: {mode}: warm load {shm_ratio:.2f}x the raw one at shm speed; "
-              f"pays on: {', '.join(pays)}")
+        print(
+            f"{'PASS' if shm_ratio <= 1.2 else 'MISS'}: {mode}: warm load {shm_ratio:.2f}x the raw one at shm speed; "
+            f"pays on: {', '.join(pays)}"
+        )
 
 
 if __name__ == "__main__":

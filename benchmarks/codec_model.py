@@ -117,8 +117,11 @@ def train(steps: int, batch: int, lr: float) -> dict[str, Any]:
     tok = train_tokenizer(texts)
     ids = encode_corpus(tok, texts)
     held_ids = encode_corpus(tok, read_texts(held_files, 600_000))
-    print(f"tokenizer: {VOCAB} tokens, {len(ids)} training tokens from {len(texts)} files, "
-          f"{len(held_ids)} held-out tokens ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(
+        f"tokenizer: {VOCAB} tokens, {len(ids)} training tokens from {len(texts)} files, "
+        f"{len(held_ids)} held-out tokens ({time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
     model = LlamaForCausalLM(model_config())
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -139,13 +142,22 @@ def train(steps: int, batch: int, lr: float) -> dict[str, Any]:
         recent.append(loss.item())
         if step % 25 == 0 or step == 1:
             mean = sum(recent[-25:]) / len(recent[-25:])
-            print(f"step {step:4d}  loss {mean:.3f} (mean of the last 25)  {time.perf_counter() - t0:.0f} s", flush=True)
+            print(
+                f"step {step:4d}  loss {mean:.3f} (mean of the last 25)  {time.perf_counter() - t0:.0f} s", flush=True
+            )
     ppl = perplexity(model, held_ids)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(CACHE_DIR)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(CACHE_DIR)
-    meta = {"steps": steps, "batch": batch, "seq": SEQ, "held_out_ppl": ppl, "vocab": VOCAB,
-            "train_s": time.perf_counter() - t0, "torch_threads": torch.get_num_threads()}
+    meta = {
+        "steps": steps,
+        "batch": batch,
+        "seq": SEQ,
+        "held_out_ppl": ppl,
+        "vocab": VOCAB,
+        "train_s": time.perf_counter() - t0,
+        "torch_threads": torch.get_num_threads(),
+    }
     (CACHE_DIR / "meta.json").write_text(json.dumps(meta, indent=1))
     print(f"held-out perplexity {ppl:.2f} (vocabulary {VOCAB}); saved to {CACHE_DIR}", flush=True)
     return meta

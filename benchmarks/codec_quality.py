@@ -61,15 +61,19 @@ def from_chunks(chunks: list[list[torch.Tensor]]) -> Any:
 
     kv = torch.stack([torch.cat(seq, dim=2) for seq in chunks]).float()  # B, L, 2, T, H, D
     kv = kv.permute(1, 2, 0, 4, 3, 5)  # L, 2, B, H, T, D
-    return DynamicCache(ddp_cache_data=[(kv[layer, 0].contiguous(), kv[layer, 1].contiguous()) for layer in range(kv.shape[0])])
+    return DynamicCache(
+        ddp_cache_data=[(kv[layer, 0].contiguous(), kv[layer, 1].contiguous()) for layer in range(kv.shape[0])]
+    )
 
 
 @torch.no_grad()
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model, tok, meta = codec_model.load()
-    print(f"model: {codec_model.CACHE_DIR} (held-out perplexity at training {meta['held_out_ppl']:.2f}, "
-          f"vocabulary {meta['vocab']})")
+    print(
+        f"model: {codec_model.CACHE_DIR} (held-out perplexity at training {meta['held_out_ppl']:.2f}, "
+        f"vocabulary {meta['vocab']})"
+    )
     ids = codec_model.held_out_ids(tok)
     span = args.prefix + args.cont
     stride = max(span, (len(ids) - span) // args.seqs)
@@ -87,10 +91,14 @@ def run(args: argparse.Namespace) -> int:
 
     base = evaluate(chunks)
     base_nll = -base.gather(-1, labels[..., None]).mean().item()
-    print(f"{args.seqs} sequences x ({args.prefix} prefix + {args.cont} continuation) tokens; "
-          f"chunks of {args.chunk}; bf16 KV perplexity {math.exp(base_nll):.3f}\n")
+    print(
+        f"{args.seqs} sequences x ({args.prefix} prefix + {args.cont} continuation) tokens; "
+        f"chunks of {args.chunk}; bf16 KV perplexity {math.exp(base_nll):.3f}\n"
+    )
     rows = []
-    header = f"{'setting':<18} {'spec tag':<22} {'bits/el':>7} {'x bf16':>6} {'top-1':>7} {'mean KL':>9} {'ppl':>7} {'d ppl':>7}"
+    cols = ("setting", "spec tag", "bits/el", "x bf16", "top-1", "mean KL", "ppl", "d ppl")
+    widths = (-18, -22, 7, 6, 7, 9, 7, 7)
+    header = " ".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, w in zip(cols, widths))
     print(header)
     print("-" * len(header))
     for name, text in SETTINGS + [(s, s) for s in args.extra]:
@@ -113,8 +121,11 @@ def run(args: argparse.Namespace) -> int:
         bits = nbytes * 8 / elements
         dppl = math.exp(nll - base_nll) - 1
         rows.append((name, spec, bits, top1, kl, dppl))
-        print(f"{name:<18} {spec.tag or '-':<22} {bits:7.3f} {16 / bits:6.2f} {top1 * 100:6.2f}% {kl:9.2e} "
-              f"{math.exp(nll):7.3f} {dppl * 100:+6.2f}%", flush=True)
+        print(
+            f"{name:<18} {spec.tag or '-':<22} {bits:7.3f} {16 / bits:6.2f} {top1 * 100:6.2f}% {kl:9.2e} "
+            f"{math.exp(nll):7.3f} {dppl * 100:+6.2f}%",
+            flush=True,
+        )
 
     def get(name: str) -> tuple[Any, ...]:
         return next(r for r in rows if r[0] == name)
@@ -138,8 +149,11 @@ def run(args: argparse.Namespace) -> int:
     verdict(d <= 0.01, f"{name}: perplexity {d * 100:+.2f}% within +1%")
     _, _, qbits, qt, qk, _ = get("q4-g32 (plain)")
     _, _, _, _, k, _ = get(name)
-    verdict(bits <= qbits and t >= qt, f"{name} beats plain q4-g32: {bits:.2f} vs {qbits:.2f} bits/element, "
-            f"top-1 {t * 100:.2f}% vs {qt * 100:.2f}%, KL {k:.2e} vs {qk:.2e}")
+    verdict(
+        bits <= qbits and t >= qt,
+        f"{name} beats plain q4-g32: {bits:.2f} vs {qbits:.2f} bits/element, "
+        f"top-1 {t * 100:.2f}% vs {qt * 100:.2f}%, KL {k:.2e} vs {qk:.2e}",
+    )
     return fails
 
 

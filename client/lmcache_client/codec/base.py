@@ -130,7 +130,7 @@ class Codec:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor."""
-    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
 
 
 def bytes_tensor(buf: bytes | bytearray | memoryview, count: int | None = None) -> torch.Tensor:

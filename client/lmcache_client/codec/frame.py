@@ -30,7 +30,7 @@ from .spec import FORMAT_VERSION
 try:
     from crc32c import crc32c as _crc32c
 except ImportError:  # pragma: no cover - the `codec` extra installs it
-    _crc32c = None
+    _crc32c = None  # type: ignore[assignment]
 
 MAGIC = b"LKVC"
 _FIXED = struct.Struct("<4sBBBB")
@@ -67,7 +67,9 @@ def header_bytes(tag: str) -> int:
     return _FIXED.size + len(tag.encode("ascii")) + _SHAPE.size + _CRC.size
 
 
-def pack(mode_id: int, dtype_code: int, tag: str, shape: tuple[int, ...], body: bytes | bytearray | memoryview) -> bytes:
+def pack(
+    mode_id: int, dtype_code: int, tag: str, shape: tuple[int, ...], body: bytes | bytearray | memoryview
+) -> bytes:
     """One frame around ``body``; returns bytes (one copy of the body)."""
     tag_b = tag.encode("ascii")
     head = _FIXED.pack(MAGIC, FORMAT_VERSION, mode_id, dtype_code, len(tag_b)) + tag_b
@@ -101,11 +103,11 @@ def unpack(buf: bytes | bytearray | memoryview) -> tuple[Header, memoryview]:
     *shape, body_len = _SHAPE.unpack_from(view, pos)
     pos += _SHAPE.size
     if pos + body_len + _CRC.size != len(view):
-        raise CodecError(
-            f"encoded chunk is {len(view)} bytes; its header promises {pos + body_len + _CRC.size} (truncated or padded)"
-        )
+        promised = pos + body_len + _CRC.size
+        raise CodecError(f"encoded chunk is {len(view)} bytes; its header promises {promised} (truncated or padded)")
     end = pos + body_len
     (stored,) = _CRC.unpack_from(view, end)
     if checksum(view[:end]) != stored:
         raise CodecError("encoded chunk fails its checksum (corrupt)")
-    return Header(version, mode_id, dtype_code, tag, tuple(shape)), view[pos:end]  # type: ignore[arg-type]
+    dims = (shape[0], shape[1], shape[2], shape[3], shape[4])
+    return Header(version, mode_id, dtype_code, tag, dims), view[pos:end]

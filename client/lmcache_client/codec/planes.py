@@ -22,7 +22,7 @@ from .frame import CodecError
 try:
     import zstandard
 except ImportError:  # pragma: no cover - the `codec` extra installs it
-    zstandard = None
+    zstandard = None  # type: ignore[assignment]
 
 _COUNT = struct.Struct("<B")
 _ENTRY = struct.Struct("<BQ")
@@ -42,7 +42,7 @@ def pack_planes(planes: list[torch.Tensor], level: int = 1, always: tuple[int, .
     comp = zstd.ZstdCompressor(level=level, write_content_size=True)
     entries, datas = [], []
     for i, plane in enumerate(planes):
-        raw = memoryview(plane.contiguous().numpy())
+        raw = memoryview(plane.contiguous().numpy())  # type: ignore[arg-type]
         method, data = RAW, raw
         if len(raw) and (i in always or len(comp.compress(raw[:_SAMPLE])) < 0.9 * min(len(raw), _SAMPLE)):
             packed = comp.compress(raw)

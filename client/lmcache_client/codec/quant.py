@@ -96,7 +96,9 @@ class GroupQuantCodec(Codec):
         self.group = int(spec.get("group"))
         self.bits = int(spec.get("bits"))
         if (self.shape[3] * self.shape[4]) % self.group:
-            raise ValueError(f"int8 group {self.group} must divide kv_heads x head_dim = {self.shape[3] * self.shape[4]}")
+            raise ValueError(
+                f"int8 group {self.group} must divide kv_heads x head_dim = {self.shape[3] * self.shape[4]}"
+            )
 
     def _counts(self, tokens: int) -> tuple[int, int]:
         elements = self.raw_bytes(tokens) // self.element_bytes
