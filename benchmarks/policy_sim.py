@@ -54,6 +54,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmcache_server.storage.allocator import ALIGNMENT as PAGE_BYTES
 from lmcache_server.storage.base import ChunkKey
 from lmcache_server.storage.policy import POLICIES, EvictionPolicy, LFUDAPolicy, LRUPolicy, make_policy
 
@@ -148,15 +149,22 @@ class Counts:
 
 
 class CacheModel:
-    """The memory tier for chunks of one size: ``capacity`` chunks, the given policy."""
+    """The memory tier: ``capacity`` chunks of one size, the given policy.
 
-    def __init__(self, capacity: int, policy: EvictionPolicy):
+    With ``size_of`` (a chunk's bytes, e.g. its encoded size under a KV codec:
+    benchmarks/trace_codec.py) ``capacity`` is bytes and chunks take their own
+    sizes, rounded up to the pool's 4 KiB pages as the daemon's allocator does."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy, size_of: Callable[[ChunkKey], int] | None = None):
         if capacity < 1:
             raise ValueError("capacity must be at least one chunk")
         self.capacity = capacity
         self.policy = policy
         self.held: set[ChunkKey] = set()
         self.evictions = 0
+        self.size_of = size_of
+        self.used = 0
+        self._sizes: dict[ChunkKey, int] = {}
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         held = self.held
@@ -179,6 +187,8 @@ class CacheModel:
         all its new chunks, evicting as needed, and only then inserts them, so a
         put never evicts its own chunks.
         """
+        if self.size_of is not None:
+            return self._put_sized(keys)
         policy, held = self.policy, self.held
         parent: ChunkKey | None = None
         new: list[tuple[ChunkKey, ChunkKey | None]] = []
@@ -203,6 +213,44 @@ class CacheModel:
         for key, key_parent in new:
             held.add(key)
             policy.inserted(key, 1, key_parent)
+        return len(new)
+
+    def _put_sized(self, keys: Sequence[ChunkKey]) -> int:
+        """:meth:`put` for chunks of their own sizes (bytes, page-rounded)."""
+        assert self.size_of is not None
+        policy, held, sizes = self.policy, self.held, self._sizes
+        parent: ChunkKey | None = None
+        new: list[tuple[ChunkKey, ChunkKey | None, int]] = []
+        reserved: dict[ChunkKey, int] = {}
+        pending = 0
+        for key in keys:
+            if key in held:
+                policy.touched(key)
+            elif key in reserved:
+                pass
+            else:
+                size = -(-self.size_of(key) // PAGE_BYTES) * PAGE_BYTES
+                if size <= self.capacity and policy.admit(key, size, parent):
+                    fits = True
+                    while self.used + pending + size > self.capacity:
+                        victim = policy.victim(_never)
+                        if victim is None:
+                            fits = False
+                            break
+                        held.remove(victim)
+                        policy.removed(victim)
+                        self.used -= sizes.pop(victim)
+                        self.evictions += 1
+                    if fits:
+                        new.append((key, parent, size))
+                        reserved[key] = size
+                        pending += size
+            parent = key
+        for key, key_parent, size in new:
+            held.add(key)
+            sizes[key] = size
+            self.used += size
+            policy.inserted(key, size, key_parent)
         return len(new)
 
 

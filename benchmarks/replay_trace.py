@@ -107,12 +107,14 @@ class ReplayResult:
         }
 
 
-def daemon_config(capacity: int, block_bytes: int, policy: str, address: str, metrics_port: int) -> dict[str, Any]:
+def daemon_config(
+    capacity: int, block_bytes: int, policy: str, address: str, metrics_port: int, pool_bytes: int | None = None
+) -> dict[str, Any]:
     return {
         "listen": [address],
         "metrics_port": metrics_port,
         "chunk_size": BLOCK_TOKENS,
-        "max_local_cpu_size": f"{capacity * block_bytes}B",
+        "max_local_cpu_size": f"{pool_bytes or capacity * block_bytes}B",
         "cache_policy": policy,
         "pin_memory": "off",
         "log_level": "WARNING",
@@ -136,9 +138,13 @@ def replay(
     block_bytes: int,
     progress: Callable[[str], None] = print,
     every: int = 2000,
+    size_of: Callable[[int], int] | None = None,
 ) -> tuple[Counts, float, int, list[float], dict[str, int]]:
-    """Run the requests through the daemon: lookup, get the leading hits, put the rest."""
+    """Run the requests through the daemon: lookup, get the leading hits, put the rest.
+    ``size_of``: each block id's payload bytes (at most ``block_bytes``; e.g. its
+    encoded size under a KV codec, benchmarks/trace_codec.py); else ``block_bytes``."""
     payload = memoryview(bytearray(block_bytes))
+    size = size_of or (lambda _: block_bytes)
     digests: dict[int, bytes] = {}
     counts = Counts()
     lookup_s: list[float] = []
@@ -157,12 +163,13 @@ def replay(
                 raise RuntimeError(
                     f"request {i}: {missing} of {hits} looked-up chunks missing in the get that followed"
                 )
-            moved += hits * block_bytes
+            moved += sum(memoryview(g).nbytes for g in got)
         if hits < len(keys):
-            for status in client.put(keys[hits:], [payload] * (len(keys) - hits)):
+            bodies = [payload[: size(b)] for b in req.hash_ids[hits:]]
+            for status in client.put(keys[hits:], bodies):
                 name = status.name if isinstance(status, PutStatus) else str(status)
                 statuses[name] = statuses.get(name, 0) + 1
-            moved += (len(keys) - hits) * block_bytes
+            moved += sum(b.nbytes for b in bodies)
             counts.put_blocks += len(keys) - hits
         counts.add_request(req, hits)
         if i % every == 0 or i == len(requests):
@@ -179,16 +186,22 @@ def run_daemon_replay(
     policy: str,
     workdir: Path,
     progress: Callable[[str], None] = print,
+    pool_bytes: int | None = None,
+    size_of: Callable[[int], int] | None = None,
+    tag: str = "",
 ) -> ReplayResult:
-    """Start a daemon for this capacity, replay, read its counters, stop it."""
+    """Start a daemon for this capacity (``pool_bytes``: its pool instead of
+    ``capacity`` blocks), replay (``size_of`` as for :func:`replay`), read its
+    counters, stop it."""
     address = f"tcp://127.0.0.1:{free_port()}"
     metrics_port = free_port()
-    cfg_path = workdir / f"replay-{policy}-{capacity}.yaml"
-    cfg_path.write_text(yaml.safe_dump(daemon_config(capacity, block_bytes, policy, address, metrics_port)))
+    cfg_path = workdir / f"replay-{policy}-{capacity}{tag}.yaml"
+    cfg = daemon_config(capacity, block_bytes, policy, address, metrics_port, pool_bytes)
+    cfg_path.write_text(yaml.safe_dump(cfg))
     procs = Processes(workdir)
     try:
         daemon = procs.start(
-            f"daemon-{policy}-{capacity}", [sys.executable, "-m", "lmcache_server", "--config", str(cfg_path)]
+            f"daemon-{policy}-{capacity}{tag}", [sys.executable, "-m", "lmcache_server", "--config", str(cfg_path)]
         )
         with CacheClient(address, NAMESPACE, timeout_s=60.0, fail_open=False) as client:
 
@@ -206,7 +219,9 @@ def run_daemon_replay(
                 wait_until(pings, 60, "daemon", daemon.check_alive)
             finally:
                 quiet.setLevel(level)
-            counts, secs, moved, lookup_s, statuses = replay(client, requests, block_bytes, progress)
+            counts, secs, moved, lookup_s, statuses = replay(
+                client, requests, block_bytes, progress, size_of=size_of
+            )
             stats = client.stats()
         metrics = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
