@@ -64,7 +64,9 @@ def _spec_class() -> Any:
     if module is None:
         found = importlib.util.find_spec("lmcache_client")
         assert found is not None and found.origin is not None
-        loader_spec = importlib.util.spec_from_file_location(_SPEC_MODULE, Path(found.origin).parent / "codec" / "spec.py")
+        loader_spec = importlib.util.spec_from_file_location(
+            _SPEC_MODULE, Path(found.origin).parent / "codec" / "spec.py"
+        )
         assert loader_spec is not None and loader_spec.loader is not None
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[_SPEC_MODULE] = module
@@ -104,4 +106,3 @@ def resolve_codec(kv_codec: str | None, params: CodecParams, remote_serde: str) 
     if remote_serde == "cachegen" and spec.mode != "cachegen":
         raise CodecSettingError("kv_codec", f"cachegen or unset when remote_serde is cachegen, not {spec.mode}")
     return None if spec.mode == "none" else spec
-

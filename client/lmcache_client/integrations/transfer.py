@@ -262,7 +262,7 @@ class ChunkTransfer:
             batch = keys[start : start + self.batch_keys]
             bad = [len(batch)]  # the first frame that did not decode ends the run
 
-            def stepped(i: int, frame: memoryview, at: int = start) -> None:
+            def stepped(i: int, frame: memoryview, at: int = start, bad: list[int] = bad) -> None:
                 if i < bad[0] and not step(at + i, frame):
                     bad[0] = i
 
