@@ -36,7 +36,7 @@ $(VLLM_VENV)/.installed: client/pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q "$(VLLM)" "$(TORCH)"
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q -e ./client
+	$(VLLM_VENV)/bin/pip install -q -e "./client[codec]"
 	$(VLLM_VENV)/bin/python -c "import vllm; from lmcache_client.integrations.vllm_compat import HAVE_VLLM; assert HAVE_VLLM; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
 	touch $@
 
@@ -55,7 +55,7 @@ $(SGLANG_VENV)/.installed: client/pyproject.toml
 		requests packaging pillow starlette msgspec pydantic pyzmq msgpack tqdm ipython aiohttp \
 		"transformers==5.19.0" dill apache-tvm-ffi sentencepiece compressed-tensors loguru gguf
 	$(SGLANG_VENV)/bin/pip install -q --no-deps "$(SGLANG)"
-	$(SGLANG_VENV)/bin/pip install -q -e ./client
+	$(SGLANG_VENV)/bin/pip install -q -e "./client[codec]"
 	$(SGLANG_VENV)/bin/python -W ignore -c "import sglang; \
 		from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo; \
 		import sglang.srt.mem_cache.memory_pool_host; \
