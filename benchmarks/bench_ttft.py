@@ -33,11 +33,18 @@ that computes logits for every prompt position would inflate the cold times.
 torch runs one thread by default: on a shared two-core machine the figures
 are much steadier, and the other core serves the daemon.
 
-Run: ``python benchmarks/bench_ttft.py [--sizes 1024,2048,4096,8192] [--reps 3] [--json out.json]``
+``--codec none,lossless,int8,cachegen`` runs the whole benchmark once per KV
+codec mode, each against a daemon started with that ``kv_codec`` (the adapter
+reads it from ``hello``: the chunks are encoded on save and decoded on load),
+and ends with a table of warm TTFT per mode against ``none`` measured in the
+same run (``none`` is added first when missing).
+
+Run: ``python benchmarks/bench_ttft.py [--sizes 1024,2048,4096,8192] [--reps 3] [--codec MODES] [--json out.json]``
 JSON: a list of rows ``{"prompt_tokens", "shared_prefix_tokens", "cold_ttft_s",
 "warm_ttft_s"}`` plus ``reused_tokens``, ``ratio``, ``ideal_warm_s``,
 ``warm_lookup_s``, ``warm_load_s``, ``warm_compute_s``, ``raw_get_s``,
-``suffix_prefill_s``, ``ideal_over_warm``, ``cold_save_s``, ``reps``.
+``suffix_prefill_s``, ``ideal_over_warm``, ``cold_save_s``, ``reps`` (and ``codec``
+with ``--codec``).
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class Options:
     hidden: int
     layers: int
     json_path: Path | None
+    codecs: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -264,11 +272,17 @@ def _parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--hidden", type=int, default=768, help="model width, a multiple of 64 (default 768)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--json", type=Path, dest="json_path")
+    p.add_argument("--codec", default="", help="KV codec modes to compare, e.g. none,lossless,int8,cachegen")
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
     if a.reps < 1 or not 0 < a.shared < 1 or any(s <= a.chunk_size for s in sizes):
         p.error("need --reps >= 1, 0 < --shared < 1, and sizes above --chunk-size")
-    return Options(sizes, a.reps, a.shared, a.chunk_size, a.transport, a.threads, a.hidden, a.layers, a.json_path)
+    codecs = [c for c in a.codec.split(",") if c]
+    if codecs and "none" not in codecs:
+        codecs.insert(0, "none")
+    return Options(
+        sizes, a.reps, a.shared, a.chunk_size, a.transport, a.threads, a.hidden, a.layers, a.json_path, codecs
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -280,11 +294,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = load_average()
     print(f"load average before start: {load:.2f}" + ("  (busy machine: expect noisy figures)" if load > 0.5 else ""))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunk_size {opts.chunk_size}")
+    by_codec: dict[str, list[Row]] = {}
+    try:
+        for codec in opts.codecs or [""]:
+            if codec:
+                print(f"\n=== kv_codec {codec}")
+            rows = run_once(opts, codec)
+            report(rows)
+            by_codec[codec] = rows
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping the daemon", file=sys.stderr)
+        return 130
+    if opts.codecs:
+        report_codecs(by_codec)
+    print(f"load average at the end: {load_average():.2f}; total {time.perf_counter() - started:.0f}s")
+    if opts.json_path is not None:
+        out = [{**r.as_json(), **({"codec": c} if c else {})} for c, rows in by_codec.items() for r in rows]
+        opts.json_path.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {len(out)} rows to {opts.json_path}")
+    return 0
+
+
+def run_once(opts: Options, codec: str) -> list[Row]:
+    """One daemon (with ``kv_codec`` = ``codec`` when given) and the benchmark against it."""
     with workspace("lmcache-ttft-") as (procs, workdir):
         bench: Bench | None = None
         try:
             address = f"ipc://{workdir}/daemon.sock" if opts.transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"
             argv_ = [sys.executable, "-m", "lmcache_server", "--listen", address, "--metrics-port", "0"]
+            if codec:
+                argv_ += ["--set", f"kv_codec={codec}"]
             daemon = procs.start("daemon", [*argv_, "--max-local-cpu-size", "2GiB"])
             logging.getLogger("lmcache_client").setLevel(logging.ERROR)  # pings before it is up fail
             with CacheClient(address, timeout_s=0.5) as probe:
@@ -299,21 +338,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{sum(p.numel() for p in bench.model.parameters()) / 1e6:.1f}M parameters, fp32, "
                 f"attention {config._attn_implementation}"
             )
-            print(f"daemon at {address}; namespace {bench.adapter.namespace}")
             bench.warm_up()
-            rows = bench.run()
-            report(rows)
-            print(f"load average at the end: {load_average():.2f}; total {time.perf_counter() - started:.0f}s")
-            if opts.json_path is not None:
-                opts.json_path.write_text(json.dumps([r.as_json() for r in rows], indent=1) + "\n")
-                print(f"wrote {len(rows)} rows to {opts.json_path}")
-            return 0
-        except KeyboardInterrupt:
-            print("\ninterrupted; stopping the daemon", file=sys.stderr)
-            return 130
+            print(f"daemon at {address}; namespace {bench.adapter.transfer.namespace}")
+            return bench.run()
         finally:
             if bench is not None:
                 bench.close()
+
+
+def report_codecs(by_codec: dict[str, list[Row]]) -> None:
+    """Warm TTFT per codec mode against ``none`` of the same run."""
+    base = {r.prompt_tokens: r for r in by_codec.get("none", [])}
+    print(f"\n{'codec':>18} {'prompt':>7} {'warm_ttft_s':>11} {'vs none':>8} {'warm load_s':>11} {'cold/warm':>9}")
+    for codec, rows in by_codec.items():
+        for r in rows:
+            ref = base.get(r.prompt_tokens)
+            vs = f"{r.warm_ttft_s / ref.warm_ttft_s:.2f}x" if ref else "-"
+            print(
+                f"{codec:>18} {r.prompt_tokens:>7} {r.warm_ttft_s:>11.3f} {vs:>8} {r.warm_load_s:>11.4f}"
+                f" {1 / r.ratio:>8.1f}x"
+            )
 
 
 if __name__ == "__main__":
