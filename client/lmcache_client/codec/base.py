@@ -75,15 +75,18 @@ class Codec:
 
     def decode(self, buf: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
         """Decode ``buf`` into ``out`` (its shape must be the encoded one); CodecError when it is not a valid frame."""
-        tensor = self.decode_tensor(buf, device=out.device)
-        if tuple(out.shape) != tuple(tensor.shape):
-            raise CodecError(f"encoded chunk has shape {tuple(tensor.shape)}; out has {tuple(out.shape)}")
         if out.dtype != self.dtype:
             raise ValueError(f"out dtype {out.dtype} differs from the codec's {self.dtype}")
-        out.copy_(tensor)
+        tensor = self._decode_checked(buf, out.device)
+        if tuple(out.shape) != tuple(tensor.shape):
+            raise CodecError(f"encoded chunk has shape {tuple(tensor.shape)}; out has {tuple(out.shape)}")
+        out.copy_(tensor)  # the lossy modes decode in float32: the cast to the chunk dtype happens here
 
     def decode_tensor(self, buf: bytes | bytearray | memoryview, device: Any = "cpu") -> torch.Tensor:
         """Decode ``buf`` into a new tensor on ``device``; CodecError when it is not a valid frame."""
+        return self._decode_checked(buf, torch.device(device)).to(self.dtype)
+
+    def _decode_checked(self, buf: bytes | bytearray | memoryview, device: torch.device) -> torch.Tensor:
         header, body = frame.unpack(buf)
         if header.mode_id != self.spec.mode_id or header.tag != self.tag:
             raise CodecError(f"encoded chunk is of codec {header.tag!r}, not {self.tag!r}")
@@ -94,12 +97,12 @@ class Codec:
         except ValueError as err:
             raise CodecError(str(err)) from err
         try:
-            tensor = self._decode_body(body, header.shape[2], torch.device(device))
+            tensor = self._decode_body(body, header.shape[2], device)
         except CodecError:
             raise
         except Exception as err:  # a body that passed its checksum but does not decode
             raise CodecError(f"encoded chunk body does not decode: {err}") from err
-        if tuple(tensor.shape) != header.shape or tensor.dtype != self.dtype:
+        if tuple(tensor.shape) != header.shape:
             raise CodecError("encoded chunk body decodes to the wrong shape")
         return tensor
 
@@ -111,6 +114,7 @@ class Codec:
         raise NotImplementedError
 
     def _decode_body(self, body: memoryview, tokens: int, device: torch.device) -> torch.Tensor:
+        """The decoded chunk, in the chunk dtype or float32 (the caller casts)."""
         raise NotImplementedError
 
     def _check_shape(self, shape: tuple[int, ...], what: str) -> int:

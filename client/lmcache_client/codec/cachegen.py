@@ -138,7 +138,7 @@ class CacheGenCodec(Codec):
             est = entropy_bits(sym, groups) * n / sym.numel()
             lam *= 2.0 ** ((est - target) / n)
         body = b""
-        for _ in range(4):
+        for attempt in range(1, 9):
             step = self._steps(lam, base, floor)
             sym = self._symbols(x, mean, step, anchored)
             coded = encode_symbols(sym)
@@ -146,7 +146,7 @@ class CacheGenCodec(Codec):
             over = 8 * (len(body) + header_bytes(self.tag)) - self.bits * n
             if over <= 0 or lam > 1e12:  # a chunk of a few tokens: the side info alone passes the budget
                 break
-            lam *= 2.0 ** (1.1 * over / n + 0.01)
+            lam *= 2.0 ** (1.1 * over / n + 0.01 * attempt)
         return body
 
     def _pack(self, step: torch.Tensor, mean: torch.Tensor, coded: bytes) -> bytes:
@@ -165,10 +165,16 @@ class CacheGenCodec(Codec):
         if not bool(torch.isfinite(side).all()) or not bool((step > 0).all()):
             raise CodecError("cachegen body has invalid steps")
         sym = decode_symbols(body[side_bytes:], self._elements(tokens), device)
-        sym = sym.view(layers, 2, tokens, heads, dim).float()
+        sym = sym.view(layers, 2, tokens, heads, dim)
         a = self.anchor
-        anchors = mean + sym[:, :, ::a] * (step / ANCHOR_RATIO)
-        pred = torch.where(anchored, anchors.repeat_interleave(a, dim=2)[:, :, :tokens], mean)
-        x = torch.addcmul(pred, sym, step)
-        x[:, :, ::a] = torch.where(anchored, anchors, x[:, :, ::a])
-        return x.to(self.dtype)
+        groups = -(-tokens // a)
+        if groups * a != tokens:  # a partial chunk: pad to whole anchor groups, cut after
+            pad = torch.zeros(layers, 2, groups * a - tokens, heads, dim, dtype=sym.dtype, device=device)
+            sym = torch.cat([sym, pad], dim=2)
+        # (layers, 2, groups, anchor, heads, dim): the prediction is one row per group, broadcast
+        sym = sym.view(layers, 2, groups, a, heads, dim)
+        step, mean, anchored = step[:, :, None], mean[:, :, None], anchored[:, :, None]
+        anchors = torch.addcmul(mean, sym[:, :, :, :1].float(), step / ANCHOR_RATIO)
+        x = torch.addcmul(torch.where(anchored, anchors, mean), sym.float(), step)
+        x[:, :, :, :1] = torch.where(anchored, anchors, x[:, :, :, :1])
+        return x.view(layers, 2, groups * a, heads, dim)[:, :, :tokens]

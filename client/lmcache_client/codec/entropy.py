@@ -29,7 +29,7 @@ def zigzag(s: torch.Tensor) -> torch.Tensor:
 
 
 def unzigzag(z: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`zigzag`."""
+    """Inverse of :func:`zigzag` (any signed integer dtype that holds the values)."""
     return (z >> 1) ^ -(z & 1)
 
 
@@ -61,11 +61,12 @@ def max_symbol_bytes(count: int) -> int:
 
 
 def decode_symbols(body: memoryview, count: int, device: torch.device) -> torch.Tensor:
-    """Inverse of :func:`encode_symbols`: ``count`` int32 symbols on ``device``."""
+    """Inverse of :func:`encode_symbols`: ``count`` int16 or int32 symbols on ``device``."""
     if len(body) < 1 or body[0] not in (1, 2):
         raise CodecError("cachegen symbols have a bad plane count")
     planes = unpack_planes(body, [count] * body[0])
+    if len(planes) == 1:  # the usual case: int16 arithmetic is enough and half the memory traffic
+        return unzigzag(bytes_tensor(planes[0]).to(device).to(torch.int16))
     z = bytes_tensor(planes[0]).to(device).to(torch.int32)
-    if len(planes) == 2:
-        z |= bytes_tensor(planes[1]).to(device).to(torch.int32) << 8
+    z |= bytes_tensor(planes[1]).to(device).to(torch.int32) << 8
     return unzigzag(z)

@@ -123,4 +123,4 @@ class GroupQuantCodec(Codec):
         if not bool(torch.isfinite(steps).all()) or not bool(torch.isfinite(mins).all()):
             raise CodecError("int8 body has non-finite scales")
         x = dequantize_groups(codes, mins, steps)
-        return x.to(self.dtype).view(*self.shape[:2], tokens, *self.shape[3:])
+        return x.view(*self.shape[:2], tokens, *self.shape[3:])
