@@ -33,6 +33,9 @@ class FailingTier:
     async def get(self, key: ChunkKey) -> Chunk | None:
         raise TypeError("memoryview: a bytes-like object is required, not 'int'")
 
+    async def get_many(self, keys: list[ChunkKey]) -> list[Chunk | None]:
+        raise TypeError("memoryview: a bytes-like object is required, not 'int'")
+
     def peek(self, key: ChunkKey) -> bool:
         return False
 

@@ -19,7 +19,8 @@
   write must not re-create them), and what Redis could not be told (it was
   down, or a write may still land) is sent before any later write.
 - Reads: only on a memory and disk miss, bounded by ``remote_timeout_s``;
-  records are verified off the loop.
+  the misses of one batch are one round trip (MGET; on a cluster a pipeline,
+  split per node by redis-py); records are verified off the loop.
 - Failure: any Redis error marks the uplink down (logged once, ``up`` metric
   0) and drops every pooled connection (they lead to the old server); while
   down, reads are misses.  A background probe (redis-py's ``Retry`` with
@@ -27,7 +28,7 @@
   on a fresh connection (redis-py's ``Retry``) before it counts as a failure.
   The writer and the probe are supervised (:mod:`..supervisor`).
 
-Primitives: ``open``, ``get``, ``enqueue``, ``exists_many``, ``delete``,
+Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``exists_many``, ``delete``,
 ``clear``, ``flush``, ``stats``, ``close``.
 """
 
@@ -358,17 +359,43 @@ class RedisTier:
         return await self.exists_many(keys)
 
     async def get(self, key: ChunkKey) -> Chunk | None:
+        [chunk] = await self.get_many([key])
+        return chunk
+
+    async def get_many(self, keys: Sequence[ChunkKey]) -> list[Chunk | None]:
+        """Every key in one round trip: MGET, or on a cluster a pipeline of GETs
+        (redis-py sends one per node: the keys lie in different slots); bounded by
+        ``timeout_s``.  The records are verified off the loop.  A miss per key while
+        the uplink is down or when the round trip fails."""
+        if not keys:
+            return []
         if not self.up:
-            self.counters.misses += 1
-            return None
-        rkey = self.redis_key(key)
+            self.counters.misses += len(keys)
+            return [None] * len(keys)
+        rkeys = [self.redis_key(k) for k in keys]
         try:
-            value = await asyncio.wait_for(self._client.get(rkey), self.timeout_s)
+            if self._cluster:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for rkey in rkeys:
+                        pipe.get(rkey)
+                    values = await asyncio.wait_for(pipe.execute(), self.timeout_s)
+            else:
+                values = await asyncio.wait_for(self._client.mget(rkeys), self.timeout_s)
         except Exception as err:
             self.counters.read_errors += 1
             self._failed("get", err)
-            self.counters.misses += 1
-            return None
+            self.counters.misses += len(keys)
+            return [None] * len(keys)
+        if not isinstance(values, list) or len(values) != len(keys):
+            # A server that speaks RESP but not Redis: answer misses, count it.
+            self.counters.read_errors += 1
+            self.counters.misses += len(keys)
+            logger.warning("Redis uplink: MGET answered %.80r; treated as misses", values)
+            return [None] * len(keys)
+        return list(await asyncio.gather(*(self._decoded(k, rk, v) for k, rk, v in zip(keys, rkeys, values))))
+
+    async def _decoded(self, key: ChunkKey, rkey: bytes, value: Any) -> Chunk | None:
+        """The chunk in ``value`` (None: a miss), verified; a damaged value is deleted."""
         if value is None:
             self.counters.misses += 1
             return None

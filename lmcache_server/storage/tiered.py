@@ -3,7 +3,9 @@
 Tiers are ordered fastest first: memory, then disk, then Redis.
 
 - Reads fall through the tiers in order; a hit below memory is *promoted*
-  (copied into memory) and served from the bytes just read.
+  (copied into memory) and served from the bytes just read.  A batch reads
+  each lower tier for all its keys at once: the disk files concurrently, Redis
+  in one round trip (:mod:`.batchread`).
 - Writes go to memory.  A chunk evicted from memory *spills* to disk through
   the disk tier's bounded write-behind queue (never blocking the request);
   every chunk stored is also queued for Redis, so other nodes see it.
@@ -41,6 +43,7 @@ from lmcache_client.protocol import PutStatus
 
 from ..supervisor import Supervisor
 from .base import Chunk, ChunkKey, Residency, Tier
+from .batchread import read_batch
 from .disk import DiskTier
 from .filling import Filling, fill_reservation
 from .memory import MemoryTier, Reservation
@@ -114,33 +117,14 @@ class TieredStore:
             self.events.removed(key)
 
     async def get_many(self, namespace: str, digests: Sequence[bytes]) -> list[Chunk | None]:
-        """One Chunk per hit (release each: memory hits are leased), None per miss.
-        If a tier read fails, the leases already taken are released before the error propagates."""
-        out: list[Chunk | None] = []
-        try:
-            for digest in digests:
-                key = ChunkKey(namespace, digest)
-                await self.filling.filled(key)
-                chunk = await self.memory.get(key)
-                if chunk is None and self.disk is not None:
-                    chunk = await self._promote_from_disk(self.disk, key)
-                if chunk is None:
-                    # (the disk again too: a hit there with no room in the pool is
-                    # still served, from a copy)
-                    for tier in self.lower:
-                        chunk = await tier.get(key)
-                        if chunk is not None:
-                            chunk = await self._promote(tier.name, key, chunk)
-                            break
-                out.append(chunk)
-        except BaseException:
-            for chunk in out:
-                if chunk is not None:
-                    chunk.release()
-            raise
-        return out
+        """One Chunk per hit (release each: memory hits are leased), None per miss,
+        in the order asked.  Each lower tier is read for the whole batch at once:
+        disk reads run concurrently (up to the disk's I/O threads), Redis is one
+        round trip (:mod:`.batchread`).  If a tier read fails, the leases already
+        taken are released before the error propagates."""
+        return await read_batch(self, [ChunkKey(namespace, d) for d in digests])
 
-    async def _promote(self, tier: str, key: ChunkKey, chunk: Chunk) -> Chunk:
+    async def promote(self, tier: str, key: ChunkKey, chunk: Chunk) -> Chunk:
         """Copy a lower-tier hit into the pool (off the loop) and serve the pool copy,
         leased like any memory hit (zero-copy and shared-memory replies need it
         there); the hit as read when there is no room."""
@@ -162,7 +146,7 @@ class TieredStore:
         chunk.release()
         return promoted
 
-    async def _promote_from_disk(self, disk: DiskTier, key: ChunkKey) -> Chunk | None:
+    async def promote_from_disk(self, disk: DiskTier, key: ChunkKey) -> Chunk | None:
         """Read a disk chunk straight into reserved pool memory (one copy, then a
         zero-copy send); None if it is not on disk or there is no room."""
         size = disk.payload_size(key)

@@ -1,0 +1,316 @@
+"""A get of many keys reads each lower tier for the whole batch at once (issue #15 item 2).
+
+In-process, on a real pool, a real DiskTier in ``tmp_path`` and a real
+redis-server (conftest): disk reads of one batch overlap (up to
+``disk_io_threads``), Redis misses of one batch are one MGET, results keep
+the keys' order, and a failure or a damaged file in a batch loses no lease
+and serves the rest.  No assertion on time: the disk test counts reads in
+flight at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from lmcache_client.protocol import PutStatus
+from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
+from lmcache_server.storage import disk as disk_module
+from lmcache_server.storage.disk import DiskTier
+from lmcache_server.storage.diskfiles import path_for
+from lmcache_server.storage.remote import RedisTier
+
+from .conftest import RedisServer
+
+NS = "ns"
+MiB = 1 << 20
+
+
+def memory_tier(size: int = 64 * MiB) -> MemoryTier:
+    return MemoryTier(MemoryPool(size, "off"), max_pinned_bytes=0)
+
+
+def no_leaks(memory: MemoryTier) -> bool:
+    """No lease held and no reservation left: every allocated byte is a visible, evictable chunk."""
+    return memory.leased_chunks == 0 and memory.evictable_bytes == memory.allocator.allocated_bytes
+
+
+class ReadsInFlight:
+    """Wraps the disk tier's blocking record read (it runs on the I/O threads) and
+    counts how many run at once.  Each read waits (at most ``wait_s``) for a second
+    one to be in flight, so reads that overlap are seen to overlap, and reads run
+    one after another are seen so too (each then waits in vain)."""
+
+    def __init__(self, wait_s: float = 2.0, fail_for: set[str] | None = None):
+        self.real = disk_module.read_record
+        self.wait_s = wait_s
+        self.fail_for = fail_for or set()
+        self.now = self.most = self.reads = 0
+        self.lock = threading.Condition()
+
+    def __call__(self, path: str, *args: Any) -> Any:
+        with self.lock:
+            self.now += 1
+            self.reads += 1
+            self.most = max(self.most, self.now)
+            self.lock.notify_all()
+            self.lock.wait_for(lambda: self.now >= 2, self.wait_s)
+        try:
+            if path in self.fail_for:
+                raise RuntimeError("planted")
+            return self.real(path, *args)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadsInFlight]:
+    counter = ReadsInFlight()
+    monkeypatch.setattr(disk_module, "read_record", counter)
+    yield counter
+
+
+async def disk_only(tmp_path: Path, data: list[bytes], io_threads: int = 2) -> tuple[DiskTier, list[bytes]]:
+    """An open disk tier holding ``data`` (and nothing in memory); their digests."""
+    disk = DiskTier(tmp_path / "spill", 1 << 30, io_threads=io_threads)
+    await disk.open()
+    digests = [os.urandom(32) for _ in data]
+    for digest, payload in zip(digests, data):
+        assert await disk.put(ChunkKey(NS, digest), payload) is PutStatus.STORED
+    return disk, digests
+
+
+def test_disk_reads_of_a_batch_run_concurrently(tmp_path: Path, reads: ReadsInFlight) -> None:
+    async def scenario() -> None:
+        data = [os.urandom(MiB + i) for i in range(6)]
+        disk, digests = await disk_only(tmp_path, data, io_threads=2)
+        memory = memory_tier()
+        store = TieredStore(memory, disk)
+        chunks = await store.get_many(NS, digests)
+        assert [bytes(c.data) if c else None for c in chunks] == data  # in the order asked
+        assert all(c is not None and c.offset is not None for c in chunks)  # promoted into the pool
+        for c in chunks:
+            assert c is not None
+            c.release()
+        assert reads.reads == 6 and reads.most >= 2
+        assert no_leaks(memory) and memory.chunks == 6
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_one_failing_read_releases_the_rest_of_the_batch(tmp_path: Path, reads: ReadsInFlight) -> None:
+    async def scenario() -> None:
+        data = [os.urandom(MiB) for _ in range(5)]
+        disk, digests = await disk_only(tmp_path, data)
+        memory = memory_tier()
+        store = TieredStore(memory, disk)
+        hot = os.urandom(32)
+        assert await store.put_many(NS, [hot], [b"m" * MiB]) == [PutStatus.STORED]
+        reads.fail_for = {path_for(disk.root, ChunkKey(NS, digests[2]))}
+        with pytest.raises(RuntimeError, match="planted"):
+            await store.get_many(NS, [hot, *digests])
+        # The memory hit's lease and the other promotions' leases went back; the
+        # failed read's room too.
+        assert no_leaks(memory)
+        assert memory.chunks == 1 + 4
+        # The batch without the failing file is served whole.
+        reads.fail_for = set()
+        chunks = await store.get_many(NS, [hot, *digests])
+        assert [bytes(c.data) if c else None for c in chunks] == [b"m" * MiB, *data]
+        for c in chunks:
+            assert c is not None
+            c.release()
+        assert no_leaks(memory)
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_damaged_file_in_a_batch_is_a_miss_and_the_rest_are_served(tmp_path: Path, reads: ReadsInFlight) -> None:
+    async def scenario() -> None:
+        data = [os.urandom(MiB) for _ in range(5)]
+        disk, digests = await disk_only(tmp_path, data)
+        path = path_for(disk.root, ChunkKey(NS, digests[1]))
+        with open(path, "r+b") as f:  # one payload byte flipped
+            f.seek(4096 + 1000)
+            byte = f.read(1)
+            f.seek(4096 + 1000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        memory = memory_tier()
+        store = TieredStore(memory, disk)
+        chunks = await store.get_many(NS, digests)
+        assert [bytes(c.data) if c else None for c in chunks] == [data[0], None, *data[2:]]
+        for c in chunks:
+            if c is not None:
+                c.release()
+        assert disk.counters.corrupt == 1 and not os.path.exists(path)  # removed, never served
+        assert no_leaks(memory) and memory.chunks == 4
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_key_repeated_in_a_batch_is_served_each_time(tmp_path: Path, reads: ReadsInFlight) -> None:
+    async def scenario() -> None:
+        reads.wait_s = 0.0
+        data = [os.urandom(MiB), os.urandom(MiB)]
+        disk, (a, b) = await disk_only(tmp_path, data)
+        memory = memory_tier()
+        store = TieredStore(memory, disk)
+        chunks = await store.get_many(NS, [a, b, a, a])
+        assert [bytes(c.data) if c else None for c in chunks] == [data[0], data[1], data[0], data[0]]
+        assert reads.reads == 2  # the repeats are memory hits of the promoted chunk
+        for c in chunks:
+            assert c is not None
+            c.release()
+        assert no_leaks(memory)
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_disk_hit_with_no_room_in_the_pool_is_served_from_a_copy(tmp_path: Path, reads: ReadsInFlight) -> None:
+    async def scenario() -> None:
+        reads.wait_s = 0.0
+        data = [os.urandom(3 * MiB) for _ in range(3)]
+        disk, digests = await disk_only(tmp_path, data)
+        memory = memory_tier(4 * MiB)  # room for one of them
+        store = TieredStore(memory, disk)
+        chunks = await store.get_many(NS, digests)
+        assert [bytes(c.data) if c else None for c in chunks] == data
+        assert sum(c is not None and c.offset is not None for c in chunks) == 1  # one promoted
+        for c in chunks:
+            assert c is not None
+            c.release()
+        assert no_leaks(memory)
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+# -- Redis ----------------------------------------------------------------------------------------
+def command_calls(port: int) -> dict[str, int]:
+    stats = redis.Redis(port=port).info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+
+async def redis_holding(url: str, data: list[bytes]) -> tuple[RedisTier, list[bytes]]:
+    """An open Redis tier whose server holds ``data`` (written through the tier's own writer)."""
+    remote = RedisTier(url)
+    await remote.open()
+    digests = [os.urandom(32) for _ in data]
+    for digest, payload in zip(digests, data):
+        assert remote.enqueue(ChunkKey(NS, digest), payload)
+    assert await remote.flush(20)
+    return remote, digests
+
+
+def test_redis_hits_of_a_batch_are_one_round_trip(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        data = [os.urandom(256 * 1024 + i) for i in range(8)]
+        remote, digests = await redis_holding(redis_server.url, data)
+        memory = memory_tier()
+        store = TieredStore(memory, None, remote)
+        before = command_calls(redis_server.port)
+        missing = os.urandom(32)
+        chunks = await store.get_many(NS, [*digests[:4], missing, *digests[4:]])
+        after = command_calls(redis_server.port)
+        assert [bytes(c.data) if c else None for c in chunks] == [*data[:4], None, *data[4:]]
+        assert after.get("mget", 0) - before.get("mget", 0) == 1
+        assert after.get("get", 0) == before.get("get", 0)
+        assert all(c is not None and c.offset is not None for c in chunks if c)  # promoted
+        for c in chunks:
+            if c is not None:
+                c.release()
+        assert no_leaks(memory) and store.promotions["redis"] == 8
+        # Promoted: asked again, nothing goes to Redis.
+        chunks = await store.get_many(NS, digests)
+        assert [bytes(c.data) if c else None for c in chunks] == data
+        for c in chunks:
+            assert c is not None
+            c.release()
+        assert command_calls(redis_server.port).get("mget", 0) == after.get("mget", 0)
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_over_memory_disk_and_redis_keeps_its_order(tmp_path: Path, redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        on_redis = [os.urandom(MiB) for _ in range(3)]
+        remote, redis_digests = await redis_holding(redis_server.url, on_redis)
+        on_disk = [os.urandom(MiB) for _ in range(3)]
+        disk, disk_digests = await disk_only(tmp_path, on_disk)
+        memory = memory_tier()
+        store = TieredStore(memory, disk, remote)
+        hot = os.urandom(32)
+        assert await store.put_many(NS, [hot], [b"h" * 1000]) == [PutStatus.STORED]
+        gone = os.urandom(32)
+        order = [redis_digests[0], disk_digests[0], gone, hot, redis_digests[1], disk_digests[1],
+                 disk_digests[2], redis_digests[2]]  # fmt: skip
+        expect = [on_redis[0], on_disk[0], None, b"h" * 1000, on_redis[1], on_disk[1], on_disk[2], on_redis[2]]
+        before = command_calls(redis_server.port).get("mget", 0)
+        chunks = await store.get_many(NS, order)
+        assert [bytes(c.data) if c else None for c in chunks] == expect
+        assert [c.tier if c else None for c in chunks] == ["memory"] * 2 + [None] + ["memory"] * 5
+        assert command_calls(redis_server.port)["mget"] - before == 1  # the Redis misses of the batch: one MGET
+        for c in chunks:
+            if c is not None:
+                c.release()
+        assert no_leaks(memory)
+        assert store.promotions == {"disk": 3, "redis": 3}
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_damaged_redis_values_in_a_batch_are_misses(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        data = [os.urandom(100_000) for _ in range(4)]
+        remote, digests = await redis_holding(redis_server.url, data)
+        r = redis.Redis(port=redis_server.port)
+        damaged = remote.redis_key(ChunkKey(NS, digests[2]))
+        value = bytearray(r.get(damaged) or b"")
+        value[-1] ^= 0xFF
+        r.set(damaged, bytes(value))
+        r.set(remote.redis_key(ChunkKey(NS, digests[3])), b"not a record")
+        memory = memory_tier()
+        store = TieredStore(memory, None, remote)
+        chunks = await store.get_many(NS, digests)
+        assert [bytes(c.data) if c else None for c in chunks] == [data[0], data[1], None, None]
+        for c in chunks:
+            if c is not None:
+                c.release()
+        assert remote.counters.corrupt == 2 and not r.exists(damaged)
+        assert no_leaks(memory)
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_cluster_batch_spans_slots(redis_cluster: list[RedisServer]) -> None:
+    async def scenario() -> None:
+        data = [os.urandom(50_000) for _ in range(12)]
+        remote, digests = await redis_holding(f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", data)
+        memory = memory_tier()
+        store = TieredStore(memory, None, remote)
+        chunks = await store.get_many(NS, digests)
+        assert [bytes(c.data) if c else None for c in chunks] == data
+        for c in chunks:
+            assert c is not None
+            c.release()
+        assert no_leaks(memory)
+        await store.close()
+
+    asyncio.run(scenario())
+    per_node = [redis.Redis(port=n.port).dbsize() for n in redis_cluster]
+    assert sum(1 for n in per_node if n) >= 2  # the batch did span nodes
