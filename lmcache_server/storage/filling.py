@@ -26,7 +26,7 @@ from lmcache_client.protocol import PutStatus
 from ..supervisor import Supervisor
 from .base import ChunkKey
 from .memory import MemoryTier, Reservation
-from .offload import Offload
+from .offload import SMALL_BYTES, Offload, memcopy
 
 logger = logging.getLogger(__name__)
 
@@ -80,22 +80,55 @@ class Filling:
         return done
 
     async def _run(self, pending: list[tuple[Reservation, memoryview]], done: asyncio.Future[None]) -> None:
-        left = list(pending)
+        committed = 0
         try:
-            while left:
-                reservation, src = left[0]
-                await self.offload.copy(reservation.view, src)
-                left.pop(0)
+            await self._copy_all(pending)
+            for reservation, _ in pending:
                 self.commit(reservation)
                 del self._keys[reservation.key]
+                committed += 1
         except BaseException as err:  # not expected: the copy of two same-sized buffers
-            for reservation, _ in left:
+            for reservation, _ in pending[committed:]:
                 self._keys.pop(reservation.key, None)
                 self.memory.abort_store(reservation)
             if not isinstance(err, asyncio.CancelledError):
                 self.supervisor.failed("put_fill", err)
         finally:
             done.set_result(None)
+
+    async def _copy_all(self, pending: list[tuple[Reservation, memoryview]]) -> None:
+        """Every source into its reservation: one worker-thread job per copy thread
+        (split by bytes), not one per chunk, since each hop to a thread and back
+        costs tens of microseconds and a put's chunks become visible together
+        anyway (readers wait for the whole put).  Returns once no thread writes
+        into the pool any more, also when a copy failed (then it raises)."""
+        pairs = [(reservation.view, src) for reservation, src in pending]
+        total = sum(dst.nbytes for dst, _ in pairs)
+        if total < SMALL_BYTES:
+            _copy_pairs(pairs)
+            return
+        groups: list[list[tuple[memoryview, memoryview]]] = [[] for _ in range(max(1, self.offload.threads))]
+        loads = [0] * len(groups)
+        for pair in pairs:  # biggest-first is not worth it: a put's chunks are (nearly) equal
+            lightest = loads.index(min(loads))
+            groups[lightest].append(pair)
+            loads[lightest] += pair[0].nbytes
+        jobs = [self.offload.run(_copy_pairs, group) for group in groups if group]
+        # Wait for every job before raising: a slot may be aborted only once no thread copies into it.
+        gathered = asyncio.gather(*jobs, return_exceptions=True)
+        try:
+            results = await asyncio.shield(gathered)
+        except asyncio.CancelledError:
+            await asyncio.wait([gathered])  # the threads finish their copies first
+            raise
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+
+def _copy_pairs(pairs: list[tuple[memoryview, memoryview]]) -> None:
+    for dst, src in pairs:
+        memcopy(dst, src)
 
 
 async def fill_reservation(memory: MemoryTier, reservation: Reservation, fill: Awaitable[bool]) -> PutStatus | None:
