@@ -36,6 +36,7 @@ class ServerMetrics:
             ["op", "outcome"],
             registry=registry,
         )
+        self._per_request: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.latency = Histogram(
             "lmcache_request_duration_seconds",
             "Time from receiving a request to queueing its reply.",
@@ -105,8 +106,15 @@ class ServerMetrics:
         ProcessCollector(registry=registry)
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
-        self.requests.labels(op, outcome).inc()
-        self.latency.labels(op).observe(seconds)
+        """Count one answered request and its latency (the labelled children are
+        looked up once per (op, outcome): ``labels()`` costs more than the update)."""
+        try:
+            counter, histogram = self._per_request[(op, outcome)]
+        except KeyError:
+            counter, histogram = self.requests.labels(op, outcome), self.latency.labels(op)
+            self._per_request[(op, outcome)] = (counter, histogram)
+        counter.inc()
+        histogram.observe(seconds)
 
 
 _C, _G = CounterMetricFamily, GaugeMetricFamily
