@@ -298,7 +298,17 @@ class TieredStore:
 
     async def _locate(self, namespace: str, digests: Sequence[bytes]) -> list[str | None]:
         keys = [ChunkKey(namespace, d) for d in digests]
-        tiers = [self._where(k) for k in keys]
+        # _where inlined: a lookup asks for up to max_keys_per_request keys at a time
+        filling, memory, local = self.filling, self.memory.name, [(t.peek, t.name) for t in self.tiers]
+        tiers: list[str | None] = []
+        for key in keys:
+            where = memory if key in filling else None
+            if where is None:
+                for peek, name in local:
+                    if peek(key):
+                        where = name
+                        break
+            tiers.append(where)
         if self.remote is not None:
             # One round trip for every key no local tier holds.
             missing = [i for i, t in enumerate(tiers) if t is None]
