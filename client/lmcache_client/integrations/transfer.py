@@ -20,6 +20,7 @@ daemon's pool slots themselves; with a codec a decoded scratch copy).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -298,8 +299,7 @@ class ChunkTransfer:
             try:
                 if coded is not None:
                     frames = [
-                        coded.encode_filled(self.chunk_bytes, lambda view, i=i: shifted(i, view))
-                        for i in range(len(batch))
+                        coded.encode_filled(self.chunk_bytes, functools.partial(shifted, i)) for i in range(len(batch))
                     ]
                     statuses = self.client.put(batch, frames, namespace=namespace, tokens=batch_tokens)
                 else:
