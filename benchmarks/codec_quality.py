@@ -23,6 +23,7 @@ import argparse
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ def from_chunks(chunks: list[list[torch.Tensor]]) -> Any:
 
 @torch.no_grad()
 def run(args: argparse.Namespace) -> int:
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' past_key_values rename
     torch.set_num_threads(args.threads)
     model, tok, meta = codec_model.load()
     print(
