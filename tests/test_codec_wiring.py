@@ -285,3 +285,25 @@ def test_sglang_backend_with_a_codec(daemons: dict[str, Daemon], mode: str, capl
     finally:
         a.backend.close()
         b.backend.close()
+
+
+def test_an_engine_side_codec_overrides_the_daemons(daemons: dict[str, Daemon]) -> None:
+    """The vLLM connector's ``codec`` extra config: this transfer's own codec, whatever
+    the daemon announces, in that codec's namespace."""
+    from lmcache_client.integrations.vllm_connector import ConnectorSettings
+
+    assert ConnectorSettings.from_extra_config({"codec": "int8:group=64"}).codec == "int8:group=64"
+    with pytest.raises(ValueError, match="codec='int8:group=7'"):
+        ConnectorSettings.from_extra_config({"codec": "int8:group=7"})
+    layout = ChunkLayout(2, 2, 64, CHUNK, "float32")
+    keys = [os.urandom(32) for _ in range(2)]
+    chunks = [torch.randn(layout.shape).numpy().tobytes() for _ in keys]
+    with daemons["lossless"].client() as client:
+        t = ChunkTransfer(client, layout.namespace("override"), layout.nbytes, codec_layout=layout, codec="int8")
+        assert "codec=int8.v1-g32" in t.namespace and t.put(keys, chunks) == 2
+        got = t.get_prefix(keys)
+        assert len(got) == 2 and all(len(bytes(g)) == layout.nbytes and bytes(g) != c for g, c in zip(got, chunks))
+        followers = ChunkTransfer(client, layout.namespace("override"), layout.nbytes, codec_layout=layout)
+        assert followers.lookup(keys) == 0 and "codec=lossless" in followers.namespace  # the daemon's codec
+        raw = ChunkTransfer(client, layout.namespace("override"), layout.nbytes, codec_layout=layout, codec="none")
+        assert raw.namespace == layout.namespace("override").wire() and raw.lookup(keys) == 0

@@ -49,7 +49,9 @@ class ChunkTransfer:
     :class:`Namespace`); the transfer then uses the codec the daemon announces
     (asked on first use).  ``lossy_ok=False``: payloads that are not in that
     layout, whose bytes only a lossless codec may encode (a lossy codec
-    announced is refused with a log line, and chunks are stored raw)."""
+    announced is refused with a log line, and chunks are stored raw).
+    ``codec``: a codec spec (``"int8:group=64"``, ``"none"``) that overrides the
+    daemon's announcement (an engine-side setting; ValueError if invalid)."""
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class ChunkTransfer:
         max_batch_keys: int = DEFAULT_MAX_BATCH_KEYS,
         codec_layout: ChunkLayout | None = None,
         lossy_ok: bool = True,
+        codec: str | None = None,
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -77,6 +80,11 @@ class ChunkTransfer:
                 raise ValueError(f"codec_layout holds {codec_layout.nbytes} bytes, chunk_bytes is {chunk_bytes}")
             self._codec_args = (namespace, codec_layout, lossy_ok)
             self._binding = None  # asked on first use
+            if codec is not None:
+                from ..codec.spec import CodecSpec
+
+                announced = CodecSpec.parse(codec).to_dict()
+                self._binding = CodecBinding.resolve(announced, namespace, codec_layout, lossy_ok=lossy_ok)
         self.batch_keys = max(1, min(max_batch_keys, max_batch_bytes // chunk_bytes))
         self.errors = 0
         """Client errors turned into misses (daemon down, refused requests)."""

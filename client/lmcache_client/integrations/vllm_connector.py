@@ -100,6 +100,9 @@ class ConnectorSettings:
     """-1: the role's default (:data:`CONSUMER_WAIT_S` for ``kv_consumer``, else 0)."""
     server_public_key: str = ""
     client_secret_key: str = ""
+    codec: str = ""
+    """A KV codec spec (``"int8:group=64"``, ``"none"``) instead of the one the daemon
+    announces in hello; empty: the daemon's (docs/codec.md)."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -126,6 +129,13 @@ class ConnectorSettings:
             raise ValueError("kv_connector_extra_config load_wait_s must be >= 0")
         if not 0 <= settings.backoff_s <= settings.max_backoff_s:
             raise ValueError("kv_connector_extra_config needs 0 <= backoff_s <= max_backoff_s")
+        if settings.codec:
+            from ..codec.spec import CodecSpec
+
+            try:
+                CodecSpec.parse(settings.codec)
+            except ValueError as err:
+                raise ValueError(f"kv_connector_extra_config codec={settings.codec!r}: {err}") from None
         return settings
 
 
@@ -213,6 +223,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                     self.layout.namespace(model_id, tp_rank=r, tp_size=tp_size, tenant=self.settings.tenant),
                     self.layout.nbytes,
                     codec_layout=self.layout,  # the daemon's kv_codec, as the worker (same namespace)
+                    codec=self.settings.codec or None,
                 )
                 for r in range(tp_size)
             ]
@@ -242,6 +253,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                 self.layout.namespace(model_id, tp_rank=tp_rank(), tp_size=tp_size, tenant=self.settings.tenant),
                 self.layout.nbytes,
                 codec_layout=self.layout,  # encodes with the codec the daemon announces (docs/codec.md)
+                codec=self.settings.codec or None,
             )
             namespace = transfer.namespace
             self.worker = WorkerSide(transfer, self.layout, copy_threads=self.settings.copy_threads)
