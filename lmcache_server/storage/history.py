@@ -4,10 +4,11 @@ The policies keep several keys per cached chunk here (lfuda: 8 evicted keys per
 chunk; the adaptive head rule: 4 refused ones), so an entry must cost bytes,
 not a Python object: a dict or OrderedDict of hashes costs 90 to 140 bytes per
 key, which at a million cached chunks is gigabytes.  :class:`KeyHistory`
-stores 8-byte fingerprints (the key's ``hash``) in a flat ``bytearray`` table
-of 16-slot buckets, plus an optional 4-byte value per slot (a frequency):
-12 bytes per remembered key (8 without values), at most 1.5x that while it
-grows.
+stores 4-byte fingerprints of the key's 64-bit hash in a flat ``bytearray``
+table of 32-slot buckets (the bucket holds more of the hash's bits), plus an
+optional 2-byte value per slot (a frequency, capped at 65535): 6 bytes per
+remembered key (4 without values), up to 1.125x that as the table is sized
+with headroom, twice that while it grows.
 
 Primitives: :func:`key_hash` (a chunk key's 64-bit hash, the same in every
 process), ``bound(limit)`` (how many keys to keep, at least), ``add(h,
@@ -16,12 +17,14 @@ value)``, ``pop(h)`` (the value, 0 if not remembered), ``h in history``,
 
 Semantics, next to an OrderedDict with the oldest popped beyond the limit:
 
-- Forgetting is per bucket: a full bucket overwrites its slots in turn (a
-  ring), so the key forgotten is one of the oldest of its bucket, not exactly
-  the oldest of all; with random hashes and 16-slot buckets the history holds
-  the limit's worth of recent keys all the same.  A table of at most 16 keys
+- Forgetting is per bucket: each bucket is kept oldest first (a removal
+  moves the younger ones down: one memmove of at most 128 bytes), and a full
+  bucket forgets its oldest, which is not exactly the oldest of all: with
+  random hashes a bucket gets 32 +- 6 of the last limit's keys, so a few
+  percent of the most recent ones are forgotten early and as many older
+  ones kept instead.  A table of at most 32 keys
   is one bucket: exactly oldest-first.
-- Growing (the limit rose above the table): a new table of 1.5x the limit
+- Growing (the limit rose above the table): a new table of 1.125x the limit
   takes the new keys; the old one is still searched until the new one has
   taken as many keys as the old one held, then dropped whole (its keys were
   the oldest).  No rehash, so no pause.  A lower limit keeps the table.
@@ -29,9 +32,9 @@ Semantics, next to an OrderedDict with the oldest popped beyond the limit:
   the process (Python salts ``hash`` of strings): :func:`key_hash` mixes the
   digest with a CRC of the namespace, and the daemon forgets what an offline
   model of it (benchmarks/policy_sim.py) forgets.
-- Two keys with the same 64-bit hash are one entry (the chance of a
-  collision among millions of keys is about 1e-7; a policy then merely
-  misjudges one key's history).
+- A key whose fingerprint matches another's in its bucket is taken for it
+  (32 slots x 2**-32: about 1e-8 per lookup); a policy then merely misjudges
+  one key's history.
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ import zlib
 
 from .base import ChunkKey
 
-_SLOTS = 16  # per bucket
-_ROW = 8 * _SLOTS  # bytes of fingerprints per bucket
-_ZERO = bytes(8)  # an empty slot
+_SLOTS = 32  # per bucket
+_FP = 4  # bytes of a fingerprint: with the bucket, about 40 bits of the hash
+_ROW = _FP * _SLOTS  # bytes of fingerprints per bucket
+_ZERO = bytes(_FP)  # an empty slot
 _MASK = (1 << 64) - 1
-_MAX_VALUE = (1 << 32) - 1
-_GROWTH = 1.5
+_MAX_VALUE = (1 << 16) - 1
+_GROWTH = 1.125
 
 
 _namespace_crcs: dict[str, int] = {}
@@ -71,54 +75,71 @@ def key_hash(key: ChunkKey) -> int:
 
 
 def _fingerprint(h: int) -> bytes:
-    return ((h & _MASK) or 1).to_bytes(8, "little")
+    return (((h ^ (h >> 32)) & 0xFFFFFFFF) or 1).to_bytes(_FP, "little")
 
 
 class _Table:
-    __slots__ = ("buckets", "fps", "values", "ring", "count", "inserts")
+    """Buckets of ``slots`` fingerprints, each bucket oldest first: its live slots
+    are its first ``used[b]``, the rest zero."""
+
+    __slots__ = ("buckets", "slots", "row", "fps", "values", "used", "count", "inserts")
 
     def __init__(self, capacity: int, with_values: bool) -> None:
-        self.buckets = max(1, -(-capacity // _SLOTS))
-        self.fps = bytearray(self.buckets * _ROW)
-        self.values = array.array("I", bytes(4 * self.buckets * _SLOTS)) if with_values else None
-        self.ring = bytearray(self.buckets)  # per bucket: the slot a full bucket overwrites next
-        self.count = 0  # slots in use
+        self.slots = max(1, min(_SLOTS, capacity))  # a small table is one bucket: exactly oldest first
+        self.buckets = max(1, -(-capacity // self.slots))
+        self.row = _FP * self.slots
+        self.fps = bytearray(self.buckets * self.row)
+        self.values = array.array("H", bytes(2 * self.buckets * self.slots)) if with_values else None
+        self.used = bytearray(self.buckets)  # live slots per bucket
+        self.count = 0  # live slots in all
         self.inserts = 0
 
     @property
     def capacity(self) -> int:
-        return self.buckets * _SLOTS
+        return self.buckets * self.slots
 
-    def start(self, fp: bytes) -> int:
-        """Where the bucket of ``fp`` begins (Fibonacci hashing: any 64 bits spread)."""
-        return ((int.from_bytes(fp, "little") * 0x9E3779B97F4A7C15 & _MASK) >> 32) % self.buckets * _ROW
+    def bucket(self, h: int) -> int:
+        """The bucket of hash ``h`` (Fibonacci hashing: any 64 bits spread)."""
+        return (((h & _MASK) * 0x9E3779B97F4A7C15 & _MASK) >> 32) % self.buckets
 
-    def find(self, fp: bytes, start: int) -> int:
-        """The byte offset of ``fp``'s slot in the bucket at ``start``, or -1."""
-        fps, end = self.fps, start + _ROW
+    def find(self, fp: bytes, b: int) -> int:
+        """The slot of ``fp`` (its index in the table), or -1."""
+        fps, start = self.fps, b * self.row
+        end = start + _FP * self.used[b]
         i = fps.find(fp, start, end)
-        while i >= 0 and (i - start) & 7:  # a match across two slots
+        while i >= 0 and (i - start) % _FP:  # a match across two slots
             i = fps.find(fp, i + 1, end)
-        return i
+        return i if i < 0 else i // _FP
 
-    def take(self, i: int) -> int:
-        """Empty the slot at byte offset ``i``; its value."""
-        self.fps[i : i + 8] = _ZERO
+    def take(self, slot: int, b: int) -> int:
+        """Remove the fingerprint in ``slot`` of bucket ``b`` (younger ones move down); its value."""
+        value = self.values[slot] if self.values is not None else 1
+        self._shift_out(slot, b)
+        return value
+
+    def _shift_out(self, slot: int, b: int) -> None:
+        last = b * self.slots + self.used[b]  # one past the bucket's youngest slot
+        fps = self.fps
+        fps[_FP * slot : _FP * (last - 1)] = fps[_FP * (slot + 1) : _FP * last]
+        fps[_FP * (last - 1) : _FP * last] = _ZERO
+        values = self.values
+        if values is not None:
+            values[slot : last - 1] = values[slot + 1 : last]
+            values[last - 1] = 0
+        self.used[b] -= 1
         self.count -= 1
-        return self.values[i >> 3] if self.values is not None else 1
 
-    def put(self, fp: bytes, start: int, value: int) -> None:
-        i = self.find(_ZERO, start)
-        if i < 0:  # full: overwrite the bucket's slots in turn
-            bucket = start // _ROW
-            slot = self.ring[bucket]
-            self.ring[bucket] = (slot + 1) % _SLOTS
-            i = start + 8 * slot
-        else:
-            self.count += 1
-        self.fps[i : i + 8] = fp
+    def put(self, fp: bytes, b: int, value: int) -> None:
+        """Store ``fp`` as the youngest of bucket ``b`` (it is not there yet); a full
+        bucket forgets its oldest."""
+        if self.used[b] == self.slots:
+            self._shift_out(b * self.slots, b)
+        slot = b * self.slots + self.used[b]
+        self.fps[_FP * slot : _FP * (slot + 1)] = fp
         if self.values is not None:
-            self.values[i >> 3] = min(value, _MAX_VALUE)
+            self.values[slot] = min(value, _MAX_VALUE)
+        self.used[b] += 1
+        self.count += 1
         self.inserts += 1
 
 
@@ -138,39 +159,42 @@ class KeyHistory:
             self._old = self._new
             self._new = _Table(int(limit * _GROWTH), self._with_values)
 
-    def _locate(self, fp: bytes) -> tuple[_Table, int] | None:
+    def _locate(self, h: int, fp: bytes) -> tuple[_Table, int, int] | None:
+        """The table, slot and bucket of the key of hash ``h``, or None."""
         new = self._new
         if not new.count and self._old is None:
             return None  # empty (a tier being rebuilt: a million lookups for nothing)
-        i = new.find(fp, new.start(fp))
-        if i >= 0:
-            return new, i
+        b = new.bucket(h)
+        slot = new.find(fp, b)
+        if slot >= 0:
+            return new, slot, b
         old = self._old
         if old is not None:
-            i = old.find(fp, old.start(fp))
-            if i >= 0:
-                return old, i
+            b = old.bucket(h)
+            slot = old.find(fp, b)
+            if slot >= 0:
+                return old, slot, b
         return None
 
     def add(self, h: int, value: int = 1) -> None:
         """Remember the key of hash ``h`` (with ``value``), as the most recent."""
         fp = _fingerprint(h)
-        found = self._locate(fp)
+        found = self._locate(h, fp)
         if found is not None:
-            found[0].take(found[1])
+            found[0].take(found[1], found[2])
         new = self._new
-        new.put(fp, new.start(fp), value)
+        new.put(fp, new.bucket(h), value)
         old = self._old
         if old is not None and new.inserts >= old.capacity:
             self._old = None  # everything in it is older than the new table's keys
 
     def pop(self, h: int) -> int:
         """Forget the key of hash ``h``; its value (0: it was not remembered)."""
-        found = self._locate(_fingerprint(h))
-        return 0 if found is None else found[0].take(found[1])
+        found = self._locate(h, _fingerprint(h))
+        return 0 if found is None else found[0].take(found[1], found[2])
 
     def __contains__(self, h: object) -> bool:
-        return isinstance(h, int) and self._locate(_fingerprint(h)) is not None
+        return isinstance(h, int) and self._locate(h, _fingerprint(h)) is not None
 
     def __len__(self) -> int:
         return self._new.count + (self._old.count if self._old is not None else 0)
@@ -179,4 +203,4 @@ class KeyHistory:
     def nbytes(self) -> int:
         """Bytes its tables take."""
         tables = [self._new] + ([self._old] if self._old is not None else [])
-        return sum(len(t.fps) + len(t.ring) + (4 * len(t.values) if t.values is not None else 0) for t in tables)
+        return sum(len(t.fps) + len(t.used) + (2 * len(t.values) if t.values is not None else 0) for t in tables)

@@ -147,7 +147,7 @@ class MemoryTier:
             return None
         self.counters.hits += 1
         if not entry.pinned:
-            self.policy.touched(key)
+            self.policy.touched(entry.key)  # the tier's key object: a policy keeping it adds no copy
         return self._lease(entry)
 
     def _lease(self, entry: _Entry) -> Chunk:
@@ -201,8 +201,9 @@ class MemoryTier:
         existing = self._index.get(key)
         if existing is not None:
             if not existing.pinned:
-                self.policy.touched(key)
+                self.policy.touched(existing.key)
             return PutStatus.EXISTS
+        key = _canonical(key)
         if size > self.allocator.capacity:
             self.counters.rejections += 1
             return PutStatus.TOO_LARGE
