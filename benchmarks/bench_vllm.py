@@ -1,7 +1,12 @@
 """Time to first token of real vLLM OpenAI servers: cold, warm from another replica's
 chunks through the daemon, and vLLM's own in-process prefix-cache hit, in one run.
 
-``python benchmarks/bench_vllm.py [--sizes 1024,2048,4096] [--reps 3] [--json out.json]``
+``python benchmarks/bench_vllm.py [--sizes 1024,2048,4096] [--reps 3] [--codec MODE] [--json out.json]``
+
+``--codec MODE`` starts the daemon with ``kv_codec: MODE`` (docs/codec.md): the
+replicas' connectors read it from ``hello``, A encodes what it stores and B
+decodes what it loads; warm B against cold A is then that mode's ratio (one
+mode per run: the connectors read the codec once, at their first request).
 
 Builds a local Llama (random weights, 8 layers, hidden 768, 12 heads, 4 KV
 heads, MLP 2048: big enough that prefill dominates on a CPU), starts a
@@ -162,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1024,2048,4096")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--codec", default="none", help="the daemon's kv_codec (none, lossless, int8, cachegen)")
     args = parser.parse_args(argv)
     raise_on_sigterm()
     if not VLLM_PYTHON.exists():
@@ -177,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         daemon = procs.start(
             "daemon",
             [sys.executable, "-m", "lmcache_server", "--set", f"listen=[tcp://127.0.0.1:{port}]"]
-            + ["--set", "max_local_cpu_size=4GiB", "--set", "metrics_port=0", "--set", "cache_policy=lru"],
+            + ["--set", "max_local_cpu_size=4GiB", "--set", "metrics_port=0", "--set", "cache_policy=lru"]
+            + ["--set", f"kv_codec={args.codec}"],
         )
+        print(f"daemon kv_codec: {args.codec}", flush=True)
         servers = start_servers(procs, {"a": doc_command(), "b": doc_command()}, model, address)
         daemon.check_alive()
         a, b = servers
@@ -227,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         outside = meter.outside_load()
-    print(f"\nother load during the run: {outside:.2f} cores (2-core machine); medians of {args.reps}")
+    print(f"\nkv_codec {args.codec}; other load during the run: {outside:.2f} cores (2-core machine)")
+    print(f"medians of {args.reps}")
     header = (
         f"{'tokens':>6} {'reused':>6} {'cold':>8} {'warm B':>8} {'B/cold':>7} {'local':>8} "
         f"{'local/cold':>10} {'B load':>8} {'raw get':>8} {'load/raw':>8}"
@@ -248,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{med('raw_get_s') * 1000:>6.1f}ms {load_ratio:>8.2f}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"rows": results, "outside_load_cores": outside}, indent=1))
+        out = {"codec": args.codec, "rows": results, "outside_load_cores": outside}
+        args.json.write_text(json.dumps(out, indent=1))
     return 0
 
 
