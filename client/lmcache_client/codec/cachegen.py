@@ -58,7 +58,7 @@ class CacheGenCodec(Codec):
     """log2 ratio of the last layer's step to the first's (> 0: finer steps early)."""
     k_weight = 1.0
     v_weight = 1.0
-    slack = 0.985
+    slack = 0.96
     """Fraction of the bit budget the rate control aims at (Huffman's loss over entropy)."""
     fill = 0.03
     """A frame this fraction under budget is good enough (else it is redone with finer steps)."""
@@ -74,7 +74,7 @@ class CacheGenCodec(Codec):
 
     def _max_body_bytes(self, tokens: int) -> int:
         # the rate control's fallback never exceeds 16-bit symbols (two planes) plus zstd's bound
-        return 4 * self.channels + max_symbol_bytes(self._elements(tokens))
+        return 4 * self.channels + max_symbol_bytes(self._elements(tokens), 2 * self.shape[0])
 
     # -- encoder ----------------------------------------------------------------
     def _layer_weights(self, device: torch.device) -> torch.Tensor:
@@ -145,7 +145,7 @@ class CacheGenCodec(Codec):
         for attempt in range(1, 7):
             step = self._steps(lam, base, floor)
             sym = self._symbols(x, mean, step, anchored)
-            last = self._pack(torch.where(anchored, step, -step), mean, encode_symbols(sym))
+            last = self._pack(torch.where(anchored, step, -step), mean, encode_symbols(sym, groups))
             over = 8 * (len(last) + header_bytes(self.tag)) - self.bits * n
             if over <= 0:
                 best = max(best, last, key=len)
@@ -173,7 +173,7 @@ class CacheGenCodec(Codec):
         step, anchored = signed.abs(), signed > 0
         if not bool(torch.isfinite(side).all()) or not bool((step > 0).all()):
             raise CodecError("cachegen body has invalid steps")
-        sym = decode_symbols(body[side_bytes:], self._elements(tokens), device)
+        sym = decode_symbols(body[side_bytes:], self._elements(tokens), 2 * layers, device)
         sym = sym.view(layers, 2, tokens, heads, dim)
         a = self.anchor
         groups = -(-tokens // a)

@@ -18,7 +18,7 @@ import torch
 
 from .base import bytes_tensor
 from .frame import CodecError
-from .planes import max_packed_bytes, pack_planes, unpack_planes
+from .planes import max_packed_bytes, pack_planes, plane_count, symbol_compressor, unpack_planes
 
 MAX_SYMBOL = 32767
 
@@ -45,28 +45,36 @@ def entropy_bits(symbols: torch.Tensor, groups: int) -> float:
     return float(bits)
 
 
-def encode_symbols(symbols: torch.Tensor, level: int = 1) -> bytes:
-    """Symbols (int32, |s| <= MAX_SYMBOL) -> a planes container of one or two byte planes."""
-    z = zigzag(symbols.reshape(-1))
+def encode_symbols(symbols: torch.Tensor, groups: int) -> bytes:
+    """Symbols (int32, |s| <= MAX_SYMBOL, leading dim split into ``groups`` equal segments) ->
+    a planes container: one byte plane per segment, or a low and a high plane per segment when
+    some symbol needs more than 8 bits.  Each segment (one layer's K or V) is its own zstd frame,
+    so Huffman tables follow that segment's distribution."""
+    z = zigzag(symbols.reshape(groups, -1))
     if int(z.max()) < 256:
-        planes = [z.to(torch.uint8).cpu()]
+        planes = list(z.to(torch.uint8).cpu())
     else:
-        planes = [(z & 0xFF).to(torch.uint8).cpu(), (z >> 8).to(torch.uint8).cpu()]
-    return pack_planes(planes, level, always=tuple(range(len(planes))))
+        planes = list((z & 0xFF).to(torch.uint8).cpu()) + list((z >> 8).to(torch.uint8).cpu())
+    return pack_planes(planes, always=tuple(range(len(planes))), comp=symbol_compressor())
 
 
-def max_symbol_bytes(count: int) -> int:
-    """Upper bound of :func:`encode_symbols` for ``count`` symbols."""
-    return max_packed_bytes([count, count])
+def max_symbol_bytes(count: int, groups: int) -> int:
+    """Upper bound of :func:`encode_symbols` for ``count`` symbols in ``groups`` segments."""
+    return max_packed_bytes([count // groups] * (2 * groups))
 
 
-def decode_symbols(body: memoryview, count: int, device: torch.device) -> torch.Tensor:
+def decode_symbols(body: memoryview, count: int, groups: int, device: torch.device) -> torch.Tensor:
     """Inverse of :func:`encode_symbols`: ``count`` int16 or int32 symbols on ``device``."""
-    if len(body) < 1 or body[0] not in (1, 2):
-        raise CodecError("cachegen symbols have a bad plane count")
-    planes = unpack_planes(body, [count] * body[0])
-    if len(planes) == 1:  # the usual case: int16 arithmetic is enough and half the memory traffic
-        return unzigzag(bytes_tensor(planes[0]).to(device).to(torch.int16))
-    z = bytes_tensor(planes[0]).to(device).to(torch.int32)
-    z |= bytes_tensor(planes[1]).to(device).to(torch.int32) << 8
-    return unzigzag(z)
+    planes_n = plane_count(body)
+    if planes_n not in (groups, 2 * groups):
+        raise CodecError(f"cachegen symbols have {planes_n} planes, expected {groups} or {2 * groups}")
+    seg = count // groups
+    planes = unpack_planes(body, [seg] * planes_n)
+    wide = planes_n == 2 * groups
+    # int16 is enough for one plane per segment (the usual case) and half the memory traffic
+    z = torch.empty(groups, seg, dtype=torch.int32 if wide else torch.int16)
+    for g in range(groups):
+        z[g] = bytes_tensor(planes[g])  # the widening copy
+        if wide:
+            z[g] |= bytes_tensor(planes[groups + g]).to(torch.int32) << 8
+    return unzigzag(z.reshape(-1).to(device))

@@ -1,13 +1,14 @@
 """Byte planes, each stored raw or as a zstd frame: the container both the
 ``lossless`` and the ``cachegen`` bodies are made of.
 
-Container: ``u8`` plane count, then per plane ``u8`` method (0 raw, 1 zstd)
+Container: ``u16`` plane count, then per plane ``u8`` method (0 raw, 1 zstd)
 and ``u64`` stored length, then the planes' bytes in order.  Every plane
 decodes to a length the codec knows from the frame's shape, and any other
 length is a :class:`CodecError`.  zstd is tried on a sample first, so a
 near-random plane (mantissa bytes) costs a memcpy, not a compression pass.
 
-Primitives: :func:`pack_planes`, :func:`unpack_planes`, :func:`need_zstd`.
+Primitives: :func:`pack_planes`, :func:`unpack_planes`, :func:`plane_count`,
+:func:`symbol_compressor`, :func:`need_zstd`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - the `codec` extra installs it
     zstandard = None  # type: ignore[assignment]
 
-_COUNT = struct.Struct("<B")
+_COUNT = struct.Struct("<H")
 _ENTRY = struct.Struct("<BQ")
 RAW, ZSTD = 0, 1
 _SAMPLE = 1 << 16
@@ -36,10 +37,20 @@ def need_zstd() -> Any:
     return zstandard
 
 
-def pack_planes(planes: list[torch.Tensor], level: int = 1, always: tuple[int, ...] = ()) -> bytes:
-    """uint8 CPU tensors -> container bytes; planes in ``always`` are compressed without a sample test."""
+def symbol_compressor() -> Any:
+    """zstd for entropy-coded symbols: level 1 with matches of at least 7 bytes, so random short
+    repeats do not become match sequences and the Huffman literal coder does the work."""
     zstd = need_zstd()
-    comp = zstd.ZstdCompressor(level=level, write_content_size=True)
+    params = zstd.ZstdCompressionParameters(compression_level=1, min_match=7, write_content_size=True)
+    return zstd.ZstdCompressor(compression_params=params)
+
+
+def pack_planes(planes: list[torch.Tensor], level: int = 1, always: tuple[int, ...] = (), comp: Any = None) -> bytes:
+    """uint8 CPU tensors -> container bytes; planes in ``always`` are compressed without a sample test.
+
+    ``comp``: a zstandard compressor to use instead of one of ``level``."""
+    zstd = need_zstd()
+    comp = comp or zstd.ZstdCompressor(level=level, write_content_size=True)
     entries, datas = [], []
     for i, plane in enumerate(planes):
         raw = memoryview(plane.contiguous().numpy())  # type: ignore[arg-type]
@@ -61,8 +72,9 @@ def max_packed_bytes(sizes: list[int]) -> int:
 def unpack_planes(body: memoryview, sizes: list[int]) -> list[bytes | memoryview]:
     """Inverse of :func:`pack_planes`; ``sizes`` are the decoded plane lengths the frame's shape implies."""
     zstd = need_zstd()
-    if len(body) < _COUNT.size or body[0] != len(sizes):
-        raise CodecError(f"encoded body has {body[0] if len(body) else 0} byte planes, expected {len(sizes)}")
+    count = _COUNT.unpack_from(body, 0)[0] if len(body) >= _COUNT.size else 0
+    if count != len(sizes):
+        raise CodecError(f"encoded body has {count} byte planes, expected {len(sizes)}")
     pos = _COUNT.size
     if len(body) < pos + len(sizes) * _ENTRY.size:
         raise CodecError("encoded body truncated in its plane table")
@@ -86,3 +98,8 @@ def unpack_planes(body: memoryview, sizes: list[int]) -> list[bytes | memoryview
             raise CodecError(f"encoded plane decodes to {len(data)} bytes, expected {size}")
         out.append(data)
     return out
+
+
+def plane_count(body: memoryview) -> int:
+    """The plane count a container says it has (0 when too short to say)."""
+    return int(_COUNT.unpack_from(body, 0)[0]) if len(body) >= _COUNT.size else 0
