@@ -174,7 +174,7 @@ def test_lfuda_single_chunk_puts_are_not_tails() -> None:
     for i in range(4):
         assert p.admit(key(i), 1, None)
         p.inserted(key(i), 1, None)
-    assert not any(e.tail for e in p._entries.values())
+    assert not any(p.is_tail(k) for k in p._entries)
     assert p.victim(never) == key(0)
 
 
@@ -188,7 +188,7 @@ def test_lfuda_tail_known_before_it_is_inserted() -> None:
     for i, parent in ((0, None), (1, key(0)), (2, None)):
         p.inserted(key(i), 1, parent)
     assert p.victim(never) == key(1)
-    assert [k for k, e in p._entries.items() if e.tail] == [key(1)]
+    assert [k for k in p._entries if p.is_tail(k)] == [key(1)]
 
 
 def test_lfuda_age_never_goes_back_and_heap_stays_bounded() -> None:

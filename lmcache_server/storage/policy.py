@@ -31,7 +31,6 @@ over the (few) skipped keys.  Select one with ``cache_policy``:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 from collections.abc import Callable
 from typing import Protocol
@@ -90,12 +89,23 @@ class LRUPolicy:
         return len(self._order)
 
 
-@dataclasses.dataclass(slots=True)
-class _Entry:
-    freq: int  # accesses, counting those before an eviction the history remembers
-    depth: int  # chunks before this one in its known prefix chain (0: unknown or a head)
-    rank: int  # (priority, tie-break, sequence) packed in one int (_rank): its live heap item's
-    tail: bool = False  # the last chunk of a multi-chunk put, not read since: one access fewer
+# A chunk's state is one int (no object per chunk): its rank (priority, tie-break,
+# sequence; see _rank) in the high bits, so that the int orders as the rank does
+# and is its own heap item's key, and below it the depth (chunks before it in its
+# known prefix chain, 0: unknown or a head), the frequency (accesses, counting
+# those before an eviction the history remembers) and the tail flag (the last
+# chunk of a multi-chunk put, not read since: one access fewer).
+_META = 64
+_FREQ_MAX = (1 << 32) - 1
+_DEPTH_MAX = (1 << 31) - 1
+
+
+def _freq(state: int) -> int:
+    return (state >> 1) & _FREQ_MAX
+
+
+def _depth(state: int) -> int:
+    return (state >> 33) & _DEPTH_MAX
 
 
 class LFUDAPolicy:
@@ -154,8 +164,8 @@ class LFUDAPolicy:
         self.min_ghost = min_ghost
         self.depth_penalty = depth_penalty
         self.tails_first = tails_first
-        self._entries: dict[ChunkKey, _Entry] = {}
-        self._heap: list[tuple[int, ChunkKey]] = []  # (rank, key)
+        self._entries: dict[ChunkKey, int] = {}  # key -> its state (see _META)
+        self._heap: list[tuple[int, ChunkKey]] = []  # (state, key): stale once the key's state changed
         self._ghost = KeyHistory(min_ghost)  # key_hash(key) -> freq
         self._age = 0  # L
         self._clock = 0  # chunk operations so far
@@ -170,12 +180,11 @@ class LFUDAPolicy:
         if parent is None and self._open is not None and self.tails_first:
             # A new put begins: the previous one's last chunk is its tail.
             tail, self._open = self._open, None
-            entry = self._entries.get(tail)
-            if entry is None:
+            state = self._entries.get(tail)
+            if state is None:
                 self._pending_tail = tail  # reserved, not yet inserted (or gone)
-            elif not entry.tail:
-                entry.tail = True
-                self._push(tail, entry)
+            elif not state & 1:
+                self._push(tail, _freq(state), _depth(state), True)
         self._open = key if parent is not None else None
         return True
 
@@ -184,47 +193,43 @@ class LFUDAPolicy:
         if parent is not None:
             known = self._entries.get(parent)
             if known is not None:
-                depth = known.depth + 1
+                depth = _depth(known) + 1
             elif parent == self._last[0]:  # evicted to make room for this very chunk
                 depth = self._last[1] + 1
         freq = self._ghost.pop(key_hash(key)) + 1
         self._clock += 1
-        entry = _Entry(freq, depth, 0)
-        if key == self._pending_tail:
-            entry.tail, self._pending_tail = True, None
-        self._entries[key] = entry
-        self._push(key, entry)
+        tail = key == self._pending_tail
+        if tail:
+            self._pending_tail = None
+        self._push(key, freq, depth, tail)
         self._last = (key, depth)
 
     def touched(self, key: ChunkKey) -> None:
-        entry = self._entries.get(key)
-        if entry is None:
+        state = self._entries.get(key)
+        if state is None:
             return
         self._clock += 1
-        entry.freq += 1
-        entry.tail = False  # read after all: an ordinary chunk again
         if key == self._open:
             self._open = None  # read before its put was known to be over: not a tail
-        self._push(key, entry)
+        self._push(key, _freq(state) + 1, _depth(state), False)  # read after all: not a tail
 
     def removed(self, key: ChunkKey) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is None:
+        state = self._entries.pop(key, None)
+        if state is None:
             return
         if key == self._named[0]:  # the victim left: L becomes its H (never going back)
             self._age = max(self._age, self._named[1])
             self._named = (None, 0)
         self._ghost.bound(max(self.min_ghost, self.ghost_factor * len(self._entries)))
-        self._ghost.add(key_hash(key), entry.freq)
+        self._ghost.add(key_hash(key), _freq(state))
 
     def victim(self, skip: Callable[[ChunkKey], bool]) -> ChunkKey | None:
         heap = self._heap
         skipped: list[tuple[int, ChunkKey]] = []
         found: ChunkKey | None = None
         while heap:
-            rank, key = heap[0]
-            entry = self._entries.get(key)
-            if entry is None or entry.rank != rank:
+            state, key = heap[0]
+            if self._entries.get(key) != state:
                 heapq.heappop(heap)  # stale: the chunk was touched again or removed
                 continue
             if skip(key):
@@ -232,14 +237,14 @@ class LFUDAPolicy:
                 continue
             found = key
             # L moves when the victim is removed, not now: the tier may keep it (a spill declined).
-            self._named = (found, rank >> _PRIORITY_SHIFT)
+            self._named = (found, state >> (_META + _PRIORITY_SHIFT))
             break
         for item in skipped:
             heapq.heappush(heap, item)
         return found
 
     def order(self) -> list[ChunkKey]:
-        return sorted(self._entries, key=lambda k: self._entries[k].rank)
+        return sorted(self._entries, key=self._entries.__getitem__)
 
     def holds(self, key: ChunkKey) -> bool:
         """Whether ``key`` is one of the chunks it orders."""
@@ -256,14 +261,22 @@ class LFUDAPolicy:
         return len(self._entries)
 
     # -- internals -----------------------------------------------------------------
-    def _push(self, key: ChunkKey, entry: _Entry) -> None:
+    def is_tail(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is ranked as a put tail (one access fewer)."""
+        return bool(self._entries.get(key, 0) & 1)
+
+    def _push(self, key: ChunkKey, freq: int, depth: int, tail: bool) -> None:
+        """Set the chunk's state and push its heap item (the old one goes stale)."""
         self._seq += 1
         # A put tail counts one access fewer: a new one ranks with the chunks at L.
-        priority = self._age + entry.freq - (1 if entry.tail else 0)
-        entry.rank = _rank(priority, self._clock - self.depth_penalty * entry.depth, self._seq)
-        heapq.heappush(self._heap, (entry.rank, key))
+        priority = self._age + freq - (1 if tail else 0)
+        rank = _rank(priority, self._clock - self.depth_penalty * depth, self._seq)
+        freq, depth = min(freq, _FREQ_MAX), min(depth, _DEPTH_MAX)
+        state = (rank << _META) | (depth << 33) | (freq << 1) | tail
+        self._entries[key] = state
+        heapq.heappush(self._heap, (state, key))
         if len(self._heap) > 2 * len(self._entries) + 64:
-            self._heap = [(e.rank, k) for k, e in self._entries.items()]
+            self._heap = [(v, k) for k, v in self._entries.items()]
             heapq.heapify(self._heap)
 
 
