@@ -26,8 +26,9 @@ Targets (issue #15): <= 600 B per entry; snapshot restart of 1M entries in
 <= 10 s; RSS <= pool touched + 150 MiB + metadata.
 
 Run under the shared lock: ``flock /tmp/lmcache-bench.lock python benchmarks/bench_scale.py
-[--entries 100000,1000000] [--policies adaptive,lfuda] [--churn 2] [--rebuild-entries 1000000]
-[--scan-entries 100000] [--daemon-chunks 200000] [--dir DIR] [--json PATH]]``
+[--entries 100000,1000000] [--policies adaptive,lfuda] [--churn 2] [--disk-entries 100000]
+[--rebuild-entries 1000000]
+[--scan-entries 100000] [--daemon-chunks 200000] [--metadata-bytes B] [--dir DIR] [--json PATH]]``
 """
 
 from __future__ import annotations
@@ -251,12 +252,19 @@ def verdict(ok: bool) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--entries", default="100000,1000000")
+    ap.add_argument("--entries", default="100000,1000000", help="memory tier sizes (chunks held)")
+    ap.add_argument("--disk-entries", default="100000", help="disk index sizes (besides --rebuild-entries)")
     ap.add_argument("--policies", default="adaptive,lfuda")
     ap.add_argument("--churn", type=float, default=2.0, help="chunks put per chunk held")
-    ap.add_argument("--rebuild-entries", type=int, default=1000000)
+    ap.add_argument("--rebuild-entries", type=int, default=1000000, help="0: no disk part")
     ap.add_argument("--scan-entries", type=int, default=100000)
     ap.add_argument("--daemon-chunks", type=int, default=200000)
+    ap.add_argument(
+        "--metadata-bytes",
+        type=float,
+        default=0.0,
+        help="metadata per chunk the RSS check allows (default: measured in this run, else the target)",
+    )
     ap.add_argument("--dir", type=Path, default=None, help="where the chunk files go (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -279,7 +287,9 @@ def main() -> int:
                 lines.append(f"{verdict(row['bytes_per_entry'] <= TARGET_BYTES_PER_ENTRY)} memory tier + {policy}"
                              f" at {n}: {row['bytes_per_entry']:.0f} B/entry"
                              f" ({row['bytes_per_entry'] / TARGET_BYTES_PER_ENTRY:.2f}x the 600 B target)")  # fmt: skip
-        disk_sizes = sorted({*sizes, args.rebuild_entries} - {0})
+        disk_sizes = sorted(({int(x) for x in args.disk_entries.split(",") if x} | {args.rebuild_entries}) - {0})
+        if not args.rebuild_entries:
+            disk_sizes = []
         root = base / "disk"
         written = 0
         snapshot_at: dict[int, float] = {}
@@ -314,8 +324,8 @@ def main() -> int:
                 lines.append(f"INFO scan rebuild of {args.rebuild_entries} entries: {scan * factor:.1f}s ({label};"
                              f" {scan / snapshot_at[n]:.1f}x the snapshot's time at {n})")  # fmt: skip
         if args.daemon_chunks:
-            per_entry = max([r["bytes_per_entry"] for r in rows if r["part"] == "memory" and r["policy"] == "adaptive"]
-                            or [TARGET_BYTES_PER_ENTRY])  # fmt: skip
+            measured = [r["bytes_per_entry"] for r in rows if r["part"] == "memory" and r["policy"] == "adaptive"]
+            per_entry = args.metadata_bytes or max(measured or [TARGET_BYTES_PER_ENTRY])
             print(f"daemon: 16 GiB pool, {args.daemon_chunks} chunks of 4 KiB ...", flush=True)
             d = daemon_rss(base, args.daemon_chunks, per_entry)
             rows.append(d)
