@@ -146,13 +146,12 @@ class LFUDAPolicy:
     Costs: ``admit`` O(log n) when it marks a tail (once per put), else
     O(1); ``inserted``, ``touched`` O(log n); ``removed`` O(1) amortised;
     ``victim`` O(log n) amortised (a binary heap with lazy deletion, rebuilt
-    when stale items outnumber live ones).  Memory, measured with tracemalloc
-    (CPython 3.11): 380 to 460 bytes per cached chunk (dict slot, entry with
-    its tail flag, its live heap item and at most one stale one; LRU: 75 to
-    105) plus about 140 bytes per remembered evicted key, 8 per cached chunk
-    by default: about 1.5 KB per cached chunk in all, nothing next to a chunk of
-    KV (a 512-token chunk of a 7B model is ~28 MiB).  The key objects are the
-    tier's own; the history keeps only their hashes.
+    when stale items outnumber live ones).  Memory: a chunk's state is one int
+    (rank, depth, frequency, tail flag), which is also its heap item's key, so
+    per cached chunk there is a dict slot, that int and its heap tuple (plus at
+    most one stale tuple); the history costs 6 bytes per remembered key
+    (:mod:`.history`), 8 per cached chunk by default.  The key objects are the
+    tier's own.  ``benchmarks/bench_scale.py`` measures it (docs/eviction.md).
     """
 
     name = "lfuda"
