@@ -265,6 +265,12 @@ def main() -> int:
         default=0.0,
         help="metadata per chunk the RSS check allows (default: measured in this run, else the target)",
     )
+    ap.add_argument(
+        "--files",
+        type=Path,
+        default=None,
+        help="keep the chunk files under this directory, one folder per size (reused by the next run)",
+    )
     ap.add_argument("--dir", type=Path, default=None, help="where the chunk files go (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -274,6 +280,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     lines: list[str] = []
     base = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=args.dir))
+    files = args.files if args.files is not None else base / "disk"
     try:
         for n in sizes:
             for policy in policies:
@@ -290,14 +297,14 @@ def main() -> int:
         disk_sizes = sorted(({int(x) for x in args.disk_entries.split(",") if x} | {args.rebuild_entries}) - {0})
         if not args.rebuild_entries:
             disk_sizes = []
-        root = base / "disk"
-        written = 0
         snapshot_at: dict[int, float] = {}
         for n in disk_sizes:
             print(f"disk index: writing chunk files up to {n} ...", flush=True)
             t0 = time.perf_counter()
-            _write_more(root, written, n)
-            written = n
+            root = files / str(n)
+            written = _written(root)
+            if n > written:
+                _write_more(root, written, n)
             print(f"  {n} files there ({time.perf_counter() - t0:.0f}s)", flush=True)
             row, seconds = disk_index(root, n, "lfuda")  # the disk tier's policy under adaptive too
             snapshot_at[n] = seconds
@@ -348,6 +355,15 @@ def main() -> int:
 def _write_more(root: Path, have: int, want: int) -> None:
     """Chunk files ``have``..``want`` (the first ``have`` are there already)."""
     write_chunk_files(root, want, NAMESPACE, payload_bytes=FILE_PAYLOAD, start=have)
+    (root / "written").write_text(str(want))
+
+
+def _written(root: Path) -> int:
+    """How many chunk files a run left in ``root`` (``--files``)."""
+    try:
+        return int((root / "written").read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 if __name__ == "__main__":
