@@ -66,8 +66,34 @@ def agreement(got: list[int], want: list[int]) -> float:
     return sum(x == y for x, y in zip(got, want)) / len(want)
 
 
+def kv_error(model_dir: Path, prompt: list[int], frames: list[Any], mode: str) -> float:
+    """rms(decoded frames - the K/V transformers computes for ``prompt``) / rms(K/V)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lmcache_client.codec import make_codec
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.inference_mode():
+        cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
+    codec = make_codec(CodecSpec.parse(mode), (LAYERS, 2, CHUNK, HEADS, DIM), torch.float32)
+    decoded = torch.cat([codec.decode_tensor(f) for f in frames], dim=2)  # (layers, 2, tokens, heads, dim)
+    n = decoded.shape[2]
+    ref = torch.stack(
+        [
+            torch.stack([layer.keys[0, :, :n].transpose(0, 1), layer.values[0, :, :n].transpose(0, 1)])
+            for layer in cache.layers
+        ]
+    )
+    return float((decoded - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_vllm_connector_with_each_codec(runs: dict[str, Any], mode: str) -> None:
+def test_vllm_connector_with_each_codec(
+    runs: dict[str, Any],
+    mode: str,
+    models: dict[str, Path],  # noqa: F811
+) -> None:
     reference = [p["tokens"] for p in runs["plain"]["prompts"]]
     a, b = runs["a"][mode], runs["b"][mode]
     assert [p["tokens"] for p in a["prompts"]] == reference, "A (computing, storing) differs from plain vLLM"
@@ -89,13 +115,19 @@ def test_vllm_connector_with_each_codec(runs: dict[str, Any], mode: str) -> None
     got = [p["tokens"] for p in b["prompts"]]
     scores = [agreement(g, r) for g, r in zip(got, reference)]
     print(f"vLLM {mode}: frames {sizes} of {layout.nbytes} raw bytes; token agreement with plain vLLM {scores}")
+    error = kv_error(models["llama"], p1, frames, mode)
+    print(f"vLLM {mode}: decoded KV vs the KV transformers computes: rms error / rms {error:.4g}")
     if mode == "lossless":
         assert got == reference, "B (loading losslessly decoded KV) differs from plain vLLM"
         assert all(s < layout.nbytes for s in sizes)
+        assert error <= 1e-3, error  # vLLM's and torch's fp32 kernels round differently; a misplaced value: ~1.4
     else:
-        # The test model has seeded random weights: its next-token logits are nearly flat,
-        # so greedy decoding diverges after the first difference (int8, 8 bits, measured:
-        # first tokens all equal, positional agreement 0.19, 0.69, 0.25).
+        # What vLLM stored is its KV, encoded: the decoded frames are within the codec's
+        # error of the KV transformers computes (measured 0.10 rms on this model's KV).
         assert all(s <= layout.nbytes // 3 for s in sizes), sizes
-        assert all(g[0] == r[0] for g, r in zip(got, reference)), "the first token after a lossy load differs"
-        assert sum(scores) / len(scores) >= 0.25, scores
+        assert error <= 0.2, error
+        # The test model has seeded random weights: its next-token logits are nearly flat,
+        # so a lossy load changes greedy tokens early (measured with cachegen at 4 bits:
+        # agreement 0.0, 0.06, 0.0, one first token equal of three; int8 at 8 bits: 0.19,
+        # 0.69, 0.25 and every first token equal).  A loose bound: better than chance.
+        assert any(g[0] == r[0] for g, r in zip(got, reference)), (got, reference)
