@@ -289,7 +289,8 @@ def main() -> int:
                 rows.append(row)
                 split = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["split"].items()))
                 print(f"memory tier + {policy} policy at {n}: {row['bytes_per_entry']:.0f} B/entry traced"
-                      f" ({split}), {row['rss_bytes_per_entry']:.0f} B/entry RSS, {row['us_per_put']:.1f} us/put",
+                      f" ({split}), {row['rss_bytes_per_entry']:.0f} B/entry RSS (with tracemalloc's own records),"
+                      f" {row['us_per_put']:.1f} us/put",
                       flush=True)  # fmt: skip
                 lines.append(f"{verdict(row['bytes_per_entry'] <= TARGET_BYTES_PER_ENTRY)} memory tier + {policy}"
                              f" at {n}: {row['bytes_per_entry']:.0f} B/entry"
@@ -312,7 +313,8 @@ def main() -> int:
             split = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["split"].items()))
             print(
                 f"disk index at {n}: {row['bytes_per_entry']:.0f} B/entry traced ({split}),"
-                f" {row['rss_bytes_per_entry']:.0f} B/entry RSS; restart from snapshot {seconds:.2f}s",
+                f" {row['rss_bytes_per_entry']:.0f} B/entry RSS (with tracemalloc's own records);"
+                f" restart from snapshot {seconds:.2f}s",
                 flush=True,
             )
             lines.append(f"{verdict(row['bytes_per_entry'] <= TARGET_BYTES_PER_ENTRY)} disk index + lfuda at {n}:"
