@@ -54,7 +54,7 @@ class CacheGenCodec(Codec):
     # encoder-only knobs (the frame stores the steps they produce)
     channel_weight = 0.5
     """0: one step per layer and K/V; 1: steps proportional to each channel's spread."""
-    layer_tilt = 1.0
+    layer_tilt = 2.0
     """log2 ratio of the last layer's step to the first's (> 0: finer steps early)."""
     k_weight = 1.0
     v_weight = 1.0
