@@ -384,3 +384,23 @@ def test_symbol_coding_round_trips_narrow_and_wide(peak: int) -> None:
     assert torch.equal(back.to(torch.int32), sym.reshape(-1))
     with pytest.raises(CodecError):
         entropy.decode_symbols(memoryview(body), sym.numel(), 3, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lossless_large_chunk_segments_decode_exactly(threads: int) -> None:
+    """From 1 Mi elements each byte plane is 4 zstd frames, decoded in parallel on torch's threads."""
+    shape = (4, 2, 256, 4, 129)  # 1,056,768 elements: segments of unequal size
+    codec = make_codec("lossless", shape, torch.bfloat16)
+    x = kv_like(shape)
+    frame = codec.encode(x)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = codec.decode_tensor(frame)
+    finally:
+        torch.set_num_threads(before)
+    assert same_bits(x, y)
+    bad = bytearray(frame)
+    bad[len(frame) // 2] ^= 0x10
+    with pytest.raises(CodecError):
+        codec.decode_tensor(bytes(bad))

@@ -69,8 +69,10 @@ def max_packed_bytes(sizes: list[int]) -> int:
     return _COUNT.size + len(sizes) * _ENTRY.size + sum(sizes)
 
 
-def unpack_planes(body: memoryview, sizes: list[int]) -> list[bytes | memoryview]:
-    """Inverse of :func:`pack_planes`; ``sizes`` are the decoded plane lengths the frame's shape implies."""
+def unpack_planes(body: memoryview, sizes: list[int]) -> list[Any]:
+    """Inverse of :func:`pack_planes`; ``sizes`` are the decoded plane lengths the frame's shape implies.
+
+    Returns bytes-likes; with torch threads > 1, several zstd planes decompress in parallel."""
     zstd = need_zstd()
     count = _COUNT.unpack_from(body, 0)[0] if len(body) >= _COUNT.size else 0
     if count != len(sizes):
@@ -82,21 +84,35 @@ def unpack_planes(body: memoryview, sizes: list[int]) -> list[bytes | memoryview
     pos += len(sizes) * _ENTRY.size
     if pos + sum(length for _, length in entries) != len(body):
         raise CodecError("encoded body's planes do not add up to its length")
-    out: list[bytes | memoryview] = []
-    dec = zstd.ZstdDecompressor()
-    for (method, length), size in zip(entries, sizes):
+    out: list[Any] = []
+    packed: list[tuple[int, memoryview, int]] = []  # (index, frame, decoded size)
+    for i, ((method, length), size) in enumerate(zip(entries, sizes)):
         data = body[pos : pos + length]
         pos += length
         if method == ZSTD:
-            try:
-                data = dec.decompress(data, max_output_size=size)
-            except zstd.ZstdError as err:
-                raise CodecError(f"encoded plane does not decompress: {err}") from err
+            packed.append((i, data, size))
         elif method != RAW:
             raise CodecError(f"encoded plane has unknown method {method}")
-        if len(data) != size:
-            raise CodecError(f"encoded plane decodes to {len(data)} bytes, expected {size}")
         out.append(data)
+    dec = zstd.ZstdDecompressor()
+    threads = torch.get_num_threads()
+    try:
+        if len(packed) > 1 and threads > 1:  # frames in parallel, on torch's thread count
+            decoded = dec.multi_decompress_to_buffer(
+                [f for _, f, _ in packed],
+                decompressed_sizes=struct.pack(f"<{len(packed)}Q", *(s for _, _, s in packed)),
+                threads=min(threads, len(packed)),
+            )
+            for k, (i, _, _) in enumerate(packed):
+                out[i] = decoded[k]
+        else:
+            for i, f, size in packed:
+                out[i] = dec.decompress(f, max_output_size=size)
+    except zstd.ZstdError as err:
+        raise CodecError(f"encoded plane does not decompress: {err}") from err
+    for data, size in zip(out, sizes):
+        if len(memoryview(data)) != size:
+            raise CodecError(f"encoded plane decodes to {len(memoryview(data))} bytes, expected {size}")
     return out
 
 
