@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -111,7 +112,7 @@ def worker_stream(spec: dict[str, Any]) -> dict[str, Any]:
 
     counter = 0
     put(_keys(spec["id"] + 1, BATCH, counter))  # connect and warm up before the start
-    _sleep_until(spec["start_at"])
+    spec["start_at"] = _ready_then_start()
     deadline = spec["start_at"] + spec["duration_s"]
     while time.time() < deadline:
         counter += BATCH
@@ -137,7 +138,7 @@ def worker_probe(spec: dict[str, Any]) -> dict[str, Any]:
     lookup_keys = _keys(998, LOOKUP_KEYS, 0)
     lookups: list[float] = []
     gets: list[float] = []
-    _sleep_until(spec["start_at"])
+    spec["start_at"] = _ready_then_start()
     deadline = spec["start_at"] + spec["duration_s"]
     out = [memoryview(bytearray(MIB))]
     while time.time() < deadline:
@@ -153,10 +154,14 @@ def worker_probe(spec: dict[str, Any]) -> dict[str, Any]:
     return {"lookup_s": lookups, "get_s": gets}
 
 
-def _sleep_until(at: float) -> None:
-    delay = at - time.time()
+def _ready_then_start() -> float:
+    """Tell the parent this worker is connected, wait for the common start time, sleep until it."""
+    print("ready", flush=True)
+    start_at = float(sys.stdin.readline())
+    delay = start_at - time.time()
     if delay > 0:
         time.sleep(delay)
+    return start_at
 
 
 def worker_main(spec_json: str) -> int:
@@ -167,20 +172,30 @@ def worker_main(spec_json: str) -> int:
 
 
 # -- the run ---------------------------------------------------------------------------------
-def run_workers(specs: Sequence[dict[str, Any]], warmup_s: float) -> list[dict[str, Any]]:
-    """Start one process per spec, all timed from the same instant; their results."""
-    start_at = time.time() + warmup_s
-    procs = []
-    for spec in specs:
-        spec = {**spec, "start_at": start_at}
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", json.dumps(spec)], stdout=subprocess.PIPE, text=True
-            )
+def run_workers(specs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One process per spec; once every one has connected and warmed up, all are
+    started at the same instant.  Their results, in order."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
+        for spec in specs
+    ]
+    for proc, spec in zip(procs, specs):
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"worker {spec} failed before it was ready (exit code {proc.wait()})")
+    start_at = time.time() + 0.2
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{start_at}\n")
+        proc.stdin.flush()
     results = []
     for proc, spec in zip(procs, specs):
-        out, _ = proc.communicate(timeout=warmup_s + spec["duration_s"] + 120)
+        out, _ = proc.communicate(timeout=spec["duration_s"] + 120)
         if proc.returncode != 0:
             raise RuntimeError(f"worker {spec} exited with {proc.returncode}")
         results.append(json.loads(out.strip().splitlines()[-1]))
@@ -291,19 +306,21 @@ class Bench:
         for n in a.clients:
             self.progress(f"  {n} client(s): echo server ...")
             base = {"role": "stream", "chunk_bytes": size, "duration_s": a.duration}
-            echo = run_workers([{**base, "id": i, "target": "echo", "endpoint": self.echo_ep} for i in range(n)], 2.0)
+            echo = run_workers([{**base, "id": i, "target": "echo", "endpoint": self.echo_ep} for i in range(n)])
             self.progress(f"  {n} client(s): daemon ...")
             specs = [
                 {**base, "id": i, "target": "daemon", "endpoint": self.daemon_ep, "shm": i % 2 == 1} for i in range(n)
             ]
             cpu0 = cpu_seconds(self.daemon.proc.pid)
-            got = run_workers(specs, 2.0)
+            got = run_workers(specs)
             cpu1 = cpu_seconds(self.daemon.proc.pid)
             echo_total = sum(r["bytes"] / r["elapsed_s"] for r in echo) / MIB
             rates = [r["bytes"] / r["elapsed_s"] / MIB for r in got]
             total = sum(rates)
             frames = [r for r, s in zip(rates, specs) if not s["shm"]]
             shm = [r for r, s in zip(rates, specs) if s["shm"]]
+            if not total or not echo_total:
+                raise RuntimeError(f"{n} clients moved nothing (echo {echo_total:.0f}, daemon {total:.0f} MiB/s)")
             single = single or total
             moved_gib = sum(r["bytes"] for r in got) / 1024**3
             cpu = (cpu1 - cpu0) / moved_gib if moved_gib else 0.0
@@ -324,14 +341,14 @@ class Bench:
               f"half on shared memory), {a.duration:g} s each")  # fmt: skip
         probe = {"role": "probe", "id": 900, "endpoint": self.daemon_ep, "duration_s": a.duration}
         self.progress("  idle daemon ...")
-        idle = run_workers([probe], 2.0)[0]
+        idle = run_workers([probe])[0]
         streamers = [
             {"role": "stream", "id": 500 + i, "target": "daemon", "endpoint": self.daemon_ep, "shm": i % 2 == 1,
              "chunk_bytes": 8 * MIB, "duration_s": a.duration + 1.0, "puts_only": True}
             for i in range(a.streamers)
         ]  # fmt: skip
         self.progress("  loaded daemon ...")
-        loaded = run_workers([probe, *streamers], 2.0)[0]
+        loaded = run_workers([probe, *streamers])[0]
         print(f"{'request':>14s} {'idle p50':>9s} {'idle p99':>9s} {'load p50':>9s} {'load p99':>9s} {'p99 ratio':>9s}")
         for name, field in (("lookup 64 keys", "lookup_s"), ("get 1 MiB shm", "get_s")):
             i50, i99 = pct(idle[field], 0.5) * 1e3, pct(idle[field], 0.99) * 1e3
@@ -374,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.clients = [int(x) for x in args.clients.split(",")]
     parts = {int(x) for x in args.parts.split(",")}
     raise_on_sigterm()
+    logging.getLogger("lmcache_client").setLevel(logging.ERROR)  # pings before the daemon is up are expected
     t0 = time.monotonic()
     with workspace("lmcache-bench-clients-") as (procs, workdir):
         bench = Bench(args, procs, workdir)

@@ -39,6 +39,9 @@ class FailingTier:
     def peek(self, key: ChunkKey) -> bool:
         return False
 
+    def peek_many(self, keys: list[ChunkKey]) -> list[bool]:
+        return [False] * len(keys)
+
     def enqueue(self, key: ChunkKey, data: Any, release: Any = None) -> bool:
         if release is not None:
             release()
@@ -66,6 +69,9 @@ class SlowDisk:
 
     def peek(self, key: ChunkKey) -> bool:
         return True
+
+    def peek_many(self, keys: list[ChunkKey]) -> list[bool]:
+        return [True] * len(keys)
 
     def _read(self, out: memoryview) -> None:
         self.started.set()

@@ -103,6 +103,10 @@ class Tier(Protocol):
         """Whether ``key`` is stored, without touching recency or hit counters."""
         ...
 
+    def peek_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """:meth:`peek` of every key (one call per lookup, not per key)."""
+        ...
+
     def stats(self) -> dict[str, Any]: ...
 
     def keys(self) -> Sequence[ChunkKey]:

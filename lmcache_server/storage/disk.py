@@ -235,6 +235,10 @@ class DiskTier:
     def peek(self, key: ChunkKey) -> bool:
         return key in self._index or key in self.spills
 
+    def peek_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        index, spills = self._index, self.spills
+        return [key in index or key in spills for key in keys]
+
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [self.peek(k) for k in keys]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from lmcache_client.protocol import PutStatus
 
@@ -44,6 +44,10 @@ class Filling:
 
     def __contains__(self, key: ChunkKey) -> bool:
         return key in self._keys
+
+    def peek_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        filling = self._keys
+        return [key in filling for key in keys]
 
     def __bool__(self) -> bool:
         """Whether any fill is running."""

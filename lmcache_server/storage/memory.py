@@ -180,6 +180,10 @@ class MemoryTier:
         """Whether ``key`` is stored, without touching recency or counters."""
         return key in self._index
 
+    def peek_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        index = self._index
+        return [key in index for key in keys]
+
     # -- writes --------------------------------------------------------------------
     async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
         """Store ``data`` under ``key``; ``parent`` is the chunk before it in its

@@ -335,6 +335,9 @@ class RedisTier:
     def peek(self, key: ChunkKey) -> bool:
         return False  # Redis cannot be asked synchronously: see exists_many
 
+    def peek_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [False] * len(keys)
+
     async def exists_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """One round trip for many keys; all False while the uplink is down."""
         if not keys or not self.up:

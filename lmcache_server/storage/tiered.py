@@ -298,17 +298,18 @@ class TieredStore:
 
     async def _locate(self, namespace: str, digests: Sequence[bytes]) -> list[str | None]:
         keys = [ChunkKey(namespace, d) for d in digests]
-        # _where inlined: a lookup asks for up to max_keys_per_request keys at a time
-        filling, memory, local = self.filling, self.memory.name, [(t.peek, t.name) for t in self.tiers]
-        tiers: list[str | None] = []
-        for key in keys:
-            where = memory if key in filling else None
-            if where is None:
-                for peek, name in local:
-                    if peek(key):
-                        where = name
-                        break
-            tiers.append(where)
+        # One membership pass per tier over the keys still unplaced (a lookup asks
+        # for up to max_keys_per_request keys at a time), not a call per key and tier.
+        memory = self.memory.name
+        tiers: list[str | None] = [memory if f else None for f in self.filling.peek_many(keys)]
+        for tier in self.tiers:
+            missing = [i for i, t in enumerate(tiers) if t is None]
+            if not missing:
+                break
+            found = tier.peek_many(keys if len(missing) == len(keys) else [keys[i] for i in missing])
+            for i, hit in zip(missing, found):
+                if hit:
+                    tiers[i] = tier.name
         if self.remote is not None:
             # One round trip for every key no local tier holds.
             missing = [i for i, t in enumerate(tiers) if t is None]
