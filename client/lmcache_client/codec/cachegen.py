@@ -173,7 +173,7 @@ class CacheGenCodec(Codec):
         step, anchored = signed.abs(), signed > 0
         if not bool(torch.isfinite(side).all()) or not bool((step > 0).all()):
             raise CodecError("cachegen body has invalid steps")
-        sym = decode_symbols(body[side_bytes:], self._elements(tokens), 2 * layers, device)
+        sym, offset = decode_symbols(body[side_bytes:], self._elements(tokens), 2 * layers, device)
         sym = sym.view(layers, 2, tokens, heads, dim)
         a = self.anchor
         groups = -(-tokens // a)
@@ -183,7 +183,9 @@ class CacheGenCodec(Codec):
         # (layers, 2, groups, anchor, heads, dim): the prediction is one row per group, broadcast
         sym = sym.view(layers, 2, groups, a, heads, dim)
         step, mean, anchored = step[:, :, None], mean[:, :, None], anchored[:, :, None]
-        anchors = torch.addcmul(mean, sym[:, :, :, :1].float(), step / ANCHOR_RATIO)
-        x = torch.addcmul(torch.where(anchored, anchors, mean), sym.float(), step)
+        fine = step / ANCHOR_RATIO
+        anchors = torch.addcmul(mean - offset * fine, sym[:, :, :, :1], fine)
+        # symbols are stored + offset: the offset goes into the (small) per-group prediction row
+        x = torch.addcmul(torch.where(anchored, anchors, mean) - offset * step, sym, step)
         x[:, :, :, :1] = torch.where(anchored, anchors, x[:, :, :, :1])
         return x.view(layers, 2, groups * a, heads, dim)[:, :, :tokens]

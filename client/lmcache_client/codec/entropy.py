@@ -1,9 +1,9 @@
 """Entropy coding of quantized symbols for the ``cachegen`` mode.
 
-Symbols are small signed integers (int32 tensors).  They are zigzag-mapped
-(0, -1, 1, -2, ... -> 0, 1, 2, 3, ...); when every mapped symbol fits a byte
-(the usual case) they are one byte plane, else a low and a high plane (the
-high one almost all zero); the planes are compressed with zstd
+Symbols are small signed integers (int32 tensors).  When all are in
+-128..127 (the usual case) they are stored as ``s + 128``, one byte plane;
+else zigzag-mapped (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...) as a low and a high
+plane (the high one almost all zero).  The planes are compressed with zstd
 (:mod:`.planes`), whose Huffman stage codes each 128 KiB block near its
 order-0 entropy.  :func:`entropy_bits` estimates that cost from histograms,
 for rate control.
@@ -45,15 +45,22 @@ def entropy_bits(symbols: torch.Tensor, groups: int) -> float:
     return float(bits)
 
 
+NARROW_OFFSET = 128
+"""Narrow symbols (all in -128..127) are stored as ``s + 128`` bytes: decoding folds the offset
+into its one multiply-add, with no per-element integer work."""
+
+
 def encode_symbols(symbols: torch.Tensor, groups: int) -> bytes:
     """Symbols (int32, |s| <= MAX_SYMBOL, leading dim split into ``groups`` equal segments) ->
-    a planes container: one byte plane per segment, or a low and a high plane per segment when
-    some symbol needs more than 8 bits.  Each segment (one layer's K or V) is its own zstd frame,
-    so Huffman tables follow that segment's distribution."""
-    z = zigzag(symbols.reshape(groups, -1))
-    if int(z.max()) < 256:
-        planes = list(z.to(torch.uint8).cpu())
+    a planes container: one byte plane per segment (``s + 128``) when every symbol is in
+    -128..127, else a low and a high plane per segment of the zigzag-mapped symbols.  Each
+    segment (one layer's K or V) is its own zstd frame, so Huffman tables follow that
+    segment's distribution."""
+    s = symbols.reshape(groups, -1)
+    if int(s.min()) >= -NARROW_OFFSET and int(s.max()) < NARROW_OFFSET:
+        planes = list((s + NARROW_OFFSET).to(torch.uint8).cpu())
     else:
+        z = zigzag(s)
         planes = list((z & 0xFF).to(torch.uint8).cpu()) + list((z >> 8).to(torch.uint8).cpu())
     return pack_planes(planes, always=tuple(range(len(planes))), comp=symbol_compressor())
 
@@ -63,18 +70,21 @@ def max_symbol_bytes(count: int, groups: int) -> int:
     return max_packed_bytes([count // groups] * (2 * groups))
 
 
-def decode_symbols(body: memoryview, count: int, groups: int, device: torch.device) -> torch.Tensor:
-    """Inverse of :func:`encode_symbols`: ``count`` int16 or int32 symbols on ``device``."""
+def decode_symbols(body: memoryview, count: int, groups: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Inverse of :func:`encode_symbols`: (``count`` stored symbols on ``device``, offset), the
+    symbols being ``stored - offset``: uint8 with offset 128 (narrow) or int32 with offset 0."""
     planes_n = plane_count(body)
     if planes_n not in (groups, 2 * groups):
         raise CodecError(f"cachegen symbols have {planes_n} planes, expected {groups} or {2 * groups}")
     seg = count // groups
     planes = unpack_planes(body, [seg] * planes_n)
-    wide = planes_n == 2 * groups
-    # int16 is enough for one plane per segment (the usual case) and half the memory traffic
-    z = torch.empty(groups, seg, dtype=torch.int32 if wide else torch.int16)
+    if planes_n == groups:
+        z = torch.empty(groups, seg, dtype=torch.uint8)
+        for g in range(groups):
+            z[g] = bytes_tensor(planes[g])
+        return z.reshape(-1).to(device), NARROW_OFFSET
+    w = torch.empty(groups, seg, dtype=torch.int32)
     for g in range(groups):
-        z[g] = bytes_tensor(planes[g])  # the widening copy
-        if wide:
-            z[g] |= bytes_tensor(planes[groups + g]).to(torch.int32) << 8
-    return unzigzag(z.reshape(-1).to(device))
+        w[g] = bytes_tensor(planes[g])
+        w[g] |= bytes_tensor(planes[groups + g]).to(torch.int32) << 8
+    return unzigzag(w.reshape(-1)).to(device), 0
