@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 ZERO_COPY_THRESHOLD = 64 * 1024
 """Payloads smaller than this are copied into the reply (cheaper than tracking them)."""
 MAX_CONCURRENT_REQUESTS = 4096
+RECV_BURST = 64
+"""Requests dispatched back to back before the receive loop lets their handlers run."""
 HARD_FRAME_LIMIT_FACTOR = 2
 """libzmq drops the connection of a peer sending one frame larger than this
 many times max_message_size (it must not even allocate it); frames between
@@ -119,6 +121,8 @@ class ZmqServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._outgoing: list[_Outgoing] = []
         self._sweeper: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._wake_loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle -----------------------------------------------------------------
     def bind(self) -> None:
@@ -151,8 +155,21 @@ class ZmqServer:
         assert self.sock is not None, "bind() first"
         if self._sweeper is None:
             self._sweeper = self.supervisor.spawn("reply_sweeper", self._sweep_loop)
+        rx = self._rx
+        assert rx is not None
+        wake = self._readable()
+        burst = 0
         while True:
-            first = await self.sock.recv(copy=False)
+            try:
+                first = rx.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                wake.clear()
+                # Reading EVENTS also re-arms ZeroMQ's (edge-triggered) fd: sleep only
+                # when nothing is queued, else a message would wait for the next one.
+                if not _events(rx) & zmq.POLLIN:
+                    await wake.wait()
+                burst = 0
+                continue
             frames, dropped = self._receive_rest(first)
             try:
                 self._dispatch(frames, dropped)
@@ -160,6 +177,19 @@ class ZmqServer:
                 # A bug (an accounting assert, say) costs this request, not the daemon.
                 self.supervisor.failed("dispatch", err)
                 self._reply_internal(frames)
+            burst += 1
+            if burst >= RECV_BURST:  # let the handlers of a long burst run
+                burst = 0
+                await asyncio.sleep(0)
+
+    def _readable(self) -> asyncio.Event:
+        """Set by the event loop whenever the socket's fd signals; installed once."""
+        if self._wake is None:
+            assert self._rx is not None
+            self._wake = asyncio.Event()
+            self._wake_loop = asyncio.get_running_loop()
+            self._wake_loop.add_reader(cast(int, self._rx.getsockopt(zmq.FD)), self._wake.set)
+        return self._wake
 
     def _receive_rest(self, first: zmq.Frame) -> tuple[list[zmq.Frame], int]:
         """The other parts of the message ``first`` began (ZeroMQ delivers all of
@@ -198,6 +228,9 @@ class ZmqServer:
     def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._wake_loop is not None and self._rx is not None:
+            self._wake_loop.remove_reader(cast(int, self._rx.getsockopt(zmq.FD)))
+            self._wake_loop = None
         self._rx = None  # a shadow: closing self.sock closes it
         if self.sock is not None:
             self.sock.close(linger=0)
@@ -405,22 +438,21 @@ class ZmqServer:
         self.metrics.observe(op, code.name, time.perf_counter() - started)
 
     def _send(self, frames: list[Any]) -> None:
-        if self.sock is None:
+        rx = self._rx
+        if rx is None:
             return
         # ROUTER sends never block: a peer over its high-water mark loses the
-        # reply (clients keep fewer than zmq_hwm requests outstanding).  The
-        # send goes through the asyncio socket (not a shadow) so that it
-        # re-checks for queued incoming messages: ZeroMQ's fd is edge-triggered.
-        sent: Any = self.sock.send_multipart(frames, copy=False)
-        if sent.done():
-            self._log_send_error(sent)
-        else:
-            sent.add_done_callback(self._log_send_error)
-
-    @staticmethod
-    def _log_send_error(sent: Any) -> None:
-        if not sent.cancelled() and sent.exception() is not None:
-            logger.warning("could not send a reply: %s", sent.exception())
+        # reply (clients keep fewer than zmq_hwm requests outstanding).  A plain
+        # non-blocking send (zmq.asyncio's future machinery cost more than the
+        # send); ZeroMQ's fd is edge-triggered and a send may consume the signal
+        # of a request that arrived meanwhile, so the receive loop is woken when
+        # one is queued.
+        try:
+            rx.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as err:
+            logger.warning("could not send a reply: %s", err)
+        if self._wake is not None and _events(rx) & zmq.POLLIN:
+            self._wake.set()
 
     # -- leases of zero-copy replies -----------------------------------------------
     def _finish(self, out: _Outgoing) -> None:
@@ -452,6 +484,11 @@ class ZmqServer:
         self._outgoing = pending
         if failed is not None:
             raise failed
+
+
+def _events(sock: zmq.Socket[Any]) -> int:
+    """ZMQ_EVENTS of ``sock`` (reading it also processes ZeroMQ's pending commands)."""
+    return cast(int, sock.getsockopt(zmq.EVENTS))
 
 
 def _user_id(frame: zmq.Frame) -> str | None:
