@@ -36,8 +36,10 @@ def test_eviction_spills_to_disk_and_hits_promote(disk_daemon) -> None:  # type:
         # Every chunk reads back right, from whichever tier holds it.
         assert [bytes(g) for g in c.get(keys)] == data
         stats = disk_stats(c)
-        # A batch get leases what it promotes until sent: at most a poolful (8) is promoted.
-        assert stats["hits"] >= 16 and stats["promotions"] >= 8
+        # A batch get leases its memory hits first, then promotes disk hits into the
+        # room left (the rest are served from copies); it leases what it promotes
+        # until sent, so the pool never holds more than its size.
+        assert stats["hits"] >= 16 and stats["promotions"] >= 1
         assert c.stats()["tiers"]["memory"]["allocated_bytes"] <= 8 * MiB
 
 
