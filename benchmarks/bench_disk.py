@@ -195,8 +195,10 @@ def redis_batch_round(workdir: Path, redis_binary: str, size: int, rounds: int) 
                                        "--appendonly", "no", "--dir", str(workdir)])  # fmt: skip
         r = redis_client(port)
         wait_until(lambda: _redis_up(r), 30, "redis-server", server.check_alive)
-        settings = {"remote_url": f"redis://127.0.0.1:{port}", "max_remote_queue_size": f"{4 * BATCH * size}B",
-                    "max_local_cpu_size": f"{4 * BATCH * size + 64 * MIB}B", "warm_restart": "false"}  # fmt: skip
+        settings: dict[str, object] = {
+            "remote_url": f"redis://127.0.0.1:{port}", "max_remote_queue_size": f"{4 * BATCH * size}B",
+            "max_local_cpu_size": f"{4 * BATCH * size + 64 * MIB}B", "warm_restart": "false",
+        }  # fmt: skip
         keys = [os.urandom(32) for _ in range(2 * BATCH * rounds)]
         payload = os.urandom(size)
         writer = free_port()

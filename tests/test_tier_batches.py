@@ -24,7 +24,7 @@ from lmcache_client.protocol import PutStatus
 from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
 from lmcache_server.storage import disk as disk_module
 from lmcache_server.storage.disk import DiskTier
-from lmcache_server.storage.diskfiles import path_for
+from lmcache_server.storage.diskfiles import path_for, read_record
 from lmcache_server.storage.remote import RedisTier
 
 from .conftest import RedisServer
@@ -49,7 +49,7 @@ class ReadsInFlight:
     one after another are seen so too (each then waits in vain)."""
 
     def __init__(self, wait_s: float = 2.0, fail_for: set[str] | None = None):
-        self.real = disk_module.read_record
+        self.real = read_record
         self.wait_s = wait_s
         self.fail_for = fail_for or set()
         self.now = self.most = self.reads = 0
@@ -279,7 +279,7 @@ def test_damaged_redis_values_in_a_batch_are_misses(redis_server: RedisServer) -
         remote, digests = await redis_holding(redis_server.url, data)
         r = redis.Redis(port=redis_server.port)
         damaged = remote.redis_key(ChunkKey(NS, digests[2]))
-        value = bytearray(r.get(damaged) or b"")
+        value = bytearray(bytes(r.get(damaged)))  # type: ignore[arg-type]
         value[-1] ^= 0xFF
         r.set(damaged, bytes(value))
         r.set(remote.redis_key(ChunkKey(NS, digests[3])), b"not a record")
