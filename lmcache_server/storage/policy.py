@@ -195,7 +195,7 @@ class LFUDAPolicy:
                 depth = _depth(known) + 1
             elif parent == self._last[0]:  # evicted to make room for this very chunk
                 depth = self._last[1] + 1
-        freq = self._ghost.pop(key_hash(key)) + 1
+        freq = (self._ghost.pop(key_hash(key)) if len(self._ghost) else 0) + 1  # no hash while empty: a rebuild
         self._clock += 1
         tail = key == self._pending_tail
         if tail:
