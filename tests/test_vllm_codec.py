@@ -123,7 +123,7 @@ def test_vllm_connector_with_each_codec(
         assert error <= 1e-3, error  # vLLM's and torch's fp32 kernels round differently; a misplaced value: ~1.4
     else:
         # What vLLM stored is its KV, encoded: the decoded frames are within the codec's
-        # error of the KV transformers computes (measured 0.10 rms on this model's KV).
+        # error of the KV transformers computes (measured 0.10-0.12 rms on this model's KV).
         assert all(s <= layout.nbytes // 3 for s in sizes), sizes
         assert error <= 0.2, error
         # The test model has seeded random weights: its next-token logits are nearly flat,
