@@ -100,14 +100,34 @@ def _split(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot) -> dict[st
     return parts
 
 
+class Traced:
+    """Python memory allocated (tracemalloc, split by file group) and RSS grown
+    between :meth:`start` and :meth:`stop`."""
+
+    def start(self) -> None:
+        gc.collect()
+        self.rss0 = rss_bytes()
+        tracemalloc.start(1)
+        self.before = tracemalloc.take_snapshot()
+        self.used0 = tracemalloc.get_traced_memory()[0]
+
+    def stop(self) -> tuple[int, int, dict[str, int]]:
+        """(bytes allocated, RSS growth, bytes per file group)."""
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - self.used0
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        parts = _split(self.before, after)
+        del self.before, after
+        gc.collect()
+        return used, rss_bytes() - self.rss0, parts
+
+
 def fill_memory(n: int, policy_name: str, churn: float) -> dict[str, Any]:
     """A memory tier holding ``n`` chunks after ``churn`` x n chunks were put; bytes per chunk."""
     pool = MemoryPool(n * PAGE, pin_memory="off", shm_dir=None)
-    gc.collect()
-    rss0 = rss_bytes()
-    tracemalloc.start(1)
-    before = tracemalloc.take_snapshot()
-    used0 = tracemalloc.get_traced_memory()[0]
+    traced = Traced()
+    traced.start()
     tier = MemoryTier(pool, 0, make_policy(policy_name, pool.size, PAGE))
     total = int(churn * n)
     started = time.perf_counter()
@@ -133,14 +153,7 @@ def fill_memory(n: int, policy_name: str, churn: float) -> dict[str, Any]:
             print(f"  {policy_name} n={n}: {put}/{total} chunks put, {tier.chunks} held"
                   f" ({time.perf_counter() - started:.0f}s)", flush=True)  # fmt: skip
     seconds = time.perf_counter() - started
-    gc.collect()
-    used = tracemalloc.get_traced_memory()[0] - used0
-    after = tracemalloc.take_snapshot()
-    tracemalloc.stop()
-    parts = _split(before, after)
-    del before, after
-    gc.collect()
-    rss = rss_bytes() - rss0
+    used, rss, parts = traced.stop()
     held = tier.chunks
     row = {
         "part": "memory", "policy": policy_name, "entries": held, "puts": total,
@@ -184,20 +197,10 @@ def disk_index(root: Path, n: int, policy_name: str) -> tuple[dict[str, Any], fl
         seconds = float(timed.counters.rebuild_seconds)
         await timed.close()  # writes the snapshot again
         del timed
-        gc.collect()
-        rss0 = rss_bytes()
-        tracemalloc.start(1)
-        before = tracemalloc.take_snapshot()
-        used0 = tracemalloc.get_traced_memory()[0]
+        traced = Traced()
+        traced.start()
         tier = await _open_disk(root, policy_name)
-        gc.collect()
-        used = tracemalloc.get_traced_memory()[0] - used0
-        after = tracemalloc.take_snapshot()
-        tracemalloc.stop()
-        parts = _split(before, after)
-        del before, after
-        gc.collect()
-        rss = rss_bytes() - rss0
+        used, rss, parts = traced.stop()
         assert tier.counters.rebuilt_from_snapshot == 1 and tier.stats()["chunks"] == n
         await tier.close()
         row = {
