@@ -256,6 +256,25 @@ def test_no_daemon_no_codec_yet_every_op_a_miss(unreachable_client: CacheClient)
     assert t.binding() is None  # asked again once the daemon answers
 
 
+def test_a_daemon_started_after_the_engine_binds_its_codec(daemon_factory: Callable[..., Daemon]) -> None:
+    """The first ops find no daemon: the breaker opens and nothing is bound.  The
+    binding's own probe (a data op) lets the breaker find the daemon once it is
+    up; a hello then binds the codec (real vLLM servers start before the daemon)."""
+    daemon = daemon_factory(kv_codec="lossless")
+    daemon.stop()
+    layout = ChunkLayout(2, 2, 64, CHUNK, "float32")
+    with CacheClient(daemon.address, timeout_s=0.3, backoff_s=0.2, max_backoff_s=0.4) as client:
+        t = ChunkTransfer(client, layout.namespace("late"), layout.nbytes, codec_layout=layout)
+        key, payload = os.urandom(32), torch.randn(layout.shape).numpy().tobytes()
+        assert t.put([key], [payload]) == 0 and t.binding() is None
+        daemon.start()
+        wait_for(lambda: t.put([key], [payload]) == 1, 20)
+        binding = t.binding()
+        assert binding is not None and binding.coded is not None and "codec=lossless" in t.namespace
+        got: list[bytes] = []
+        assert t.get_prefix_with([key], lambda _, view: got.append(bytes(view))) == 1 and got == [payload]
+
+
 @pytest.mark.parametrize("mode", ["lossless", "int8"])
 def test_sglang_backend_with_a_codec(daemons: dict[str, Daemon], mode: str, caplog: pytest.LogCaptureFixture) -> None:
     """SGLang's host pages: lossless encodes them as they are; a lossy codec is refused

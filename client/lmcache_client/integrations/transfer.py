@@ -119,7 +119,16 @@ class ChunkTransfer:
         daemon cannot be asked: every op is then a miss)."""
         if self._binding is None and self._codec_args is not None:
             if self.client.fail_open_stats.get("down"):
-                return None  # never a hello past the open breaker
+                # Never a hello past the open breaker (it would wait out timeout_s), but
+                # a data op, so that the breaker probes the daemon once its back-off is
+                # over: while nothing is bound no other op reaches the client, and the
+                # breaker would stay open for good.  Zero keys: nothing is looked up.
+                try:
+                    self.client.lookup([], namespace=self.raw_namespace)
+                except ClientError:
+                    return None
+                if self.client.fail_open_stats.get("down"):
+                    return None
             try:
                 hello = self.client.hello()
             except ClientError as err:
