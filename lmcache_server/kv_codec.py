@@ -16,10 +16,7 @@ Primitives: :data:`CODEC_MODES`, :func:`parse_codec`, :func:`parse_codec_params`
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 CODEC_MODES = ("none", "lossless", "int8", "cachegen")
@@ -52,28 +49,6 @@ def parse_codec_params(value: Any) -> CodecParams:
     return tuple(sorted(out))
 
 
-_SPEC_MODULE = "lmcache_client.codec.spec"
-
-
-def _spec_class() -> Any:
-    """``lmcache_client.codec.spec.CodecSpec`` without running ``lmcache_client.codec``'s
-    ``__init__``, which imports torch (the daemon is installed without it): spec.py
-    imports nothing of ours, so it is loaded on its own, under its own name, and a
-    later ``import lmcache_client.codec`` in the same process reuses it."""
-    module = sys.modules.get(_SPEC_MODULE)
-    if module is None:
-        found = importlib.util.find_spec("lmcache_client")
-        assert found is not None and found.origin is not None
-        loader_spec = importlib.util.spec_from_file_location(
-            _SPEC_MODULE, Path(found.origin).parent / "codec" / "spec.py"
-        )
-        assert loader_spec is not None and loader_spec.loader is not None
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[_SPEC_MODULE] = module
-        loader_spec.loader.exec_module(module)
-    return module.CodecSpec
-
-
 class CodecSettingError(ValueError):
     """A refused codec setting: ``key`` names the config key, ``expected`` what it needs."""
 
@@ -89,7 +64,8 @@ def resolve_codec(kv_codec: str | None, params: CodecParams, remote_serde: str) 
     Raises :class:`CodecSettingError` for an unknown parameter or value, for
     ``kv_codec_params`` without ``kv_codec``, and for a ``kv_codec`` that
     contradicts ``remote_serde: cachegen``."""
-    CodecSpec = _spec_class()  # noqa: N806 - a class
+    from lmcache_client.codec.spec import CodecSpec  # no torch: the daemon is installed without it
+
     if kv_codec is None:
         if params:
             raise CodecSettingError("kv_codec_params", "unset unless kv_codec is set")

@@ -13,13 +13,25 @@ Primitives: :class:`CodecSpec`, :func:`make_codec`, :class:`Codec`,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .base import Codec, NoneCodec
 from .frame import CodecError
 from .spec import FORMAT_VERSION, MODES, CodecSpec
 
+if TYPE_CHECKING:
+    from .base import Codec
+
 __all__ = ["FORMAT_VERSION", "MODES", "Codec", "CodecError", "CodecSpec", "make_codec"]
+
+
+def __getattr__(name: str) -> Any:
+    """``Codec`` on first use: the codecs need torch, the spec (what the daemon
+    validates its ``kv_codec`` setting with, installed without torch) does not."""
+    if name == "Codec":
+        from .base import Codec
+
+        return Codec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_codec(spec: CodecSpec | str, shape: tuple[int, int, int, int, int], dtype: Any) -> Codec:
@@ -27,6 +39,8 @@ def make_codec(spec: CodecSpec | str, shape: tuple[int, int, int, int, int], dty
     if isinstance(spec, str):
         spec = CodecSpec.parse(spec)
     if spec.mode == "none":
+        from .base import NoneCodec
+
         return NoneCodec(spec, shape, dtype)
     if spec.mode == "lossless":
         from .lossless import LosslessCodec
