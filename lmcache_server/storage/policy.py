@@ -30,6 +30,7 @@ over the (few) skipped keys.  Select one with ``cache_policy``:
 
 from __future__ import annotations
 
+import array
 import collections
 import heapq
 from collections.abc import Callable
@@ -91,11 +92,14 @@ class LRUPolicy:
 
 # A chunk's state is one int (no object per chunk): its rank (priority, tie-break,
 # sequence; see _rank) in the high bits, so that the int orders as the rank does
-# and is its own heap item's key, and below it the depth (chunks before it in its
-# known prefix chain, 0: unknown or a head), the frequency (accesses, counting
-# those before an eviction the history remembers) and the tail flag (the last
-# chunk of a multi-chunk put, not read since: one access fewer).
-_META = 64
+# and is its own heap item (no tuple), then the chunk's slot in the policy's key
+# table (how a heap item finds its key), and below it the depth (chunks before it
+# in its known prefix chain, 0: unknown or a head), the frequency (accesses,
+# counting those before an eviction the history remembers) and the tail flag
+# (the last chunk of a multi-chunk put, not read since: one access fewer).
+_SLOT_SHIFT = 64
+_SLOT_MAX = (1 << 32) - 1
+_META = _SLOT_SHIFT + 32
 _FREQ_MAX = (1 << 32) - 1
 _DEPTH_MAX = (1 << 31) - 1
 
@@ -106,6 +110,10 @@ def _freq(state: int) -> int:
 
 def _depth(state: int) -> int:
     return (state >> 33) & _DEPTH_MAX
+
+
+def _slot(state: int) -> int:
+    return (state >> _SLOT_SHIFT) & _SLOT_MAX
 
 
 class LFUDAPolicy:
@@ -147,9 +155,10 @@ class LFUDAPolicy:
     O(1); ``inserted``, ``touched`` O(log n); ``removed`` O(1) amortised;
     ``victim`` O(log n) amortised (a binary heap with lazy deletion, rebuilt
     when stale items outnumber live ones).  Memory: a chunk's state is one int
-    (rank, depth, frequency, tail flag), which is also its heap item's key, so
-    per cached chunk there is a dict slot, that int and its heap tuple (plus at
-    most one stale tuple); the history costs 6 bytes per remembered key
+    (rank, key slot, depth, frequency, tail flag), which is also its heap item,
+    so per cached chunk there is a dict slot, that int, its pointer in the heap
+    and in the key table (plus at most one stale int in the heap, of a chunk
+    touched since it was pushed); the history costs 6 bytes per remembered key
     (:mod:`.history`), 8 per cached chunk by default.  The key objects are the
     tier's own.  ``benchmarks/bench_scale.py`` measures it (docs/eviction.md).
     """
@@ -164,7 +173,9 @@ class LFUDAPolicy:
         self.depth_penalty = depth_penalty
         self.tails_first = tails_first
         self._entries: dict[ChunkKey, int] = {}  # key -> its state (see _META)
-        self._heap: list[tuple[int, ChunkKey]] = []  # (state, key): stale once the key's state changed
+        self._heap: list[int] = []  # states: stale once their key's state changed
+        self._keys: list[ChunkKey | None] = []  # slot -> key (None: free)
+        self._free = array.array("I")  # free slots of _keys
         self._ghost = KeyHistory(min_ghost)  # key_hash(key) -> freq
         self._age = 0  # L
         self._clock = 0  # chunk operations so far
@@ -216,6 +227,9 @@ class LFUDAPolicy:
         state = self._entries.pop(key, None)
         if state is None:
             return
+        slot = _slot(state)
+        self._keys[slot] = None
+        self._free.append(slot)
         if key == self._named[0]:  # the victim left: L becomes its H (never going back)
             self._age = max(self._age, self._named[1])
             self._named = (None, 0)
@@ -224,12 +238,14 @@ class LFUDAPolicy:
 
     def victim(self, skip: Callable[[ChunkKey], bool]) -> ChunkKey | None:
         heap = self._heap
-        skipped: list[tuple[int, ChunkKey]] = []
+        skipped: list[int] = []
         found: ChunkKey | None = None
+        keys, entries = self._keys, self._entries
         while heap:
-            state, key = heap[0]
-            if self._entries.get(key) != state:
-                heapq.heappop(heap)  # stale: the chunk was touched again or removed
+            state = heap[0]
+            key = keys[(state >> _SLOT_SHIFT) & _SLOT_MAX]
+            if key is None or entries.get(key) != state:
+                heapq.heappop(heap)  # stale: the chunk was touched again or removed (its slot maybe reused)
                 continue
             if skip(key):
                 skipped.append(heapq.heappop(heap))
@@ -271,11 +287,22 @@ class LFUDAPolicy:
         priority = self._age + freq - (1 if tail else 0)
         rank = _rank(priority, self._clock - self.depth_penalty * depth, self._seq)
         freq, depth = min(freq, _FREQ_MAX), min(depth, _DEPTH_MAX)
-        state = (rank << _META) | (depth << 33) | (freq << 1) | tail
+        old = self._entries.get(key)
+        if old is not None:
+            slot = _slot(old)
+        elif self._free:
+            slot = self._free.pop()
+            self._keys[slot] = key
+        else:
+            slot = len(self._keys)
+            if slot > _SLOT_MAX:
+                raise OverflowError(f"more than {_SLOT_MAX + 1} chunks in one policy")
+            self._keys.append(key)
+        state = (rank << _META) | (slot << _SLOT_SHIFT) | (depth << 33) | (freq << 1) | tail
         self._entries[key] = state
-        heapq.heappush(self._heap, (state, key))
+        heapq.heappush(self._heap, state)
         if len(self._heap) > 2 * len(self._entries) + 64:
-            self._heap = [(v, k) for k, v in self._entries.items()]
+            self._heap = list(self._entries.values())
             heapq.heapify(self._heap)
 
 
