@@ -15,8 +15,8 @@ The client keys file (``client_keys_file``) is YAML::
 A grant matches a namespace either by its tenant field (the last ``|``
 field is exactly ``tenant=<name>``, as ``Namespace(tenant=...).wire()``
 writes it) or by a string prefix.  ``ro`` allows get, lookup, exists and
-the namespace's stats; ``rw`` also put, delete, pin, unpin, alloc (a
-shared-memory put) and clear of the namespace.  hello, ping and the lease ops
+the namespace's stats; ``rw`` also put, delete, pin, unpin, alloc and bind
+(shared-memory puts) and clear of the namespace.  hello, ping and the lease ops
 commit and release are open to every key.  Ops with no rule here (including
 any added later) need admin.
 
@@ -40,7 +40,7 @@ from lmcache_client.protocol import Op, Request
 from ..config import ConfigError
 
 _READ_OPS = {Op.GET, Op.LOOKUP, Op.EXISTS}
-_WRITE_OPS = {Op.PUT, Op.DELETE, Op.PIN, Op.UNPIN, Op.ALLOC}
+_WRITE_OPS = {Op.PUT, Op.DELETE, Op.PIN, Op.UNPIN, Op.ALLOC, Op.BIND}
 # commit and release name a lease (a random 63-bit id) the client was granted
 # by an alloc or get that passed this check; they carry no namespace.
 _OPEN_OPS = {Op.HELLO, Op.PING, Op.COMMIT, Op.RELEASE}

@@ -25,6 +25,9 @@ from .admission import ByteBudget
 from .shm import ShmLeases
 from .tokens import parse_tokens
 
+STAGED_SHARE = 8
+"""Staged shared-memory slots (all clients together) hold at most 1/STAGED_SHARE of the pool."""
+
 
 @dataclasses.dataclass
 class Outcome:
@@ -53,6 +56,8 @@ class Handlers:
         pool = store.memory.allocator.capacity
         self.shm_reserve_cap = min(max(config.max_message_size, pool // 4), pool // 2)
         """Bytes all shared-memory write leases may hold reserved at once."""
+        self.shm_stage_cap = pool // STAGED_SHARE
+        """Bytes all staged slots together may hold (within shm_reserve_cap)."""
         self.started_at = time.time()
         self._table: dict[Op, Callable[[Request], Awaitable[Outcome]]] = {
             Op.HELLO: self.hello,
@@ -69,6 +74,7 @@ class Handlers:
             Op.ALLOC: self.alloc,
             Op.COMMIT: self.commit,
             Op.RELEASE: self.release,
+            Op.BIND: self.bind,
         }
 
     async def handle(self, request: Request, reply_share: Callable[[], int] | None = None) -> Outcome:
@@ -235,7 +241,7 @@ class Handlers:
         together (with the slots quarantined after an expiry) at most
         ``shm_reserve_cap`` (one alloc always, when nothing is reserved), so
         allocs can never evict the whole pool and sit on it."""
-        reserved = int(shm.stats()["reserved_bytes"])
+        reserved = shm.reserved_bytes()
         # With nothing reserved any one alloc is admitted (it is at most
         # max_message_size): a writer larger than the cap is slow, never starved.
         if reserved and reserved + nbytes > self.shm_reserve_cap:
@@ -246,9 +252,78 @@ class Handlers:
             )
 
     async def commit(self, request: Request) -> Outcome:
-        """Make a write lease's chunks visible; one status per reserved chunk."""
-        statuses, nbytes = self._shm(request).commit(request.fields.get("lease"), request.id)
-        return Outcome({"status": [int(s) for s in statuses]}, shm_in_bytes=nbytes)
+        """Make a write lease's chunks visible; one status per reserved chunk.
+        With ``stage`` (sizes), also stage slots for the writer's next put (see bind)."""
+        shm = self._shm(request)
+        stage = self._stage_sizes(request)
+        statuses, nbytes = shm.commit(request.fields.get("lease"), request.id)
+        fields: dict[str, Any] = {"status": [int(s) for s in statuses]}
+        if stage is not None:
+            fields["staged"] = None
+            # Staged room counts against shm_reserve_cap like any write lease, and is
+            # speculative (evicts chunks for a put that may not come), so all of it
+            # together stays under an eighth of the pool; staging is optional: past
+            # either cap (or without room) it is declined, not BUSY.
+            total = sum(stage)
+            if (
+                shm.reserved_bytes() + total <= self.shm_reserve_cap
+                and shm.staged_bytes() + total <= self.shm_stage_cap
+            ):
+                staged = shm.stage(stage, request.fields.get("owner"))
+                if staged is not None:
+                    lease, rooms, deadline = staged
+                    fields["staged"] = {
+                        "lease": lease,
+                        "slots": [[r.offset, r.size] for r in rooms],
+                        "expires": deadline,
+                    }
+        return Outcome(fields, shm_in_bytes=nbytes)
+
+    def _stage_sizes(self, request: Request) -> list[int] | None:
+        """A commit's ``stage`` field: None, or one positive size per slot, at most
+        max_keys_per_request slots and max_message_size bytes in all (as one alloc)."""
+        stage = request.fields.get("stage")
+        if stage is None:
+            return None
+        if (
+            not isinstance(stage, list)
+            or not 0 < len(stage) <= self.config.max_keys_per_request
+            or not all(type(n) is int and n > 0 for n in stage)
+            or sum(stage) > self.config.max_message_size
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                "'stage' must list 1 to max_keys_per_request positive sizes, at most max_message_size in all",
+                request.id,
+            )
+        return stage
+
+    async def bind(self, request: Request) -> Outcome:
+        """A put into staged slots in one round trip: bind each key to the slot the
+        client wrote (``slots``: one offset per key) and commit; the reply carries
+        one status per key, the fresh slots staged in place of those consumed and
+        the lease's renewed deadline."""
+        shm = self._shm(request)
+        lease, slots = request.fields.get("lease"), request.fields.get("slots")
+        if type(lease) is not int:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "'lease' must be a staged lease id", request.id)
+        if (
+            not isinstance(slots, list)
+            or len(slots) != len(request.keys)
+            or not all(type(o) is int for o in slots)
+            or len(set(slots)) != len(slots)
+        ):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "'slots' must list one distinct slot offset per key", request.id)
+        tokens = parse_tokens(request)
+        statuses, fresh, deadline, nbytes = shm.bind(lease, self._ns(request), request.keys, slots, tokens, request.id)
+        return Outcome(
+            {
+                "status": [int(s) for s in statuses],
+                "fresh": [[r.offset, r.size] for r in fresh],
+                "expires": deadline,
+            },
+            shm_in_bytes=nbytes,
+        )
 
     async def release(self, request: Request) -> Outcome:
         """End read leases (or abandon write leases); True where the lease was still live."""

@@ -35,6 +35,15 @@ until its writer is known to be done:
   daemon's pid namespace (compose: ``pid: "service:lmcache-server"``) to rule
   it out.
 
+**Staged slots** (a put in one round trip): a commit may ask for pool room
+bound to no key (:meth:`ShmLeases.stage`), held under a write lease of its
+own; the client copies its next put into it and sends one ``bind``
+(:meth:`ShmLeases.bind`), which binds each slot to its key with the checks
+of an alloc, commits it, and stages a fresh slot in place of each consumed
+one.  A staged lease is a write lease otherwise: counted as reserved,
+expiring (renewed by each bind) into the quarantine, handed over at a warm
+restart (its slots with no key), freed by release.
+
 Lease ids are random 63-bit numbers: a client cannot guess another's.
 
 A warm restart (storage/warmstart.py) keeps the segment, its token and these
@@ -48,8 +57,8 @@ cannot observe gets ``QUARANTINE_FACTOR`` timeouts, counted from the lease's
 deadline.
 
 Primitives: :class:`ShmLeases` (``offer``, ``check_segment``, ``grant_reads``,
-``grant_writes``, ``commit``, ``release``, ``sweep``, ``run``, ``stats``,
-``hand_over``, ``take_over``).
+``grant_writes``, ``stage``, ``bind``, ``commit``, ``release``, ``sweep``,
+``run``, ``stats``, ``reserved_bytes``, ``hand_over``, ``take_over``).
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ from typing import Any
 from lmcache_client.protocol import ErrorCode, ProtocolError, PutStatus
 
 from ..storage import Chunk, TieredStore
-from ..storage.memory import Reservation
+from ..storage.memory import UNBOUND, Reservation
 from ..storage.pool import MemoryPool
 from ..storage.warmstart import HeldLease, HeldSlot
 
@@ -83,6 +92,8 @@ class _WriteLease:
     deadline: float
     nbytes: int
     owner: Owner | None = None
+    staged: bool = False
+    """Slots bound to no key yet (a commit's ``stage``), consumed by ``bind``."""
 
 
 QUARANTINE_FACTOR = 20
@@ -153,6 +164,12 @@ class ShmCounters:
     """Expired write slots freed because their writer came back (commit/release) or died."""
     quarantine_timed_out: int = 0
     """Expired write slots of unobservable writers freed after QUARANTINE_FACTOR timeouts."""
+    staged_leases: int = 0
+    """Leases of staged slots granted (a commit's ``stage``)."""
+    binds: int = 0
+    """Puts into staged slots (``bind`` requests answered)."""
+    expired_staged: int = 0
+    """Leases of staged slots that lapsed (quarantined like an expired write lease)."""
 
 
 class ShmLeases:
@@ -207,22 +224,94 @@ class ShmLeases:
         self.counters.read_bytes += nbytes
         return lease, deadline
 
-    def grant_writes(self, reservations: Sequence[Reservation], owner: Any = None) -> tuple[int, float]:
+    def grant_writes(
+        self, reservations: Sequence[Reservation], owner: Any = None, staged: bool = False
+    ) -> tuple[int, float]:
         """Reserve ``reservations`` for one writer (``owner``: its alloc's ``owner``
-        field, see :class:`Owner`): (lease id, deadline)."""
+        field, see :class:`Owner`; ``staged``: slots bound to no key, see
+        :meth:`stage`): (lease id, deadline)."""
         deadline = time.monotonic() + self.timeout_s
         lease = self._new_id()
         self._writes[lease] = _WriteLease(
-            list(reservations), deadline, sum(r.size for r in reservations), Owner.parse(owner)
+            list(reservations), deadline, sum(r.size for r in reservations), Owner.parse(owner), staged
         )
-        self.counters.write_leases += 1
+        if staged:
+            self.counters.staged_leases += 1
+        else:
+            self.counters.write_leases += 1
         return lease, deadline
+
+    def stage(self, sizes: Sequence[int], owner: Any = None) -> tuple[int, list[Reservation], float] | None:
+        """Staged slots of ``sizes`` (pool room bound to no key, see
+        :meth:`bind`) under a new write lease: (lease id, slots, deadline), or
+        None when the pool cannot hold them all now.  The lease ends, expires and
+        is quarantined like any write lease."""
+        rooms = self.store.stage(sizes)
+        if rooms is None:
+            return None
+        lease, deadline = self.grant_writes(rooms, owner, staged=True)
+        return lease, rooms, deadline
+
+    def bind(
+        self,
+        lease: int,
+        namespace: str,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        tokens: Any,
+        request_id: int,
+    ) -> tuple[list[PutStatus], list[Reservation], float, int]:
+        """A put into staged slots: the slot at ``offsets[i]`` (written by the client)
+        is bound to ``keys[i]`` and committed at once, with the checks of an
+        alloc (EXISTS, SKIPPED, tenant quota).  STORED consumes the slot and
+        stages a fresh one of its size in its place (when the pool has room);
+        any other status leaves it staged.  The lease's deadline is renewed.
+        Returns (one status per key, the fresh slots, the deadline, bytes committed)."""
+        grant = self._writes.get(lease)
+        if grant is None:
+            if self._end_quarantine(lease):
+                raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"staged lease {lease!r} expired", request_id)
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_LEASE, f"no staged lease {lease!r} (expired or never granted)", request_id
+            )
+        if not grant.staged:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"lease {lease!r} holds no staged slots", request_id)
+        at = {r.offset: r for r in grant.reservations}
+        if not all(o in at for o in offsets):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "'slots' names an offset that is no slot of this lease", request_id
+            )
+        if time.monotonic() > grant.deadline:
+            # Late: refused; its writer is past its copy (one put at a time per lease), so its room is free now.
+            del self._writes[lease]
+            self.counters.expired_staged += 1
+            self._abort(grant)
+            raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"staged lease {lease!r} expired", request_id)
+        rooms = [at[o] for o in offsets]
+        statuses = self.store.bind(namespace, keys, rooms, tokens)
+        consumed = [r for r, s in zip(rooms, statuses) if s is PutStatus.STORED]
+        fresh: list[Reservation] = []
+        for room in consumed:
+            del at[room.offset]
+            more = self.store.stage([room.size])
+            fresh += more or []
+        grant.reservations = list(at.values()) + fresh
+        grant.nbytes = sum(r.size for r in grant.reservations)
+        grant.deadline = time.monotonic() + self.timeout_s
+        nbytes = sum(r.size for r in consumed)
+        self.counters.committed_bytes += nbytes
+        self.counters.binds += 1
+        return statuses, fresh, grant.deadline, nbytes
 
     # -- ends ----------------------------------------------------------------------
     def commit(self, lease: Any, request_id: int) -> tuple[list[PutStatus], int]:
         """Make a write lease's chunks visible, in the order they were allocated:
         (one status per chunk, the bytes committed)."""
-        grant = self._writes.pop(lease, None) if isinstance(lease, int) else None
+        grant = self._writes.get(lease) if isinstance(lease, int) else None
+        if grant is not None and grant.staged:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"lease {lease!r} holds staged slots: bind them", request_id)
+        if grant is not None:
+            del self._writes[lease]
         if grant is None:
             if isinstance(lease, int) and self._end_quarantine(lease):
                 raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"write lease {lease!r} expired", request_id)
@@ -292,7 +381,10 @@ class ShmLeases:
         for lease, write in list(self._writes.items()):
             if now > write.deadline:
                 del self._writes[lease]
-                self.counters.expired_writes += 1
+                if write.staged:
+                    self.counters.expired_staged += 1
+                else:
+                    self.counters.expired_writes += 1
                 self._quarantine[lease] = _Quarantined(lease, write, now)
                 expired += 1
         for lease, held in list(self._quarantine.items()):
@@ -330,7 +422,7 @@ class ShmLeases:
         writes += [(lease, q.write, q.since) for lease, q in self._quarantine.items()]
         for lease, w, since in writes:
             owner = dataclasses.asdict(w.owner) if w.owner is not None else None
-            slots = tuple(HeldSlot(r.offset, r.size, r.key) for r in w.reservations)
+            slots = tuple(HeldSlot(r.offset, r.size, None if r.key == UNBOUND else r.key) for r in w.reservations)
             out.append(HeldLease(lease, True, since, owner, slots))
         self.close()
         return out
@@ -357,14 +449,23 @@ class ShmLeases:
             self._abort(held.write)
         self._quarantine.clear()
 
+    def reserved_bytes(self) -> int:
+        """Pool bytes write leases hold now (staged slots and quarantined slots included)."""
+        return sum(w.nbytes for w in self._writes.values()) + sum(q.write.nbytes for q in self._quarantine.values())
+
+    def staged_bytes(self) -> int:
+        """Pool bytes held by staged slots now (not counting quarantined ones)."""
+        return sum(w.nbytes for w in self._writes.values() if w.staged)
+
     def stats(self) -> dict[str, Any]:
         return {
             "enabled": self.enabled,
             "active_read_leases": len(self._reads),
-            "active_write_leases": len(self._writes),
+            "active_write_leases": sum(1 for w in self._writes.values() if not w.staged),
             "leased_bytes": sum(r.nbytes for r in self._reads.values()),
-            "reserved_bytes": sum(w.nbytes for w in self._writes.values())
-            + sum(q.write.nbytes for q in self._quarantine.values()),
+            "reserved_bytes": self.reserved_bytes(),
             "quarantined_bytes": sum(q.write.nbytes for q in self._quarantine.values()),
+            "active_staged_leases": sum(1 for w in self._writes.values() if w.staged),
+            "staged_bytes": self.staged_bytes(),
             **dataclasses.asdict(self.counters),
         }

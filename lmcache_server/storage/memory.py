@@ -94,6 +94,10 @@ class Reservation:
     """The chunk's token ids, when its put sent them (announced at commit, then dropped)."""
 
 
+UNBOUND = ChunkKey("", b"")
+"""The key of room reserved for no chunk yet (:meth:`MemoryTier.reserve_room`)."""
+
+
 @dataclasses.dataclass
 class TierCounters:
     hits: int = 0
@@ -202,6 +206,23 @@ class MemoryTier:
         Returns a Reservation to fill and then :meth:`complete_store` or
         :meth:`abort_store`, or the PutStatus explaining why there is none.
         """
+        refused = self._refusal(key, size, parent)
+        if refused is not None:
+            return refused
+        key = _canonical(key)
+        offset = self._allocate(size)
+        if offset is not None and not self.pool.commit(offset, size):
+            self.allocator.free(offset)  # the shared-memory filesystem is full
+            offset = None
+        if offset is None:
+            if not self.room_coming(size):  # else the caller may wait for it (and counts it if not)
+                self.counters.rejections += 1
+            return PutStatus.NO_SPACE
+        return Reservation(key, offset, size, parent, self.pool.view[offset : offset + size])
+
+    def _refusal(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> PutStatus | None:
+        """Why ``key`` may not be stored (EXISTS, TOO_LARGE, SKIPPED, NO_SPACE over
+        its tenant's quota), else None: the checks of a store before it takes room."""
         existing = self._index.get(key)
         if existing is not None:
             if not existing.pinned:
@@ -217,15 +238,7 @@ class MemoryTier:
         if self.quotas and not self._within_quota(key, size):
             self.counters.rejections += 1
             return PutStatus.NO_SPACE
-        offset = self._allocate(size)
-        if offset is not None and not self.pool.commit(offset, size):
-            self.allocator.free(offset)  # the shared-memory filesystem is full
-            offset = None
-        if offset is None:
-            if not self.room_coming(size):  # else the caller may wait for it (and counts it if not)
-                self.counters.rejections += 1
-            return PutStatus.NO_SPACE
-        return Reservation(key, offset, size, parent, self.pool.view[offset : offset + size])
+        return None
 
     def room_coming(self, size: int) -> bool:
         """Whether chunks lent to the spill will free room for ``size`` bytes once written."""
@@ -259,6 +272,29 @@ class MemoryTier:
 
     def abort_store(self, reservation: Reservation) -> None:
         self.allocator.free(reservation.offset)
+
+    def reserve_room(self, size: int) -> Reservation | None:
+        """Room for ``size`` bytes bound to no key yet (key :data:`UNBOUND`: a staged
+        shared-memory slot), evicting as a store would; None when there is none.
+        Give it back with :meth:`abort_store`, or :meth:`bind_room` it."""
+        if size > self.allocator.capacity:
+            return None
+        offset = self._allocate(size)
+        if offset is not None and not self.pool.commit(offset, size):
+            self.allocator.free(offset)
+            offset = None
+        if offset is None:
+            return None
+        return Reservation(UNBOUND, offset, size, None, self.pool.view[offset : offset + size])
+
+    def bind_room(self, room: Reservation, key: ChunkKey, parent: ChunkKey | None = None) -> Reservation | PutStatus:
+        """:meth:`prepare_store` for ``key`` over ``room`` (from :meth:`reserve_room`):
+        the same checks, then a Reservation of that room to :meth:`complete_store`;
+        or the PutStatus saying why not (``room`` stays reserved, unbound)."""
+        refused = self._refusal(key, room.size, parent)
+        if refused is not None:
+            return refused
+        return Reservation(_canonical(key), room.offset, room.size, parent, room.view)
 
     def lease(self, key: ChunkKey) -> Chunk | None:
         """A leased view of a stored chunk without counting a hit or touching recency."""

@@ -26,7 +26,7 @@ Tiers are ordered fastest first: memory, then disk, then Redis.
 
 Batching, promotion, spill and lookup semantics are written here once, not in
 each tier.  Primitives: ``get_many``, ``prepare_puts``, ``put_many``,
-``reserve``, ``commit``, ``abort``, ``lookup``, ``exists``, ``delete``,
+``reserve``, ``commit``, ``abort``, ``stage``, ``bind``, ``lookup``, ``exists``, ``delete``,
 ``clear``, ``pin``, ``unpin``, ``stats``, ``flush``, ``close``.
 """
 
@@ -220,6 +220,51 @@ class TieredStore:
                 one = None if tokens is None else tokens[i : i + 1]
                 outcomes[i] = self.reserve(namespace, digests[i : i + 1], sizes[i : i + 1], one)[0]
         return outcomes
+
+    def stage(self, sizes: Sequence[int]) -> list[Reservation] | None:
+        """Room for a shared-memory writer's next put, bound to no key yet (staged
+        slots, invisible and never evicted): one per size, or None (nothing kept)
+        when the pool cannot hold them all now."""
+        rooms: list[Reservation] = []
+        if sum(sizes) > self.memory.allocator.capacity:
+            return None
+        for size in sizes:
+            room = self.memory.reserve_room(size)
+            if room is None:
+                for r in rooms:
+                    self.abort(r)
+                return None
+            rooms.append(room)
+        return rooms
+
+    def bind(
+        self,
+        namespace: str,
+        digests: Sequence[bytes],
+        rooms: Sequence[Reservation],
+        tokens: Sequence[ChunkTokens | None] | None = None,
+    ) -> list[PutStatus]:
+        """A put into staged room (:meth:`stage`), already written: each room bound
+        to its key with :meth:`reserve`'s checks and committed at once.  STORED
+        consumed the room; any other status leaves it staged."""
+        out: list[PutStatus] = []
+        parent: ChunkKey | None = None
+        for i, (digest, room) in enumerate(zip(digests, rooms)):
+            key = ChunkKey(namespace, digest)
+            if key in self.filling:
+                out.append(PutStatus.EXISTS)
+                continue
+            told = tokens[i] if tokens is not None and self.events is not None else None
+            bound = self.memory.bind_room(room, key, parent)
+            if isinstance(bound, Reservation):
+                bound.tokens = told
+                out.append(self.commit(bound))
+            else:
+                if told is not None and bound is PutStatus.EXISTS and self._unannounced(key):
+                    self.events.stored(key, told, self.memory.name)  # type: ignore[union-attr]
+                out.append(bound)
+            parent = key
+        return out
 
     def commit(self, reservation: Reservation) -> PutStatus:
         """Phase two: the filled reservation becomes visible, and is queued for Redis."""

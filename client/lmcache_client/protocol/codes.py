@@ -35,6 +35,8 @@ class Op(str, enum.Enum):
     ALLOC = "alloc"
     COMMIT = "commit"
     RELEASE = "release"
+    BIND = "bind"
+    """A put into staged slots (a commit's ``stage``): bind them to keys and commit, one round trip."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -74,7 +76,7 @@ class ErrorCode(enum.IntEnum):
     """A shared-memory request named a pool segment this server does not have
     (it restarted): say hello again and map the segment it offers."""
     UNKNOWN_LEASE = 21
-    """commit/release of a lease that does not exist (never granted, already
+    """commit/release/bind of a lease that does not exist (never granted, already
     released, or expired after ``shm_lease_timeout_s``)."""
 
     @property
