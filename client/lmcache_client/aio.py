@@ -64,6 +64,7 @@ class AsyncCacheClient:
         context: zmq.asyncio.Context | None = None,
         shared_memory: bool = True,
         copy_threads: int = 2,
+        staged_puts: bool = True,
         server_public_key: str | None = None,
         client_secret_key: str | None = None,
     ):
@@ -83,7 +84,9 @@ class AsyncCacheClient:
         self._closed = False
         self.shared_memory = shared_memory
         # copy_threads: how many threads a large shared-memory copy is split over.
-        self._mapping = shm.Mapping(copy_threads)
+        # staged_puts: a stream of shared-memory puts is one round trip each, into
+        # pool slots staged for it (shm.py); False: every put is alloc+commit.
+        self._mapping = shm.Mapping(copy_threads, staged_puts)
         # The daemon's ROUTER drops replies past its per-peer high-water mark
         # (hello's max_outstanding_requests, 256 by default): stay below it.
         self._slots = asyncio.Semaphore(max_outstanding)
@@ -103,6 +106,13 @@ class AsyncCacheClient:
         return self._fail.busy_replies
 
     async def close(self) -> None:
+        pool = self._mapping.pool
+        leases = shm.parting(pool) if pool is not None and not self._closed else []
+        if leases:  # staged slots and unsettled write leases: freed now, not at their deadline
+            try:
+                await self._run(calls.release(leases), min(self.timeout_s, 1.0))
+            except ClientError:
+                pass
         self._unmap()
         self._closed = True
         await self._drop_socket(DaemonUnavailable("client closed"))

@@ -235,3 +235,75 @@ def commit(lease: int, segment: str) -> Call[list[PutStatus | int]]:
 
 def release(leases: Sequence[int]) -> Call[list[bool]]:
     return Call(Op.RELEASE, _bool_list("released"), fields={"leases": list(leases)})
+
+
+# -- staged slots: a shared-memory put in one round trip (see shm.py) -----------------
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """Pool slots bound to no key yet, under a write lease (a commit's ``staged`` field)."""
+
+    lease: int
+    slots: list[tuple[int, int]]
+    """(offset, length) of each slot."""
+    expires: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A bind's answer: one status per key, the slots added to the lease in place of
+    those consumed (STORED keys), and the lease's renewed deadline."""
+
+    status: list[PutStatus | int]
+    fresh: list[tuple[int, int]]
+    expires: float
+
+
+def _slots(value: Any) -> list[tuple[int, int]]:
+    if not isinstance(value, list) or not all(
+        isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s) for s in value
+    ):
+        raise ServerError(ErrorCode.INTERNAL, "malformed staged slots in reply")
+    return [(s[0], s[1]) for s in value]
+
+
+def commit_staging(
+    lease: int, segment: str, stage: Sequence[int], owner: dict[str, int] | None = None
+) -> Call[tuple[list[PutStatus | int], Staged | None]]:
+    """:func:`commit`, asking for anonymous slots of sizes ``stage`` under a new
+    write lease for the next put (None when the daemon declines or predates it)."""
+
+    def parse(reply: Reply, _: list[Any]) -> tuple[list[PutStatus | int], Staged | None]:
+        status = [_put_status(s) for s in _field(reply, "status")]
+        staged = reply.fields.get("staged")
+        if not isinstance(staged, dict):
+            return status, None
+        lease, expires = staged.get("lease"), staged.get("expires")
+        if type(lease) is not int or not isinstance(expires, (int, float)):
+            raise ServerError(ErrorCode.INTERNAL, "malformed staged lease in reply")
+        return status, Staged(lease, _slots(staged.get("slots")), float(expires))
+
+    fields: dict[str, Any] = {"lease": lease, "shm": segment, "stage": list(stage)}
+    if owner is not None:
+        fields["owner"] = owner
+    return Call(Op.COMMIT, parse, fields=fields)
+
+
+def bind(
+    namespace: str,
+    keys: Sequence[bytes],
+    slots: Sequence[int],
+    lease: int,
+    segment: str,
+    tokens: TokensArg = None,
+) -> Call[Bound]:
+    """Bind staged slots (by offset, one per key, already written) to ``keys`` and commit them."""
+    n = len(keys)
+
+    def parse(reply: Reply, _: list[Any]) -> Bound:
+        status = [_put_status(s) for s in _field(reply, "status")]
+        if len(status) != n:
+            raise ServerError(ErrorCode.INTERNAL, "bind reply does not match its request")
+        return Bound(status, _slots(_field(reply, "fresh")), float(_field(reply, "expires")))
+
+    fields = {"lease": lease, "shm": segment, "slots": list(slots), **_tokens_field(keys, tokens)}
+    return Call(Op.BIND, parse, namespace, keys, fields=fields)

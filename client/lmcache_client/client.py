@@ -116,6 +116,7 @@ class CacheClient:
         context: zmq.Context[Any] | None = None,
         shared_memory: bool = True,
         copy_threads: int = 2,
+        staged_puts: bool = True,
         server_public_key: str | None = None,
         client_secret_key: str | None = None,
         backoff_s: float = 1.0,
@@ -145,12 +146,26 @@ class CacheClient:
         self.shared_memory = shared_memory
         """Use the daemon's pool directly when it offers it and this process can map it."""
         # copy_threads: how many threads a large shared-memory copy is split over.
-        self._mapping = shm.Mapping(copy_threads)
+        # staged_puts: a stream of shared-memory puts is one round trip each, into
+        # pool slots staged for it (shm.py); False: every put is alloc+commit.
+        self._mapping = shm.Mapping(copy_threads, staged_puts)
 
     # -- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
+        self._let_go()
         self._unmap()
         self._close_socket()
+
+    def _let_go(self) -> None:
+        """Release the staged slots (and unsettled write leases) this client holds in
+        the daemon's pool, so they do not wait for their lease to lapse."""
+        pool = self._mapping.pool
+        leases = shm.parting(pool) if pool is not None else []
+        if leases and self._sock is not None:
+            try:
+                self._run(calls.release(leases), min(self.timeout_s, 1.0))
+            except ClientError:
+                pass  # the leases expire by themselves
 
     def __enter__(self) -> CacheClient:
         return self

@@ -10,7 +10,14 @@ elsewhere cannot open the path and keeps using payload frames), then:
   torch tensor: one memcpy, or one DMA for a CUDA tensor once the mapping is
   registered with ``cudaHostRegister``) and releases the lease.
 - **put**: ``alloc`` reserves a slot per chunk under a write lease, the client
-  copies its bytes in, ``commit`` makes them visible.
+  copies its bytes in, ``commit`` makes them visible.  The commit also asks
+  for *staged slots* (``stage``: anonymous pool room sized for the next put,
+  under a write lease of its own); a later put whose sizes match them copies
+  straight into them and sends one ``bind`` (bind to keys and commit), whose
+  reply stages fresh slots in place of those consumed: a stream of puts is
+  one round trip each.  A put that does not fit the staged slots (or finds
+  their lease near its deadline, or refused) takes alloc+commit, with the
+  same results.
 
 Leases end at a deadline on CLOCK_MONOTONIC, which both processes read on one
 host.  A copy finished before the deadline (less a safety margin) was made
@@ -35,11 +42,8 @@ Primitives: :class:`SharedPool`, :func:`get_flow`, :func:`put_flow`,
 
 from __future__ import annotations
 
-import concurrent.futures
-import ctypes
 import dataclasses
 import logging
-import mmap
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -47,19 +51,20 @@ from typing import Any
 
 from . import calls
 from .calls import Call
+from .errors import ServerError
 from .protocol import ErrorCode, PutStatus
+from .shmpool import PARALLEL_COPY_MIN_BYTES as PARALLEL_COPY_MIN_BYTES
+from .shmpool import SAME_CLOCK_TOLERANCE_S as SAME_CLOCK_TOLERANCE_S
+from .shmpool import Mapping as Mapping
+from .shmpool import SharedPool as SharedPool
+from .shmpool import StagedSlots, _check_tensor, _flat_bytes
 
 logger = logging.getLogger(__name__)
 
 DEADLINE_MARGIN_S = 0.5
 """A copy must end this long before its lease's deadline to count without confirmation."""
-SAME_CLOCK_TOLERANCE_S = 1.0
-"""The daemon's clock reading in hello may differ from ours by at most this much
-(it includes the round trip) for the two to count as the same clock."""
 PUT_MIN_BYTES = 256 * 1024
 """Puts smaller than this use payload frames (one round trip instead of two)."""
-PARALLEL_COPY_MIN_BYTES = 4 << 20
-"""A copy at least this large is split over ``copy_threads`` threads."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,207 +82,6 @@ class Tell:
 
 
 Flow = Generator["Ask | Tell", Any, Any]
-
-
-class SharedPool:
-    """This process's mapping of a daemon's pool segment."""
-
-    def __init__(
-        self, path: str, size: int, segment: str, lease_timeout_s: float, same_clock: bool, copy_threads: int = 1
-    ):
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            actual = os.fstat(fd).st_size
-            if actual != size:
-                raise OSError(f"{path} is {actual} bytes, the daemon said {size}")
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        self.path = path
-        self.size = size
-        self.segment = segment
-        self.lease_timeout_s = lease_timeout_s
-        self.same_clock = same_clock
-        self.view = memoryview(self._mmap)
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
-        self._cuda_registered = False
-        self.copy_threads = max(1, copy_threads)
-        self._copiers: concurrent.futures.ThreadPoolExecutor | None = None
-        self.unsettled: list[int] = []
-        """Write leases whose commit may not have reached the daemon (see _commit)."""
-
-    @classmethod
-    def open(cls, offer: Any, copy_threads: int = 1) -> SharedPool | None:
-        """Map the segment a hello reply offers; None when this process cannot
-        (another host, another user, no shared /dev/shm): use payload frames."""
-        if not isinstance(offer, dict):
-            return None
-        try:
-            same_clock = abs(float(offer["clock"]) - time.monotonic()) < SAME_CLOCK_TOLERANCE_S
-            return cls(
-                str(offer["path"]),
-                int(offer["size"]),
-                str(offer["segment"]),
-                float(offer["lease_timeout_s"]),
-                same_clock,
-                copy_threads,
-            )
-        except (OSError, KeyError, TypeError, ValueError) as err:
-            logger.info("daemon's shared memory not mappable here (%s); using payload frames", err)
-            return None
-
-    def close(self) -> None:
-        if self._copiers is not None:
-            self._copiers.shutdown(wait=True)
-            self._copiers = None
-        if self._cuda_registered:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self.address)  # type: ignore[no-untyped-call]
-            self._cuda_registered = False
-        try:
-            self.view.release()
-            self._mmap.close()
-        except BufferError:  # pragma: no cover - a caller still holds a view
-            logger.debug("shared pool still referenced at close")
-
-    def _check(self, offset: int, length: int) -> None:
-        if not (offset >= 0 and length > 0 and offset + length <= self.size):
-            raise ValueError(f"location ({offset}, {length}) outside the {self.size}-byte pool")
-
-    # -- copies --------------------------------------------------------------------
-    def copy_out(self, offset: int, length: int, dest: Any) -> None:
-        """Copy pool bytes into ``dest``: a writable buffer or a contiguous torch
-        tensor (CPU, or CUDA: a DMA from the registered mapping) of ``length`` bytes."""
-        self._check(offset, length)
-        if hasattr(dest, "data_ptr"):
-            _check_tensor(dest, length)
-            if dest.device.type == "cpu":
-                self._memmove(dest.data_ptr(), self.address + offset, length)
-            else:
-                _flat_bytes(dest).copy_(self._host_tensor(offset, length))
-            return
-        out = memoryview(dest).cast("B")
-        if out.nbytes != length:
-            raise ValueError(f"chunk is {length} bytes but the destination holds {out.nbytes}")
-        address = _address(out)
-        if address is None:
-            out[:] = self.view[offset : offset + length]
-        else:
-            self._memmove(address, self.address + offset, length)
-
-    def read(self, offset: int, length: int) -> memoryview:
-        """A private copy of pool bytes (one memcpy)."""
-        self._check(offset, length)
-        return memoryview(bytes(self.view[offset : offset + length]))
-
-    def copy_in(self, offset: int, src: Any) -> None:
-        """Copy ``src`` (a buffer, or a CPU/CUDA tensor: stored by value, in
-        contiguous order) into the pool."""
-        if hasattr(src, "data_ptr"):
-            src = src.detach().contiguous()
-            length = src.numel() * src.element_size()
-            self._check(offset, length)
-            _check_tensor(src, length)
-            if src.device.type == "cpu":
-                self._memmove(self.address + offset, src.data_ptr(), length)
-            else:
-                self._host_tensor(offset, length).copy_(_flat_bytes(src))
-            return
-        data = memoryview(src).cast("B")
-        self._check(offset, data.nbytes)
-        address = _address(src)
-        if address is None:
-            self.view[offset : offset + data.nbytes] = data
-        else:
-            self._memmove(self.address + offset, address, data.nbytes)
-
-    def _memmove(self, dst: int, src: int, length: int) -> None:
-        """memcpy, split over ``copy_threads`` threads when large (ctypes drops
-        the GIL during each piece, so the pieces really run in parallel)."""
-        threads = self.copy_threads
-        if threads == 1 or length < PARALLEL_COPY_MIN_BYTES:
-            ctypes.memmove(dst, src, length)
-            return
-        if self._copiers is None:
-            self._copiers = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="lmcache-copy")
-        piece = (length // threads + 4095) // 4096 * 4096  # page-aligned pieces
-        starts = list(range(piece, length, piece))
-        futures = [self._copiers.submit(ctypes.memmove, dst + at, src + at, min(piece, length - at)) for at in starts]
-        ctypes.memmove(dst, src, min(piece, length))
-        for future in futures:
-            future.result()
-
-    def register_cuda(self) -> bool:
-        """Page-lock the mapping (``cudaHostRegister``) so CUDA copies to and from it
-        are DMA; True when registered (now or before)."""
-        if not self._cuda_registered:
-            import torch
-
-            rc = int(torch.cuda.cudart().cudaHostRegister(self.address, self.size, 0))  # type: ignore[no-untyped-call]
-            self._cuda_registered = rc == 0
-            if rc != 0:
-                logger.info("cudaHostRegister of the shared pool failed (%d); copies go through pageable memory", rc)
-        return self._cuda_registered
-
-    def _host_tensor(self, offset: int, length: int) -> Any:
-        """A uint8 CPU tensor over pool bytes, page-locked for DMA on first use."""
-        import torch
-
-        self.register_cuda()
-        return torch.frombuffer(self.view[offset : offset + length], dtype=torch.uint8)
-
-
-def _address(buf: Any) -> int | None:
-    """The address of a contiguous buffer's bytes, None when it cannot be had
-    without a copy (then the copy stays a single-threaded slice assignment)."""
-    if isinstance(buf, bytes):
-        return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value if buf else None
-    try:
-        view = memoryview(buf)
-        if view.readonly or not view.c_contiguous or view.nbytes == 0:
-            return None
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except (TypeError, ValueError):
-        return None
-
-
-class Mapping:
-    """A client's state of the shared-memory path: not asked yet, not offered or
-    not mappable (``pool`` None), or mapped.  Shared by the sync and asyncio clients."""
-
-    def __init__(self, copy_threads: int):
-        self.copy_threads = copy_threads
-        self.pool: SharedPool | None = None
-        self.probed = False
-
-    def adopt(self, offer: Any) -> SharedPool | None:
-        """Map what a hello reply offers (once: a concurrent second probe keeps the first)."""
-        if not self.probed:
-            self.probed = True
-            self.pool = SharedPool.open(offer, self.copy_threads)
-        return self.pool
-
-    def drop(self) -> None:
-        """Unmap; the next data op asks the daemon again (after a restart: a new segment)."""
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
-        self.probed = False
-
-
-def _check_tensor(tensor: Any, length: int) -> None:
-    if not tensor.is_contiguous():
-        raise ValueError("shared-memory copies need contiguous tensors")
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes != length:
-        raise ValueError(f"chunk is {length} bytes but the tensor holds {nbytes}")
-
-
-def _flat_bytes(tensor: Any) -> Any:
-    import torch
-
-    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 REMAP, MISS, RAISE = "remap", "miss", "raise"
@@ -317,6 +121,120 @@ def owner() -> dict[str, int] | None:
         except (OSError, IndexError, ValueError):
             _OWNER = (pid, None)
     return _OWNER[1]
+
+
+def parting(pool: SharedPool) -> list[int]:
+    """Leases to release before this client lets go of the pool (closing): its idle
+    staged slots and any unsettled write leases."""
+    leases, pool.unsettled = pool.unsettled, []
+    staged = pool.staged
+    if staged is not None and not staged.busy:
+        pool.staged = None
+        if staged.pid == os.getpid():
+            leases.append(staged.lease)
+    return leases
+
+
+def _take_staged(pool: SharedPool, sizes: Sequence[int]) -> tuple[StagedSlots, list[tuple[int, int]]] | None:
+    """Staged slots of exactly ``sizes`` (reserved for this put), or None."""
+    staged = pool.staged
+    if staged is None or staged.busy or staged.pid != os.getpid() or not _in_time(pool, staged.expires):
+        return None
+    free = list(staged.free)
+    picked = []
+    for size in sizes:
+        at = next((j for j, slot in enumerate(free) if slot[1] == size), None)
+        if at is None:
+            return None
+        picked.append(free.pop(at))
+    staged.free = free
+    staged.busy = True
+    return staged, picked
+
+
+def _retire_staged(pool: SharedPool) -> Flow:
+    """Let go of staged slots that did not fit a put (or whose lease is near its
+    deadline), unless a put is using them; the commit stages new ones."""
+    staged = pool.staged
+    if staged is not None and staged.pid != os.getpid():
+        pool.staged = None  # the parent's, in a forked child: not this process's to release
+    elif staged is not None and not staged.busy:
+        pool.staged = None
+        yield Tell(calls.release([staged.lease]))
+
+
+WriteFn = Callable[[int, int, int], None]
+"""``write(i, offset, length)``: put payload ``i`` into the pool slot at ``offset``."""
+
+
+def _put_staged(
+    pool: SharedPool,
+    namespace: str,
+    keys: Sequence[bytes],
+    sizes: Sequence[int],
+    write: WriteFn,
+    tokens: calls.TokensArg,
+) -> Flow:
+    """A put in one round trip: write into staged slots, then bind them to the keys.
+    None when it cannot be made so (no fitting slots, their lease refused): the
+    caller takes alloc+commit, nothing having been stored."""
+    if not keys or not pool.staged_puts:
+        return None
+    taken = _take_staged(pool, sizes)
+    if taken is None:
+        return None
+    staged, slots = taken
+    try:
+        for i, (offset, length) in enumerate(slots):
+            write(i, offset, length)
+    except BaseException:  # the slots stay staged, nothing became visible
+        staged.free += slots
+        staged.busy = False
+        raise
+    try:
+        bound = yield Ask(calls.bind(namespace, keys, [o for o, _ in slots], staged.lease, pool.segment, tokens))
+    except ServerError as err:
+        staged.busy = False
+        if err.code not in (ErrorCode.UNKNOWN_LEASE, ErrorCode.STALE_SEGMENT):
+            staged.free += slots  # refused before it touched them (FORBIDDEN, BAD_REQUEST)
+            raise
+        if pool.staged is staged:  # expired (or the daemon restarted): nothing was stored
+            pool.staged = None
+        if err.code == ErrorCode.STALE_SEGMENT:
+            raise
+        return None
+    except BaseException:  # unanswered: which slots it consumed is unknown; let the lease go
+        staged.busy = False
+        if pool.staged is staged:
+            pool.staged = None
+        pool.unsettled.append(staged.lease)
+        raise
+    staged.busy = False
+    staged.free += [slot for slot, st in zip(slots, bound.status) if st != PutStatus.STORED] + bound.fresh
+    staged.expires = bound.expires
+    pool.binds += 1
+    return bound.status
+
+
+def _commit_staging(pool: SharedPool, lease: int, sizes: Sequence[int]) -> Flow:
+    """Commit ``lease``; when this client holds no staged slots and puts stream
+    (the previous one began less than half a lease timeout before this one), ask
+    for slots of ``sizes`` for its next put in the same round trip.  (A one-off
+    put stages nothing: staged room is held until used, released, or its
+    lease lapses and its writer is seen done.)"""
+    if pool.staged is not None or not pool.same_clock or not pool.streaming or not pool.staged_puts:
+        return (yield from _commit(pool, lease))
+    try:
+        statuses, staged = yield Ask(calls.commit_staging(lease, pool.segment, sizes, owner()))
+    except BaseException:
+        pool.unsettled.append(lease)
+        raise
+    if staged is not None:
+        if pool.staged is None:
+            pool.staged = StagedSlots(staged.lease, list(staged.slots), staged.expires)
+        else:  # another put staged meanwhile
+            yield Tell(calls.release([staged.lease]))
+    return statuses
 
 
 def _settle(pool: SharedPool) -> Flow:
@@ -425,9 +343,19 @@ def put_flow(
     payloads: Sequence[Any],
     tokens: calls.TokensArg = None,
 ) -> Flow:
-    """A put over shared memory: alloc, copy in, commit.  One PutStatus per key."""
+    """A put over shared memory: into staged slots and one bind, else alloc, copy
+    in, commit (asking for staged slots).  One PutStatus per key."""
     yield from _settle(pool)
+    pool.began_put()
     sizes = [_nbytes(p) for p in payloads]
+
+    def write(i: int, offset: int, length: int) -> None:
+        pool.copy_in(offset, payloads[i])
+
+    done = yield from _put_staged(pool, namespace, keys, sizes, write, tokens)
+    if done is not None:
+        return done
+    yield from _retire_staged(pool)
     grant = yield Ask(calls.alloc(namespace, keys, sizes, pool.segment, owner(), tokens))
     statuses: list[PutStatus | int] = list(grant.status)
     if grant.lease is None:
@@ -438,7 +366,7 @@ def put_flow(
     for payload, loc in zip(payloads, grant.loc):
         if loc is not None:
             pool.copy_in(loc[0], payload)
-    final = iter((yield from _commit(pool, grant.lease)))
+    final = iter((yield from _commit_staging(pool, grant.lease, sizes)))
     return [next(final, PutStatus.FAILED) if loc is not None else s for s, loc in zip(statuses, grant.loc)]
 
 
@@ -460,8 +388,17 @@ def fill_flow(
     (one copy: the caller's).  ``fill`` runs only for keys given a slot; the
     others keep the status alloc gave them (EXISTS, NO_SPACE, ...).  An
     exception from ``fill`` releases the slots (nothing becomes visible) and
-    propagates.  One PutStatus per key."""
+    propagates.  Staged slots are used as by :func:`put_flow`.  One PutStatus per key."""
     yield from _settle(pool)
+    pool.began_put()
+
+    def write(i: int, offset: int, length: int) -> None:
+        fill(i, pool.view[offset : offset + length])
+
+    done = yield from _put_staged(pool, namespace, keys, list(sizes), write, tokens)
+    if done is not None:
+        return done
+    yield from _retire_staged(pool)
     grant = yield Ask(calls.alloc(namespace, keys, list(sizes), pool.segment, owner(), tokens))
     statuses: list[PutStatus | int] = list(grant.status)
     if grant.lease is None:
@@ -476,7 +413,7 @@ def fill_flow(
     except BaseException:
         yield Tell(calls.release([grant.lease]))
         raise
-    final = iter((yield from _commit(pool, grant.lease)))
+    final = iter((yield from _commit_staging(pool, grant.lease, list(sizes))))
     return [next(final, PutStatus.FAILED) if loc is not None else s for s, loc in zip(statuses, grant.loc)]
 
 
