@@ -338,6 +338,12 @@ class Handlers:
         hits, tiers = await self.store.lookup(self._ns(request), request.keys)
         return Outcome({"hits": hits, "tiers": tiers})
 
+    def lookup_now(self, request: Request) -> Outcome | None:
+        """A lookup answered in the receive loop, without a task (None: it must
+        wait for Redis; use :meth:`handle`)."""
+        found = self.store.lookup_now(self._ns(request), request.keys)
+        return None if found is None else Outcome({"hits": found[0], "tiers": found[1]})
+
     async def exists(self, request: Request) -> Outcome:
         return Outcome({"exists": await self.store.exists(self._ns(request), request.keys)})
 

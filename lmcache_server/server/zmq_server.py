@@ -45,6 +45,9 @@ ZERO_COPY_THRESHOLD = 64 * 1024
 MAX_CONCURRENT_REQUESTS = 4096
 RECV_BURST = 64
 """Requests dispatched back to back before the receive loop lets their handlers run."""
+_NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum operators cost more than the calls
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
 HARD_FRAME_LIMIT_FACTOR = 2
 """libzmq drops the connection of a peer sending one frame larger than this
 many times max_message_size (it must not even allocate it); frames between
@@ -121,8 +124,11 @@ class ZmqServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._outgoing: list[_Outgoing] = []
         self._sweeper: asyncio.Task[None] | None = None
-        self._wake: asyncio.Event | None = None
-        self._wake_loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._broken: asyncio.Future[None] | None = None
+        """serve()'s future: the reader callback fails it when the socket breaks."""
+        self._receiving = False  # in the reader callback (its sends need no wake-up check)
+        self._again = False  # the reader callback is scheduled to run again
 
     # -- lifecycle -----------------------------------------------------------------
     def bind(self) -> None:
@@ -151,45 +157,68 @@ class ZmqServer:
         self._rx = zmq.Socket.shadow(sock.underlying)
 
     async def serve(self) -> None:
-        """Receive and dispatch requests until cancelled."""
+        """Receive and dispatch requests until cancelled.
+
+        The socket's fd reader does the receiving, in the event loop's own
+        callback (no coroutine hop per wake-up); this coroutine installs it and
+        re-raises what broke it."""
         assert self.sock is not None, "bind() first"
         if self._sweeper is None:
             self._sweeper = self.supervisor.spawn("reply_sweeper", self._sweep_loop)
-        rx = self._rx
-        assert rx is not None
-        wake = self._readable()
-        burst = 0
-        while True:
-            try:
-                first = rx.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                wake.clear()
-                # Reading EVENTS also re-arms ZeroMQ's (edge-triggered) fd: sleep only
-                # when nothing is queued, else a message would wait for the next one.
-                if not _events(rx) & zmq.POLLIN:
-                    await wake.wait()
-                burst = 0
-                continue
-            frames, dropped = self._receive_rest(first)
-            try:
-                self._dispatch(frames, dropped)
-            except Exception as err:
-                # A bug (an accounting assert, say) costs this request, not the daemon.
-                self.supervisor.failed("dispatch", err)
-                self._reply_internal(frames)
-            burst += 1
-            if burst >= RECV_BURST:  # let the handlers of a long burst run
-                burst = 0
-                await asyncio.sleep(0)
+        assert self._rx is not None
+        loop = asyncio.get_running_loop()
+        broken: asyncio.Future[None] = loop.create_future()
+        self._loop = loop
+        self._broken = broken
+        fd = cast(int, self._rx.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._on_readable)
+        try:
+            self._on_readable()  # what queued before the reader was installed
+            await broken
+        finally:
+            # A serve() started after this one was cancelled (drain's) owns the reader now.
+            if self._broken is broken:
+                self._broken = None
+                if self._rx is not None:
+                    loop.remove_reader(fd)
 
-    def _readable(self) -> asyncio.Event:
-        """Set by the event loop whenever the socket's fd signals; installed once."""
-        if self._wake is None:
-            assert self._rx is not None
-            self._wake = asyncio.Event()
-            self._wake_loop = asyncio.get_running_loop()
-            self._wake_loop.add_reader(cast(int, self._rx.getsockopt(zmq.FD)), self._wake.set)
-        return self._wake
+    def _on_readable(self) -> None:
+        """Receive and dispatch what is queued, at most RECV_BURST requests per call
+        (then again after the handlers made ready meanwhile)."""
+        self._again = False
+        rx = self._rx
+        broken = self._broken
+        if rx is None or broken is None or broken.done():
+            return
+        self._receiving = True
+        try:
+            for _ in range(RECV_BURST):
+                try:
+                    first = rx.recv(_NOBLOCK, copy=False)
+                except zmq.Again:
+                    # Reading EVENTS re-arms ZeroMQ's (edge-triggered) fd: stop only
+                    # when nothing is queued, else a message would wait for the next one.
+                    if _events(rx) & _POLLIN:
+                        continue
+                    return
+                frames, dropped = self._receive_rest(first)
+                try:
+                    self._dispatch(frames, dropped)
+                except Exception as err:
+                    # A bug (an accounting assert, say) costs this request, not the daemon.
+                    self.supervisor.failed("dispatch", err)
+                    self._reply_internal(frames)
+            self._schedule_receive()  # a long burst: let the handlers run first
+        except Exception as err:  # the socket itself failed: serve() raises it
+            if not broken.done():
+                broken.set_exception(err)
+        finally:
+            self._receiving = False
+
+    def _schedule_receive(self) -> None:
+        if not self._again and self._loop is not None:
+            self._again = True
+            self._loop.call_soon(self._on_readable)
 
     def _receive_rest(self, first: zmq.Frame) -> tuple[list[zmq.Frame], int]:
         """The other parts of the message ``first`` began (ZeroMQ delivers all of
@@ -200,7 +229,7 @@ class ZmqServer:
         dropped = 0
         part = first
         while part.more:
-            part = self._rx.recv(zmq.NOBLOCK, copy=False)
+            part = self._rx.recv(_NOBLOCK, copy=False)
             if len(frames) < keep:
                 frames.append(part)
             else:
@@ -228,9 +257,9 @@ class ZmqServer:
     def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._wake_loop is not None and self._rx is not None:
-            self._wake_loop.remove_reader(cast(int, self._rx.getsockopt(zmq.FD)))
-            self._wake_loop = None
+        if self._broken is not None and self._loop is not None and self._rx is not None:
+            self._loop.remove_reader(cast(int, self._rx.getsockopt(zmq.FD)))
+            self._broken = None
         self._rx = None  # a shadow: closing self.sock closes it
         if self.sock is not None:
             self.sock.close(linger=0)
@@ -305,10 +334,27 @@ class ZmqServer:
             self.metrics.busy.inc()
             self._reply_error(envelope, request.id, ErrorCode.BUSY, "in-flight budget spent; retry", op, started)
             return
+        if request.op is Op.LOOKUP and self._answer_now(envelope, request, started, owners):
+            return
         self.metrics.received_bytes.inc(size)
         task = asyncio.get_running_loop().create_task(self._run(envelope, request, size, started, scoped, owners))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _answer_now(self, envelope: list[bytes], request: Any, started: float, owners: Owners) -> bool:
+        """Answer an admitted request in the receive loop when its handler needs no
+        waiting (a lookup of local tiers: a task would cost more than the lookup);
+        False: it was not answered, run it as a task."""
+        try:
+            outcome = self.handlers.lookup_now(request)
+        except BaseException:
+            _release(owners, 0)
+            raise
+        if outcome is None:
+            return False
+        _release(owners, 0)  # done: nothing of it stays in flight
+        self._reply(envelope, request.id, outcome, request.op.value, started, ())
+        return True
 
     def _reply_internal(self, frames: list[Any]) -> None:
         """INTERNAL for a message whose dispatch failed (its id, when it can be read)."""
@@ -448,11 +494,11 @@ class ZmqServer:
         # of a request that arrived meanwhile, so the receive loop is woken when
         # one is queued.
         try:
-            rx.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            rx.send_multipart(frames, _NOBLOCK, copy=False)
         except zmq.ZMQError as err:
             logger.warning("could not send a reply: %s", err)
-        if self._wake is not None and _events(rx) & zmq.POLLIN:
-            self._wake.set()
+        if not self._receiving and self._broken is not None and _events(rx) & _POLLIN:
+            self._schedule_receive()
 
     # -- leases of zero-copy replies -----------------------------------------------
     def _finish(self, out: _Outgoing) -> None:
@@ -488,7 +534,7 @@ class ZmqServer:
 
 def _events(sock: zmq.Socket[Any]) -> int:
     """ZMQ_EVENTS of ``sock`` (reading it also processes ZeroMQ's pending commands)."""
-    return cast(int, sock.getsockopt(zmq.EVENTS))
+    return cast(int, sock.getsockopt(_EVENTS))
 
 
 def _user_id(frame: zmq.Frame) -> str | None:
