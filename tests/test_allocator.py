@@ -72,3 +72,44 @@ def test_random_workload_keeps_invariants(seed: int) -> None:
     for off in list(live):
         a.free(off)
     assert a.free_extents == 1 and a.allocated_bytes == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_untracked_allocator_matches_the_tracked_one(seed: int) -> None:
+    """``track_sizes=False`` (the memory tier's: its entries keep the sizes) hands
+    out the same offsets as a tracking allocator when given the sizes at free."""
+    rng = random.Random(seed)
+    tracked, untracked = ExtentAllocator(256 * ALIGNMENT), ExtentAllocator(256 * ALIGNMENT, track_sizes=False)
+    live: dict[int, int] = {}
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            off = rng.choice(list(live))
+            tracked.free(off)
+            untracked.free(off, live.pop(off))
+        else:
+            size = rng.randint(1, 12 * ALIGNMENT)
+            off = tracked.alloc(size)
+            assert untracked.alloc(size) == off
+            if off is not None:
+                live[off] = size
+        check_invariants(untracked, live)
+        assert untracked.allocated_bytes == tracked.allocated_bytes
+
+
+def test_untracked_allocator_refuses_a_free_it_can_tell_is_wrong() -> None:
+    a = ExtentAllocator(8 * ALIGNMENT, track_sizes=False)
+    x = a.alloc(ALIGNMENT)
+    y = a.alloc(2 * ALIGNMENT)
+    assert x is not None and y is not None
+    with pytest.raises(TypeError):
+        a.free(x)  # no size: it keeps none
+    with pytest.raises(TypeError):
+        a.size_of(x)
+    a.free(y, 2 * ALIGNMENT)
+    with pytest.raises(ValueError):
+        a.free(y, 2 * ALIGNMENT)  # twice: its start is free
+    with pytest.raises(ValueError):
+        a.free(x, 2 * ALIGNMENT)  # too long: it would end inside the free extent after it
+    assert a.allocated_bytes == ALIGNMENT
+    a.free(x, 1)
+    assert a.free_extents == 1 and a.allocated_bytes == 0

@@ -13,6 +13,13 @@ accounting properties
 
 Cost: O(log n + n_free) per call, with n_free the number of free extents
 (a few hundred at most for a pool of MiB-sized chunks).
+
+Memory: the allocator keeps the free extents only.  By default it also
+remembers the size of each extent it handed out (a dict slot and an int per
+extent: ~140 B per chunk at 100k chunks), so that ``free(offset)`` needs no
+size; an owner that keeps the sizes itself (the memory tier: every chunk's
+entry has its extent) builds it with ``track_sizes=False`` and passes the
+size to ``free``.
 """
 
 from __future__ import annotations
@@ -26,24 +33,29 @@ def aligned(size: int) -> int:
     return (size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
+def extent_of(size: int) -> int:
+    """Bytes :meth:`ExtentAllocator.alloc` hands out for ``size`` bytes."""
+    return aligned(max(size, 1))
+
+
 class ExtentAllocator:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, track_sizes: bool = True):
         self.capacity = capacity // ALIGNMENT * ALIGNMENT
         if self.capacity <= 0:
             raise ValueError(f"pool of {capacity} bytes is smaller than one {ALIGNMENT}-byte page")
         self._by_start: dict[int, int] = {0: self.capacity}  # start -> size
         self._by_end: dict[int, int] = {self.capacity: 0}  # end -> start
         self._sizes: list[tuple[int, int]] = [(self.capacity, 0)]  # sorted (size, start)
-        self._used: dict[int, int] = {}  # start -> size of live allocations
+        self._used: dict[int, int] | None = {} if track_sizes else None  # start -> size of live allocations
         self.allocated_bytes = 0
 
     @classmethod
-    def with_used(cls, capacity: int, extents: list[tuple[int, int]]) -> ExtentAllocator:
+    def with_used(cls, capacity: int, extents: list[tuple[int, int]], track_sizes: bool = True) -> ExtentAllocator:
         """An allocator over ``capacity`` bytes in which each ``(offset, size)`` of
         ``extents`` is allocated and the gaps between them are free.  Raises
         ValueError for an extent that is unaligned, outside the pool or
         overlapping another."""
-        allocator = cls(capacity)
+        allocator = cls(capacity, track_sizes)
         allocator._by_start.clear()
         allocator._by_end.clear()
         allocator._sizes.clear()
@@ -57,7 +69,8 @@ class ExtentAllocator:
                 raise ValueError(f"extent ({offset}, {size}) ends past the pool's {allocator.capacity} bytes")
             if offset > cursor:
                 allocator._add_free(cursor, offset - cursor)
-            allocator._used[offset] = size
+            if allocator._used is not None:
+                allocator._used[offset] = size
             allocator.allocated_bytes += size
             cursor = offset + size
         if cursor < allocator.capacity:
@@ -93,12 +106,26 @@ class ExtentAllocator:
         del self._by_end[start + extent_size]
         if extent_size > need:
             self._add_free(start + need, extent_size - need)
-        self._used[start] = need
+        if self._used is not None:
+            self._used[start] = need
         self.allocated_bytes += need
         return start
 
-    def free(self, offset: int) -> None:
-        size = self._used.pop(offset)
+    def free(self, offset: int, size: int | None = None) -> None:
+        """Give back the extent at ``offset``; ``size`` is the size it was
+        allocated for (required when the allocator does not track sizes; ignored
+        when it does).  Raises KeyError (tracked) or ValueError for an extent
+        that is not allocated, as far as the free lists can tell."""
+        if self._used is not None:
+            size = self._used.pop(offset)
+        elif size is None:
+            raise TypeError("this allocator does not track sizes: free(offset, size)")
+        else:
+            size = extent_of(size)
+            if offset in self._by_start or offset + size in self._by_end or offset + size > self.capacity:
+                raise ValueError(f"extent ({offset}, {size}) is not allocated")
+            if size > self.allocated_bytes:
+                raise ValueError(f"extent ({offset}, {size}) is larger than all allocated bytes")
         self.allocated_bytes -= size
         start, end = offset, offset + size
         # Coalesce with the free neighbours on both sides.
@@ -113,6 +140,9 @@ class ExtentAllocator:
         self._add_free(start, end - start)
 
     def size_of(self, offset: int) -> int:
+        """Bytes allocated at ``offset`` (only when the allocator tracks sizes)."""
+        if self._used is None:
+            raise TypeError("this allocator does not track sizes")
         return self._used[offset]
 
     def _add_free(self, start: int, size: int) -> None:

@@ -33,52 +33,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
-from .allocator import ExtentAllocator, aligned
+from . import memorywarm
+from .allocator import ExtentAllocator, aligned, extent_of
 from .base import Chunk, ChunkKey
+from .memoryentry import Entry as _Entry
+from .memoryentry import canonical as _canonical
+from .memoryentry import pack, packable, unpack
+from .memoryentry import shared as _shared
 from .policy import EvictionPolicy, LRUPolicy
 from .pool import MemoryPool
 from .tenants import TenantQuotas, tenant_of
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Entry:
-    key: ChunkKey
-    offset: int
-    size: int
-    extent: int  # bytes the allocator gave it (size rounded up to pages)
-    leases: int = 0
-    pinned: bool = False
-    dead: bool = False  # removed from the index; free the extent when the last lease ends
-    lent: bool = False  # evicted and lent to the spill: its extent comes back once written
-
-
-_ints: dict[int, int] = {}
-
-
-def _shared(n: int) -> int:
-    """One int object per chunk size (a model's chunks are one size), not one per chunk."""
-    got = _ints.get(n)
-    if got is None:
-        if len(_ints) >= 4096:
-            return n
-        got = _ints[n] = n
-    return got
-
-
-def _canonical(key: ChunkKey) -> ChunkKey:
-    """``key`` with the one interned string of its namespace (each request decodes
-    its own copy: ~150 bytes per chunk if kept)."""
-    namespace = sys.intern(key.namespace)
-    return key if namespace is key.namespace else ChunkKey(namespace, key.digest)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -121,7 +93,7 @@ class MemoryTier:
         on_evict: Callable[[ChunkKey, Chunk, bool], bool] | None = None,
     ):
         self.pool = pool
-        self.allocator = ExtentAllocator(pool.size)
+        self.allocator = ExtentAllocator(pool.size, track_sizes=False)  # the entries keep the sizes
         self.max_pinned_bytes = max_pinned_bytes
         self.policy = policy if policy is not None else LRUPolicy()
         self.on_evict = on_evict
@@ -135,7 +107,8 @@ class MemoryTier:
         self.counters = TierCounters()
         self.quotas = TenantQuotas()
         """Per-tenant byte limits (``tenant_quotas``); set by the composition root."""
-        self._index: dict[ChunkKey, _Entry] = {}
+        self._index: dict[ChunkKey, int | _Entry] = {}
+        """key -> its entry: a packed int while neither leased nor pinned (storage/memoryentry.py)."""
         self._by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
         self.stored_bytes = 0
         self.pinned_bytes = 0
@@ -145,14 +118,36 @@ class MemoryTier:
 
     # -- reads ---------------------------------------------------------------------
     async def get(self, key: ChunkKey) -> Chunk | None:
-        entry = self._index.get(key)
-        if entry is None:
+        found = self._index.get(key)
+        if found is None:
             self.counters.misses += 1
             return None
         self.counters.hits += 1
-        if not entry.pinned:
-            self.policy.touched(entry.key)  # the tier's key object: a policy keeping it adds no copy
-        return self._lease(entry)
+        self._touch(key, found)
+        return self._lease(self._entry(key, found))
+
+    def _touch(self, key: ChunkKey, found: int | _Entry) -> None:
+        """Tell the policy of a hit on ``found`` (``key``'s entry) unless it is pinned."""
+        if isinstance(found, int):
+            self.policy.touched(key)
+        elif not found.pinned:
+            self.policy.touched(found.key)  # the tier's key object: a policy keeping it adds no copy
+
+    def _entry(self, key: ChunkKey, found: int | _Entry | None = None) -> _Entry:
+        """``key``'s entry as an object (kept in the index until :meth:`_pack` packs it
+        again); ``found``: ``self._index[key]`` when the caller has it."""
+        if found is None:
+            found = self._index[key]
+        if not isinstance(found, int):
+            return found
+        offset, size = unpack(found)
+        entry = self._index[key] = _Entry(key, offset, _shared(size), _shared(extent_of(size)))
+        return entry
+
+    def _pack(self, entry: _Entry) -> None:
+        """Store an indexed entry as one int again once nothing needs its object."""
+        if not (entry.leases or entry.pinned or entry.dead) and packable(entry.offset, entry.size):
+            self._index[entry.key] = pack(entry.offset, entry.size)
 
     def _lease(self, entry: _Entry) -> Chunk:
         entry.leases += 1
@@ -171,11 +166,12 @@ class MemoryTier:
                 self.dying_bytes -= entry.extent
                 if entry.lent:
                     self.lent_bytes -= entry.extent
-                self.allocator.free(entry.offset)
+                self.allocator.free(entry.offset, entry.extent)
                 if self._room is not None:
                     self._room.set()
             elif not entry.pinned:
                 self.evictable_bytes += entry.extent
+                self._pack(entry)
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [k in self._index for k in keys]
@@ -212,7 +208,7 @@ class MemoryTier:
         key = _canonical(key)
         offset = self._allocate(size)
         if offset is not None and not self.pool.commit(offset, size):
-            self.allocator.free(offset)  # the shared-memory filesystem is full
+            self.allocator.free(offset, size)  # the shared-memory filesystem is full
             offset = None
         if offset is None:
             if not self.room_coming(size):  # else the caller may wait for it (and counts it if not)
@@ -225,8 +221,7 @@ class MemoryTier:
         its tenant's quota), else None: the checks of a store before it takes room."""
         existing = self._index.get(key)
         if existing is not None:
-            if not existing.pinned:
-                self.policy.touched(existing.key)
+            self._touch(key, existing)
             return PutStatus.EXISTS
         key = _canonical(key)
         if size > self.allocator.capacity:
@@ -259,19 +254,19 @@ class MemoryTier:
         """Phase two: make a filled reservation visible (EXISTS if the key was stored meanwhile)."""
         r = reservation
         if r.key in self._index:
-            self.allocator.free(r.offset)
+            self.allocator.free(r.offset, r.size)
             return PutStatus.EXISTS
         key = _canonical(r.key)
-        entry = _Entry(key, r.offset, _shared(r.size), _shared(self.allocator.size_of(r.offset)))
-        self._index[key] = entry
-        self.evictable_bytes += entry.extent
+        self._index[key] = pack(r.offset, r.size) if packable(r.offset, r.size) else _Entry(
+            key, r.offset, r.size, extent_of(r.size))  # fmt: skip
+        self.evictable_bytes += extent_of(r.size)
         self.policy.inserted(key, r.size, r.parent)
-        self._account(entry, +1)
+        self._account(key, r.size, +1)
         self.counters.stores += 1
         return PutStatus.STORED
 
     def abort_store(self, reservation: Reservation) -> None:
-        self.allocator.free(reservation.offset)
+        self.allocator.free(reservation.offset, reservation.size)
 
     def reserve_room(self, size: int) -> Reservation | None:
         """Room for ``size`` bytes bound to no key yet (key :data:`UNBOUND`: a staged
@@ -281,7 +276,7 @@ class MemoryTier:
             return None
         offset = self._allocate(size)
         if offset is not None and not self.pool.commit(offset, size):
-            self.allocator.free(offset)
+            self.allocator.free(offset, size)
             offset = None
         if offset is None:
             return None
@@ -298,10 +293,10 @@ class MemoryTier:
 
     def lease(self, key: ChunkKey) -> Chunk | None:
         """A leased view of a stored chunk without counting a hit or touching recency."""
-        entry = self._index.get(key)
-        if entry is None:
+        found = self._index.get(key)
+        if found is None:
             return None
-        return self._lease(entry)
+        return self._lease(self._entry(key, found))
 
     def _allocate(self, size: int) -> int | None:
         offset = self.allocator.alloc(size)
@@ -320,7 +315,7 @@ class MemoryTier:
         if (self.pinned_bytes or self.leased_chunks) and not self._could_fit(size):
             return None  # refuse without evicting chunks for nothing
         while not self.room_coming(size) and (key := self.policy.victim(self._is_leased)) is not None:
-            self._evict_lending(self._index[key])
+            self._evict_lending(self._entry(key))
             offset = self.allocator.alloc(size)
             if offset is not None:
                 return offset
@@ -329,7 +324,9 @@ class MemoryTier:
     def _evict_lending(self, entry: _Entry) -> None:
         """Evict ``entry``, lent to the spill when a disk tier takes it, else at once."""
         if not (self.lends_spills and self._evict(entry, lend=True)):
-            self._evict(entry, lend=False)  # a spill declined (queue full): dropped, no copy
+            # A spill declined (queue full): dropped, no copy.  Its lease ended, so the
+            # index may hold the entry packed again: evict the index's entry, not a stale copy.
+            self._evict(self._entry(entry.key), lend=False)
 
     def _evict_ahead(self) -> None:
         """Lend victims to the spill until ``spill_ahead_bytes`` (at most an eighth
@@ -338,7 +335,7 @@ class MemoryTier:
         target = min(self.spill_ahead_bytes, self.allocator.capacity // 8)
         while self.allocator.free_bytes + self.dying_bytes < target:
             key = self.policy.victim(self._is_leased)
-            if key is None or not self._evict(self._index[key], lend=True):
+            if key is None or not self._evict(self._entry(key), lend=True):
                 return
 
     def _evict(self, entry: _Entry, lend: bool) -> bool:
@@ -360,7 +357,8 @@ class MemoryTier:
         return True
 
     def _is_leased(self, key: ChunkKey) -> bool:
-        return self._index[key].leases > 0
+        found = self._index[key]
+        return not isinstance(found, int) and found.leases > 0
 
     def _within_quota(self, key: ChunkKey, size: int) -> bool:
         """Evict the key's tenant's own chunks until ``size`` more bytes fit its
@@ -373,13 +371,13 @@ class MemoryTier:
             return False
 
         def not_theirs(k: ChunkKey) -> bool:
-            return self._index[k].leases > 0 or tenant_of(k.namespace) != tenant
+            return self._is_leased(k) or tenant_of(k.namespace) != tenant
 
         while self.quotas.used(tenant) + size > limit:
             victim = self.policy.victim(not_theirs)
             if victim is None:
                 return False
-            self._evict_lending(self._index[victim])
+            self._evict_lending(self._entry(victim))
             self.quotas.evictions[tenant] += 1
         return True
 
@@ -390,16 +388,16 @@ class MemoryTier:
         return self.allocator.free_bytes + self.evictable_bytes >= aligned(size)
 
     async def delete(self, key: ChunkKey) -> bool:
-        entry = self._index.get(key)
-        if entry is None:
+        found = self._index.get(key)
+        if found is None:
             return False
-        self._remove(entry)
+        self._remove(self._entry(key, found))
         return True
 
     async def clear(self, namespace: str | None) -> int:
-        victims = [e for k, e in self._index.items() if namespace is None or k.namespace == namespace]
-        for entry in victims:
-            self._remove(entry)
+        victims = [k for k in self._index if namespace is None or k.namespace == namespace]
+        for key in victims:
+            self._remove(self._entry(key))
         return len(victims)
 
     def _remove(self, entry: _Entry) -> None:
@@ -410,33 +408,35 @@ class MemoryTier:
             self.policy.removed(entry.key)
             if not entry.leases:
                 self.evictable_bytes -= entry.extent
-        self._account(entry, -1)
+        self._account(entry.key, entry.size, -1)
         if entry.leases:
             entry.dead = True
             self.dying_bytes += entry.extent
         else:
-            self.allocator.free(entry.offset)
+            self.allocator.free(entry.offset, entry.extent)
         if self.on_removed is not None:
             self.on_removed(entry.key)
 
-    def _account(self, entry: _Entry, sign: int) -> None:
-        self.stored_bytes += sign * entry.size
-        self.quotas.account(entry.key.namespace, sign * entry.size)
-        counts = self._by_namespace.setdefault(entry.key.namespace, [0, 0])
+    def _account(self, key: ChunkKey, size: int, sign: int) -> None:
+        self.stored_bytes += sign * size
+        self.quotas.account(key.namespace, sign * size)
+        counts = self._by_namespace.setdefault(key.namespace, [0, 0])
         counts[0] += sign
-        counts[1] += sign * entry.size
+        counts[1] += sign * size
         if counts[0] == 0:
-            del self._by_namespace[entry.key.namespace]
+            del self._by_namespace[key.namespace]
 
     # -- pins ----------------------------------------------------------------------
     def pin(self, key: ChunkKey) -> bool:
-        entry = self._index.get(key)
-        if entry is None:
+        found = self._index.get(key)
+        if found is None:
             return False
-        if entry.pinned:
+        if not isinstance(found, int) and found.pinned:
             return True
-        if self.pinned_bytes + entry.size > self.max_pinned_bytes:
+        size = unpack(found)[1] if isinstance(found, int) else found.size
+        if self.pinned_bytes + size > self.max_pinned_bytes:
             return False
+        entry = self._entry(key, found)
         entry.pinned = True
         self.pinned_bytes += entry.size
         if not entry.leases:
@@ -446,53 +446,30 @@ class MemoryTier:
 
     def unpin(self, key: ChunkKey) -> bool:
         entry = self._index.get(key)
-        if entry is None or not entry.pinned:
+        if entry is None or isinstance(entry, int) or not entry.pinned:
             return False
         entry.pinned = False
         self.pinned_bytes -= entry.size
         if not entry.leases:
             self.evictable_bytes += entry.extent
-        self.policy.inserted(key, entry.size, None)
+        self.policy.inserted(entry.key, entry.size, None)
+        self._pack(entry)
         return True
 
-    # -- warm restarts (storage/warmstart.py) -------------------------------------
+    # -- warm restarts (storage/warmstart.py; the work is in storage/memorywarm.py) --
     def snapshot(self) -> list[tuple[ChunkKey, int, int, bool]]:
         """Every stored chunk as ``(key, offset, size, pinned)``, next victim first
         (pinned chunks last): what the next daemon needs to adopt the pool."""
-        order = [k for k in self.policy.order() if k in self._index and not self._index[k].pinned]
-        listed = set(order)
-        order += [k for k in self._index if k not in listed]
-        return [(k, self._index[k].offset, self._index[k].size, self._index[k].pinned) for k in order]
+        return memorywarm.snapshot(self)
 
     def adopt(self, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None:
-        """Take over a pool left by a clean stop: ``chunks`` as :meth:`snapshot`
-        gave them (inserted in that order: the policy keeps it) and the extents
-        ``(offset, size)`` of leases carried over, allocated until given back
-        (:meth:`abort_store`, or the release of :meth:`held_chunk`).  Only on an
-        empty tier; ValueError when extents overlap or leave the pool."""
-        if self._index:
-            raise ValueError("only an empty memory tier can adopt a pool")
-        extents = [(offset, aligned(size)) for _, offset, size, _ in chunks]
-        self.allocator = ExtentAllocator.with_used(self.pool.size, extents + [(o, aligned(n)) for o, n in held])
-        for key, offset, size, pinned in chunks:
-            if key in self._index:
-                raise ValueError(f"chunk {key.digest.hex()} is listed twice")
-            key = _canonical(key)
-            entry = _Entry(key, offset, _shared(size), _shared(aligned(size)))
-            self._index[key] = entry
-            self.evictable_bytes += entry.extent
-            self.policy.inserted(key, size, None)
-            self._account(entry, +1)
-            if pinned:
-                self.pin(key)
-        self.counters.adopted = len(chunks)
+        """Take over a pool left by a clean stop (see :func:`.memorywarm.adopt`)."""
+        memorywarm.adopt(self, chunks, held)
 
     def held_chunk(self, offset: int, size: int) -> Chunk:
         """A leased view of a held extent of a read lease whose chunk is gone
         (deleted or evicted before the restart), freed when the lease ends."""
-        entry = _Entry(ChunkKey("", b""), offset, size, aligned(size), dead=True)
-        self.dying_bytes += entry.extent
-        return self._lease(entry)
+        return memorywarm.held_chunk(self, offset, size)
 
     # -- introspection -------------------------------------------------------------
     @property

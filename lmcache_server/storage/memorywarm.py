@@ -1,0 +1,75 @@
+"""The memory tier's side of a warm restart (storage/warmstart.py): the list of
+stored chunks a clean stop leaves, and the adoption of that list by the next
+daemon's tier over the same pool.
+
+Primitives: :func:`snapshot`, :func:`adopt`, :func:`held_chunk`; the tier's
+methods of the same names call them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .allocator import ExtentAllocator, aligned
+from .base import Chunk, ChunkKey
+from .memoryentry import Entry, canonical, pack, packable, shared, unpack
+
+if TYPE_CHECKING:
+    from .memory import MemoryTier
+
+
+def snapshot(tier: MemoryTier) -> list[tuple[ChunkKey, int, int, bool]]:
+    """Every chunk ``tier`` stores as ``(key, offset, size, pinned)``, next victim
+    first (pinned chunks last)."""
+    index = tier._index
+
+    def unpinned(k: ChunkKey) -> bool:
+        found = index.get(k)
+        return found is not None and (isinstance(found, int) or not found.pinned)
+
+    order = [k for k in tier.policy.order() if unpinned(k)]
+    listed = set(order)
+    order += [k for k in index if k not in listed]
+    rows = []
+    for k in order:
+        found = index[k]
+        if isinstance(found, int):
+            rows.append((k, *unpack(found), False))
+        else:
+            rows.append((k, found.offset, found.size, found.pinned))
+    return rows
+
+
+def adopt(tier: MemoryTier, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None:
+    """Make an empty ``tier`` take over a pool left by a clean stop: ``chunks`` as
+    :func:`snapshot` gave them (inserted in that order: the policy keeps it) and
+    the extents ``(offset, size)`` of leases carried over, allocated until given
+    back (``abort_store``, or the release of :func:`held_chunk`).  ValueError
+    when the tier is not empty or extents overlap or leave the pool."""
+    if tier._index:
+        raise ValueError("only an empty memory tier can adopt a pool")
+    extents = [(offset, aligned(size)) for _, offset, size, _ in chunks]
+    tier.allocator = ExtentAllocator.with_used(
+        tier.pool.size, extents + [(o, aligned(n)) for o, n in held], track_sizes=False
+    )
+    index = tier._index
+    for key, offset, size, pinned in chunks:
+        if key in index:
+            raise ValueError(f"chunk {key.digest.hex()} is listed twice")
+        key = canonical(key)
+        index[key] = pack(offset, size) if packable(offset, size) else Entry(key, offset, shared(size), aligned(size))
+        tier.evictable_bytes += aligned(size)
+        tier.policy.inserted(key, size, None)
+        tier._account(key, size, +1)
+        if pinned:
+            tier.pin(key)
+    tier.counters.adopted = len(chunks)
+
+
+def held_chunk(tier: MemoryTier, offset: int, size: int) -> Chunk:
+    """A leased view of a held extent of a read lease whose chunk is gone (deleted
+    or evicted before the restart), freed when the lease ends."""
+    entry = Entry(ChunkKey("", b""), offset, size, aligned(size), dead=True)
+    tier.dying_bytes += entry.extent
+    return tier._lease(entry)
