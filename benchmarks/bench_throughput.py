@@ -145,6 +145,7 @@ class Options:
     redis_server: str | None
     profile_daemon: Path | None
     malloc_arena_max: int | None
+    shm_put_paths: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +196,9 @@ class Bench:
         self._cell = 0
         self.cpu: CpuMeter | None = None
         self.server_pids: dict[str, int] = {}
-        self._cells = len(opts.sizes_mib) * (2 + len(OPS) * (2 * len(TRANSPORTS) + 2 + (1 if opts.redis_server else 0)))
+        self._cells = len(opts.sizes_mib) * (
+            2 + len(OPS) * (2 * len(TRANSPORTS) + 2 + (1 if opts.redis_server else 0)) + opts.shm_put_paths
+        )
 
     # -- setup ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -265,6 +268,10 @@ class Bench:
             if not shm_client.uses_shared_memory:
                 raise SystemExit(f"the daemon's pool is not shared (see its log):\n{daemon.log_tail(20)}")
             self.daemon[name] = shm_client
+        if o.shm_put_paths:  # the put path without staged slots: alloc+commit, two round trips
+            self.daemon["shm-alloc"] = CacheClient(
+                self.endpoints["daemon"]["ipc"], NAMESPACE, timeout_s=60, fail_open=False, staged_puts=False
+            )
         self.echo["tcp"].send(b"hello")
         echo_tuned = self.echo["tcp"].recv() == b"tuned=1"
         echo.check_alive()
@@ -304,7 +311,7 @@ class Bench:
         # pool; a fresh one page-faults each on first use.  Warm the shm
         # client's mapping the same way (untimed): one pass over the pool.
         t0 = time.perf_counter()
-        for name in ("shm", "shm-1t"):
+        for name in ("shm", "shm-1t", *(("shm-alloc",) if self.opts.shm_put_paths else ())):
             for _ in range(calls):
                 _expect_stored(self.daemon[name].put(self.keys.batch(), self.sources))
         self.progress(f"warmed the shm client's mapping of the pool in {time.perf_counter() - t0:.1f}s (untimed)")
@@ -360,6 +367,8 @@ class Bench:
                     members.append(("daemon", transport, self.daemon_call(transport, op, payloads)))
                 members.append(("daemon", "shm", self.daemon_call("shm", op, payloads)))
                 members.append(("daemon", "shm-1t", self.daemon_call("shm-1t", op, payloads)))
+                if op == "put" and self.opts.shm_put_paths:
+                    members.append(("daemon", "shm-alloc", self.daemon_call("shm-alloc", op, payloads)))
                 if self.redis is not None:
                     members.append(("redis", "tcp", self.redis_call(op, payloads)))
                 self.group(op, size, members)
@@ -517,6 +526,15 @@ class Bench:
                         f"{_ratio(self.rate('daemon', t, op, size), redis):>12s}" for t in TRANSPORTS
                     )
                 print(line)
+        if self.opts.shm_put_paths:
+            print("shm put, staged slots (one bind per put) vs alloc+commit (two round trips), same run:")
+            for size_mib in self.opts.sizes_mib:
+                size = size_mib * MIB
+                memcpy = self.rate("memcpy", "-", "put", size)
+                staged, alloc = self.rate("daemon", "shm", "put", size), self.rate("daemon", "shm-alloc", "put", size)
+                print(f"  {size_mib:3d} MiB x{BATCH}: staged {_fmt(staged)} MiB/s = {_ratio(staged, memcpy)} memcpy, "
+                      f"alloc+commit {_fmt(alloc)} MiB/s = {_ratio(alloc, memcpy)} memcpy; "
+                      f"staged/alloc {_ratio(staged, alloc)}")  # fmt: skip
         fresh = ", ".join(f"{s >> 20} MiB {v.median:,.0f}" for s, v in sorted(self.fresh_memcpy.items()))
         print(f"memcpy-fresh (into a freshly mmapped destination, page faults included), MiB/s: {fresh}")
         return self.targets()
@@ -637,6 +655,8 @@ def _parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--malloc-arena-max", type=int, metavar="N",
                    help="experiment: glibc M_ARENA_MAX=N in every process (client, echo server, daemon); "
                         "1 keeps libzmq's I/O-thread receive buffers in the main arena")  # fmt: skip
+    p.add_argument("--shm-put-paths", action="store_true",
+                   help="also measure shm put without staged slots (alloc+commit: shm-alloc), same run")  # fmt: skip
     a = p.parse_args(argv)
     from lmcache_server.config import parse_size  # the daemon's own size syntax
 
@@ -654,6 +674,7 @@ def _parse_args(argv: Sequence[str] | None) -> Options:
         redis_server=a.redis_server or None,
         profile_daemon=a.profile_daemon.resolve() if a.profile_daemon else None,
         malloc_arena_max=a.malloc_arena_max,
+        shm_put_paths=a.shm_put_paths,
     )
 
 
