@@ -6,10 +6,12 @@ validate the header (errors become error replies) -> access check (with
 ``auth: curve``: the connection's client name against the op and namespace;
 FORBIDDEN) -> admission (the client's own request and byte limits, then the
 server's byte budget and task cap; BUSY when spent) -> a handler task -> one
-reply.  Every refused limit is counted in ``lmcache_limit_violations_total``.
-Get replies send chunk bytes straight from the memory pool (zero-copy); each
-chunk stays leased, and its bytes stay counted against the budget (and the
-client's share), until ZeroMQ reports the send done.
+reply.  A lookup that local tiers answer is answered in the receive loop
+itself, without a task.  Every refused limit is counted in
+``lmcache_limit_violations_total``.  Get replies send chunk bytes straight from
+the memory pool (zero-copy, outgoing.py); each chunk stays leased, and its
+bytes stay counted against the budget (and the client's share), until ZeroMQ
+reports the send done.
 
 Lifecycle: :meth:`bind` -> :meth:`serve` (until cancelled) -> :meth:`drain`
 (answer SHUTTING_DOWN to newcomers while in-flight requests finish) ->
@@ -32,10 +34,11 @@ from ..config import ConfigError, ServerConfig
 from ..metrics import ServerMetrics
 from ..security import Security
 from ..security.access import namespace_view
-from ..storage import Chunk
 from ..supervisor import Supervisor
 from .admission import ByteBudget, ClientLedger
 from .handlers import Handlers, Outcome
+from .outgoing import Owners, SentReplies
+from .outgoing import release as _release
 from .tokens import token_header_bytes
 
 logger = logging.getLogger(__name__)
@@ -65,21 +68,6 @@ def split_envelope(frames: list[Any]) -> tuple[list[bytes], list[Any]]:
     if len(frames) >= 3 and len(frames[1]) == 0:
         return [frames[0].bytes, b""], frames[2:]
     return [frames[0].bytes], frames[1:]
-
-
-Owners = tuple[tuple[ClientLedger, bytes], ...]
-"""The ledgers a request counts in: its connection's, and its client key's when keys are limited."""
-
-
-class _Outgoing:
-    __slots__ = ("tracker", "chunks", "budget_bytes", "sent_at", "owners")
-
-    def __init__(self, tracker: zmq.MessageTracker, chunks: list[Chunk], budget_bytes: int, owners: Owners):
-        self.tracker = tracker
-        self.chunks = chunks
-        self.budget_bytes = budget_bytes
-        self.sent_at = time.monotonic()
-        self.owners = owners
 
 
 class ZmqServer:
@@ -122,7 +110,8 @@ class ZmqServer:
         self.sock: zmq.asyncio.Socket | None = None
         self.draining = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self._outgoing: list[_Outgoing] = []
+        self.replies = SentReplies(budget)
+        """Zero-copy replies still being sent (their chunks stay leased until then)."""
         self._sweeper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._broken: asyncio.Future[None] | None = None
@@ -164,7 +153,7 @@ class ZmqServer:
         re-raises what broke it."""
         assert self.sock is not None, "bind() first"
         if self._sweeper is None:
-            self._sweeper = self.supervisor.spawn("reply_sweeper", self._sweep_loop)
+            self._sweeper = self.supervisor.spawn("reply_sweeper", self.replies.run)
         assert self._rx is not None
         loop = asyncio.get_running_loop()
         broken: asyncio.Future[None] = loop.create_future()
@@ -242,11 +231,11 @@ class ZmqServer:
         refuser = asyncio.get_running_loop().create_task(self.serve())
         deadline = time.monotonic() + timeout_s
         try:
-            while (self._tasks or self._outgoing) and time.monotonic() < deadline:
+            while (self._tasks or self.replies) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         finally:
             refuser.cancel()
-        clean = not self._tasks and not self._outgoing
+        clean = not self._tasks and not self.replies
         # Cancelled handlers reply SHUTTING_DOWN; let them run before the socket closes.
         stragglers = list(self._tasks)
         for task in stragglers:
@@ -264,17 +253,15 @@ class ZmqServer:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
-        for out in self._outgoing:
-            self._finish(out)
-        self._outgoing.clear()
+        self.replies.close()
 
     # -- requests ------------------------------------------------------------------
     def _dispatch(self, frames: list[Any], dropped_frames: int = 0) -> None:
         started = time.perf_counter()
-        if self._outgoing:
+        if self.replies:
             # Release finished sends first, so a request never sees a chunk
             # still leased by a reply its client has already received.
-            self._sweep()
+            self.replies.sweep()
         envelope, body = split_envelope(frames)
         if dropped_frames:
             self._refuse_frames(envelope, body, dropped_frames, started)
@@ -461,17 +448,12 @@ class ZmqServer:
         self.metrics.sent_bytes.inc(outcome.budget_bytes + outcome.shm_out_bytes)
         if outcome.shm_in_bytes:
             self.metrics.received_bytes.inc(outcome.shm_in_bytes)
-        out = _Outgoing(zmq.MessageTracker(*tracked), outcome.chunks, outcome.budget_bytes, owners)
-        for ledger, owner in owners:
-            ledger.hold(owner, out.budget_bytes)
+        out = self.replies.start(zmq.MessageTracker(*tracked), outcome.chunks, outcome.budget_bytes, owners)
         pending: asyncio.Future[None] | None = None
         try:
             self._send(envelope + frames)
         finally:
-            if tracked:
-                self._outgoing.append(out)
-            else:
-                self._finish(out)
+            self.replies.sent(out, bool(tracked))
             if outcome.after_reply is not None:
                 pending = outcome.after_reply()
         self.metrics.observe(op, "ok", time.perf_counter() - started)
@@ -500,37 +482,6 @@ class ZmqServer:
         if not self._receiving and self._broken is not None and _events(rx) & _POLLIN:
             self._schedule_receive()
 
-    # -- leases of zero-copy replies -----------------------------------------------
-    def _finish(self, out: _Outgoing) -> None:
-        for chunk in out.chunks:
-            chunk.release()
-        self.budget.release(out.budget_bytes)
-        for ledger, owner in out.owners:
-            ledger.unhold(owner, out.budget_bytes)
-
-    async def _sweep_loop(self) -> None:
-        while True:
-            # Releases never delay a reply (only the reuse of leased bytes), so
-            # a few milliseconds of lag costs nothing and saves wake-ups.
-            await asyncio.sleep(0.005 if self._outgoing else 0.02)
-            if self._outgoing:
-                self._sweep()
-
-    def _sweep(self) -> None:
-        pending = []
-        failed: Exception | None = None
-        for out in self._outgoing:
-            if not out.tracker.done:
-                pending.append(out)
-                continue
-            try:
-                self._finish(out)
-            except Exception as err:  # an accounting bug: the list must stay consistent anyway
-                failed = err
-        self._outgoing = pending
-        if failed is not None:
-            raise failed
-
 
 def _events(sock: zmq.Socket[Any]) -> int:
     """ZMQ_EVENTS of ``sock`` (reading it also processes ZeroMQ's pending commands)."""
@@ -544,8 +495,3 @@ def _user_id(frame: zmq.Frame) -> str | None:
     except (zmq.ZMQError, AttributeError, TypeError):
         return None
     return value if isinstance(value, str) and value else None
-
-
-def _release(owners: Owners, nbytes: int) -> None:
-    for ledger, owner in owners:
-        ledger.release(owner, nbytes)
