@@ -435,12 +435,8 @@ def test_malformed_binds_are_bad_requests_and_the_daemon_keeps_serving(daemon: D
             bind(lease=grant.lease),  # an alloc's lease holds no staged slots
             bind(tokens="x"),
             calls.Call(Op.COMMIT, lambda r, _: r, fields={"lease": st.lease, "shm": pool.segment}),
-            calls.Call(
-                Op.COMMIT, lambda r, _: r, fields={"lease": grant.lease, "shm": pool.segment, "stage": "x"}
-            ),
-            calls.Call(
-                Op.COMMIT, lambda r, _: r, fields={"lease": grant.lease, "shm": pool.segment, "stage": [0]}
-            ),
+            calls.Call(Op.COMMIT, lambda r, _: r, fields={"lease": grant.lease, "shm": pool.segment, "stage": "x"}),
+            calls.Call(Op.COMMIT, lambda r, _: r, fields={"lease": grant.lease, "shm": pool.segment, "stage": [0]}),
         ]
         for call in cases:
             with pytest.raises(ServerError) as err:
@@ -458,3 +454,31 @@ def test_malformed_binds_are_bad_requests_and_the_daemon_keeps_serving(daemon: D
         assert c.put([k], [value(k)]) == [PutStatus.STORED]
         assert bytes(c.get([k])[0]) == value(k)
         assert shm_stats(c)["binds"] == 1
+
+
+def test_token_ids_sent_with_a_bind_are_announced(daemon_factory: Callable[..., Daemon]) -> None:
+    from lmcache_client.keys import chunk_keys, chunk_tokens
+
+    from .test_events import CHUNK, NS, events_daemon, prompt, quiet
+
+    d = events_daemon(daemon_factory)
+    with d.client(namespace=NS) as c:
+        for seed in range(4):  # one put per prompt of one chunk: the third and fourth are binds
+            tokens = prompt(seed, 1)
+            keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+            assert c.put(keys, [value(keys[0])], tokens=toks) == [PutStatus.STORED]
+        assert shm_stats(c)["binds"] == 2
+        assert quiet(c, announced_chunks=4)["announced_chunks"] == 4
+        # Put again with tokens by bind: EXISTS, announced once only.
+        tokens = prompt(0, 1)
+        keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+        assert c.put(keys, [value(keys[0])], tokens=toks) == [PutStatus.EXISTS]
+        assert shm_stats(c)["binds"] == 3
+        assert quiet(c)["announced_chunks"] == 4
+        # Bad token ids on a bind: BAD_REQUEST, nothing stored, the slot still staged.
+        other = prompt(9, 1)
+        bad = chunk_tokens(prompt(8, 1), CHUNK)
+        with pytest.raises(ServerError) as err:
+            c.put(chunk_keys(other, CHUNK), [value(b"x")], tokens=bad)
+        assert err.value.code == ErrorCode.BAD_REQUEST
+        assert c.exists(chunk_keys(other, CHUNK)) == [False] and len(staged(c).free) == 1
