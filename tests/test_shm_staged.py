@@ -138,7 +138,8 @@ def test_a_staged_chunk_is_invisible_until_its_bind(daemon: Daemon) -> None:
         assert bytes(reader.get([k])[0]) == value(k)
 
 
-def test_exists_leaves_the_slot_staged_and_wrong_sizes_fall_back(daemon: Daemon) -> None:
+def test_exists_leaves_the_slot_staged_and_wrong_sizes_fall_back(daemon_factory: Callable[..., Daemon]) -> None:
+    daemon = daemon_factory(max_local_cpu_size="128MiB")  # staged slots up to 4 MiB
     with daemon.client() as c:
         first = key(0, "again")
         for i in range(2):
@@ -206,7 +207,7 @@ def test_skipped_leaves_the_room_staged() -> None:
 
 
 def test_quota_refusals_match_alloc_and_commit(daemon_factory: Callable[..., Daemon]) -> None:
-    d = daemon_factory(max_local_cpu_size="48MiB", tenant_quotas={"acme": {"memory": "4MiB"}}, cache_policy="lru")
+    d = daemon_factory(max_local_cpu_size="192MiB", tenant_quotas={"acme": {"memory": "4MiB"}}, cache_policy="lru")
     acme = "m|float16|L2|KV2|D64|tp0of1|c16|tenant=acme"
     with d.client() as staged_c, d.client() as plain:
         # Stream 5 MiB puts elsewhere so staged_c holds a 5 MiB slot.
@@ -331,8 +332,8 @@ def test_a_writer_back_after_its_lease_lapsed_still_stores(daemon_factory: Calla
 
 
 def test_reserve_cap_counts_staged_room(daemon_factory: Callable[..., Daemon]) -> None:
-    # 64 MiB pool, max_message_size 16 MiB: shm_reserve_cap 16 MiB; staged slots at most 8 MiB.
-    d = daemon_factory(max_message_size="16MiB")
+    # 256 MiB pool, max_message_size 16 MiB: shm_reserve_cap 64 MiB; staged slots at most 8 MiB.
+    d = daemon_factory(max_local_cpu_size="256MiB", max_message_size="16MiB")
     with d.client() as staged_c, d.client() as other:
         for i in range(2):
             k = key(i, "cap")
@@ -346,23 +347,36 @@ def test_reserve_cap_counts_staged_room(daemon_factory: Callable[..., Daemon]) -
             assert grant.lease is not None
             return grant.lease
 
-        held = alloc(1, 9 * MiB)
-        last = alloc(2, 3 * MiB)  # 4 staged + 9 + 3: the cap
+        held = [alloc(i, size * MiB) for i, size in enumerate((16, 16, 16, 11))]
+        last = alloc(9, MiB)  # 4 staged + 59 + 1: the cap
         with pytest.raises(ServerError) as err:
-            alloc(3, MiB)
+            alloc(10, MiB)
         assert err.value.code == ErrorCode.BUSY
         # Staging past the reservation cap is declined; the commit itself succeeds.
         statuses, staged_now = other._run(calls.commit_staging(last, pool.segment, [4 * MiB]))
         assert statuses == [PutStatus.STORED] and staged_now is None
-        other._run(calls.release([held]))
-        statuses, staged_now = other._run(calls.commit_staging(alloc(4, MiB), pool.segment, [4 * MiB]))
+        other._run(calls.release(held))
+        statuses, staged_now = other._run(calls.commit_staging(alloc(11, MiB), pool.segment, [4 * MiB]))
         assert statuses == [PutStatus.STORED] and staged_now is not None
         assert shm_stats(other)["staged_bytes"] == 8 * MiB
-        # Past an eighth of the pool in staged slots: declined too.
-        statuses, declined = other._run(calls.commit_staging(alloc(5, MiB), pool.segment, [MiB]))
+        # Past 1/32 of the pool in staged slots: declined too.
+        statuses, declined = other._run(calls.commit_staging(alloc(12, MiB), pool.segment, [MiB]))
         assert statuses == [PutStatus.STORED] and declined is None
         other._run(calls.release([staged_now.lease]))
         assert shm_stats(other)["staged_bytes"] == 4 * MiB
+
+
+def test_a_small_pool_stages_nothing(daemon_factory: Callable[..., Daemon]) -> None:
+    # A 16 MiB pool: 1/32 of it is less than one 1 MiB put, so every put is alloc+commit
+    # and the cache keeps all its room for chunks.
+    d = daemon_factory(max_local_cpu_size="16MiB", cache_policy="lru")
+    with d.client() as c:
+        for i in range(20):
+            k = key(i, "small")
+            assert c.put([k], [value(k)]) == [PutStatus.STORED]
+        s = shm_stats(c)
+        assert s["staged_leases"] == 0 and s["binds"] == 0
+        assert c.stats()["tiers"]["memory"]["chunks"] == 16
 
 
 def test_a_restarted_daemon_gets_a_new_hello_and_the_put_still_stores(daemon_factory: Callable[..., Daemon]) -> None:

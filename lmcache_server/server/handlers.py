@@ -25,8 +25,10 @@ from .admission import ByteBudget
 from .shm import ShmLeases
 from .tokens import parse_tokens
 
-STAGED_SHARE = 8
-"""Staged shared-memory slots (all clients together) hold at most 1/STAGED_SHARE of the pool."""
+STAGED_SHARE = 32
+"""Staged shared-memory slots (all clients together) hold at most 1/STAGED_SHARE of the
+pool: room held for puts that may not come, so it is kept small; it pays most for
+small puts anyway (a round trip saved is a larger share of a small put's time)."""
 
 
 @dataclasses.dataclass
@@ -262,7 +264,7 @@ class Handlers:
             fields["staged"] = None
             # Staged room counts against shm_reserve_cap like any write lease, and is
             # speculative (evicts chunks for a put that may not come), so all of it
-            # together stays under an eighth of the pool; staging is optional: past
+            # together stays under 1/32 of the pool; staging is optional: past
             # either cap (or without room) it is declined, not BUSY.
             total = sum(stage)
             if (
