@@ -294,6 +294,9 @@ def test_construction_as_sglang_does_it(shared_daemon: Daemon) -> None:
         LMCacheServerHiCacheStorage(storage_config(extra_config={"adress": "tcp://x:1"}), {})
     with pytest.raises(ValueError, match="model"):
         LMCacheServerHiCacheStorage(storage_config(model_name=None), {})
+    with pytest.raises(ValueError, match="'malloc_tuning': expected true or false, got 'no'"):
+        LMCacheServerHiCacheStorage(storage_config(extra_config={"malloc_tuning": "no"}), {})
+    LMCacheServerHiCacheStorage(storage_config(extra_config={"malloc_tuning": False}), {})
     backend = LMCacheServerHiCacheStorage(storage_config(extra_config={"address": shared_daemon.address}), {})
     with pytest.raises(RuntimeError, match="register_mem_pool_host"):
         backend.batch_exists(["x"])

@@ -60,6 +60,7 @@ from typing import Any
 from ..client import DEFAULT_ADDRESS, CacheClient
 from ..curve import CurveKeys
 from ..errors import ClientError
+from ..memtune import tune_malloc
 from ..namespace import Namespace, canonical_dtype
 from ..tensors import tensor_bytes
 from .layout import ChunkLayout
@@ -77,7 +78,7 @@ except ImportError:
 
 PAGE_KEY_DOMAIN = b"lmcache-sglang-page-v1"
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
-_OUR_KEYS = ("address", "timeout_s", "tenant", "model_id", "server_public_key", "client_secret_key")
+_OUR_KEYS = ("address", "timeout_s", "tenant", "model_id", "server_public_key", "client_secret_key", "malloc_tuning")
 _KV_POOL = "kv"
 """SGLang's ``PoolName.KV``: the one host pool this backend stores."""
 MAX_STATS_SAMPLES = 4096
@@ -150,6 +151,11 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.client_secret_key = str(extra.get("client_secret_key") or "") or None
         # Refuse bad keys here, at start, not later in a prefetch thread.
         CurveKeys.from_options(self.server_public_key, self.client_secret_key)
+        tuning = extra.get("malloc_tuning", True)
+        if not isinstance(tuning, bool):
+            raise ValueError(f"hicache storage extra config 'malloc_tuning': expected true or false, got {tuning!r}")
+        if tuning:  # received pages are large: keep glibc from unmapping and re-faulting each buffer
+            tune_malloc()
         self.model_id = str(extra.get("model_id") or storage_config.model_name or "")
         if not self.model_id:
             raise ValueError("no model name: SGLang passes --model-path, or set model_id in the extra config")
