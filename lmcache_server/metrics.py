@@ -237,24 +237,32 @@ class ShmCollector(Collector):
         yield GaugeMetricFamily(
             "lmcache_shm_enabled", "1 when the pool is shared with local clients.", value=float(s["enabled"])
         )
+        # kind: read (get leases), write (alloc leases), staged (slots for a client's next put, see bind)
         families = [
             (GaugeMetricFamily, "lmcache_shm_leases", "Leases held now by shared-memory clients.",
-             ("active_read_leases", "active_write_leases")),
+             ("active_read_leases", "active_write_leases", "active_staged_leases")),
             (CounterMetricFamily, "lmcache_shm_leases_granted", "Leases granted to shared-memory clients.",
-             ("read_leases", "write_leases")),
+             ("read_leases", "write_leases", "staged_leases")),
             (CounterMetricFamily, "lmcache_shm_leases_expired",
              "Leases reclaimed after shm_lease_timeout_s (a client died or stalled).",
-             ("expired_reads", "expired_writes")),
-            (GaugeMetricFamily, "lmcache_shm_leased_bytes", "Bytes held by leases now (write: incl. quarantined).",
-             ("leased_bytes", "reserved_bytes")),
+             ("expired_reads", "expired_writes", "expired_staged")),
+            (GaugeMetricFamily, "lmcache_shm_leased_bytes",
+             "Bytes held by leases now (write: incl. quarantined and staged; staged: those slots alone).",
+             ("leased_bytes", "reserved_bytes", "staged_bytes")),
             (CounterMetricFamily, "lmcache_shm_bytes", "Bytes read and written by clients through the mapped pool.",
-             ("read_bytes", "committed_bytes")),
+             ("read_bytes", "committed_bytes", None)),
         ]  # fmt: skip
-        for kind, name, doc, (read, write) in families:
+        for kind, name, doc, fields in families:
             metric = kind(name, doc, labels=["kind"])
-            metric.add_metric(["read"], float(s[read]))
-            metric.add_metric(["write"], float(s[write]))
+            for label, field in zip(("read", "write", "staged"), fields):
+                if field is not None:
+                    metric.add_metric([label], float(s[field]))
             yield metric
+        yield CounterMetricFamily(
+            "lmcache_shm_binds",
+            "Shared-memory puts made in one round trip (bind requests into staged slots answered).",
+            value=float(s["binds"]),
+        )
         yield GaugeMetricFamily(
             "lmcache_shm_quarantined_bytes",
             "Expired write slots held until their writer is known to be done (its late commit, or gone).",

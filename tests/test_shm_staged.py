@@ -80,6 +80,13 @@ def test_a_stream_of_puts_is_one_request_each(daemon: Daemon) -> None:
         assert s["binds"] == 6 and s["staged_leases"] == 1 and s["active_staged_leases"] == 1
         assert s["staged_bytes"] == 2 * MiB and s["reserved_bytes"] == 2 * MiB
         assert s["active_write_leases"] == 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10) as r:
+            body = r.read().decode()
+        samples = dict(line.rsplit(" ", 1) for line in body.splitlines() if line and not line.startswith("#"))
+        assert float(samples["lmcache_shm_binds_total"]) == 6
+        assert float(samples['lmcache_shm_leases{kind="staged"}']) == 1
+        assert float(samples['lmcache_shm_leases_granted_total{kind="staged"}']) == 1
+        assert float(samples['lmcache_shm_leased_bytes{kind="staged"}']) == 2 * MiB
         every = [k for ks in batches for k in ks]
         assert [bytes(g) for g in c.get(every)] == [value(k) for k in every]
     # Closing released the staged slots.
