@@ -83,7 +83,7 @@ def _group(filename: str) -> str:
     name = os.path.basename(filename)
     if name in ("policy.py", "adaptive.py", "history.py"):
         return "policy"
-    if name in ("memory.py", "allocator.py", "tenants.py"):
+    if name in ("memory.py", "memoryentry.py", "memorywarm.py", "allocator.py", "tenants.py"):
         return "memory tier"
     if name in ("disk.py", "disksnapshot.py", "diskfiles.py"):
         return "disk index"

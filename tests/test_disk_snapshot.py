@@ -3,14 +3,21 @@ shutdown, used once at the next start, and never trusted when stale or damaged."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
+from lmcache_server.storage import disksnapshot
+from lmcache_server.storage.base import ChunkKey
+from lmcache_server.storage.disk import DiskTier
+from lmcache_server.storage.diskfiles import path_for, write_record
+from lmcache_server.storage.policy import make_policy
 
 from .conftest import disk_stats, wait_for
 
@@ -115,3 +122,70 @@ def test_file_damaged_in_place_under_a_valid_snapshot_is_a_miss(filled) -> None:
         assert disk_stats(c)["rebuilt_from_snapshot"] == 1
         assert c.get([k for k, _ in on_disk]) == [None] * len(on_disk)
         assert disk_stats(c)["corrupt"] == len(on_disk)
+
+
+def _tier_keys(root: Path) -> list[tuple[ChunkKey, int]]:
+    async def run() -> list[tuple[ChunkKey, int]]:
+        tier = DiskTier(root, 1 << 40, policy=make_policy("lfuda"))
+        await tier.open()
+        try:
+            assert tier.counters.rebuilt_from_snapshot == 1
+            return [(k, tier._index[k].payload_len) for k in tier.policy.order()]
+        finally:
+            tier._opened = False  # no snapshot written at close
+            await tier.close()
+
+    return asyncio.run(run())
+
+
+def _files(root: Path, n: int) -> list[tuple[ChunkKey, int]]:
+    entries = [(ChunkKey("ns|a" if i % 3 else "ns|b", os.urandom(32)), 100 + i % 2) for i in range(n)]
+    for key, size in entries:
+        write_record(path_for(root, key), key, os.urandom(size), "none")
+    return entries
+
+
+def test_snapshot_formats_load_in_their_order(tmp_path: Path) -> None:
+    """Format 2 (columns) and the old format 1 (msgpack rows) give the same index,
+    oldest first; a format this daemon does not know is ignored (the scan rebuilds)."""
+    entries = _files(tmp_path, 40)
+    disksnapshot.save(tmp_path, entries)
+    assert _tier_keys(tmp_path) == entries
+    assert not snapshot(tmp_path).exists()  # used once
+    disksnapshot._write(tmp_path, disksnapshot._body_v1(entries), 1, len(entries))
+    assert _tier_keys(tmp_path) == entries
+    disksnapshot.save(tmp_path, entries)
+    raw = bytearray(snapshot(tmp_path).read_bytes())
+    raw[4] = 9  # the version field
+    snapshot(tmp_path).write_bytes(bytes(raw))
+    assert disksnapshot.load(tmp_path) is None and not snapshot(tmp_path).exists()
+
+
+def test_snapshot_trusts_only_directories_unchanged_since_well_before_it(tmp_path: Path) -> None:
+    """Format 2 compares the fan-out directories' times instead of listing every
+    file: a directory changed since is stale, one changed just before the
+    snapshot (racy) is listed and compared name by name."""
+    entries = _files(tmp_path, 30)
+    base = tmp_path / "v1"
+    old = time.time_ns() - 60 * 10**9
+    subs = [d for d in base.iterdir() if d.is_dir()]
+    for d in subs:
+        os.utime(d, ns=(old, old))
+    disksnapshot.save(tmp_path, entries)
+    decoded = disksnapshot._decode(snapshot(tmp_path).read_bytes())
+    assert decoded is not None and decoded.matches(base)
+    os.utime(subs[0], ns=(old + 1, old + 1))  # touched since: stale
+    assert not decoded.matches(base)
+    os.utime(subs[0], ns=(old, old))
+    assert decoded.matches(base)
+    # Racy: the snapshot taken right after the directories changed lists them.
+    for d in subs:
+        os.utime(d)
+    disksnapshot.save(tmp_path, entries)
+    decoded = disksnapshot._decode(snapshot(tmp_path).read_bytes())
+    assert decoded is not None and decoded.matches(base)
+    victim = next(iter(subs[0].glob("*.chunk")))
+    mtime = subs[0].stat().st_mtime_ns
+    victim.rename(victim.with_name("e" * 64 + ".chunk"))
+    os.utime(subs[0], ns=(mtime, mtime))  # the same time as recorded: only the listing sees the rename
+    assert not decoded.matches(base)

@@ -384,3 +384,38 @@ def test_daemon_replay_matches_model_and_its_metrics_match_ground_truth(daemon_f
     assert metrics["lmcache_lookup_chunks_total"] == counts.lookup_blocks
     assert metrics["lmcache_lookup_hit_chunks_total"] == counts.hit_blocks
     assert metrics["lmcache_lookup_hit_tokens_total"] == BLOCK_TOKENS * counts.hit_blocks
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_lfuda_inserted_many_is_inserted_one_by_one(warm: bool) -> None:
+    """The bulk insert of a restart (disk index from its snapshot) leaves the same
+    states, order and victims as one insert per key; with a history to consult
+    (``warm``) it takes the one-by-one path itself."""
+    rng = random.Random(7)
+    bulk, single = LFUDAPolicy(), LFUDAPolicy()
+    for p in (bulk, single):  # some life before: touches, removals, a history
+        for i in range(50):
+            p.inserted(key(i), 1, key(i - 1) if i % 3 else None)
+        for i in range(0, 50, 4):
+            p.touched(key(i))
+        if warm:
+            for i in range(40, 50):
+                p.removed(key(i))
+    keys = [key(1000 + i) for i in range(300)] + ([key(45)] if warm else [])
+    rng.shuffle(keys)
+    bulk.inserted_many(keys)
+    for k in keys:
+        single.inserted(k, 1, None)
+    assert bulk._entries == single._entries and bulk.order() == single.order()
+    assert bulk._clock == single._clock and bulk._last == single._last
+    while (v := bulk.victim(never)) is not None:
+        assert v == single.victim(never)
+        bulk.removed(v)
+        single.removed(v)
+    assert single.victim(never) is None
+
+
+def test_lfuda_inserted_many_refuses_a_key_twice() -> None:
+    p = LFUDAPolicy()
+    with pytest.raises(ValueError):
+        p.inserted_many([key(1), key(2), key(1)])

@@ -214,6 +214,47 @@ class LFUDAPolicy:
         self._push(key, freq, depth, tail)
         self._last = (key, depth)
 
+    def inserted_many(self, keys: list[ChunkKey]) -> None:
+        """``inserted(key, size, None)`` for each of ``keys`` in order (an index
+        rebuilt at a restart), the same states in bulk: with no history to
+        consult, no free slot and no pending tail, the i-th key's state is the
+        first one's plus i steps of clock, sequence and slot, so the states are
+        one ``range`` and the heap takes them in one heapify.  Otherwise, or for
+        a key it holds already, one by one.  The keys must be distinct."""
+        n = len(keys)
+        slot0, tie0 = len(self._keys), self._clock + 1 + _TIE_OFFSET
+        seq0 = self._seq + 1
+        bulk = (
+            n > 0
+            and not len(self._ghost)
+            and not self._free
+            and self._pending_tail is None
+            and slot0 + n - 1 <= _SLOT_MAX
+            and tie0 + n <= (1 << _FIELD) - 1
+            and seq0 + n <= (1 << _FIELD) - 1
+            and not any(map(self._entries.__contains__, keys))
+        )
+        if not bulk:
+            for key in keys:
+                self.inserted(key, 0, None)
+            return
+        priority = self._age + 1  # freq 1, no tail
+        rank0 = _rank(priority, self._clock + 1, seq0)
+        first = (rank0 << _META) | (slot0 << _SLOT_SHIFT) | (1 << 1)
+        step = (1 << (_META + _FIELD)) + (1 << _META) + (1 << _SLOT_SHIFT)  # tie, sequence and slot each + 1
+        states = range(first, first + n * step, step)
+        before = len(self._entries)
+        self._keys.extend(keys)
+        self._entries.update(zip(keys, states))
+        if len(self._entries) != before + n:
+            raise ValueError("inserted_many: a key listed twice")  # the callers pass distinct keys
+        self._heap.extend(states)
+        if len(self._heap) > n:
+            heapq.heapify(self._heap)
+        self._clock += n
+        self._seq += n
+        self._last = (keys[-1], 0)
+
     def touched(self, key: ChunkKey) -> None:
         state = self._entries.get(key)
         if state is None:
