@@ -161,31 +161,36 @@ def test_snapshot_formats_load_in_their_order(tmp_path: Path) -> None:
     assert disksnapshot.load(tmp_path) is None and not snapshot(tmp_path).exists()
 
 
-def test_snapshot_trusts_only_directories_unchanged_since_well_before_it(tmp_path: Path) -> None:
+def test_snapshot_trusts_only_directories_unchanged_since_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Format 2 compares the fan-out directories' times instead of listing every
-    file: a directory changed since is stale, one changed just before the
-    snapshot (racy) is listed and compared name by name."""
+    file: a directory changed since is stale; one not older than the snapshot's
+    clock (racy: here, times in the future) is listed and compared name by name."""
     entries = _files(tmp_path, 30)
     base = tmp_path / "v1"
-    old = time.time_ns() - 60 * 10**9
     subs = [d for d in base.iterdir() if d.is_dir()]
-    for d in subs:
-        os.utime(d, ns=(old, old))
-    disksnapshot.save(tmp_path, entries)
+    disksnapshot.save(tmp_path, entries)  # just written: the save waits for the clock to pass them
     decoded = disksnapshot._decode(snapshot(tmp_path).read_bytes())
-    assert decoded is not None and decoded.matches(base)
-    os.utime(subs[0], ns=(old + 1, old + 1))  # touched since: stale
-    assert not decoded.matches(base)
-    os.utime(subs[0], ns=(old, old))
+    assert decoded is not None and decoded.dirs is not None
+    taken, recorded = decoded.dirs
+    assert all(mtime < taken for mtime in recorded.values())
     assert decoded.matches(base)
-    # Racy: the snapshot taken right after the directories changed lists them.
+    mtime = subs[0].stat().st_mtime_ns
+    os.utime(subs[0], ns=(mtime + 1, mtime + 1))  # touched since: stale
+    assert not decoded.matches(base)
+    os.utime(subs[0], ns=(mtime, mtime))
+    assert decoded.matches(base)
+    # Racy: directories whose times the clock had not passed when it was saved are listed.
+    monkeypatch.setattr(disksnapshot, "SAVE_WAIT_S", 0.05)
+    future = time.time_ns() + 3600 * 10**9
     for d in subs:
-        os.utime(d)
+        os.utime(d, ns=(future, future))
     disksnapshot.save(tmp_path, entries)
     decoded = disksnapshot._decode(snapshot(tmp_path).read_bytes())
     assert decoded is not None and decoded.matches(base)
     victim = next(iter(subs[0].glob("*.chunk")))
-    mtime = subs[0].stat().st_mtime_ns
     victim.rename(victim.with_name("e" * 64 + ".chunk"))
-    os.utime(subs[0], ns=(mtime, mtime))  # the same time as recorded: only the listing sees the rename
+    os.utime(subs[0], ns=(future, future))  # the time recorded: only the listing sees the rename
     assert not decoded.matches(base)
+    assert not list(base.glob(".tmp-*"))  # no probe left behind

@@ -13,12 +13,16 @@ hold, checked at the next start:
   (a file written, removed or renamed after it was taken makes it stale).
   Format 2 checks this without listing a million names (on a cold cache that
   listing alone took longer than the 10 s a restart may take): it records
-  the fan-out directories with their modification times, taken after the
-  time it records as its own.  A directory whose time is unchanged and older
-  than the snapshot by more than ``RACY_S`` has not changed since (any change
-  to its entries sets a newer time); one modified in those last seconds
-  (*racy*, as git calls its index entries of that kind) is listed and
-  compared name by name; any other difference makes the snapshot stale.
+  the fan-out directories with their modification times, and as its own
+  time the filesystem's clock (the mtime of a probe file created just
+  before the directories are read: the same clock and granularity as
+  theirs).  A directory whose time is unchanged and older than that has not
+  changed since (any change to its entries sets a time at least the
+  probe's); one whose time is not older (*racy*, as git calls its index
+  entries of that kind) is listed and compared name by name; any other
+  difference makes the snapshot stale.  The save waits up to ``SAVE_WAIT_S``
+  for the clock to pass the directories' times, so that after a drained
+  spill queue none is racy.
 
 Otherwise the index is rebuilt by the scan, as without a snapshot.  Either
 way every read still verifies the record's header and payload checksum, so a
@@ -65,8 +69,8 @@ _MAGIC = b"LMIX"
 _VERSION = 2
 _HEAD = struct.Struct("<4sHHQI")  # magic, version, reserved, entries, body CRC32C
 _TABLES = struct.Struct("<QQQ")  # bytes of the namespace, size and directory tables (format 2)
-RACY_S = 2.0
-"""A directory modified less than this before the snapshot was taken is listed at load."""
+SAVE_WAIT_S = 3.0
+"""How long a save waits for the filesystem's clock to pass every directory's mtime."""
 _DIGEST = 32
 _LISTING_THREADS = 16
 
@@ -120,12 +124,29 @@ def _body_v1(entries: list[tuple[ChunkKey, int]]) -> bytes:
 
 def _directories(base: Path) -> list[object]:
     """``[taken_ns, [[name, mtime_ns], ...]]``: the fan-out directories' times,
-    read after the time it records as the snapshot's."""
-    taken = time.time_ns()
-    dirs = [
-        [d.name, d.stat(follow_symlinks=False).st_mtime_ns] for d in os.scandir(base) if d.is_dir(follow_symlinks=False)
-    ]
-    return [taken, sorted(dirs)]
+    read after ``taken_ns``, the filesystem's clock (see the module docstring);
+    read again a little later while one is not older than it."""
+    deadline = time.monotonic() + SAVE_WAIT_S
+    while True:
+        taken = _fs_clock(base)
+        dirs: list[tuple[str, int]] = [
+            (d.name, d.stat(follow_symlinks=False).st_mtime_ns)
+            for d in os.scandir(base)
+            if d.is_dir(follow_symlinks=False)
+        ]
+        if all(mtime < taken for _, mtime in dirs) or time.monotonic() >= deadline:
+            return [taken, [[name, mtime] for name, mtime in sorted(dirs)]]
+        time.sleep(0.02)  # a directory changed in the clock's current tick (or later)
+
+
+def _fs_clock(base: Path) -> int:
+    """The filesystem's time now: the mtime of a probe file made in ``base``."""
+    probe = base / f"{TMP_PREFIX}clock-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        return probe.stat().st_mtime_ns
+    finally:
+        unlink(str(probe))
 
 
 def _body_v2(entries: list[tuple[ChunkKey, int]], dirs: list[object]) -> bytes:
@@ -213,7 +234,7 @@ class _Decoded:
             mtime = entry.stat(follow_symlinks=False).st_mtime_ns
             if mtime != recorded[name]:
                 return False
-            if mtime >= taken - int(RACY_S * 1e9):
+            if mtime >= taken:
                 racy.add(name)
         return not racy or _chunk_files(base, racy) == self.names(racy)
 
