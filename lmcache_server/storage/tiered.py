@@ -186,16 +186,25 @@ class TieredStore:
                 out.append(PutStatus.EXISTS)
                 continue
             reservation = self.memory.prepare_store(key, size, parent)
-            told = tokens[i] if tokens is not None and self.events is not None else None
+            told = self._told(tokens, i)
             if isinstance(reservation, Reservation):
                 reserved.add(key)
                 reservation.tokens = told
-            elif told is not None and reservation is PutStatus.EXISTS and self._unannounced(key):
-                # Stored before without token ids (an older client, a warm restart): announce it now.
-                self.events.stored(key, told, self.memory.name)  # type: ignore[union-attr]
+            elif reservation is PutStatus.EXISTS:
+                self._announce_stored_before(key, told)
             out.append(reservation)
             parent = key
         return out
+
+    def _told(self, tokens: Sequence[ChunkTokens | None] | None, i: int) -> ChunkTokens | None:
+        """Chunk ``i``'s token ids, when the put sent them and KV events are on."""
+        return tokens[i] if tokens is not None and self.events is not None else None
+
+    def _announce_stored_before(self, key: ChunkKey, told: ChunkTokens | None) -> None:
+        """A put with token ids found ``key`` stored before without them (an older
+        client, a warm restart): announce it now."""
+        if told is not None and self._unannounced(key):
+            self.events.stored(key, told, self.memory.name)  # type: ignore[union-attr]
 
     async def reserve_waiting(
         self,
@@ -254,14 +263,14 @@ class TieredStore:
             if key in self.filling:
                 out.append(PutStatus.EXISTS)
                 continue
-            told = tokens[i] if tokens is not None and self.events is not None else None
+            told = self._told(tokens, i)
             bound = self.memory.bind_room(room, key, parent)
             if isinstance(bound, Reservation):
                 bound.tokens = told
                 out.append(self.commit(bound))
             else:
-                if told is not None and bound is PutStatus.EXISTS and self._unannounced(key):
-                    self.events.stored(key, told, self.memory.name)  # type: ignore[union-attr]
+                if bound is PutStatus.EXISTS:
+                    self._announce_stored_before(key, told)
                 out.append(bound)
             parent = key
         return out
