@@ -12,7 +12,6 @@ Primitives: :data:`Owners`, :class:`Outgoing`, :class:`SentReplies`, :func:`rele
 from __future__ import annotations
 
 import asyncio
-import time
 
 import zmq
 
@@ -32,13 +31,12 @@ def release(owners: Owners, nbytes: int) -> None:
 class Outgoing:
     """One reply being sent: its tracker, the chunks it leases, the bytes it holds."""
 
-    __slots__ = ("tracker", "chunks", "budget_bytes", "sent_at", "owners")
+    __slots__ = ("tracker", "chunks", "budget_bytes", "owners")
 
     def __init__(self, tracker: zmq.MessageTracker, chunks: list[Chunk], budget_bytes: int, owners: Owners):
         self.tracker = tracker
         self.chunks = chunks
         self.budget_bytes = budget_bytes
-        self.sent_at = time.monotonic()
         self.owners = owners
 
 
