@@ -57,8 +57,12 @@ class App:
         self._stop: asyncio.Event | None = None
 
     def request_stop(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
+        """Begin a graceful stop; a repeated signal while stopping is logged and changes nothing."""
+        if self._stop is None:
+            return
+        if self._stop.is_set():
+            logger.info("already stopping: the drain and shutdown go on (drain_timeout_s bounds them)")
+        self._stop.set()
 
     async def run(self) -> int:
         """Run until a stop signal; return the process exit code."""
@@ -166,9 +170,10 @@ class App:
                 logger.warning("drain timed out before every spill reached the disk")
             stopped = True
         finally:
+            # The stop handlers stay until the end: a second SIGTERM during the shutdown (a
+            # supervisor repeating itself) must not kill a daemon that is writing its snapshots.
             self.ready = False
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
+            self._stop.set()
             await summary.close()
             await monitor.close()
             server.close()
@@ -191,6 +196,12 @@ class App:
             offload.close()
             context.term()
             pool.release_lock()  # last: a kept segment may be adopted from now on
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            # What is left is the event loop's and the interpreter's own teardown: a stop signal
+            # now would only turn a clean exit into a death by signal.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
         logger.info("lmcache-server stopped")
         return 0
 

@@ -90,6 +90,9 @@ def test_a_draining_daemon_is_a_miss(daemon_factory: Callable[..., Daemon], shar
             daemon.proc.send_signal(signal.SIGTERM)
             with CacheClient(daemon.address, NAMESPACE, timeout_s=5.0, fail_open=False) as strict:
                 wait_for(lambda: _draining(strict), 10)
+            daemon.proc.send_signal(signal.SIGTERM)  # a repeated stop signal changes nothing
+            wait_for(lambda: "already stopping" in daemon.log(), 10)
+            assert daemon.proc.poll() is None
             for _ in range(3):
                 assert c.get(key) == [None]
                 assert c.get_into(key, [bytearray(MiB)]) == [False]

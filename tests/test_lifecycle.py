@@ -25,6 +25,21 @@ def test_signal_stops_cleanly_with_exit_0(daemon: Daemon, sig: int) -> None:
     assert "lmcache-server ready" in log and "drained cleanly" in log and "lmcache-server stopped" in log
 
 
+def test_repeated_signals_during_shutdown_still_exit_0(daemon: Daemon) -> None:
+    """A supervisor that repeats SIGTERM while the daemon shuts down must not kill it mid-cleanup."""
+    with daemon.client() as c:
+        c.put([os.urandom(KEY_BYTES)], [b"x" * 100_000])
+    assert daemon.proc is not None
+    sent = 0
+    while daemon.proc.poll() is None and sent < 5000:  # every phase: drain, flush, snapshots, teardown
+        daemon.proc.send_signal(signal.SIGTERM)
+        sent += 1
+        time.sleep(0.002)
+    assert sent > 1
+    assert daemon.stop() == 0
+    assert "lmcache-server stopped" in daemon.log()
+
+
 def test_startup_logs_one_config_line(daemon: Daemon) -> None:
     lines = [line for line in daemon.log().splitlines() if "lmcache-server ready" in line]
     assert len(lines) == 1
