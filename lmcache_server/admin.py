@@ -269,7 +269,8 @@ def _server_public_key(config: ServerConfig) -> str | None:
         return None
     for candidate in (secret.removesuffix("_secret"), secret):
         try:
-            return read_public_key(candidate).decode()
+            public: bytes = read_public_key(candidate)
+            return public.decode()
         except KeyFileError:
             continue
     return None

@@ -308,7 +308,7 @@ class ServerConfig:
         0.0, _float(0.0, 10.0 * 365 * 86400), "seconds, 0 for no expiry", "Expiry of chunks written to Redis."
     )
     remote_timeout_s: float = _field(
-        2.0, _float(0.01, 600.0), "seconds, 0.01..600", "Redis connect and command timeout (bounds a remote read)."
+        2.0, _float(0.01, 600.0), "seconds, 0.01..600", "Redis connect and command timeout (bounds each reply)."
     )
     max_remote_queue_size: int = _field(
         256 * 1024**2,

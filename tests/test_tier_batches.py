@@ -2,9 +2,10 @@
 
 In-process, on a real pool, a real DiskTier in ``tmp_path`` and a real
 redis-server (conftest): disk reads of one batch overlap (up to
-``disk_io_threads``), Redis misses of one batch are one MGET, results keep
-the keys' order, and a failure or a damaged file in a batch loses no lease
-and serves the rest.  No assertion on time: the disk test counts reads in
+``disk_io_threads``), Redis misses of one batch are one round trip (a
+pipeline of GETs, each reply timed on its own), results keep the keys'
+order, and a failure or a damaged file in a batch loses no lease and serves
+the rest.  No assertion on time: the disk test counts reads in
 flight at once.
 """
 
@@ -12,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+import redis.asyncio.connection
 
 from lmcache_client.protocol import PutStatus
 from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
@@ -214,7 +218,24 @@ async def redis_holding(url: str, data: list[bytes]) -> tuple[RedisTier, list[by
     return remote, digests
 
 
-def test_redis_hits_of_a_batch_are_one_round_trip(redis_server: RedisServer) -> None:
+@pytest.fixture
+def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts redis-py's writes to a socket that carry GETs (one per command, one per
+    pipeline): read round trips.  Writes of SETs (promoted chunks queued for Redis) are not."""
+    count = [0]
+    original = redis.asyncio.connection.AbstractConnection.send_packed_command
+
+    async def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        pieces = [command] if isinstance(command, (bytes, str)) else command
+        if any(b"\r\n$3\r\nGET\r\n" in bytes(p if not isinstance(p, str) else p.encode()) for p in pieces):
+            count[0] += 1
+        await original(self, command, check_health)
+
+    monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", counted)
+    return count
+
+
+def test_redis_hits_of_a_batch_are_one_round_trip(redis_server: RedisServer, sends: list[int]) -> None:
     async def scenario() -> None:
         data = [os.urandom(256 * 1024 + i) for i in range(8)]
         remote, digests = await redis_holding(redis_server.url, data)
@@ -222,11 +243,12 @@ def test_redis_hits_of_a_batch_are_one_round_trip(redis_server: RedisServer) -> 
         store = TieredStore(memory, None, remote)
         before = command_calls(redis_server.port)
         missing = os.urandom(32)
+        sent = sends[0]
         chunks = await store.get_many(NS, [*digests[:4], missing, *digests[4:]])
+        assert sends[0] - sent == 1  # nine GETs in one write
         after = command_calls(redis_server.port)
         assert [bytes(c.data) if c else None for c in chunks] == [*data[:4], None, *data[4:]]
-        assert after.get("mget", 0) - before.get("mget", 0) == 1
-        assert after.get("get", 0) == before.get("get", 0)
+        assert after.get("get", 0) - before.get("get", 0) == 9
         assert all(c is not None and c.offset is not None for c in chunks if c)  # promoted
         for c in chunks:
             if c is not None:
@@ -238,13 +260,14 @@ def test_redis_hits_of_a_batch_are_one_round_trip(redis_server: RedisServer) -> 
         for c in chunks:
             assert c is not None
             c.release()
-        assert command_calls(redis_server.port).get("mget", 0) == after.get("mget", 0)
+        assert command_calls(redis_server.port).get("get", 0) == after.get("get", 0)
         await store.close()
 
     asyncio.run(scenario())
 
 
-def test_a_batch_over_memory_disk_and_redis_keeps_its_order(tmp_path: Path, redis_server: RedisServer) -> None:
+def test_a_batch_over_memory_disk_and_redis_keeps_its_order(tmp_path: Path, redis_server: RedisServer,
+                                                            sends: list[int]) -> None:  # fmt: skip
     async def scenario() -> None:
         on_redis = [os.urandom(MiB) for _ in range(3)]
         remote, redis_digests = await redis_holding(redis_server.url, on_redis)
@@ -258,11 +281,12 @@ def test_a_batch_over_memory_disk_and_redis_keeps_its_order(tmp_path: Path, redi
         order = [redis_digests[0], disk_digests[0], gone, hot, redis_digests[1], disk_digests[1],
                  disk_digests[2], redis_digests[2]]  # fmt: skip
         expect = [on_redis[0], on_disk[0], None, b"h" * 1000, on_redis[1], on_disk[1], on_disk[2], on_redis[2]]
-        before = command_calls(redis_server.port).get("mget", 0)
+        before, sent = command_calls(redis_server.port).get("get", 0), sends[0]
         chunks = await store.get_many(NS, order)
         assert [bytes(c.data) if c else None for c in chunks] == expect
         assert [c.tier if c else None for c in chunks] == ["memory"] * 2 + [None] + ["memory"] * 5
-        assert command_calls(redis_server.port)["mget"] - before == 1  # the Redis misses of the batch: one MGET
+        # The batch's Redis misses (its three chunks and the key nobody holds): one round trip.
+        assert command_calls(redis_server.port)["get"] - before == 4 and sends[0] - sent == 1
         for c in chunks:
             if c is not None:
                 c.release()
@@ -295,6 +319,92 @@ def test_damaged_redis_values_in_a_batch_are_misses(redis_server: RedisServer) -
         await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_redis_key_of_another_type_is_a_miss_left_alone(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        data = [os.urandom(100_000) for _ in range(3)]
+        remote, digests = await redis_holding(redis_server.url, data)
+        r = redis.Redis(port=redis_server.port)
+        listed = remote.redis_key(ChunkKey(NS, digests[1]))
+        r.delete(listed)
+        r.rpush(listed, b"somebody else's list")  # GET answers WRONGTYPE
+        memory = memory_tier()
+        store = TieredStore(memory, None, remote)
+        chunks = await store.get_many(NS, digests)
+        assert [bytes(c.data) if c else None for c in chunks] == [data[0], None, data[2]]
+        for c in chunks:
+            if c is not None:
+                c.release()
+        assert remote.up and remote.counters.read_errors == 1 and remote.counters.corrupt == 0
+        assert r.type(listed) == b"list"  # not ours to delete
+        assert no_leaks(memory)
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+class SlowLink:
+    """A TCP proxy to a Redis server whose replies flow at ``rate`` bytes per second."""
+
+    def __init__(self, port: int, rate: int) -> None:
+        self.upstream, self.rate = port, rate
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, self.rate), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, rate: int | None) -> None:
+        try:
+            while data := src.recv(64 * 1024):
+                dst.sendall(data)
+                if rate is not None:
+                    time.sleep(len(data) / rate)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_batch_of_big_values_on_a_slow_link_is_not_an_outage(redis_server: RedisServer) -> None:
+    """Eight 512 KiB values at 4 MiB/s: each reply takes ~0.13 s, the batch ~1 s, the
+    timeout is 0.5 s.  Each reply is timed on its own, so the batch hits and the uplink
+    stays up (one MGET reply of all eight would have timed out and marked it down)."""
+    link = SlowLink(redis_server.port, 4 * MiB)
+
+    async def scenario() -> None:
+        data = [os.urandom(512 * 1024) for _ in range(8)]
+        writer, digests = await redis_holding(redis_server.url, data)
+        await writer.close()
+        remote = RedisTier(f"redis://127.0.0.1:{link.port}", timeout_s=0.5)
+        await remote.open()
+        assert remote.up
+        chunks = await remote.get_many([ChunkKey(NS, d) for d in digests])
+        assert [bytes(c.data) if c else None for c in chunks] == data
+        assert remote.up and remote.counters.read_errors == 0 and remote.counters.hits == 8
+        await remote.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        link.close()
 
 
 def test_redis_cluster_batch_spans_slots(redis_cluster: list[RedisServer]) -> None:

@@ -88,8 +88,9 @@ class Handlers:
 
     @staticmethod
     def _ns(request: Request) -> str:
-        assert request.namespace is not None  # decode_request guarantees it for data ops
-        return request.namespace
+        namespace: str | None = request.namespace
+        assert namespace is not None  # decode_request guarantees it for data ops
+        return namespace
 
     async def hello(self, request: Request) -> Outcome:
         c = self.config

@@ -18,9 +18,9 @@
 - Removals: delete and clear take the chunks out of the queue too (a queued
   write must not re-create them), and what Redis could not be told (it was
   down, or a write may still land) is sent before any later write.
-- Reads: only on a memory and disk miss, bounded by ``remote_timeout_s``;
-  the misses of one batch are one round trip (MGET; on a cluster a pipeline,
-  split per node by redis-py); records are verified off the loop.
+- Reads: only on a memory and disk miss; the misses of one batch are one
+  round trip (a pipeline of GETs; on a cluster split per node by redis-py),
+  each reply bounded by ``remote_timeout_s``; records are verified off the loop.
 - Failure: any Redis error marks the uplink down (logged once, ``up`` metric
   0) and drops every pooled connection (they lead to the old server); while
   down, reads are misses.  A background probe (redis-py's ``Retry`` with
@@ -366,10 +366,17 @@ class RedisTier:
         return chunk
 
     async def get_many(self, keys: Sequence[ChunkKey]) -> list[Chunk | None]:
-        """Every key in one round trip: MGET, or on a cluster a pipeline of GETs
-        (redis-py sends one per node: the keys lie in different slots); bounded by
-        ``timeout_s``.  The records are verified off the loop.  A miss per key while
-        the uplink is down or when the round trip fails."""
+        """Every key in one round trip: a pipeline of GETs, sent in one write (on a
+        cluster redis-py sends one per node: the keys lie in different slots).
+
+        Each reply is bounded by ``timeout_s`` on its own (redis-py's socket timeout
+        covers one reply), the batch by ``timeout_s`` per key: a batch of big values
+        on a slow link takes as long as its GETs one by one would, where one MGET
+        reply holding all of them had to arrive within ``timeout_s`` and a slow
+        but working link was taken for an outage.  The records are verified off the
+        loop.  A miss per key while the uplink is down or when the round trip fails;
+        a key Redis answers with an error (a value of another type) is a miss too,
+        and left alone."""
         if not keys:
             return []
         if not self.up:
@@ -377,13 +384,10 @@ class RedisTier:
             return [None] * len(keys)
         rkeys = [self.redis_key(k) for k in keys]
         try:
-            if self._cluster:
-                async with self._client.pipeline(transaction=False) as pipe:
-                    for rkey in rkeys:
-                        pipe.get(rkey)
-                    values = await asyncio.wait_for(pipe.execute(), self.timeout_s)
-            else:
-                values = await asyncio.wait_for(self._client.mget(rkeys), self.timeout_s)
+            async with self._client.pipeline(transaction=False) as pipe:
+                for rkey in rkeys:
+                    pipe.get(rkey)
+                values = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.timeout_s * len(keys))
         except Exception as err:
             self.counters.read_errors += 1
             self._failed("get", err)
@@ -393,12 +397,21 @@ class RedisTier:
             # A server that speaks RESP but not Redis: answer misses, count it.
             self.counters.read_errors += 1
             self.counters.misses += len(keys)
-            logger.warning("Redis uplink: MGET answered %.80r; treated as misses", values)
+            logger.warning("Redis uplink: a pipeline of %d GETs answered %.80r; treated as misses", len(keys), values)
             return [None] * len(keys)
+        refused = [v for v in values if isinstance(v, Exception)]
+        if refused:
+            self.counters.read_errors += 1
+            self.counters.misses += len(refused)
+            logger.warning("Redis uplink: %d of %d GETs answered an error (%s); treated as misses",
+                           len(refused), len(keys), refused[0])  # fmt: skip
         return list(await asyncio.gather(*(self._decoded(k, rk, v) for k, rk, v in zip(keys, rkeys, values))))
 
     async def _decoded(self, key: ChunkKey, rkey: bytes, value: Any) -> Chunk | None:
-        """The chunk in ``value`` (None: a miss), verified; a damaged value is deleted."""
+        """The chunk in ``value`` (None: a miss), verified; a damaged value is deleted.
+        An error Redis answered for the key is a miss get_many counted already."""
+        if isinstance(value, Exception):
+            return None
         if value is None:
             self.counters.misses += 1
             return None
