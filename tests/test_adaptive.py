@@ -94,3 +94,48 @@ def test_on_the_trace_start_it_wins_small_and_matches_large() -> None:
     else:
         assert adaptive_small >= lfuda_small - 0.005  # synthetic: never much worse
     assert simulate(requests, large, "adaptive").token_hit_rate == simulate(requests, large, "lfuda").token_hit_rate
+
+
+def test_in_an_event_loop_the_experts_play_after_the_callback_in_order() -> None:
+    """In the daemon the experts see each access after the request that made it
+    (call_soon), in order: the same hits and switches as played at once."""
+    import asyncio
+
+    requests = synthetic_requests(600)
+    capacity = max(64, distinct_blocks(requests) // 100)
+    calls: list[tuple[str, ChunkKey, ChunkKey | None]] = []
+    recorder = AdaptivePolicy(capacity)
+    for name in ("admit", "inserted", "touched"):
+        method = getattr(recorder, name)
+
+        def recording(*args: Any, _name: str = name, _method: Any = method) -> Any:
+            calls.append((_name, args[0], args[2] if len(args) > 2 else None))
+            return _method(*args)
+
+        setattr(recorder, name, recording)
+    _replay(requests, capacity, recorder)  # no loop: each access played at once
+
+    def feed(p: AdaptivePolicy, start: int, stop: int) -> None:
+        for name, k, parent in calls[start:stop]:
+            if name == "touched":
+                p.touched(k)
+            else:
+                getattr(p, name)(k, 1, parent)
+
+    at_once = AdaptivePolicy(capacity)
+    for i in range(0, len(calls), 50):
+        feed(at_once, i, i + 50)
+
+    async def in_loop() -> AdaptivePolicy:
+        p = AdaptivePolicy(capacity)
+        for i in range(0, len(calls), 50):  # a request's worth of calls per callback
+            feed(p, i, i + 50)
+            assert p._plays  # nothing played yet: the request's callback has not ended
+            await asyncio.sleep(0)
+            assert not p._plays
+        return p
+
+    deferred = asyncio.run(in_loop())
+    assert (deferred._all.hits, deferred._heads.hits) == (at_once._all.hits, at_once._heads.hits)
+    assert deferred.switches == at_once.switches > 0
+    assert deferred._all.order.order() == at_once._all.order.order()

@@ -23,6 +23,10 @@ With the rule off, the policy behaves exactly like lfuda.
 
 Costs: each access is also played to two lfuda instances of the same size, so
 there is about three times lfuda's CPU per operation; each is still O(log n).
+In the daemon the experts see the accesses after the request that made them
+has been answered (queued, played in order by the event loop's next callback),
+so a request waits for lfuda's share only; the head rule follows the experts
+one batch late.
 The experts count capacity in chunks: the tier's bytes divided by the mean
 size of the chunks put so far. That is exact for the uniform chunks of one
 model.
@@ -42,6 +46,8 @@ refused keys per cached chunk, 6 and 4 bytes each (:mod:`.history`);
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from .base import ChunkKey
 from .history import KeyHistory, key_hash
@@ -134,12 +140,33 @@ class AdaptivePolicy(LFUDAPolicy):
         self._refused = _Refused()
         self._sample_bits: int | None = None  # the experts see keys whose hash ends in this many zero bits
         self._sampled_parent: ChunkKey | None = None  # the open put's last chunk in the sample
+        self._plays: list[tuple[ChunkKey, ChunkKey | None, bool]] = []  # accesses the experts have yet to see
 
     def capacity_chunks(self) -> int | None:
         """The tier's capacity in chunks of the mean size put so far, as allocated (None: not known yet)."""
         if not self.capacity_bytes or not self._admitted_chunks:
             return None
         return max(1, self.capacity_bytes * self._admitted_chunks // max(1, self._admitted_bytes))
+
+    def _later(self, key: ChunkKey, parent: ChunkKey | None, put: bool) -> None:
+        """Play an access to the experts: in an event loop, after the current callback
+        (the request's reply goes out first: the experts are two thirds of the
+        policy's CPU and nothing the request waits for), in order; without a loop,
+        at once.  The head rule in force lags the experts by what is queued then."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._play(key, parent, put)
+            return
+        if not self._plays:
+            loop.call_soon(self.play_queued)
+        self._plays.append((key, parent, put))
+
+    def play_queued(self) -> None:
+        """Play every access queued for the experts, in order."""
+        plays, self._plays = self._plays, []
+        for key, parent, put in plays:
+            self._play(key, parent, put)
 
     def _play(self, key: ChunkKey, parent: ChunkKey | None, put: bool) -> None:
         capacity = self.capacity_chunks()
@@ -168,16 +195,17 @@ class AdaptivePolicy(LFUDAPolicy):
 
     def stats(self) -> dict[str, int | bool]:
         """For the tier's stats: whether the head rule is on, and how often it changed."""
+        self.play_queued()
         return {"head_rule": self.head_rule, "head_rule_switches": self.switches}
 
     def touched(self, key: ChunkKey) -> None:
-        self._play(key, None, put=False)
+        self._later(key, None, put=False)
         super().touched(key)
 
     def admit(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> bool:
         self._admitted_bytes += -(-size // self.alignment) * self.alignment
         self._admitted_chunks += 1
-        self._play(key, parent, put=True)
+        self._later(key, parent, put=True)
         if parent is None:
             self._refusing = self.head_rule and _first_seen(self, self._refused, key)
         admitted = super().admit(key, size, parent)
