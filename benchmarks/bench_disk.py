@@ -1,10 +1,19 @@
 """Disk tier throughput through the daemon vs fio in the same directory, and index rebuild time.
 
-Write: puts of 4 and 16 MiB chunks into a daemon whose memory tier holds only
-a few of them, so every put evicts one chunk that spills to the disk tier;
-throughput = bytes that reached the disk / time from the first put until the
-spill queue is empty (the queue is sized to hold the whole run: nothing is
-dropped).  Reads, in a second daemon started on the directory the first one
+Write: puts of 4 and 16 MiB chunks into a daemon whose pool holds 32 of
+them and is full before the clock starts (so the default ``spill_ahead_size``
+lends the disk writers chunks ahead of need, as on a real node, and every
+timed put evicts one chunk that spills); throughput = bytes that reached the
+disk / time from the first timed put until as many chunks are on disk and the
+spill queue is empty (the queue holds the whole run: nothing is dropped).
+Twice: the puts through shared memory (``write, shm puts``: the feed costs one
+memcpy, so the disk tier's own rate shows) and as frames over tcp (``write,
+puts over tcp``: on 2 cores the transport's copies take CPU the writers
+need).  With a pool of only a few chunks (this benchmark before) there is no
+spill-ahead and a put waits for the one spill that frees its room: writes are
+one at a time, whatever ``disk_io_threads`` says.
+
+Reads, in a second daemon started on the directory the first one
 wrote (so every chunk is on disk only; its pool has room for a batch): half
 the chunks one get of one key at a time (``read``: each read, checksummed,
 promoted into memory and sent), the other half in gets of 8 keys (``batch``:
@@ -99,6 +108,7 @@ MODES = ("direct", "buffered")
 JUDGED = {"write": "direct", "read": "buffered"}  # fio mode each op of the default daemon is judged against
 TARGETS = {"write": 0.8, "read": 0.7}  # x fio (issue #3; writes raised to 0.8 by issue #15)
 BATCH = 8
+POOL_CHUNKS = 32  # the writer's pool, in chunks: spill_ahead_size (64 MiB) is at most an eighth of it
 """Keys per get in the batch-read phase (issue #15: a batch of 8 disk-only chunks)."""
 BATCH_VS_SINGLE, BATCH_VS_FIO = 2.0, 0.7
 """Issue #15's batch-read targets: x the same chunks read one get at a time, x fio at the same queue depth."""
@@ -135,51 +145,85 @@ def _daemon(procs: Processes, name: str, spill: Path, pool: int, total: int, mod
     return address
 
 
+def write_round(procs: Processes, spill: Path, size: int, count: int, mode: str, io_threads: int,
+                shm: bool) -> tuple[float, list[bytes]]:  # fmt: skip
+    """MiB/s of spills in the steady state of a full pool: the pool (POOL_CHUNKS
+    chunks, so the default ``spill_ahead_size`` lends the writers chunks ahead
+    of need, as on a real node) is filled first, untimed; then ``count`` puts
+    of fresh chunks, each of which evicts one, timed until as many chunks have
+    reached the disk and the spill queue is empty.  ``shm``: the puts go through
+    shared memory (the feed costs one memcpy, so the disk tier's own rate
+    shows), else as frames over tcp (on 2 cores the transport's copies take
+    CPU the writers need).  Also the keys whose chunks are on disk only."""
+    pool = POOL_CHUNKS * size
+    address = _daemon(procs, "writer", spill, pool, pool + size * count, mode, io_threads)
+    with CacheClient(address, NAMESPACE, timeout_s=60, fail_open=False, shared_memory=shm) as c:
+        assert c.uses_shared_memory == shm
+        payload = os.urandom(size)
+        keys = [os.urandom(32) for _ in range(POOL_CHUNKS + count)]
+        for key in keys[:POOL_CHUNKS]:
+            c.put([key], [payload])
+        wait_until(lambda: c.stats()["tiers"]["disk"]["queued_spills"] == 0, 120, "prefill spills",
+                   procs.children[-1].check_alive)  # fmt: skip
+        before = int(c.stats()["tiers"]["disk"]["spills"])
+        os.sync()
+        started = time.perf_counter()
+        for key in keys[POOL_CHUNKS:]:
+            c.put([key], [payload])
+        deadline = time.monotonic() + 600
+        while _spilled(c) - before < count - 2:  # polled often: a run at disk speed lasts well under a second
+            if time.monotonic() > deadline:
+                raise TimeoutError("spills did not reach the disk within 600s")
+            time.sleep(0.005)
+        elapsed = time.perf_counter() - started
+        stats = c.stats()["tiers"]["disk"]
+        assert stats["spills_dropped"] == 0 and stats["direct_io"] == (mode == "direct"), stats
+        on_disk = [k for k, t in zip(keys, c.lookup(keys).tiers) if t == "disk"]  # not also in memory
+        return (int(stats["spills"]) - before) * size / MIB / elapsed, on_disk
+
+
 def daemon_round(workdir: Path, spill: Path, size: int, count: int, mode: str, io_threads: int) -> dict[str, float]:
     """MiB/s of ``count`` chunks of ``size`` through the daemon's disk tier: ``write``
-    (puts that all spill), then, in a daemon started on the written directory with
-    room in its pool for a batch, ``read`` (half the chunks, one get of 1 key each)
-    and ``batch`` (the other half, gets of BATCH keys), each from a cold page cache."""
+    and (direct mode) ``write-shm`` (:func:`write_round`, puts over tcp / through
+    shared memory), then, in a daemon started on the tcp run's directory with
+    room in its pool for a batch, ``read`` (half the chunks on disk, one get of
+    1 key each) and ``batch`` (the other half, gets of BATCH keys), each from a
+    cold page cache."""
     procs = Processes(workdir)
-    total = size * count
+    out: dict[str, float] = {}
     try:
-        address = _daemon(procs, "writer", spill, max(4 * size, 16 * MIB), total, mode, io_threads)
-        with CacheClient(address, NAMESPACE, timeout_s=60, fail_open=False) as c:
-            keys = [os.urandom(32) for _ in range(count)]
-            payload = os.urandom(size)
-            started = time.perf_counter()
-            for key in keys:
-                c.put([key], [payload])
-            wait_until(lambda: _spilled(c) >= count - 4, 600, "spills", procs.children[-1].check_alive)
-            write = _spilled(c) * size / MIB / (time.perf_counter() - started)
-            on_disk = [k for k, t in zip(keys, c.lookup(keys).tiers) if t == "disk"]
-            stats = c.stats()["tiers"]["disk"]
-            assert stats["spills_dropped"] == 0 and stats["direct_io"] == (mode == "direct"), stats
+        if mode == "direct":
+            out["write-shm"], _ = write_round(procs, workdir / "spill-shm", size, count, mode, io_threads, True)
+            procs.stop_all()
+            shutil.rmtree(workdir / "spill-shm")
+            os.sync()
+        out["write"], on_disk = write_round(procs, spill, size, count, mode, io_threads, False)
         procs.stop_all()  # the reader finds every chunk on disk only
+        total = size * (POOL_CHUNKS + count)
         address = _daemon(procs, "reader", spill, 2 * BATCH * size + 64 * MIB, total, mode, io_threads)
         half = len(on_disk) // 2 // BATCH * BATCH
+        assert half >= BATCH, f"only {len(on_disk)} chunks on disk alone"
         singles, batches = on_disk[:half], on_disk[half : 2 * half]
         # Reads land in preallocated, touched buffers (get_into), as an engine's
         # reads land in its KV cache: a copy into fresh memory would add the
         # client's page faults (~1/8 of memcpy speed) to what is measured.
-        out = [memoryview(bytearray(size)) for _ in range(BATCH)]
+        bufs = [memoryview(bytearray(size)) for _ in range(BATCH)]
         with CacheClient(address, NAMESPACE, timeout_s=60, fail_open=False) as c:
             assert all(t == "disk" for t in c.lookup(on_disk).tiers)
             drop_page_cache()
             started = time.perf_counter()
             for key in singles:
-                assert c.get_into([key], out[:1]) == [True]
-            read = len(singles) * size / MIB / (time.perf_counter() - started)
+                assert c.get_into([key], bufs[:1]) == [True]
+            out["read"] = len(singles) * size / MIB / (time.perf_counter() - started)
             drop_page_cache()
             started = time.perf_counter()
             for i in range(0, len(batches), BATCH):
-                assert c.get_into(batches[i : i + BATCH], out) == [True] * BATCH
-            batch = len(batches) * size / MIB / (time.perf_counter() - started)
-            assert bytes(out[0][:64]) == payload[:64]
+                assert c.get_into(batches[i : i + BATCH], bufs) == [True] * BATCH
+            out["batch"] = len(batches) * size / MIB / (time.perf_counter() - started)
             stats = c.stats()["tiers"]["disk"]
             assert stats["corrupt"] == 0, stats
             assert stats["direct_io"] == (mode == "direct"), stats
-        return {"write": write, "read": read, "batch": batch}
+        return out
     finally:
         procs.stop_all()
 
@@ -331,19 +375,26 @@ def main() -> None:
             print(f"{size_mib} MiB chunks, {count} of them, MiB/s  (daemon direct = disk_direct_io: true, the default;"
                   f" disk_io_threads {n})")  # fmt: skip
             print(f"  {'op':<22} {'daemon direct':>13} {'daemon buffered':>15} {'fio direct':>10} {'fio buffered':>12}")
-            label = {"write": "write", "read": "read, 1 key a get", "batch": f"read, {BATCH} keys a get"}
-            for op, fio_op in (("write", "write"), ("read", "read"), ("batch", f"read-{n}jobs")):
+            label = {"write": "write, puts over tcp", "write-shm": "write, shm puts", "read": "read, 1 key a get",
+                     "batch": f"read, {BATCH} keys a get"}  # fmt: skip
+            rows_ops = (("write", "write"), ("write-shm", "write"), ("read", "read"), ("batch", f"read-{n}jobs"))
+            for op, fio_op in rows_ops:
+                buffered = got.get(("daemon-disk", op, "buffered"))
                 print(f"  {label[op]:<22} {got['daemon-disk', op, 'direct']:>13.0f}"
-                      f" {got['daemon-disk', op, 'buffered']:>15.0f}"
+                      f" {'-' if buffered is None else f'{buffered:.0f}':>15}"
                       f" {got['fio', fio_op, 'direct']:>10.0f} {got['fio', fio_op, 'buffered']:>12.0f}"
                       + (f"   (fio: {n} jobs)" if op == "batch" else ""))  # fmt: skip
+            shm_write = got["daemon-disk", "write-shm", "direct"] / got["fio", "write", "direct"]
+            print(f"  write, shm puts: daemon {shm_write:.2f}x fio direct"
+                  f"  {'PASS' if shm_write >= TARGETS['write'] else 'MISS'} (target >= {TARGETS['write']}x;"
+                  " the disk tier's own rate: its feed costs one memcpy)", flush=True)  # fmt: skip
             for op in ("write", "read"):
                 ours = got["daemon-disk", op, "direct"]
                 judged = JUDGED[op]
                 theirs = got["fio", op, judged]
                 other = "buffered" if judged == "direct" else "direct"
                 target = TARGETS[op]
-                print(f"  {op}: daemon {ours / theirs:.2f}x fio {judged}"
+                print(f"  {label[op]}: daemon {ours / theirs:.2f}x fio {judged}"
                       f"  {'PASS' if ours >= target * theirs else 'MISS'} (target >= {target}x)"
                       f";  {ours / got['fio', op, other]:.2f}x fio {other}"
                       f";  daemon buffered {got['daemon-disk', op, 'buffered'] / got['fio', op, 'buffered']:.2f}x"
