@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from lmcache_server.storage.disk import DiskTier
 from lmcache_server.storage.diskfiles import path_for, read_record
 from lmcache_server.storage.remote import RedisTier
 
+from ._slowlink import SlowLink
 from .conftest import RedisServer
 
 NS = "ns"
@@ -344,50 +343,11 @@ def test_a_redis_key_of_another_type_is_a_miss_left_alone(redis_server: RedisSer
     asyncio.run(scenario())
 
 
-class SlowLink:
-    """A TCP proxy to a Redis server whose replies flow at ``rate`` bytes per second."""
-
-    def __init__(self, port: int, rate: int) -> None:
-        self.upstream, self.rate = port, rate
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, self.rate), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, rate: int | None) -> None:
-        try:
-            while data := src.recv(64 * 1024):
-                dst.sendall(data)
-                if rate is not None:
-                    time.sleep(len(data) / rate)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def test_a_batch_of_big_values_on_a_slow_link_is_not_an_outage(redis_server: RedisServer) -> None:
     """Eight 512 KiB values at 4 MiB/s: each reply takes ~0.13 s, the batch ~1 s, the
     timeout is 0.5 s.  Each reply is timed on its own, so the batch hits and the uplink
     stays up (one MGET reply of all eight would have timed out and marked it down)."""
-    link = SlowLink(redis_server.port, 4 * MiB)
+    link = SlowLink(redis_server.port, down_rate=4 * MiB)
 
     async def scenario() -> None:
         data = [os.urandom(512 * 1024) for _ in range(8)]
@@ -400,6 +360,38 @@ def test_a_batch_of_big_values_on_a_slow_link_is_not_an_outage(redis_server: Red
         assert [bytes(c.data) if c else None for c in chunks] == data
         assert remote.up and remote.counters.read_errors == 0 and remote.counters.hits == 8
         await remote.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        link.close()
+
+
+def test_writes_over_a_slow_link_shrink_their_pipelines_instead_of_going_down(redis_server: RedisServer) -> None:
+    """Sixteen 1 MiB writes towards Redis at 4 MiB/s with a 0.5 s timeout: a pipeline
+    of all of them cannot be sent in time (redis-py bounds the send of a whole
+    pipeline by the timeout), so the writer halves its pipelines until they fit
+    and sizes the next ones to the rate it saw; the uplink never goes down and
+    every chunk lands (before, the timeout marked the uplink down and the same
+    pipeline timed out again after every reconnect)."""
+    link = SlowLink(redis_server.port, up_rate=4 * MiB)
+
+    async def scenario() -> None:
+        remote = RedisTier(f"redis://127.0.0.1:{link.port}", timeout_s=0.5)
+        await remote.open()
+        data = [os.urandom(MiB) for _ in range(16)]
+        keys = [ChunkKey(NS, os.urandom(32)) for _ in data]
+        for key, payload in zip(keys, data):
+            assert remote.enqueue(key, payload)
+        assert await remote.flush(60)
+        assert remote.up and remote.counters.reconnects == 0 and remote.counters.stores == 16
+        assert remote.batch_bytes < 8 * MiB  # sized to the link
+        await remote.close()
+        direct = RedisTier(redis_server.url)
+        await direct.open()
+        chunks = await direct.get_many(keys)
+        assert [bytes(c.data) if c else None for c in chunks] == data
+        await direct.close()
 
     try:
         asyncio.run(scenario())

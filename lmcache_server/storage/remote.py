@@ -12,7 +12,8 @@
 - Writes: every chunk stored in memory is queued (:mod:`.remotequeue`,
   bounded by bytes; full -> drop and count), its record (checksum and copy)
   built off the event loop (:mod:`.offload`), and written by a background
-  task; a request never waits.  A write leaves the queue only once Redis
+  task in pipelines sized to what the link sends within half of
+  ``remote_timeout_s``; a request never waits.  A write leaves the queue only once Redis
   acknowledged it: one that failed is written again when Redis is back, and
   writes queued while it is down wait (up to the bound) instead of being dropped.
 - Removals: delete and clear take the chunks out of the queue too (a queued
@@ -48,6 +49,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmcache_client.protocol import PutStatus
 
@@ -67,6 +69,7 @@ POISON_FAILURES = 3
 """A queued write that fails this many times with an unexpected error is dropped (counted)."""
 BATCH_WRITES, BATCH_BYTES = 64, 32 << 20
 """At most this many writes (and, past the first, bytes) per pipelined round trip to Redis."""
+_TIMEOUTS = (TimeoutError, asyncio.TimeoutError, RedisTimeoutError)
 
 
 @dataclasses.dataclass
@@ -117,6 +120,7 @@ class RedisTier:
         self._building: set[asyncio.Task[None]] = set()
         self._writing: list[Write] | None = None
         self._removing = 0  # removals taken from the queue and not yet acknowledged by Redis
+        self.batch_bytes = BATCH_BYTES  # bytes of SETs per pipeline: what the link sends within timeout_s / 2
 
     def _connect(self, url: str, username: str | None, password: str | None) -> Any:
         kwargs: dict[str, Any] = {
@@ -272,9 +276,24 @@ class RedisTier:
             batch: list[Write] = []
             try:
                 await self._send_removals()
-                batch = self.queue.heads(BATCH_WRITES, BATCH_BYTES)
+                batch = self.queue.heads(BATCH_WRITES, self.batch_bytes)
                 if batch:
+                    started = time.monotonic()
                     await self._send(batch)
+                    self._fit_batches(sum(w.size for w in batch), time.monotonic() - started)
+            except _TIMEOUTS as err:
+                self.counters.write_errors += 1
+                if len(batch) > 1:  # too big for the link within the timeout: not an outage
+                    self.batch_bytes = max(1, sum(w.size for w in batch) // 2)
+                    logger.info(
+                        "Redis uplink: a pipeline of %d writes (%.1f MiB) timed out; sending at most %.1f MiB"
+                        " a pipeline",
+                        len(batch),
+                        sum(w.size for w in batch) / 2**20,
+                        self.batch_bytes / 2**20,
+                    )
+                    continue
+                self._mark_down(err)  # the writes stay queued: sent again once Redis is back
             except _ERRORS as err:
                 self.counters.write_errors += 1
                 self._mark_down(err)  # the writes stay queued: sent again once Redis is back
@@ -288,6 +307,13 @@ class RedisTier:
                         self.queue.done(write)
                         self.counters.dropped_writes += 1
                 raise
+
+    def _fit_batches(self, sent: int, elapsed_s: float) -> None:
+        """Size the next pipelines to what the link sent lately within half the timeout
+        (redis-py bounds the write of a whole pipeline by ``timeout_s``): a slow link
+        gets smaller pipelines instead of timeouts, a fast one BATCH_BYTES."""
+        rate = sent / max(elapsed_s, 1e-6)
+        self.batch_bytes = int(min(BATCH_BYTES, max(1, rate * self.timeout_s / 2, self.batch_bytes // 2)))
 
     async def _send(self, batch: list[Write]) -> None:
         """SET a batch in one round trip (a pipeline); the writes leave the queue
