@@ -51,6 +51,10 @@ RECV_BURST = 64
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's enum operators cost more than the calls
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
+_SNDMORE = int(zmq.SNDMORE)
+_send_frame = zmq.backend.Socket.send
+"""pyzmq's own send under its Python wrappers: ``send_multipart`` checks every part's
+type and ORs enum flags per part (~5 us of ~7 for a reply of three small frames)."""
 HARD_FRAME_LIMIT_FACTOR = 2
 """libzmq drops the connection of a peer sending one frame larger than this
 many times max_message_size (it must not even allocate it); frames between
@@ -480,7 +484,10 @@ class ZmqServer:
         # of a request that arrived meanwhile, so the receive loop is woken when
         # one is queued.
         try:
-            rx.send_multipart(frames, _NOBLOCK, copy=False)
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                # ROUTER decides at the first part (the routing id) whether the message goes out.
+                _send_frame(rx, frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=False)
         except zmq.ZMQError as err:
             logger.warning("could not send a reply: %s", err)
         if not self._receiving and self._broken is not None and _events(rx) & _POLLIN:
