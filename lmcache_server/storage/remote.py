@@ -24,7 +24,9 @@
   each reply bounded by ``remote_timeout_s``; records are verified off the loop.
 - Failure: any Redis error marks the uplink down (logged once, ``up`` metric
   0) and drops every pooled connection (they lead to the old server); while
-  down, reads are misses.  A background probe (redis-py's ``Retry`` with
+  down, reads are misses.  Not an outage: a write pipeline of several writes
+  that timed out (the next ones are smaller), an error Redis answers for one
+  key of a read (a miss).  A background probe (redis-py's ``Retry`` with
   exponential backoff and jitter) brings it back; each command also retries
   on a fresh connection (redis-py's ``Retry``) before it counts as a failure.
   The writer and the probe are supervised (:mod:`..supervisor`).
