@@ -368,13 +368,13 @@ def test_a_batch_of_big_values_on_a_slow_link_is_not_an_outage(redis_server: Red
 
 
 def test_writes_over_a_slow_link_shrink_their_pipelines_instead_of_going_down(redis_server: RedisServer) -> None:
-    """Sixteen 1 MiB writes towards Redis at 4 MiB/s with a 0.5 s timeout: a pipeline
+    """Sixteen 1 MiB writes towards Redis at 8 MiB/s with a 0.5 s timeout: a pipeline
     of all of them cannot be sent in time (redis-py bounds the send of a whole
     pipeline by the timeout), so the writer halves its pipelines until they fit
     and sizes the next ones to the rate it saw; the uplink never goes down and
     every chunk lands (before, the timeout marked the uplink down and the same
     pipeline timed out again after every reconnect)."""
-    link = SlowLink(redis_server.port, up_rate=4 * MiB)
+    link = SlowLink(redis_server.port, up_rate=8 * MiB)
 
     async def scenario() -> None:
         remote = RedisTier(f"redis://127.0.0.1:{link.port}", timeout_s=0.5)
