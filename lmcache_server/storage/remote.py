@@ -31,6 +31,9 @@
   on a fresh connection (redis-py's ``Retry``) before it counts as a failure.
   The writer and the probe are supervised (:mod:`..supervisor`).
 
+The client, the key names, the up/down state and its reconnect live in
+:mod:`.remotelink` (:class:`RedisTier` builds on its :class:`RedisLink`).
+
 Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``exists_many``, ``delete``,
 ``clear``, ``flush``, ``stats``, ``close``.
 """
@@ -39,18 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmcache_client.protocol import PutStatus
@@ -60,13 +56,13 @@ from ..supervisor import Supervisor
 from .base import Chunk, ChunkKey
 from .chunkfile import CorruptRecord, decode_record, encode_record
 from .offload import Offload
+from .remotelink import COMMAND_RETRIES as COMMAND_RETRIES  # re-exported
+from .remotelink import ERRORS, RedisLink
+from .remotelink import RemoteCounters as RemoteCounters  # re-exported
 from .remotequeue import Write, WriteQueue
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = (RedisError, OSError, TimeoutError, asyncio.TimeoutError)
-COMMAND_RETRIES = 2
-"""Retries of one command on a fresh connection (redis-py's Retry) before it counts as a failure."""
 POISON_FAILURES = 3
 """A queued write that fails this many times with an unexpected error is dropped (counted)."""
 BATCH_WRITES, BATCH_BYTES = 64, 32 << 20
@@ -74,19 +70,7 @@ BATCH_WRITES, BATCH_BYTES = 64, 32 << 20
 _TIMEOUTS = (TimeoutError, asyncio.TimeoutError, RedisTimeoutError)
 
 
-@dataclasses.dataclass
-class RemoteCounters:
-    hits: int = 0
-    misses: int = 0
-    stores: int = 0
-    dropped_writes: int = 0
-    write_errors: int = 0
-    read_errors: int = 0
-    corrupt: int = 0
-    reconnects: int = 0
-
-
-class RedisTier:
+class RedisTier(RedisLink):
     name = "redis"
 
     def __init__(
@@ -103,48 +87,25 @@ class RedisTier:
         offload: Offload | None = None,
         supervisor: Supervisor | None = None,
     ):
-        self.url = url
-        self.key_prefix = key_prefix
+        super().__init__(
+            url,
+            key_prefix=key_prefix,
+            timeout_s=timeout_s,
+            username=username,
+            password=password,
+            max_backoff_s=max_backoff_s,
+            supervisor=supervisor,
+        )
         self.ttl_ms = int(ttl_s * 1000) or None
-        self.timeout_s = timeout_s
         self.max_queue_bytes = max_queue_bytes
-        self.max_backoff_s = max_backoff_s
-        self.counters = RemoteCounters()
-        self.up = False
         self._offload = offload if offload is not None else Offload(1, "lmcache-redis")
         self._own_offload = offload is None
-        self._supervisor = supervisor if supervisor is not None else Supervisor()
-        self._client = self._connect(url, username, password)
         self.queue = WriteQueue(max_queue_bytes)
-        self._wake = asyncio.Event()  # the queue or the state changed
         self._tasks: list[asyncio.Task[None]] = []
-        self._probing: asyncio.Task[None] | None = None
         self._building: set[asyncio.Task[None]] = set()
         self._writing: list[Write] | None = None
         self._removing = 0  # removals taken from the queue and not yet acknowledged by Redis
         self.batch_bytes = BATCH_BYTES  # bytes of SETs per pipeline: what the link sends within timeout_s / 2
-
-    def _connect(self, url: str, username: str | None, password: str | None) -> Any:
-        kwargs: dict[str, Any] = {
-            "socket_timeout": self.timeout_s,
-            "socket_connect_timeout": self.timeout_s,
-            "decode_responses": False,
-            # A command that fails on a dead connection is sent again on a new one.
-            "retry": Retry(ExponentialWithJitterBackoff(cap=0.25, base=0.01), COMMAND_RETRIES),
-        }
-        if username:
-            kwargs["username"] = username
-        if password:
-            kwargs["password"] = password
-        scheme = urllib.parse.urlsplit(url).scheme
-        if scheme.endswith("+cluster"):
-            plain = url.replace(scheme, scheme.removesuffix("+cluster"), 1)
-            return RedisCluster.from_url(plain, **kwargs)
-        return aioredis.Redis.from_url(url, **kwargs)
-
-    def redis_key(self, key: ChunkKey) -> bytes:
-        ns_tag = hashlib.sha256(key.namespace.encode()).hexdigest()[:16]
-        return f"{self.key_prefix}{ns_tag}:{key.digest.hex()}".encode()
 
     # -- lifecycle -----------------------------------------------------------------
     async def open(self) -> None:
@@ -153,58 +114,9 @@ class RedisTier:
             await asyncio.wait_for(self._client.ping(), self.timeout_s)
             self.up = True
             logger.info("Redis uplink %s connected", redact(self.url))
-        except _ERRORS as err:
+        except ERRORS as err:
             self._mark_down(err)
         self._tasks.append(self._supervisor.spawn("redis_writer", self._write_loop))
-
-    def _mark_down(self, err: BaseException) -> None:
-        if self.up or self._probing is None:
-            logger.warning("Redis uplink %s down (%s: %s); serving from memory and disk, retrying",
-                           redact(self.url), type(err).__name__, err)  # fmt: skip
-        self.up = False
-        self._wake.set()
-        if self._probing is None or self._probing.done():
-            self._probing = self._supervisor.spawn("redis_reconnect", self._reconnect)
-
-    def _failed(self, op: str, err: Exception) -> None:
-        """A request to Redis failed: the uplink is down.  An error that is not a
-        Redis or network error (a client library surprised by a reply, a bug) is
-        also logged with its traceback and counted as a task failure; the request
-        that asked still gets its miss, never INTERNAL."""
-        if not isinstance(err, _ERRORS):
-            self._supervisor.failed(f"redis_{op}", err)
-        self._mark_down(err)
-
-    async def _drop_connections(self) -> None:
-        """Close the idle pooled connections: after an outage they lead to the old
-        server.  Ones in use are left to their command, which fails (and is
-        retried on a fresh connection) by itself: closing them underneath it
-        would turn a Redis outage into an error nobody expects."""
-        try:
-            if isinstance(self._client, RedisCluster):
-                await self._client.aclose()  # the next command rediscovers the nodes
-            else:
-                await self._client.connection_pool.disconnect(inuse_connections=False)
-        except Exception:  # best effort: a connection that cannot even close is gone
-            pass
-
-    async def _reconnect(self) -> None:
-        """Probe until Redis answers (redis-py's Retry: exponential backoff with jitter, no limit)."""
-        await self._drop_connections()
-        probe = Retry(ExponentialWithJitterBackoff(cap=self.max_backoff_s, base=0.1), -1, _ERRORS)  # type: ignore[arg-type]
-
-        async def ping() -> None:
-            await asyncio.wait_for(self._client.ping(), self.timeout_s)
-
-        async def failed(err: Exception) -> None:
-            await self._drop_connections()
-
-        await probe.call_with_retry(ping, failed)
-        await self._drop_connections()  # whatever was opened while it was coming back starts afresh
-        self.up = True
-        self.counters.reconnects += 1
-        logger.info("Redis uplink %s restored", redact(self.url))
-        self._wake.set()
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until queued writes and removals reached Redis (True) or the timeout passes."""
@@ -225,7 +137,7 @@ class RedisTier:
             self._offload.close()
         try:
             await self._client.aclose()
-        except _ERRORS:
+        except ERRORS:
             pass
 
     # -- writes --------------------------------------------------------------------
@@ -296,7 +208,7 @@ class RedisTier:
                     )
                     continue
                 self._mark_down(err)  # the writes stay queued: sent again once Redis is back
-            except _ERRORS as err:
+            except ERRORS as err:
                 self.counters.write_errors += 1
                 self._mark_down(err)  # the writes stay queued: sent again once Redis is back
             except Exception:
@@ -451,7 +363,7 @@ class RedisTier:
             self.counters.misses += 1
             try:
                 await asyncio.wait_for(self._client.delete(rkey), self.timeout_s)
-            except _ERRORS:
+            except ERRORS:
                 pass
             return None
         self.counters.hits += 1
@@ -473,12 +385,6 @@ class RedisTier:
             return queued
         return bool(removed) or queued
 
-    async def _delete_in_redis(self, keys: Sequence[ChunkKey]) -> int:
-        rkeys = [self.redis_key(k) for k in keys]
-        if self._cluster:
-            return await asyncio.wait_for(self._unlink(rkeys), self.timeout_s)
-        return int(await asyncio.wait_for(self._client.delete(*rkeys), self.timeout_s))
-
     async def clear(self, namespace: str | None) -> int:
         """Remove this daemon's keys (all under the prefix, or one namespace's) from
         Redis and from the write queue (while down: from Redis once it is back)."""
@@ -493,32 +399,6 @@ class RedisTier:
             self.queue.remember_clear(namespace)
             self._failed("clear", err)
             return queued
-
-    async def _clear_in_redis(self, namespace: str | None) -> int:
-        pattern = self.key_prefix + (
-            hashlib.sha256(namespace.encode()).hexdigest()[:16] + ":*" if namespace is not None else "*"
-        )
-        removed = 0
-        batch: list[bytes] = []
-        async for rkey in self._client.scan_iter(match=pattern, count=1000):
-            batch.append(rkey)
-            if len(batch) >= 500:
-                removed += await self._client.delete(*batch) if not self._cluster else await self._unlink(batch)
-                batch = []
-        if batch:
-            removed += await self._client.delete(*batch) if not self._cluster else await self._unlink(batch)
-        return removed
-
-    @property
-    def _cluster(self) -> bool:
-        return isinstance(self._client, RedisCluster)
-
-    async def _unlink(self, keys: list[bytes]) -> int:
-        # Cluster: keys live in different slots, so delete them one by one (pipelined).
-        async with self._client.pipeline(transaction=False) as pipe:
-            for k in keys:
-                pipe.delete(k)
-            return sum(await pipe.execute())
 
     def keys(self) -> list[ChunkKey]:
         return []  # not enumerable cheaply; clear reports what it removed locally

@@ -1,0 +1,184 @@
+"""The connection side of the Redis uplink (:mod:`.remote`): one redis-py client
+(a single server, TLS, a unix socket, or a Redis Cluster), the daemon's key
+names, the up/down state with its background reconnect, and the raw removal
+commands.  :class:`.remote.RedisTier` builds the tier on it.
+
+- Any Redis error a request or the writer meets marks the link down (logged
+  once) and drops every pooled connection (they lead to the old server); a
+  background probe (redis-py's ``Retry``: exponential backoff with jitter, no
+  limit) brings it back and counts a reconnect.
+- Each command also retries on a fresh connection (redis-py's ``Retry``,
+  COMMAND_RETRIES times) before it counts as a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import RedisError
+
+from ..config import redact
+from ..supervisor import Supervisor
+from .base import ChunkKey
+
+logger = logging.getLogger(__name__)
+
+ERRORS = (RedisError, OSError, TimeoutError, asyncio.TimeoutError)
+"""What a Redis or network failure raises."""
+COMMAND_RETRIES = 2
+"""Retries of one command on a fresh connection (redis-py's Retry) before it counts as a failure."""
+
+
+@dataclasses.dataclass
+class RemoteCounters:
+    hits: int = 0
+    misses: int = 0
+    stores: int = 0
+    dropped_writes: int = 0
+    write_errors: int = 0
+    read_errors: int = 0
+    corrupt: int = 0
+    reconnects: int = 0
+
+
+class RedisLink:
+    """A redis-py client with the daemon's key names and an up/down state.
+
+    ``up`` is False from a failure until the background probe reaches Redis
+    again; ``_wake`` is set whenever the state changes (the tier's writer waits
+    on it)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str,
+        timeout_s: float,
+        username: str | None,
+        password: str | None,
+        max_backoff_s: float,
+        supervisor: Supervisor | None,
+    ):
+        self.url = url
+        self.key_prefix = key_prefix
+        self.timeout_s = timeout_s
+        self.max_backoff_s = max_backoff_s
+        self.counters = RemoteCounters()
+        self.up = False
+        self._supervisor = supervisor if supervisor is not None else Supervisor()
+        self._client = self._connect(url, username, password)
+        self._wake = asyncio.Event()  # the state (or, for the tier, its queue) changed
+        self._probing: asyncio.Task[None] | None = None
+
+    def _connect(self, url: str, username: str | None, password: str | None) -> Any:
+        kwargs: dict[str, Any] = {
+            "socket_timeout": self.timeout_s,
+            "socket_connect_timeout": self.timeout_s,
+            "decode_responses": False,
+            # A command that fails on a dead connection is sent again on a new one.
+            "retry": Retry(ExponentialWithJitterBackoff(cap=0.25, base=0.01), COMMAND_RETRIES),
+        }
+        if username:
+            kwargs["username"] = username
+        if password:
+            kwargs["password"] = password
+        scheme = urllib.parse.urlsplit(url).scheme
+        if scheme.endswith("+cluster"):
+            plain = url.replace(scheme, scheme.removesuffix("+cluster"), 1)
+            return RedisCluster.from_url(plain, **kwargs)
+        return aioredis.Redis.from_url(url, **kwargs)
+
+    def redis_key(self, key: ChunkKey) -> bytes:
+        ns_tag = hashlib.sha256(key.namespace.encode()).hexdigest()[:16]
+        return f"{self.key_prefix}{ns_tag}:{key.digest.hex()}".encode()
+
+    def _mark_down(self, err: BaseException) -> None:
+        if self.up or self._probing is None:
+            logger.warning("Redis uplink %s down (%s: %s); serving from memory and disk, retrying",
+                           redact(self.url), type(err).__name__, err)  # fmt: skip
+        self.up = False
+        self._wake.set()
+        if self._probing is None or self._probing.done():
+            self._probing = self._supervisor.spawn("redis_reconnect", self._reconnect)
+
+    def _failed(self, op: str, err: Exception) -> None:
+        """A request to Redis failed: the uplink is down.  An error that is not a
+        Redis or network error (a client library surprised by a reply, a bug) is
+        also logged with its traceback and counted as a task failure; the request
+        that asked still gets its miss, never INTERNAL."""
+        if not isinstance(err, ERRORS):
+            self._supervisor.failed(f"redis_{op}", err)
+        self._mark_down(err)
+
+    async def _drop_connections(self) -> None:
+        """Close the idle pooled connections: after an outage they lead to the old
+        server.  Ones in use are left to their command, which fails (and is
+        retried on a fresh connection) by itself: closing them underneath it
+        would turn a Redis outage into an error nobody expects."""
+        try:
+            if isinstance(self._client, RedisCluster):
+                await self._client.aclose()  # the next command rediscovers the nodes
+            else:
+                await self._client.connection_pool.disconnect(inuse_connections=False)
+        except Exception:  # best effort: a connection that cannot even close is gone
+            pass
+
+    async def _reconnect(self) -> None:
+        """Probe until Redis answers (redis-py's Retry: exponential backoff with jitter, no limit)."""
+        await self._drop_connections()
+        probe = Retry(ExponentialWithJitterBackoff(cap=self.max_backoff_s, base=0.1), -1, ERRORS)  # type: ignore[arg-type]
+
+        async def ping() -> None:
+            await asyncio.wait_for(self._client.ping(), self.timeout_s)
+
+        async def failed(err: Exception) -> None:
+            await self._drop_connections()
+
+        await probe.call_with_retry(ping, failed)
+        await self._drop_connections()  # whatever was opened while it was coming back starts afresh
+        self.up = True
+        self.counters.reconnects += 1
+        logger.info("Redis uplink %s restored", redact(self.url))
+        self._wake.set()
+
+    async def _delete_in_redis(self, keys: Sequence[ChunkKey]) -> int:
+        rkeys = [self.redis_key(k) for k in keys]
+        if self._cluster:
+            return await asyncio.wait_for(self._unlink(rkeys), self.timeout_s)
+        return int(await asyncio.wait_for(self._client.delete(*rkeys), self.timeout_s))
+
+    async def _clear_in_redis(self, namespace: str | None) -> int:
+        pattern = self.key_prefix + (
+            hashlib.sha256(namespace.encode()).hexdigest()[:16] + ":*" if namespace is not None else "*"
+        )
+        removed = 0
+        batch: list[bytes] = []
+        async for rkey in self._client.scan_iter(match=pattern, count=1000):
+            batch.append(rkey)
+            if len(batch) >= 500:
+                removed += await self._client.delete(*batch) if not self._cluster else await self._unlink(batch)
+                batch = []
+        if batch:
+            removed += await self._client.delete(*batch) if not self._cluster else await self._unlink(batch)
+        return removed
+
+    @property
+    def _cluster(self) -> bool:
+        return isinstance(self._client, RedisCluster)
+
+    async def _unlink(self, keys: list[bytes]) -> int:
+        # Cluster: keys live in different slots, so delete them one by one (pipelined).
+        async with self._client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.delete(k)
+            return sum(await pipe.execute())
