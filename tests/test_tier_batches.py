@@ -296,6 +296,40 @@ def test_a_batch_over_memory_disk_and_redis_keeps_its_order(tmp_path: Path, redi
     asyncio.run(scenario())
 
 
+def test_a_read_that_fails_after_its_chunk_was_written_again_keeps_the_new_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk read in flight while its chunk is deleted and written again (same key,
+    same size) fails on the old file; the chunk stored since stays, file and all."""
+
+    async def scenario() -> None:
+        data = [os.urandom(MiB)]
+        disk, digests = await disk_only(tmp_path, data)
+        key = ChunkKey(NS, digests[0])
+        started, release = threading.Event(), threading.Event()
+        real = disk_module.read_record
+
+        def stalled(path: str, k: ChunkKey, out: Any = None, uncache: bool = False) -> Any:
+            started.set()
+            release.wait(10)
+            raise FileNotFoundError(2, "No such file or directory", path)  # the old file is gone
+
+        monkeypatch.setattr(disk_module, "read_record", stalled)
+        reading = asyncio.ensure_future(disk.get(key))
+        assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        assert await disk.delete(key)
+        assert await disk.put(key, data[0]) is PutStatus.STORED  # written again, same size
+        release.set()
+        assert await reading is None  # the stale read is a miss
+        monkeypatch.setattr(disk_module, "read_record", real)
+        assert os.path.exists(path_for(disk.root, key))
+        chunk = await disk.get(key)
+        assert chunk is not None and bytes(chunk.data) == data[0]
+        await disk.close()
+
+    asyncio.run(scenario())
+
+
 def test_damaged_redis_values_in_a_batch_are_misses(redis_server: RedisServer) -> None:
     async def scenario() -> None:
         data = [os.urandom(100_000) for _ in range(4)]

@@ -148,6 +148,10 @@ class DiskTier:
         self._degraded_at = 0.0
         self._index: dict[ChunkKey, _Entry] = {}
         self._by_namespace: dict[str, list[int]] = {}
+        # Keys with reads in flight (how many), and those of them stored or dropped since
+        # a read began: a read that fails then found the old file, and the new one stays.
+        self._reading: dict[ChunkKey, int] = {}
+        self._changed: set[ChunkKey] = set()
         self.stored_bytes = 0  # payload bytes
         self.disk_bytes = 0  # as du counts them
         self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="lmcache-disk")
@@ -265,19 +269,27 @@ class DiskTier:
             self.counters.hits += 1
             return Chunk(copy, self.name)
         path = path_for(self.root, key)
+        self._reading[key] = self._reading.get(key, 0) + 1
         try:
             payload = await self._run(read_record, path, key, out, self.direct)
-        except CorruptRecord as err:
-            logger.warning("disk tier: %s is damaged (%s); removed, answered as a miss", path, err)
-            self.counters.corrupt += 1
-            await self._drop(key, entry)
+        except (CorruptRecord, OSError) as err:
+            changed = key in self._changed  # deleted and written again meanwhile: the new file stays
+            if isinstance(err, CorruptRecord):
+                logger.warning("disk tier: %s is damaged (%s); %s, answered as a miss",
+                               path, err, "rewritten meanwhile" if changed else "removed")  # fmt: skip
+                self.counters.corrupt += 1
+            else:
+                logger.warning("disk tier: cannot read %s (%s); answered as a miss", path, err)
+            if not changed:
+                await self._drop(key, entry)
             self.counters.misses += 1
             return None
-        except OSError as err:
-            logger.warning("disk tier: cannot read %s (%s); answered as a miss", path, err)
-            await self._drop(key, entry)
-            self.counters.misses += 1
-            return None
+        finally:
+            left = self._reading.pop(key) - 1
+            if left:
+                self._reading[key] = left
+            else:
+                self._changed.discard(key)
         if key in self._index:
             self.policy.touched(key)
         self.counters.hits += 1
@@ -407,6 +419,8 @@ class DiskTier:
         if namespace is not key.namespace:
             key = ChunkKey(namespace, key.digest)
         self._index[key] = entry
+        if key in self._reading:
+            self._changed.add(key)
         self.policy.inserted(key, entry.payload_len, None)
         self.stored_bytes += entry.payload_len
         self.disk_bytes += entry.disk_bytes
@@ -450,6 +464,8 @@ class DiskTier:
         if self._index.get(key) is not entry:
             return
         del self._index[key]
+        if key in self._reading:
+            self._changed.add(key)
         self.policy.removed(key)
         self.stored_bytes -= entry.payload_len
         self.disk_bytes -= entry.disk_bytes
