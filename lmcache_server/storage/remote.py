@@ -195,21 +195,14 @@ class RedisTier(RedisLink):
                     started = time.monotonic()
                     await self._send(batch)
                     self._fit_batches(sum(w.size for w in batch), time.monotonic() - started)
-            except _TIMEOUTS as err:
-                self.counters.write_errors += 1
-                if len(batch) > 1:  # too big for the link within the timeout: not an outage
-                    self.batch_bytes = max(1, sum(w.size for w in batch) // 2)
-                    logger.info(
-                        "Redis uplink: a pipeline of %d writes (%.1f MiB) timed out; sending at most %.1f MiB"
-                        " a pipeline",
-                        len(batch),
-                        sum(w.size for w in batch) / 2**20,
-                        self.batch_bytes / 2**20,
-                    )
-                    continue
-                self._mark_down(err)  # the writes stay queued: sent again once Redis is back
             except ERRORS as err:
                 self.counters.write_errors += 1
+                if isinstance(err, _TIMEOUTS) and len(batch) > 1:  # too big for the link in time: not an outage
+                    sent = sum(w.size for w in batch)
+                    self.batch_bytes = max(1, sent // 2)
+                    logger.info("Redis uplink: a pipeline of %d writes (%.1f MiB) timed out; sending at most"
+                                " %.1f MiB a pipeline", len(batch), sent / 2**20, self.batch_bytes / 2**20)  # fmt: skip
+                    continue
                 self._mark_down(err)  # the writes stay queued: sent again once Redis is back
             except Exception:
                 # Not a Redis failure: a bug or a reply nothing expects.  The
