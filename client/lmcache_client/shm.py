@@ -143,7 +143,7 @@ def _take_staged(pool: SharedPool, sizes: Sequence[int]) -> tuple[StagedSlots, l
     free = list(staged.free)
     picked = []
     for size in sizes:
-        at = next((j for j, slot in enumerate(free) if slot[1] == size), None)
+        at = next((j for j, slot in enumerate(free) if pool.span(slot, size) is not None), None)
         if at is None:
             return None
         picked.append(free.pop(at))
@@ -262,6 +262,26 @@ def _nbytes(payload: Any) -> int:
     return memoryview(payload).nbytes
 
 
+def _placed(pool: SharedPool, locs: Sequence[Any], sizes: Sequence[int]) -> bool:
+    """Whether every slot a grant gave lies inside the segment, is its payload's size
+    and overlaps no other (else nothing is written: a daemon that says otherwise
+    has a bug, or is not the daemon)."""
+    spans = sorted(s for loc, size in zip(locs, sizes) if loc is not None and (s := pool.span(loc, size)) is not None)
+    placed = len(spans) == sum(loc is not None for loc in locs)
+    if placed and all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:])):
+        return True
+    logger.warning("the daemon granted pool slots outside its segment or its payloads (%s); nothing written", locs)
+    return False
+
+
+def _hit_span(pool: SharedPool, loc: Any) -> tuple[int, int] | None:
+    """A hit's location, None (a miss) when it does not lie inside the segment."""
+    span = pool.span(loc)
+    if span is None:
+        logger.warning("the daemon placed a hit outside its segment (%s); a miss", loc)
+    return span
+
+
 def _in_time(pool: SharedPool, expires: float) -> bool:
     return pool.same_clock and time.monotonic() < expires - DEADLINE_MARGIN_S
 
@@ -291,10 +311,12 @@ def get_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], out: Seque
                 results.append(None)
             elif loc is None:  # a hit the daemon could not place in the pool: sent as a frame
                 results.append(next(frames))
+            elif (span := _hit_span(pool, loc)) is None:
+                results.append(None)
             elif out is None:
-                results.append(pool.read(loc[0], loc[1]))
+                results.append(pool.read(*span))
             else:
-                pool.copy_out(loc[0], loc[1], out[i])
+                pool.copy_out(*span, out[i])
                 results.append(True)
     except Exception:  # a destination of the wrong size: free the chunks now, not at the lease's expiry
         if grant.lease is not None:
@@ -363,6 +385,9 @@ def put_flow(
     if not _in_time(pool, grant.expires):  # pragma: no cover - needs a stalled client
         yield Tell(calls.release([grant.lease]))
         return [PutStatus.FAILED if loc is not None else s for s, loc in zip(statuses, grant.loc)]
+    if not _placed(pool, grant.loc, sizes):
+        yield Tell(calls.release([grant.lease]))
+        return [PutStatus.FAILED if loc is not None else s for s, loc in zip(statuses, grant.loc)]
     for payload, loc in zip(payloads, grant.loc):
         if loc is not None:
             pool.copy_in(loc[0], payload)
@@ -406,6 +431,9 @@ def fill_flow(
     if not _in_time(pool, grant.expires):  # pragma: no cover - needs a stalled client
         yield Tell(calls.release([grant.lease]))
         return [PutStatus.FAILED if loc is not None else s for s, loc in zip(statuses, grant.loc)]
+    if not _placed(pool, grant.loc, sizes):
+        yield Tell(calls.release([grant.lease]))
+        return [PutStatus.FAILED if loc is not None else s for s, loc in zip(statuses, grant.loc)]
     try:
         for i, loc in enumerate(grant.loc):
             if loc is not None:
@@ -436,8 +464,10 @@ def use_flow(
     try:
         for i, (found, loc) in enumerate(zip(grant.found, grant.loc)):
             view = None
-            if found:
-                view = next(frames) if loc is None else pool.view[loc[0] : loc[0] + loc[1]]
+            if found and loc is None:
+                view = next(frames)
+            elif found and (span := _hit_span(pool, loc)) is not None:
+                view = pool.view[span[0] : span[0] + span[1]]
             if view is None or (nbytes is not None and memoryview(view).nbytes != nbytes):
                 if prefix:
                     break

@@ -4,16 +4,29 @@
 over threads when large, DMA for CUDA tensors once registered);
 :class:`Mapping`: a client's state of the shared-memory path;
 :class:`StagedSlots`: the staged slots this process holds for its next put.
+
+The client trusts no daemon with its files: whoever answers hello (under
+``auth: none``, any local user who bound the port) names the file to map, so
+only a pool segment is mapped (:func:`open_segment`: the daemon's name for it,
+``lmcache-pool-<pid>-<token>`` with the announced token, opened without
+following a symlink, a regular file with one link on tmpfs or hugetlbfs, of the
+announced size).  Anything else is refused (one warning) and the client uses
+payload frames.  Every location the daemon then gives is checked against the
+segment (:meth:`SharedPool.span`) before a byte is copied.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import ctypes.util
 import dataclasses
+import hmac
 import logging
 import mmap
 import os
+import re
+import stat
 import time
 from typing import Any
 
@@ -24,6 +37,60 @@ SAME_CLOCK_TOLERANCE_S = 1.0
 (it includes the round trip) for the two to count as the same clock."""
 PARALLEL_COPY_MIN_BYTES = 4 << 20
 """A copy at least this large is split over ``copy_threads`` threads."""
+SEGMENT_NAME = re.compile(r"lmcache-pool-[0-9]+-([0-9a-f]{32})")
+"""How a daemon names its pool segment (lmcache_server/storage/pool.py): the token is the announced ``segment``."""
+TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
+_MEMORY_FS = (TMPFS_MAGIC, HUGETLBFS_MAGIC)
+
+
+class SegmentRefused(OSError):
+    """The file a hello names is not a daemon's pool segment: it is not mapped."""
+
+
+_refused: set[str] = set()
+"""Paths already refused with a warning (each is logged once per process)."""
+
+
+def _fs_type(fd: int) -> int | None:
+    """The filesystem magic (``statfs.f_type``) of an open file, None when unknown."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fstatfs = libc.fstatfs
+    except (OSError, AttributeError):
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if fstatfs(fd, buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def open_segment(path: str, size: int, token: str) -> int:
+    """A read-write descriptor of the pool segment a hello names; raises
+    :class:`SegmentRefused` unless ``path`` is one: named like the daemon's
+    segments with ``token``, not a symlink, a regular file with a single link on
+    tmpfs or hugetlbfs, of exactly ``size`` bytes."""
+    name = SEGMENT_NAME.fullmatch(os.path.basename(path))
+    if name is None or not hmac.compare_digest(name.group(1), token):
+        raise SegmentRefused(f"{path} is not a pool segment with the announced token")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as err:
+        if os.path.islink(path):
+            raise SegmentRefused(f"{path} is a symlink, not a pool segment") from err
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise SegmentRefused(f"{path} is not a pool segment (not a regular file with a single link)")
+        if _fs_type(fd) not in _MEMORY_FS:
+            raise SegmentRefused(f"{path} is not a pool segment (not on tmpfs or hugetlbfs)")
+        if info.st_size != size:
+            raise SegmentRefused(f"{path} is {info.st_size} bytes, the daemon said {size}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,11 +114,8 @@ class SharedPool:
     def __init__(
         self, path: str, size: int, segment: str, lease_timeout_s: float, same_clock: bool, copy_threads: int = 1
     ):
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = open_segment(path, size, segment)
         try:
-            actual = os.fstat(fd).st_size
-            if actual != size:
-                raise OSError(f"{path} is {actual} bytes, the daemon said {size}")
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
@@ -81,19 +145,23 @@ class SharedPool:
     @classmethod
     def open(cls, offer: Any, copy_threads: int = 1) -> SharedPool | None:
         """Map the segment a hello reply offers; None when this process cannot
-        (another host, another user, no shared /dev/shm): use payload frames."""
+        (another host, another user, no shared /dev/shm) or will not (the file
+        named is not a pool segment: :func:`open_segment`): use payload frames."""
         if not isinstance(offer, dict):
             return None
         try:
+            path, size, segment = offer["path"], offer["size"], offer["segment"]
+            if not isinstance(path, str) or type(size) is not int or size <= 0 or not isinstance(segment, str):
+                raise TypeError(f"malformed shared-memory offer {offer!r}")
             same_clock = abs(float(offer["clock"]) - time.monotonic()) < SAME_CLOCK_TOLERANCE_S
-            return cls(
-                str(offer["path"]),
-                int(offer["size"]),
-                str(offer["segment"]),
-                float(offer["lease_timeout_s"]),
-                same_clock,
-                copy_threads,
-            )
+            return cls(path, size, segment, float(offer["lease_timeout_s"]), same_clock, copy_threads)
+        except SegmentRefused as err:
+            if str(offer.get("path")) not in _refused:
+                _refused.add(str(offer.get("path")))
+                logger.warning("the daemon offered a file that is not a pool segment (%s); using payload frames", err)
+            else:
+                logger.debug("refused the daemon's shared memory again (%s)", err)
+            return None
         except (OSError, KeyError, TypeError, ValueError) as err:
             logger.info("daemon's shared memory not mappable here (%s); using payload frames", err)
             return None
@@ -118,6 +186,18 @@ class SharedPool:
         now = time.monotonic()
         self.streaming = now - self.last_put < self.lease_timeout_s / 2
         self.last_put = now
+
+    def span(self, loc: Any, length: int | None = None) -> tuple[int, int] | None:
+        """A location the daemon gave as (offset, length), None unless it is two
+        ints lying inside the segment (and, with ``length``, exactly that long)."""
+        if not isinstance(loc, (list, tuple)) or len(loc) != 2:
+            return None
+        offset, size = loc
+        if type(offset) is not int or type(size) is not int or (length is not None and size != length):
+            return None
+        if offset < 0 or size < 0 or offset + size > self.size:
+            return None
+        return offset, size
 
     def _check(self, offset: int, length: int) -> None:
         if not (offset >= 0 and length > 0 and offset + length <= self.size):

@@ -7,6 +7,12 @@ decodes to a length the codec knows from the frame's shape, and any other
 length is a :class:`CodecError`.  zstd is tried on a sample first, so a
 near-random plane (mantissa bytes) costs a memcpy, not a compression pass.
 
+A zstd frame is never trusted with its own size: python-zstandard allocates
+the content size a frame declares (ignoring ``max_output_size``), so a few KiB
+can declare gigabytes.  The declared size must be the plane's expected size
+before anything is decompressed, and a frame that declares none is decoded
+into at most that many bytes.
+
 Primitives: :func:`pack_planes`, :func:`unpack_planes`, :func:`plane_count`,
 :func:`symbol_compressor`, :func:`need_zstd`.
 """
@@ -97,6 +103,8 @@ def unpack_planes(body: memoryview, sizes: list[int]) -> list[Any]:
     dec = zstd.ZstdDecompressor()
     threads = torch.get_num_threads()
     try:
+        for _, f, size in packed:
+            _check_declared_size(zstd, f, size)
         if len(packed) > 1 and threads > 1:  # frames in parallel, on torch's thread count
             decoded = dec.multi_decompress_to_buffer(
                 [f for _, f, _ in packed],
@@ -114,6 +122,17 @@ def unpack_planes(body: memoryview, sizes: list[int]) -> list[Any]:
         if len(memoryview(data)) != size:
             raise CodecError(f"encoded plane decodes to {len(memoryview(data))} bytes, expected {size}")
     return out
+
+
+def _check_declared_size(zstd: Any, data: memoryview, size: int) -> None:
+    """Refuse a zstd frame that declares a content size other than ``size`` (before
+    it is decompressed: the decompressor would allocate what it declares).  A frame
+    that declares none is bounded by ``max_output_size``, which must then be > 0."""
+    declared = zstd.frame_content_size(data)
+    if declared == -1 and size > 0:
+        return
+    if declared != size or size == 0:
+        raise CodecError(f"encoded plane declares {declared} bytes, expected {size}")
 
 
 def plane_count(body: memoryview) -> int:
