@@ -272,6 +272,37 @@ def test_overlapping_locations_write_nothing(fake_daemon: Callable[..., FakeDaem
     assert path.read_bytes() == before
 
 
+def test_staged_slots_outside_the_segment_are_never_used(fake_daemon: Callable[..., FakeDaemon], shm_dir: Path) -> None:
+    """Slots a commit stages for the next put are checked like alloc's: one outside
+    the segment is not written (nor handed to ``fill``); the put takes alloc+commit."""
+    token = secrets.token_hex(16)
+    path = shm_dir / segment_name(token)
+    victim(path)
+
+    def commit(req: Any) -> dict[str, Any]:
+        reply: dict[str, Any] = {"status": [0]}
+        if "stage" in req.fields:
+            slots = [[SEGMENT - 100, PAYLOAD]]  # the right length, past the segment's end
+            reply["staged"] = {"lease": 21, "slots": slots, "expires": time.monotonic() + 30}
+        return reply
+
+    d = fake_daemon(offer_for(path, token), {Op.COMMIT: commit})
+    views: list[int] = []
+
+    def fill(i: int, view: memoryview) -> None:
+        views.append(view.nbytes)
+        view[:] = b"\x03" * PAYLOAD
+
+    with CacheClient(d.address, NAMESPACE, timeout_s=5, fail_open=False) as c:
+        assert c.put([KEY], [b"\x01" * PAYLOAD]) == [PutStatus.STORED]
+        assert c.put([KEY[::-1]], [b"\x02" * PAYLOAD]) == [PutStatus.STORED]  # streaming: asks for staged slots
+        assert Op.COMMIT in d.ops and c._pool is not None and c._pool.staged is not None
+        assert c.put_with([bytes(32)], [PAYLOAD], fill) == [PutStatus.STORED]
+        assert c.put([bytes(31) + b"\x01"], [b"\x04" * PAYLOAD]) == [PutStatus.STORED]
+    assert views == [PAYLOAD]
+    assert Op.BIND not in d.ops and d.ops.count(Op.ALLOC) == 4
+
+
 @pytest.mark.parametrize("loc", [[SEGMENT - 100, 4096], [-4096, 4096], [0, 4096, 1]])
 def test_a_hit_at_a_bad_location_is_a_miss(
     fake_daemon: Callable[..., FakeDaemon], shm_dir: Path, loc: list[Any]
