@@ -11,6 +11,7 @@ plane declares a huge content size is a CodecError, not an allocation of it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -45,8 +46,16 @@ class FakeDaemon:
     every request's op is recorded in ``ops``, and the payloads of frame puts
     in ``framed``."""
 
-    def __init__(self, offer: dict[str, Any] | None, answers: dict[Op, Answer] | None = None):
+    def __init__(self, offer: dict[str, Any] | None, answers: dict[Op, Answer] | None = None, hold: bool = True):
         self.offer = offer
+        self._held: int | None = None
+        if hold and offer is not None and Path(offer["path"]).is_file():
+            # A daemon holds an exclusive flock on its segment while it runs (storage/pool.py).
+            self._held = os.open(offer["path"], os.O_RDONLY)
+            try:
+                fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass  # an earlier fake daemon of the test holds it
         self.answers = answers or {}
         self.ops: list[Op] = []
         self.framed: list[bytes] = []
@@ -94,14 +103,16 @@ class FakeDaemon:
         self._thread.join(5)
         self._sock.close(0)
         self._ctx.term()
+        if self._held is not None:
+            os.close(self._held)
 
 
 @pytest.fixture
 def fake_daemon() -> Iterator[Callable[..., FakeDaemon]]:
     made: list[FakeDaemon] = []
 
-    def make(offer: dict[str, Any] | None, answers: dict[Op, Answer] | None = None) -> FakeDaemon:
-        made.append(FakeDaemon(offer, answers))
+    def make(offer: dict[str, Any] | None, answers: dict[Op, Answer] | None = None, hold: bool = True) -> FakeDaemon:
+        made.append(FakeDaemon(offer, answers, hold))
         return made[-1]
 
     yield make
@@ -215,6 +226,21 @@ def test_files_that_are_not_pool_segments_are_never_written(
         assert (path.read_bytes() if path.is_file() else b"") == before, what
         checked.append(what)
     assert len(checked) == 8
+
+
+def test_a_segment_no_running_daemon_holds_is_never_written(
+    fake_daemon: Callable[..., FakeDaemon], shm_dir: Path
+) -> None:
+    """A real pool segment, but no daemon holds its lock (one kept for a warm
+    restart: the next daemon adopts its bytes): whoever answers hello meanwhile
+    cannot have clients write into it."""
+    token = secrets.token_hex(16)
+    path = shm_dir / segment_name(token)
+    before = victim(path)
+    d = fake_daemon(offer_for(path, token), hold=False)
+    assert put_one(d.address) == [PutStatus.STORED]
+    assert Op.ALLOC not in d.ops and d.framed == [b"\x01" * PAYLOAD]
+    assert path.read_bytes() == before
 
 
 def test_a_refused_segment_is_logged_once(

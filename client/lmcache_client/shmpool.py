@@ -10,7 +10,7 @@ The client trusts no daemon with its files: whoever answers hello (under
 only a pool segment is mapped (:func:`open_segment`: the daemon's name for it,
 ``lmcache-pool-<pid>-<token>`` with the announced token, opened without
 following a symlink, a regular file with one link on tmpfs or hugetlbfs, of the
-announced size).  Anything else is refused (one warning) and the client uses
+announced size, locked by a live daemon).  Anything else is refused (one warning) and the client uses
 payload frames.  Every location the daemon then gives is checked against the
 segment (:meth:`SharedPool.span`) before a byte is copied.
 """
@@ -21,6 +21,7 @@ import concurrent.futures
 import ctypes
 import ctypes.util
 import dataclasses
+import fcntl
 import hmac
 import logging
 import mmap
@@ -69,7 +70,10 @@ def open_segment(path: str, size: int, token: str) -> int:
     """A read-write descriptor of the pool segment a hello names; raises
     :class:`SegmentRefused` unless ``path`` is one: named like the daemon's
     segments with ``token``, not a symlink, a regular file with a single link on
-    tmpfs or hugetlbfs, of exactly ``size`` bytes."""
+    tmpfs or hugetlbfs, of exactly ``size`` bytes, and locked: a daemon holds an
+    exclusive flock on its segment while it runs, so a segment no daemon holds
+    (one kept for a warm restart, whose bytes the next daemon adopts) is not
+    written at the word of whoever answered hello meanwhile."""
     name = SEGMENT_NAME.fullmatch(os.path.basename(path))
     if name is None or not hmac.compare_digest(name.group(1), token):
         raise SegmentRefused(f"{path} is not a pool segment with the announced token")
@@ -87,6 +91,12 @@ def open_segment(path: str, size: int, token: str) -> int:
             raise SegmentRefused(f"{path} is not a pool segment (not on tmpfs or hugetlbfs)")
         if info.st_size != size:
             raise SegmentRefused(f"{path} is {info.st_size} bytes, the daemon said {size}")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released when fd closes
+        except BlockingIOError:
+            pass  # held by its daemon, as it should be
+        else:
+            raise SegmentRefused(f"{path} is a pool segment that no running daemon holds")
     except BaseException:
         os.close(fd)
         raise
