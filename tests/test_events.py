@@ -187,7 +187,7 @@ def test_late_subscriber_replays_every_event_vllm_decodes_them_and_replicas_agre
     for node in ("node-a", "node-b"):  # two replicas' daemons, same prefix
         daemon = events_daemon(daemon_factory, node=node)
         with daemon.client(namespace=NS) as c:
-            assert c.hello()["events"] == {"block_size": BLOCK}
+            assert c.hello()["events"] == {"block_size": BLOCK, "tokens_frame": True}
             assert (
                 c.put(keys, [os.urandom(4096) for _ in keys], tokens=chunk_tokens(tokens, CHUNK))
                 == [PutStatus.STORED] * 3

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from .errors import ServerError
-from .keys import ChunkTokens
+from .keys import ChunkTokens, pack_chunk_tokens
 from .protocol import ErrorCode, Op, PutStatus, Reply
 
 T = TypeVar("T")
@@ -78,12 +78,13 @@ TokensArg = Sequence[ChunkTokens | None] | None
 """A put's optional token ids: one :class:`ChunkTokens` (or None) per key (docs/events.md)."""
 
 
-def _tokens_field(keys: Sequence[bytes], tokens: TokensArg) -> dict[str, Any]:
+def _tokens_field(keys: Sequence[bytes], tokens: TokensArg) -> tuple[dict[str, Any], list[bytes]]:
+    """The header field and the extra last frame that carry ``tokens`` (none without)."""
     if tokens is None:
-        return {}
+        return {}, []
     if len(tokens) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(tokens)} token entries")
-    return {"tokens": [None if t is None else [t.parent, t.packed] for t in tokens]}
+    return {"tokens": True}, [pack_chunk_tokens(tokens)]
 
 
 def put(
@@ -92,13 +93,14 @@ def put(
     if len(keys) != len(payloads):
         raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
     n = len(keys)
+    fields, token_frame = _tokens_field(keys, tokens)
     return Call(
         Op.PUT,
         lambda r, _: [_put_status(s) for s in _field(r, "status")],
         namespace,
         keys,
-        payloads,
-        fields=_tokens_field(keys, tokens),
+        [*payloads, *token_frame] if token_frame else payloads,
+        fields=fields,
         miss=lambda: [PutStatus.FAILED] * n,
     )
 
@@ -221,10 +223,11 @@ def alloc(
         status = [_put_status(s) for s in _field(reply, "status")]
         return dataclasses.replace(grant, status=status)
 
-    fields: dict[str, Any] = {"sizes": list(sizes), "shm": segment, **_tokens_field(keys, tokens)}
+    token_field, token_frame = _tokens_field(keys, tokens)
+    fields: dict[str, Any] = {"sizes": list(sizes), "shm": segment, **token_field}
     if owner is not None:
         fields["owner"] = owner
-    return Call(Op.ALLOC, parse, namespace, keys, fields=fields)
+    return Call(Op.ALLOC, parse, namespace, keys, token_frame, fields=fields)
 
 
 def commit(lease: int, segment: str) -> Call[list[PutStatus | int]]:
@@ -305,5 +308,6 @@ def bind(
             raise ServerError(ErrorCode.INTERNAL, "bind reply does not match its request")
         return Bound(status, _slots(_field(reply, "fresh")), float(_field(reply, "expires")))
 
-    fields = {"lease": lease, "shm": segment, "slots": list(slots), **_tokens_field(keys, tokens)}
-    return Call(Op.BIND, parse, namespace, keys, fields=fields)
+    token_field, token_frame = _tokens_field(keys, tokens)
+    fields = {"lease": lease, "shm": segment, "slots": list(slots), **token_field}
+    return Call(Op.BIND, parse, namespace, keys, token_frame, fields=fields)

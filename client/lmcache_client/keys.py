@@ -28,7 +28,7 @@ per-request cache salt) starts its chain from another root:
 Primitives: :func:`chunk_keys` (tokens -> keys), :func:`chain_key` (one step),
 :func:`tail_key` (a prompt's partial last chunk), :func:`salted_root`,
 :class:`ChunkHasher`, which remembers the chunk size, and :class:`ChunkTokens`
-with :func:`chunk_tokens`: what a put may say about each chunk's tokens (the
+with :func:`chunk_tokens` and :func:`pack_chunk_tokens`: what a put may say about each chunk's tokens (the
 daemon announces them to KV-aware routers, docs/events.md).
 """
 
@@ -67,6 +67,19 @@ class ChunkTokens(NamedTuple):
     """The key of the chunk before it (the chain root for the first chunk)."""
     packed: bytes
     """The token ids, packed by :func:`pack_tokens`."""
+
+
+def pack_chunk_tokens(tokens: Sequence[ChunkTokens | None]) -> bytes:
+    """The tokens frame of a put, alloc or bind (docs/protocol.md): for each key in
+    order, u32le(number of ids) (0: nothing said about that chunk), then, when not
+    0, the 32-byte parent key and the packed ids."""
+    parts: list[bytes] = []
+    for t in tokens:
+        if t is None:
+            parts.append(b"\0\0\0\0")
+        else:
+            parts += (struct.pack("<I", len(t.packed) // 4), t.parent, t.packed)
+    return b"".join(parts)
 
 
 def chain_key(prev: bytes, chunk_tokens: Sequence[int]) -> bytes:

@@ -17,6 +17,15 @@
   (a DEALER sends ``[b"", seq]``; a REQ socket adds the empty frame itself)
   is answered with every kept batch from ``seq`` on, each
   ``[b"", topic, seq, payload]``, then ``[b"", b"", END_SEQ, b""]``.
+- A replay never copies the buffer: each batch goes out zero-copy (the
+  buffer's own bytes), at most ``REPLAY_HWM`` messages are queued to one
+  requester (``ROUTER_MANDATORY``: a full queue makes the replay wait, never
+  drops), at most ``MAX_REPLAYS`` replays run at once (the next requests wait
+  in the socket), and the bytes ZeroMQ still holds for all replays together
+  stay under half the replay buffer's size (what it holds may have left the
+  buffer meanwhile: that is the only memory replays add).  A requester that
+  reads nothing for ``REPLAY_STALL_S`` loses the rest of its replay (no end
+  marker; counted in ``abandoned_replays``).
 
 Primitive: :class:`EventPublisher` (``bind``, ``publish``, ``wake``,
 ``flush``, ``serve_replay``, ``close``, ``stats``).
@@ -29,7 +38,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -43,8 +52,14 @@ REPLAY_YIELD_EVERY = 256
 """Batches sent to one replay request between two yields to the event loop."""
 CLOSE_LINGER_MS = 200
 """At close, how long the last batches may take to leave (a stalled subscriber gets none)."""
-REPLAY_HWM = 100_000
-"""Messages queued to one replay requester; beyond, ROUTER drops them (a requester that does not read)."""
+REPLAY_HWM = 64
+"""Messages queued to one replay requester; beyond, its replay waits (ROUTER_MANDATORY)."""
+MAX_REPLAYS = 8
+"""Replays served at once; further requests wait in the socket until one ends."""
+REPLAY_STALL_S = 5.0
+"""How long a replay waits for a requester that reads nothing before it gives up."""
+REPLAY_WAIT_S = 0.005
+"""The pause between two tries to queue a batch (the requester's queue, or all replays' bytes, full)."""
 
 
 @dataclasses.dataclass
@@ -56,6 +71,7 @@ class PublisherCounters:
     replays: int = 0
     replayed_batches: int = 0
     bad_replay_requests: int = 0
+    abandoned_replays: int = 0
 
 
 class EventPublisher:
@@ -93,10 +109,15 @@ class EventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.asyncio.Socket | None = None
+        self._replay_cap = max(1, replay_bytes // 2)
+        """Bytes of batches ZeroMQ may hold for all replays together."""
+        self._in_flight: list[tuple[zmq.MessageTracker, int]] = []
+        self._in_flight_bytes = 0
         if replay_endpoint is not None:
             self._replay = context.socket(zmq.ROUTER)
-            # A whole replay fits in the socket's queue (otherwise ROUTER drops the rest).
+            # A small queue per requester; a full one is EAGAIN (not a silent drop).
             self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+            self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._replay.setsockopt(zmq.LINGER, 0)
 
     def bind(self) -> None:
@@ -167,20 +188,68 @@ class EventPublisher:
         sock = self._replay
         if sock is None:
             return
+        slots = asyncio.Semaphore(MAX_REPLAYS)
+        running: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                    self.counters.bad_replay_requests += 1
+                    logger.debug("ignoring a malformed replay request (%d frames)", len(frames))
+                    continue
+                identity, start = frames[0], int.from_bytes(frames[2], "big")
+                self.counters.replays += 1
+                await slots.acquire()
+                task = asyncio.get_running_loop().create_task(self._replay_to(sock, identity, start))
+                running.add(task)
+                task.add_done_callback(running.discard)
+                task.add_done_callback(lambda _: slots.release())
+        finally:
+            for task in list(running):
+                task.cancel()
+
+    async def _replay_to(self, sock: zmq.asyncio.Socket, identity: bytes, start: int) -> None:
+        """One replay: every kept batch from ``start`` on, then the end marker."""
+        for i, (seq, topic, payload) in enumerate(self.buffer.since(start)):
+            if not await self._queue(sock, [identity, b"", topic, seq_bytes(seq)], payload):
+                self.counters.abandoned_replays += 1
+                return
+            self.counters.replayed_batches += 1
+            if (i + 1) % REPLAY_YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+        if not await self._queue(sock, [identity, b"", b"", END_SEQ], b""):
+            self.counters.abandoned_replays += 1
+
+    async def _queue(self, sock: zmq.asyncio.Socket, head: list[bytes], payload: bytes) -> bool:
+        """Queue one replay message, its payload zero-copy; waits while the requester's
+        queue or all replays' bytes are full; False: the requester is gone or stalled."""
+        stall = time.monotonic() + REPLAY_STALL_S
         while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                self.counters.bad_replay_requests += 1
-                logger.debug("ignoring a malformed replay request (%d frames)", len(frames))
-                continue
-            identity, start = frames[0], int.from_bytes(frames[2], "big")
-            self.counters.replays += 1
-            for i, (seq, topic, payload) in enumerate(self.buffer.since(start)):
-                sock.send_multipart([identity, b"", topic, seq_bytes(seq), payload], zmq.NOBLOCK)
-                self.counters.replayed_batches += 1
-                if (i + 1) % REPLAY_YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
-            sock.send_multipart([identity, b"", b"", END_SEQ, b""], zmq.NOBLOCK)
+            if self._in_flight_bytes + len(payload) <= self._replay_cap or self._settle(len(payload)):
+                frame = zmq.Frame(payload, copy=False, track=True)
+                try:
+                    # NOBLOCK: zmq.asyncio sends at once and returns a done future.
+                    cast("asyncio.Future[Any]", sock.send_multipart([*head, frame], zmq.NOBLOCK)).result()
+                except zmq.Again:
+                    pass  # the requester's queue is full: it reads slowly, or not at all
+                except zmq.ZMQError as err:
+                    logger.debug("replay to a requester that is gone: %s", err)
+                    return False
+                else:
+                    self._in_flight.append((frame.tracker, len(payload)))
+                    self._in_flight_bytes += len(payload)
+                    return True
+            if time.monotonic() > stall:
+                logger.debug("replay abandoned: the requester read nothing for %.0f s", REPLAY_STALL_S)
+                return False
+            await asyncio.sleep(REPLAY_WAIT_S)
+
+    def _settle(self, more: int) -> bool:
+        """Forget the replay messages ZeroMQ is done with; True if ``more`` bytes now fit
+        (always for a first message: one batch larger than the cap still goes)."""
+        self._in_flight = [(t, n) for t, n in self._in_flight if not t.done]
+        self._in_flight_bytes = sum(n for _, n in self._in_flight)
+        return not self._in_flight or self._in_flight_bytes + more <= self._replay_cap
 
     def close(self) -> None:
         """Send what is pending, then close the sockets."""
@@ -200,5 +269,6 @@ class EventPublisher:
             "pending_events": self._pending_events,
             "replay_buffered_batches": len(self.buffer),
             "replay_buffered_bytes": self.buffer.nbytes,
+            "replay_in_flight_bytes": self._in_flight_bytes,
             **dataclasses.asdict(self.counters),
         }

@@ -109,7 +109,9 @@ class Handlers:
                 "tiers": [t.name for t in self.store.tiers],
                 "shm": self.shm.offer() if self.shm is not None else None,
                 # KV events on: puts may carry token ids (server/tokens.py, docs/events.md)
-                "events": {"block_size": c.events_block_size} if c.events_endpoint is not None else None,
+                "events": {"block_size": c.events_block_size, "tokens_frame": True}
+                if c.events_endpoint is not None
+                else None,
                 # the KV codec clients encode with (kv_codec / remote_serde; docs/codec.md); None: raw chunks
                 "codec": c.codec.to_dict() if c.codec is not None else None,
             }

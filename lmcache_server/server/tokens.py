@@ -1,60 +1,117 @@
-"""The optional ``tokens`` field of put and alloc: each chunk's token ids, for KV events.
+"""The optional token ids of put, alloc and bind: each chunk's token ids, for KV events.
 
-``tokens`` lists one entry per key: nil (nothing said about that chunk) or
-``[parent, ids]``, ``parent`` the 32-byte key of the chunk before it (the
-chain root for a first chunk) and ``ids`` its token ids packed as unsigned
-32-bit little-endian integers (docs/protocol.md).  An entry is accepted only
-if the key is exactly ``chain_key(parent, ids)`` (lmcache_client.keys): the
-tokens announced for a key are provably the tokens it was computed from.
-Anything else refuses the whole request with BAD_REQUEST (nothing is stored).
+A request whose header says ``tokens: true`` carries one more frame, last:
+for each key in order, ``u32le(n)`` (0: nothing said about that chunk), then,
+when ``n`` is not 0, ``parent`` (the 32-byte key of the chunk before it, the
+chain root for a first chunk) and the ``n`` ids packed as unsigned 32-bit
+little-endian integers (docs/protocol.md).  The ids travel outside the
+msgpack header, so the header limit leaves no room for them and a header
+stays small whatever a client announces.  (The older form, ``tokens`` as an
+array of nil or ``[parent, packed ids]`` inside the header, is still read;
+it has only the small header's room.)
 
-Clients send the field only to a daemon whose hello offers ``events``; only
-then does the header limit make room for it (:func:`token_header_bytes`).
+An entry is accepted only if the key is exactly ``chain_key(parent, ids)``
+(lmcache_client.keys) and it holds exactly ``chunk_size`` ids: the tokens
+announced for a key are provably the tokens it was computed from, and one
+key costs at most a chunk's ids of heap.  (A tail key, of another domain,
+never matches ``chain_key``: tails are not announced.)  Anything else refuses
+the whole request with BAD_REQUEST (nothing is stored).
 
-Primitives: :func:`parse_tokens`, :func:`token_header_bytes`.
+The front end parses the ids once, right after the access check
+(:func:`take_tokens`); the handlers read the result (:func:`parse_tokens`).
+
+Primitives: :func:`take_tokens`, :func:`parse_tokens`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
+from typing import Any
 
 from lmcache_client.keys import KEY_DOMAIN, ChunkTokens
 from lmcache_client.protocol import KEY_BYTES, ErrorCode, ProtocolError, Request
 
-from ..config import ServerConfig
+_PARSED = "_tokens"
+"""The field the parsed entries are kept in (never a wire field: those are msgpack strings the
+decoder copies; this one is set only by :func:`take_tokens`)."""
 
 
-def token_header_bytes(config: ServerConfig) -> int:
-    """Header bytes a request may spend on ``tokens`` (a chunk_size of ids per key), with events on."""
-    if config.events_endpoint is None:
-        return 0
-    return int(config.max_keys_per_request * (4 * config.chunk_size + KEY_BYTES + 16))
+def take_tokens(request: Request, chunk_size: int) -> None:
+    """Parse and check the request's token ids (ProtocolError when malformed, or when an
+    entry does not hold exactly ``chunk_size`` ids), keeping the result for :func:`parse_tokens`."""
+    raw = request.fields.pop("tokens", None)
+    request.fields.pop(_PARSED, None)
+    if raw is None:
+        return
+    if isinstance(raw, list):
+        entries = _from_header(request, raw)
+    elif isinstance(raw, (bytes, memoryview)):
+        entries = _from_frame(request, raw)
+    else:
+        raise _refuse(request, "must be true (a tokens frame follows) or list one entry per key")
+    ids = 4 * chunk_size
+    for i, (entry, key) in enumerate(zip(entries, request.keys)):
+        if entry is None:
+            continue
+        if len(entry.packed) != ids:
+            raise _refuse(request, f"[{i}] has {len(entry.packed) // 4} token ids; a chunk has {chunk_size}")
+        if hashlib.sha256(KEY_DOMAIN + entry.parent + entry.packed).digest() != key:
+            raise _refuse(request, f"[{i}]: the token ids and parent do not hash to keys[{i}] (chain_key)")
+    request.fields[_PARSED] = entries
 
 
 def parse_tokens(request: Request) -> list[ChunkTokens | None] | None:
-    """The request's ``tokens`` (None when it has none); ProtocolError when malformed."""
-    raw = request.fields.get("tokens")
-    if raw is None:
-        return None
+    """The request's token entries, one per key (None when it has none), as
+    :func:`take_tokens` checked them."""
+    entries: list[ChunkTokens | None] | None = request.fields.get(_PARSED)
+    if entries is None and "tokens" in request.fields:
+        raise _refuse(request, "were not checked")  # a request that did not come through the front end
+    return entries
 
-    def refuse(why: str) -> ProtocolError:
-        return ProtocolError(ErrorCode.BAD_REQUEST, f"'tokens' {why}", request.id)
 
-    if not isinstance(raw, list) or len(raw) != len(request.keys):
-        raise refuse(f"must list one entry per key ({len(request.keys)}), each nil or [parent key, packed ids]")
+def _refuse(request: Request, why: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, f"'tokens' {why}", request.id)
+
+
+def _from_header(request: Request, raw: list[Any]) -> list[ChunkTokens | None]:
+    if len(raw) != len(request.keys):
+        raise _refuse(
+            request, f"must list one entry per key ({len(request.keys)}), each nil or [parent key, packed ids]"
+        )
     out: list[ChunkTokens | None] = []
-    for i, (entry, key) in enumerate(zip(raw, request.keys)):
+    for i, entry in enumerate(raw):
         if entry is None:
             out.append(None)
             continue
         if not isinstance(entry, list) or len(entry) != 2:
-            raise refuse(f"[{i}] must be nil or [parent key, packed token ids]")
+            raise _refuse(request, f"[{i}] must be nil or [parent key, packed token ids]")
         parent, packed = entry
         if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
-            raise refuse(f"[{i}]: the parent must be a {KEY_BYTES}-byte key")
+            raise _refuse(request, f"[{i}]: the parent must be a {KEY_BYTES}-byte key")
         if not isinstance(packed, bytes) or not packed or len(packed) % 4:
-            raise refuse(f"[{i}]: the token ids must be packed u32le bytes (a non-zero multiple of 4)")
-        if hashlib.sha256(KEY_DOMAIN + parent + packed).digest() != key:
-            raise refuse(f"[{i}]: the token ids and parent do not hash to keys[{i}] (chain_key)")
+            raise _refuse(request, f"[{i}]: the token ids must be packed u32le bytes (a non-zero multiple of 4)")
         out.append(ChunkTokens(parent, packed))
+    return out
+
+
+def _from_frame(request: Request, raw: Any) -> list[ChunkTokens | None]:
+    data = memoryview(raw).cast("B")
+    out: list[ChunkTokens | None] = []
+    at, end = 0, data.nbytes
+    for i in range(len(request.keys)):
+        if at + 4 > end:
+            raise _refuse(request, f"frame ends before entry {i} of {len(request.keys)}")
+        (n,) = struct.unpack_from("<I", data, at)
+        at += 4
+        if n == 0:
+            out.append(None)
+            continue
+        stop = at + KEY_BYTES + 4 * n
+        if stop > end:
+            raise _refuse(request, f"frame ends inside entry {i} ({n} ids)")
+        out.append(ChunkTokens(bytes(data[at : at + KEY_BYTES]), bytes(data[at + KEY_BYTES : stop])))
+        at = stop
+    if at != end:
+        raise _refuse(request, f"frame has {end - at} bytes past its {len(request.keys)} entries")
     return out

@@ -39,7 +39,7 @@ from .admission import ByteBudget, ClientLedger
 from .handlers import Handlers, Outcome
 from .outgoing import Owners, SentReplies
 from .outgoing import release as _release
-from .tokens import token_header_bytes
+from .tokens import take_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -96,18 +96,21 @@ class ZmqServer:
             if key_limited and self.security.enabled
             else None
         )
-        # A valid request has at most one payload frame per key; the envelope
-        # (routing id, REQ delimiter) comes on top.  Frames beyond are dropped
-        # as they arrive, so a message of millions of empty frames costs no
-        # Python objects.
-        self.max_frames = config.max_keys_per_request + 1
+        # A valid request has at most one payload frame per key and a tokens
+        # frame; the envelope (routing id, REQ delimiter) comes on top.  Frames
+        # beyond are dropped as they arrive, so a message of millions of empty
+        # frames costs no Python objects.
+        self.max_frames = config.max_keys_per_request + 2
         self._rx: zmq.Socket[Any] | None = None
         self.handlers = handlers
         self.budget = budget
         self.metrics = metrics
         self.context = context
         self.limits = Limits(
-            max_header_bytes=max(64 * 1024, config.max_keys_per_request * 40 + 4096) + token_header_bytes(config),
+            # Keys and small fields only: token ids travel in a frame of their own
+            # (server/tokens.py), so no header needs more, events on or off, and
+            # a msgpack object bomb decodes at most this many bytes' objects.
+            max_header_bytes=max(64 * 1024, config.max_keys_per_request * 40 + 4096),
             max_keys=config.max_keys_per_request,
             max_message_bytes=config.max_message_size,
         )
@@ -295,6 +298,12 @@ class ZmqServer:
                 self._reply_error(envelope, request.id, ErrorCode.FORBIDDEN, denied, op, started)
                 return
             scoped = request.op is Op.STATS and not self.security.sees_everything(user_id)
+        if "tokens" in request.fields:
+            try:
+                take_tokens(request, self.config.chunk_size)
+            except ProtocolError as err:
+                self._reply_error(envelope, request.id, err.code, err.message, op, started)
+                return
         if self.draining:
             self._reply_error(envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started)
             return
@@ -378,7 +387,7 @@ class ZmqServer:
                 return
             request_id = err.request_id
         self.metrics.limit_violations.labels("frames").inc()
-        message = f"message has {len(body) + dropped} frames, limit {self.max_frames} (header + one per key)"
+        message = f"message has {len(body) + dropped} frames, limit {self.max_frames} (header + one per key + tokens)"
         self._reply_error(envelope, request_id, ErrorCode.TOO_LARGE, message, "invalid", started)
 
     async def _run(

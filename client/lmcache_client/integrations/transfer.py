@@ -89,17 +89,27 @@ class ChunkTransfer:
         self.errors = 0
         """Client errors turned into misses (daemon down, refused requests)."""
         self._events: bool | None = None  # whether the daemon publishes KV events (asked once)
+        self._chunk_ids: Any = None  # the daemon's chunk_size (its hello's), for token ids
 
-    def wants_tokens(self) -> bool:
+    def wants_tokens(self, tokens: Sequence[ChunkTokens | None] | None = None) -> bool:
         """Whether the daemon publishes KV events, so puts should carry token ids
-        (its hello offers ``events``; asked once, again after a failed ask)."""
+        (its hello offers ``events``; asked once, again after a failed ask), and,
+        given ``tokens``, whether their chunks have the daemon's chunk_size (it
+        refuses a put whose ids are another number per chunk)."""
         if self._events is None:
             if self.client.fail_open_stats.get("down"):
                 return False  # never a hello past the open breaker: it would wait out timeout_s
             try:
-                self._events = bool(self.client.hello().get("events"))
+                hello = self.client.hello()
             except ClientError:
                 return False
+            events = hello.get("events")
+            # A daemon older than the tokens frame (docs/protocol.md §5.3) would refuse the put.
+            self._events = isinstance(events, dict) and events.get("tokens_frame") is True
+            self._chunk_ids = hello.get("chunk_size")
+        if self._events and tokens and type(self._chunk_ids) is int:
+            first = next((t for t in tokens if t is not None), None)
+            return first is None or len(first.packed) == 4 * self._chunk_ids
         return self._events
 
     @property
@@ -303,7 +313,7 @@ class ChunkTransfer:
         namespace, coded = self._route()
         if namespace is None:
             return 0
-        if tokens is not None and not self.wants_tokens():
+        if tokens is not None and not self.wants_tokens(tokens):
             tokens = None
         stored = 0
         for start in range(0, len(keys), self.batch_keys):
@@ -390,7 +400,7 @@ class ChunkTransfer:
         namespace, coded = self._route()
         if namespace is None:
             return 0
-        if tokens is not None and not self.wants_tokens():
+        if tokens is not None and not self.wants_tokens(tokens):
             tokens = None
         stored = 0
         for start in range(0, len(keys), self.batch_keys):

@@ -6,6 +6,9 @@ A message is a ZeroMQ multipart message ``[header, payload_0, ..., payload_n]``:
   version), ``op``, ``id`` (client-chosen unsigned 64-bit request id, echoed
   in the reply), ``ns`` (namespace, for data ops) and per-op fields.
 - ``payload_i``: raw chunk bytes, one frame per chunk, never inside msgpack.
+- a put, alloc or bind whose header says ``tokens: true`` has one more frame,
+  last: every key's token ids as one binary blob (server/tokens.py), so the
+  header stays small (its limit does not grow with token ids).
 
 Primitives:
 
@@ -34,6 +37,11 @@ _KEYED_OPS = {Op.PUT, Op.GET, Op.LOOKUP, Op.EXISTS, Op.DELETE, Op.PIN, Op.UNPIN,
 _NAMESPACED_OPS = _KEYED_OPS | {Op.CLEAR}
 _OPS = {op.value: op for op in Op}  # a dict lookup: Op(value) costs ~1.5 us a request
 _HEADER_FIELDS = frozenset(("v", "op", "id", "ns", "keys"))
+_TOKEN_OPS = frozenset((Op.PUT, Op.ALLOC, Op.BIND))
+"""Ops that may carry a tokens frame (``tokens: true``, docs/protocol.md)."""
+_CONTAINER_FIELDS = frozenset(("sizes", "slots", "stage", "leases", "owner", "tokens"))
+"""The only fields (besides ``keys``) whose value may be a container: anything
+else nested in a header is refused (MALFORMED), whatever its size."""
 
 
 class ProtocolError(Exception):
@@ -156,8 +164,10 @@ def _unpack_header(data: Any, limits: Limits) -> Any:
             strict_map_key=True,
             max_str_len=size,
             max_bin_len=size,
-            # Bounded by the header's size; the key count is checked after
-            # decoding so that the reply can say TOO_MANY_KEYS and echo the id.
+            # Bounded by the header's size (and the header by a limit that leaves
+            # no room for token ids: they travel in a frame of their own); the
+            # key count is checked after decoding so that the reply can say
+            # TOO_MANY_KEYS and echo the id.
             max_array_len=size,
             max_map_len=64,
             max_ext_len=0,
@@ -220,18 +230,25 @@ def decode_request(frames: Sequence[Any], limits: Limits) -> Request:
     if op in _KEYED_OPS:
         keys = _check_keys(header.get("keys"), limits, fail)
 
-    payloads = tuple(buffers[1:])
+    token_frame = op in _TOKEN_OPS and header.get("tokens") is True
+    payloads = tuple(buffers[1:-1] if token_frame else buffers[1:])
     expected = len(keys) if op is Op.PUT else 0
-    if len(payloads) != expected:
+    if len(buffers) - 1 != expected + token_frame:
+        extra = " and a tokens frame" if token_frame else ""
         raise fail(
             ErrorCode.PAYLOAD_MISMATCH,
-            f"{op.value} with {len(keys)} keys needs {expected} payload frames, got {len(payloads)}",
+            f"{op.value} with {len(keys)} keys needs {expected} payload frames{extra}, got {len(buffers) - 1} frames",
         )
     if op is Op.PUT:
         for i, payload in enumerate(payloads):
             if _nbytes(payload) == 0:
                 raise fail(ErrorCode.BAD_REQUEST, f"payload {i} is empty")
     fields = {k: v for k, v in header.items() if k not in _HEADER_FIELDS}
+    for name, value in fields.items():
+        if isinstance(value, (list, dict)) and name not in _CONTAINER_FIELDS:
+            raise fail(ErrorCode.MALFORMED, f"field {name!r} must not be an array or a map", "nested")
+    if token_frame:
+        fields["tokens"] = buffers[-1]
     return Request(op, request_id, namespace, keys, fields, payloads)
 
 
