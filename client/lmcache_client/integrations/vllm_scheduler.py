@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -193,15 +194,21 @@ class SchedulerSide:
 
     def _wait_s(self, request: Any) -> float:
         """How long this request waits for a producer: ``load_wait_s``, or the
-        request's ``kv_transfer_params["lmcache_load_wait_s"]`` (a proxy's say)."""
+        request's ``kv_transfer_params["lmcache_load_wait_s"]`` (a proxy's say),
+        never more than ``load_wait_s``: the request comes from an end user, and
+        an unbounded wait would hold the engine's scheduler slot forever."""
         params = getattr(request, "kv_transfer_params", None)
         if isinstance(params, dict) and "lmcache_load_wait_s" in params:
             try:
-                return max(0.0, float(params["lmcache_load_wait_s"]))
+                asked = float(params["lmcache_load_wait_s"])
             except (TypeError, ValueError):
+                asked = math.nan
+            if math.isnan(asked):
                 logger.warning(
                     "request %s: ignoring lmcache_load_wait_s=%r", request.request_id, params["lmcache_load_wait_s"]
                 )
+            else:
+                return min(max(0.0, asked), self.load_wait_s)
         return self.load_wait_s
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
