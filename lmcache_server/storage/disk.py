@@ -25,6 +25,10 @@
   (:mod:`.policy`, the same interface as the memory tier's; LRU unless given
   one), told about inserts, hits and removals.  Rebuilt entries are inserted
   oldest first, so an LRU policy starts in file-age order.
+- One daemon per directory: ``open`` takes an exclusive ``flock`` on
+  ``<root>/lmcache.lock`` (held until exit) and a second daemon on the same
+  directory refuses to start (:class:`ConfigError`: exit code 2), since each
+  would delete the other's temp files and evict its chunks.
 - An unwritable directory or a full disk degrades the tier (log once, metric);
   writes are retried every ``retry_s`` and the daemon keeps serving.
 
@@ -51,15 +55,19 @@ from typing import Any
 
 from lmcache_client.protocol import PutStatus
 
+from ..config import ConfigError
 from ..supervisor import Supervisor
 from . import disksnapshot
 from .base import Chunk, ChunkKey
 from .chunkfile import CorruptRecord
 from .diskfiles import (
     HEADER_BLOCK,
+    LOCK_NAME,
     TMP_PREFIX,
+    DirectoryInUse,
     direct_io_works,
     disk_usage,
+    lock_directory,
     path_for,
     read_record,
     scan,
@@ -162,6 +170,7 @@ class DiskTier:
         self._io_threads = io_threads
         self._supervisor = supervisor if supervisor is not None else Supervisor()
         self._opened = False
+        self._lock_fd: int | None = None  # the spill directory's lock (see open)
         self.on_removed: Callable[[ChunkKey], None] | None = None
         """Called when a chunk is no longer readable here (dropped, deleted, a spill
         not written); set by the tiered store."""
@@ -176,6 +185,11 @@ class DiskTier:
         started = time.perf_counter()
         try:
             await self._run(self._prepare_root)
+        except DirectoryInUse:
+            raise ConfigError(
+                "local_disk", str(self.root), "a spill directory no other daemon uses (another daemon holds its lock,"
+                f" {self.root / LOCK_NAME}; give each daemon its own directory)"
+            ) from None
         except OSError as err:
             self._degrade(f"directory {self.root} is not usable ({err})")
         else:
@@ -210,6 +224,8 @@ class DiskTier:
         self._opened = True
 
     def _prepare_root(self) -> None:
+        if self._lock_fd is None:
+            self._lock_fd = lock_directory(self.root)
         (self.root / "v1").mkdir(parents=True, exist_ok=True)
         probe = self.root / f"{TMP_PREFIX}probe-{os.getpid()}"
         probe.write_bytes(b"ok")
@@ -236,6 +252,9 @@ class DiskTier:
                 logger.warning("disk tier: no index snapshot written (%s); the next start scans", err)
         self._pool.shutdown(wait=True)
         self.spills.release_all()  # give lent bytes back
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the directory is free for the next daemon
+            self._lock_fd = None
 
     # -- reads ---------------------------------------------------------------------
     def peek(self, key: ChunkKey) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -30,6 +31,31 @@ HEADER_BLOCK = 4096
 BLOCK = 4096
 SUFFIX = ".chunk"
 TMP_PREFIX = ".tmp-"
+LOCK_NAME = "lmcache.lock"
+"""An exclusive ``flock`` on this file in the spill directory marks it as one daemon's."""
+
+
+class DirectoryInUse(Exception):
+    """Another daemon holds the spill directory's lock."""
+
+
+def lock_directory(root: Path) -> int:
+    """Take the exclusive lock on ``root`` (created if missing) and return its fd,
+    held for the daemon's life (the kernel drops it when the process dies).
+
+    Raises :class:`DirectoryInUse` if another process holds it; ``OSError`` if
+    the directory or the lock file cannot be made."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DirectoryInUse(str(root)) from None
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def disk_usage(size: int) -> int:
