@@ -154,7 +154,7 @@ def _version_99(raw: bytes) -> bytes:
 DAMAGE = {
     "flipped-byte": (_flip_body, "checksum mismatch"),
     "truncated": (lambda raw: raw[: len(raw) // 2], "truncated"),
-    "other-version": (_version_99, "index format version 99, this daemon reads version 1"),
+    "other-version": (_version_99, "index format version 99, this daemon reads version 2"),
     "garbage": (lambda raw: b"\x00garbage" * 20, "bad magic"),
     "empty": (lambda raw: b"", "truncated"),
 }

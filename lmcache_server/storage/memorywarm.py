@@ -67,9 +67,18 @@ def adopt(tier: MemoryTier, chunks: Sequence[tuple[ChunkKey, int, int, bool]], h
     tier.counters.adopted = len(chunks)
 
 
-def held_chunk(tier: MemoryTier, offset: int, size: int) -> Chunk:
+def held_chunk(tier: MemoryTier, offset: int, size: int, held: dict[int, Entry] | None = None) -> Chunk:
     """A leased view of a held extent of a read lease whose chunk is gone (deleted
-    or evicted before the restart), freed when the lease ends."""
-    entry = Entry(ChunkKey("", b""), offset, size, aligned(size), dead=True)
-    tier.dying_bytes += entry.extent
+    or evicted before the restart), freed when its last lease ends.  ``held``: the
+    entries made so far by offset, shared by every slot on the same extent (two
+    leases on one deleted chunk, or one lease naming it twice): one entry per
+    extent, leased once per slot, so the extent is freed exactly once."""
+    entry = held.get(offset) if held is not None else None
+    if entry is None:
+        entry = Entry(ChunkKey("", b""), offset, size, aligned(size), dead=True)
+        tier.dying_bytes += entry.extent
+        if held is not None:
+            held[offset] = entry
+    elif entry.size != size:
+        raise ValueError(f"two leases hold different extents at offset {offset}")
     return tier._lease(entry)

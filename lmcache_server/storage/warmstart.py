@@ -4,10 +4,13 @@ At a clean stop (SIGTERM/SIGINT, after the drain and once every fill is in)
 the daemon writes ``<segment>.warm`` beside its pool segment in ``shm_dir``
 and leaves the segment in place (:meth:`WarmStart.save`).  The next daemon
 (:meth:`WarmStart.find`) adopts it when the index is intact and was written
-for the same daemon: the same ``listen`` addresses (its identity: two daemons
-sharing a directory never take each other's pool), the same pool size and
-the same boot.  Anything else is a cold start with one log line saying why,
-and the old segment and its index are removed.
+for the same daemon: the same ``listen`` addresses and the same installation
+(its identity: two daemons sharing a directory never take each other's pool;
+:func:`installation_id`), the same pool size and the same boot, and it is
+still the same index once the segment's lock is held.  Anything else is a
+cold start with one log line saying why, and the old segment and its index
+are removed.  Files of other users in the (sticky) directory are skipped: any
+local user can create one there, and none stops a daemon from starting.
 
 What the index holds, in msgpack under a magic, a format version and a
 BLAKE2b digest of the body:
@@ -45,8 +48,10 @@ import fcntl
 import hashlib
 import logging
 import os
+import socket
 import stat
 import struct
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,14 +59,16 @@ from typing import Any
 
 import msgpack
 
+from . import memorywarm
 from .allocator import ExtentAllocator, aligned
 from .base import Chunk, ChunkKey
 from .memory import MemoryTier, Reservation
+from .memoryentry import Entry
 from .pool import INDEX_SUFFIX, SEGMENT_RE, MemoryPool, Segment
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"LMCWARM\x00"
 _HEADER = struct.Struct("<8sIIQ32s")  # magic, version, reserved, body length, blake2b-256 of the body
 MAX_INDEX_BYTES = 1 << 30
@@ -106,6 +113,16 @@ class WarmIndex:
     written_at: float
     chunks: list[tuple[ChunkKey, int, int, bool]]
     leases: list[HeldLease]
+    installation: str = ""
+    """The daemon installation that wrote it (:func:`installation_id`)."""
+
+
+def installation_id() -> str:
+    """This installation of the daemon: the user, the host and the Python environment
+    it runs from.  Two installations that share an shm directory and listen addresses
+    (containers sharing /dev/shm, a second virtualenv) never adopt each other's pool."""
+    raw = f"{os.geteuid()}\0{socket.gethostname()}\0{os.path.realpath(sys.prefix)}"
+    return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
 
 
 def boot_id() -> str:
@@ -124,6 +141,7 @@ def encode(index: WarmIndex) -> bytes:
             "segment": index.segment,
             "pool_size": index.pool_size,
             "identity": list(index.identity),
+            "installation": index.installation,
             "boot_id": index.boot_id,
             "written_at": index.written_at,
             "chunks": [[k.namespace, k.digest, off, size, pinned] for k, off, size, pinned in index.chunks],
@@ -185,6 +203,7 @@ def decode(raw: bytes) -> WarmIndex:
             float(m["written_at"]),
             chunks,
             leases,
+            _str(m["installation"]),
         )
     except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as err:
         raise WarmIndexError(f"malformed index ({type(err).__name__}: {err})") from err
@@ -232,13 +251,17 @@ class Adoption:
         reads, writes, held = _leases_kept(self.index, now)
         memory.adopt(self.index.chunks, held)
         at = {offset: (key, size) for key, offset, size, _ in self.index.chunks}
+        # One held entry per extent, leased once per slot: two read leases (or one get
+        # naming a key twice) on a chunk deleted before the stop free its extent once,
+        # when the last of them ends.
+        gone: dict[int, Entry] = {}
         read_grants = []
         for lease in reads:
             chunks = []
             for s in lease.slots:
                 live = at.get(s.offset)
                 found = memory.lease(live[0]) if live is not None and live[1] == s.size else None
-                chunks.append(found if found is not None else memory.held_chunk(s.offset, s.size))
+                chunks.append(found if found is not None else memorywarm.held_chunk(memory, s.offset, s.size, gone))
             read_grants.append((lease.lease, lease.deadline, chunks))
         view = memory.pool.view
         write_grants = [
@@ -298,26 +321,45 @@ class WarmStart:
         identity: Sequence[str],
         pool_size: int,
         max_age_s: float = DEFAULT_MAX_AGE_S,
+        installation: str | None = None,
     ):
         self.shm_dir = Path(shm_dir)
         self.identity = tuple(sorted(identity))
         self.pool_size = pool_size
         self.max_age_s = max_age_s
+        self.installation = installation if installation is not None else installation_id()
         """A clean segment another daemon left longer ago than this is an orphan (its
         daemon moved or retired): removed, so it does not hold the host's memory forever."""
 
     def find(self) -> Adoption | None:
         """The segment left by this daemon's last clean stop, locked and with its
         index removed (the marker is gone: a crash from now on is a cold start);
-        None for a cold start (one log line says why)."""
+        None for a cold start (one log line says why).  Never raises OSError: files
+        of other users in a shared (sticky) directory are skipped, and any other
+        failure to read or remove is a cold start."""
+        try:
+            return self._find()
+        except OSError as err:
+            logger.warning("warm restart refused, the memory tier starts cold: %s", err)
+            return None
+
+    def _find(self) -> Adoption | None:
         try:
             names = sorted(os.listdir(self.shm_dir))
         except OSError:
             return None
+        uid = os.geteuid()
         found: list[tuple[float, str, WarmIndex]] = []
         for name in names:
             segment = name.removesuffix(INDEX_SUFFIX + TMP_SUFFIX).removesuffix(INDEX_SUFFIX)
             if segment == name or SEGMENT_RE.match(segment) is None:
+                continue
+            try:
+                owner = os.lstat(self.shm_dir / name).st_uid
+            except OSError:
+                continue
+            if owner != uid:  # another user's: neither readable as ours nor ours to remove
+                logger.warning("warm restart: skipped %s, not owned by this user (uid %d, not %d)", name, owner, uid)
                 continue
             if name.endswith(TMP_SUFFIX):
                 if not _locked(self.shm_dir / segment):  # a stop killed mid-write
@@ -330,6 +372,9 @@ class WarmStart:
                 continue
             if index.identity != self.identity:
                 self._foreign(segment, index)
+                continue
+            if index.installation != self.installation:
+                self._refuse(segment, "its index was written by another installation of the daemon")
                 continue
             found.append((index.written_at, segment, index))
         if not found:
@@ -366,6 +411,9 @@ class WarmStart:
             if info.st_size != self.pool_size:
                 raise WarmIndexError(f"its segment is {info.st_size} bytes, not {self.pool_size}")
             _lock(fd, LOCK_WAIT_S)
+            # The index was read before the wait: the old daemon may have written another one since.
+            if _read(self.shm_dir / (name + INDEX_SUFFIX)) != index:
+                raise WarmIndexError("the index changed while waiting for the segment's lock")
             # The marker goes before anything is served: a crash from here on is a cold start.
             (self.shm_dir / (name + INDEX_SUFFIX)).unlink()
         except BaseException:
@@ -426,7 +474,9 @@ class WarmStart:
         path = pool.shm_path.with_name(pool.shm_path.name + INDEX_SUFFIX)
         tmp = path.with_name(path.name + TMP_SUFFIX)
         chunks = memory.snapshot()
-        index = WarmIndex(pool.shm_path.name, pool.size, self.identity, boot_id(), time.time(), chunks, leases)
+        index = WarmIndex(
+            pool.shm_path.name, pool.size, self.identity, boot_id(), time.time(), chunks, leases, self.installation
+        )
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as f:
