@@ -100,7 +100,11 @@ class ShmModel(RuleBasedStateMachine):
     # -- the client's view -----------------------------------------------------
     def _may_write(self, w: Writer) -> bool:
         """Whether the client may still copy into its slots: its lease is alive, or
-        its process is alive (a stalled writer the daemon keeps quarantined)."""
+        its process is alive (a stalled writer the daemon keeps quarantined).  A
+        "dead" owner wrote only at its grant: the daemon may free its slots at
+        any sweep or warm restart, as its process is gone."""
+        if w.owner == "dead":
+            return False
         return self.clock.now <= w.deadline or w.owner == "alive"
 
     def _copy(self, offset: int, slot: Slot) -> None:
@@ -176,7 +180,7 @@ class ShmModel(RuleBasedStateMachine):
         lease = self._choose(staged, n)  # type: ignore[arg-type]
         w = self.writes[lease]
         fits = [o for o, s in sorted(w.slots.items()) if s.size == size_of(k)]
-        if not fits:
+        if not fits or w.owner == "dead":  # a process that is gone sends no bind
             return
         offset = fits[0]
         if self._may_write(w):
