@@ -164,20 +164,6 @@ def check_extents(d: Daemon) -> None:
     )
 
 
-def dead_extents_leased_twice(d: Daemon) -> bool:
-    """Whether read leases hold an extent of a removed chunk more than once (two
-    leases, or one get naming the key twice)."""
-    live = {offset for _, offset, _ in live_chunks(d.memory)}
-    seen: set[int] = set()
-    for _, _, chunk in read_chunks(d.shm):
-        if chunk.offset in live:
-            continue
-        if chunk.offset in seen:
-            return True
-        seen.add(chunk.offset)  # type: ignore[arg-type]
-    return False
-
-
 def check_bytes(d: Daemon, read_keys: dict[int, list[int]]) -> None:
     """Every live chunk reads its own key's bytes, and so does every chunk a read
     lease holds (``read_keys``: lease -> the keys its get was answered for)."""
@@ -198,7 +184,6 @@ __all__ = [
     "alive_owner",
     "check_bytes",
     "check_extents",
-    "dead_extents_leased_twice",
     "dead_owner",
     "digest",
     "new_pool",

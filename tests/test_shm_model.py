@@ -46,7 +46,6 @@ from ._shm_model_support import (
     alive_owner,
     check_bytes,
     check_extents,
-    dead_extents_leased_twice,
     dead_owner,
     digest,
     new_pool,
@@ -247,14 +246,6 @@ class ShmModel(RuleBasedStateMachine):
         self.clock.now += dt
         self.daemon.shm.sweep()
 
-    # KNOWN BUG, excluded until its fix lands: issue 29 item 1 (storage/warmstart.py
-    # Adoption.restore, storage/memorywarm.py held_chunk): an extent of a deleted
-    # chunk held by two read-lease slots is adopted as two held entries, freed
-    # once per slot (found by this machine: put K; get K; get K; delete K; warm
-    # restart; release one lease: the other's extent is free).
-    ITEM_1_FIXED = False
-
-    @precondition(lambda self: self.ITEM_1_FIXED or not dead_extents_leased_twice(self.daemon))
     @rule()
     def warm_restart(self) -> None:
         self.daemon = self.daemon.warm_restart(self.clock)
