@@ -37,7 +37,7 @@ from .storage.allocator import ALIGNMENT
 from .storage.disk import DiskTier
 from .storage.offload import Offload
 from .storage.policy import make_policy
-from .storage.remote import RedisTier
+from .storage.remote import RedisTier, state_path_for
 from .storage.tenants import TenantQuotas
 from .storage.warmstart import Adoption, WarmStart
 from .summary import SummaryLog
@@ -114,9 +114,12 @@ class App:
                 password=c.remote_password,
                 offload=offload,
                 supervisor=supervisor,
+                state_path=state_path_for(disk.root if disk is not None else None, c.shm_dir, c.listen),
             )
             await remote.open()
         store = TieredStore(memory, disk, remote, offload=offload, supervisor=supervisor)
+        if remote is not None:  # writes owed to Redis at the last stop, of chunks adopted again
+            remote.requeue(store.uplink_again)
         budget = ByteBudget(c.max_inflight_bytes)
         metrics = ServerMetrics(self.registry)
         self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))

@@ -2,19 +2,29 @@
 
 - A request's ``lmcache_load_wait_s`` never exceeds the configured ``load_wait_s``.
 - A spill directory serves one daemon: a second one on it refuses to start.
+- Redis removals (clear, delete) and writes made while Redis is down survive a
+  clean stop of the daemon: the next start sends them (item 10).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from lmcache_client.integrations.vllm_scheduler import SchedulerSide
+from lmcache_client.protocol import PutStatus
 
-from .conftest import Daemon
+from .conftest import SHM_ROOT, Daemon, RedisServer, wait_for
+from .test_redis_tier import redis_key_of
+
+KEY_BYTES = 32
 
 
 def _request(params: object) -> object:
@@ -46,3 +56,73 @@ def test_a_second_daemon_on_the_same_spill_directory_refuses_to_start(
     assert first.stop() == 0
     # Once it stopped, the directory is free again.
     daemon_factory(**config).stop()
+
+
+@pytest.fixture
+def durable_redis() -> Iterator[RedisServer]:
+    """A redis-server that keeps what it acknowledged across a kill (AOF on tmpfs)."""
+    workdir = Path(tempfile.mkdtemp(prefix="lmcache-redis-", dir=SHM_ROOT))
+    server = RedisServer(workdir, "--appendonly", "yes", "--appendfsync", "always").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _redis(c: object) -> dict[str, object]:
+    return c.stats()["tiers"]["redis"]  # type: ignore[attr-defined, no-any-return]
+
+
+def _stored_in_redis(daemon: Daemon, redis: RedisServer, keys: list[bytes], payload: bytes) -> None:
+    with daemon.client() as c:
+        assert c.put(keys, [payload] * len(keys)) == [PutStatus.STORED] * len(keys)
+        wait_for(lambda: _redis(c)["queued_writes"] == 0 and _redis(c)["up"])
+
+
+@pytest.mark.parametrize("removal", ["clear", "delete"])
+def test_a_removal_made_while_redis_is_down_survives_a_daemon_restart(
+    daemon_factory: Callable[..., Daemon], durable_redis: RedisServer, removal: str
+) -> None:
+    daemon = daemon_factory(remote_url=durable_redis.url, remote_timeout_s=0.3)
+    keys = [os.urandom(KEY_BYTES) for _ in range(4)]
+    payload = os.urandom(10_000)
+    _stored_in_redis(daemon, durable_redis, keys, payload)
+    durable_redis.stop()
+    with daemon.client() as c:
+        if removal == "clear":
+            c.clear()
+        else:
+            c.delete(keys[:2])
+        assert c.get(keys[:2]) == [None, None]
+    assert daemon.stop() == 0
+    durable_redis.start()  # it still holds every key (AOF)
+    daemon.start()
+    with daemon.client() as c:
+        assert c.get(keys[:2]) == [None, None]  # not read back from Redis
+        wait_for(lambda: _redis(c)["pending_removals"] == 0 and _redis(c)["up"])
+        assert c.get(keys[:2]) == [None, None]
+        if removal == "delete":
+            assert [bytes(v) for v in c.get(keys[2:])] == [payload, payload]  # the rest stays
+    assert "Redis uplink" in daemon.log() and "pending" in daemon.log()
+
+
+def test_writes_queued_while_redis_is_down_reach_it_after_a_warm_restart(
+    daemon_factory: Callable[..., Daemon], durable_redis: RedisServer
+) -> None:
+    daemon = daemon_factory(remote_url=durable_redis.url, remote_timeout_s=0.3, warm_restart=True)
+    durable_redis.stop()
+    keys = [os.urandom(KEY_BYTES) for _ in range(3)]
+    payload = os.urandom(10_000)
+    with daemon.client() as c:
+        assert c.put(keys, [payload] * 3) == [PutStatus.STORED] * 3
+        wait_for(lambda: _redis(c)["up"] is False)
+        assert _redis(c)["queued_writes"] == 3
+    assert daemon.stop() == 0
+    durable_redis.start()
+    daemon.start()
+    with daemon.client() as c:
+        wait_for(lambda: _redis(c)["queued_writes"] == 0 and _redis(c)["up"], timeout_s=30)
+    r = redis.Redis(port=durable_redis.port)
+    assert all(r.exists(redis_key_of(k)) for k in keys)
+    assert "re-queued 3" in daemon.log()

@@ -22,6 +22,11 @@
 - Reads: only on a memory and disk miss; the misses of one batch are one
   round trip (a pipeline of GETs; on a cluster split per node by redis-py),
   each reply bounded by ``remote_timeout_s``; records are verified off the loop.
+- Restarts: with ``state_path``, a clean stop saves the removals and the keys
+  of the writes Redis was not yet told about (:mod:`.remotepending`); the next
+  start sends the removals before anything else (reads of the keys they cover
+  are misses meanwhile) and re-queues the writes of chunks it still holds
+  (:meth:`requeue`, after a warm restart), logging what is dropped.
 - Failure: any Redis error marks the uplink down (logged once, ``up`` metric
   0) and drops every pooled connection (they lead to the old server); while
   down, reads are misses.  Not an outage: a write pipeline of several writes
@@ -42,9 +47,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -59,6 +66,9 @@ from .offload import Offload
 from .remotelink import COMMAND_RETRIES as COMMAND_RETRIES  # re-exported
 from .remotelink import ERRORS, RedisLink
 from .remotelink import RemoteCounters as RemoteCounters  # re-exported
+from .remotepending import Pending
+from .remotepending import load as load_pending
+from .remotepending import save as save_pending
 from .remotequeue import Write, WriteQueue
 
 logger = logging.getLogger(__name__)
@@ -68,6 +78,16 @@ POISON_FAILURES = 3
 BATCH_WRITES, BATCH_BYTES = 64, 32 << 20
 """At most this many writes (and, past the first, bytes) per pipelined round trip to Redis."""
 _TIMEOUTS = (TimeoutError, asyncio.TimeoutError, RedisTimeoutError)
+
+
+def state_path_for(spill_dir: Path | None, shm_dir: str, listen: Sequence[str]) -> Path:
+    """Where a daemon keeps what it owed Redis at a clean stop: in its spill
+    directory (one daemon each, locked), else in ``shm_dir`` under a name of its
+    listen addresses (like the warm index: gone with a reboot)."""
+    if spill_dir is not None:
+        return spill_dir / "redis-pending.json"
+    tag = hashlib.sha256("\n".join(listen).encode()).hexdigest()[:16]
+    return Path(shm_dir) / f"lmcache-redis-pending-{tag}.json"
 
 
 class RedisTier(RedisLink):
@@ -86,6 +106,7 @@ class RedisTier(RedisLink):
         max_backoff_s: float = 2.0,
         offload: Offload | None = None,
         supervisor: Supervisor | None = None,
+        state_path: Path | None = None,
     ):
         super().__init__(
             url,
@@ -106,10 +127,14 @@ class RedisTier(RedisLink):
         self._writing: list[Write] | None = None
         self._removing = 0  # removals taken from the queue and not yet acknowledged by Redis
         self.batch_bytes = BATCH_BYTES  # bytes of SETs per pipeline: what the link sends within timeout_s / 2
+        self.state_path = state_path  # what was owed to Redis at a clean stop, for the next start
+        self.unwritten: list[ChunkKey] = []  # writes owed at the last stop: see requeue
 
     # -- lifecycle -----------------------------------------------------------------
     async def open(self) -> None:
-        """Connect (without failing the start if Redis is down) and start the writer."""
+        """Connect (without failing the start if Redis is down), take over what the
+        last stop left pending (``state_path``) and start the writer."""
+        self._load_pending()
         try:
             await asyncio.wait_for(self._client.ping(), self.timeout_s)
             self.up = True
@@ -125,6 +150,54 @@ class RedisTier(RedisLink):
             await asyncio.sleep(0.01)
         return self._drained()
 
+    def _target(self) -> str:
+        return f"{redact(self.url)} {self.key_prefix}"
+
+    def _load_pending(self) -> None:
+        if self.state_path is None:
+            return
+        pending = load_pending(self.state_path, self._target())
+        if pending is None:
+            return
+        for namespace in pending.clears:
+            self.queue.remember_clear(namespace)
+        for key in pending.deletes:
+            self.queue.remember_delete(key)
+        self.unwritten = pending.writes
+        logger.info("Redis uplink: the last stop left %d clears, %d deletes and %d writes pending; removals are"
+                    " sent first", len(pending.clears), len(pending.deletes), len(pending.writes))  # fmt: skip
+
+    def requeue(self, enqueue: Callable[[ChunkKey], bool]) -> None:
+        """Queue again the writes the last stop left pending, through ``enqueue``
+        (True: this daemon still holds the chunk and queued it); log the rest."""
+        keys, self.unwritten = self.unwritten, []
+        if not keys:
+            return
+        queued = sum(1 for key in keys if not self.queue.removing(key) and enqueue(key))
+        self.counters.dropped_writes += len(keys) - queued
+        logger.log(
+            logging.WARNING if queued < len(keys) else logging.INFO,
+            "Redis uplink: re-queued %d writes pending at the last stop; %d dropped (no longer held here)",
+            queued, len(keys) - queued,
+        )  # fmt: skip
+
+    def _save_pending(self) -> None:
+        if self.state_path is None:
+            return
+        clears, deletes, writes = self.queue.pending()
+        writes += [key for key in self.unwritten if key not in set(writes)]
+        pending = Pending(self._target(), clears, deletes, writes)
+        try:
+            save_pending(self.state_path, pending)
+        except OSError as err:
+            logger.warning("Redis uplink: cannot save what is pending to %s (%s): %d clears, %d deletes"
+                           " and %d writes are lost", self.state_path, err, len(clears), len(deletes),
+                           len(writes))  # fmt: skip
+            return
+        if pending:
+            logger.warning("Redis uplink: %d clears, %d deletes and %d writes still pending; saved to %s for the"
+                           " next start", len(clears), len(deletes), len(writes), self.state_path)  # fmt: skip
+
     def _drained(self) -> bool:
         return self.queue.idle() and self._writing is None and not self._building and not self._removing
 
@@ -133,6 +206,7 @@ class RedisTier(RedisLink):
             if task is not None:
                 task.cancel()
         await asyncio.gather(*[t for t in [*self._tasks, self._probing, *self._building] if t], return_exceptions=True)
+        self._save_pending()  # after the writer put back what it had taken
         if self._own_offload:
             self._offload.close()
         try:
@@ -275,6 +349,12 @@ class RedisTier(RedisLink):
         """One round trip for many keys; all False while the uplink is down."""
         if not keys or not self.up:
             return [False] * len(keys)
+        if self.queue.pending_removals:
+            hidden = [self.queue.removing(k) for k in keys]
+            if any(hidden):
+                found = await self.exists_many([k for k, h in zip(keys, hidden) if not h]) if not all(hidden) else []
+                it = iter(found)
+                return [False if h else next(it) for h in hidden]
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for key in keys:
@@ -315,6 +395,13 @@ class RedisTier(RedisLink):
         if not self.up:
             self.counters.misses += len(keys)
             return [None] * len(keys)
+        if self.queue.pending_removals and any(self.queue.removing(k) for k in keys):
+            # Removed here but not yet in Redis (it was down, or the daemon restarted): a miss.
+            hidden = [self.queue.removing(k) for k in keys]
+            self.counters.misses += sum(hidden)
+            rest = [k for k, h in zip(keys, hidden) if not h]
+            found = iter(await self.get_many(rest) if rest else [])
+            return [None if h else next(found) for h in hidden]
         rkeys = [self.redis_key(k) for k in keys]
         try:
             async with self._client.pipeline(transaction=False) as pipe:

@@ -14,7 +14,7 @@
 
 Primitive: :class:`WriteQueue` (``fits``, ``add``, ``built``, ``head``, ``heads``,
 ``done``, ``cancel``, ``cancel_namespace``, ``remember_delete``,
-``remember_clear``, ``take_removals``, ``idle``).
+``remember_clear``, ``take_removals``, ``removing``, ``idle``).
 """
 
 from __future__ import annotations
@@ -159,3 +159,12 @@ class WriteQueue:
         for key in deletes:
             if not covered and key.namespace not in self._clears:
                 self.remember_delete(key)
+
+    def removing(self, key: ChunkKey) -> bool:
+        """Whether a removal Redis was not yet told about covers ``key`` (a read of
+        it from Redis would bring back a deleted or cleared chunk)."""
+        return key in self._deletes or None in self._clears or key.namespace in self._clears
+
+    def pending(self) -> tuple[list[str | None], list[ChunkKey], list[ChunkKey]]:
+        """What Redis still has to be told: clears, deletes, and the keys of queued writes."""
+        return list(self._clears), list(self._deletes), list(self._writes)

@@ -293,6 +293,14 @@ class TieredStore:
         if lease is not None:
             self.remote.enqueue(key, lease.data, lease.release)
 
+    def uplink_again(self, key: ChunkKey) -> bool:
+        """Queue ``key`` for Redis if memory holds it (True); for writes a previous
+        daemon owed Redis (:meth:`.RedisTier.requeue`)."""
+        if self.remote is None:
+            return False
+        lease = self.memory.lease(key)
+        return lease is not None and self.remote.enqueue(key, lease.data, lease.release)
+
     def abort(self, reservation: Reservation) -> None:
         self.memory.abort_store(reservation)
 
