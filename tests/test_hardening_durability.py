@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import subprocess
 import tempfile
 import types
 from collections.abc import Callable, Iterator
@@ -126,3 +128,31 @@ def test_writes_queued_while_redis_is_down_reach_it_after_a_warm_restart(
     r = redis.Redis(port=durable_redis.port)
     assert all(r.exists(redis_key_of(k)) for k in keys)
     assert "re-queued 3" in daemon.log()
+
+
+@pytest.mark.parametrize(("job", "removed"), [("stop", True), ("restart", False), ("", False), (None, False)])
+def test_the_systemd_unit_frees_a_kept_pool_segment_on_stop_only(
+    tmp_path: Path, job: str | None, removed: bool
+) -> None:
+    """ExecStopPost, run with a stand-in ``systemctl`` that lists one job of the unit
+    (None: systemctl fails) and the unit's /dev/shm path pointed at a temp dir."""
+    unit = (Path(__file__).parent.parent / "deploy" / "lmcache-server.service").read_text()
+    [line] = [x for x in unit.splitlines() if x.startswith("ExecStopPost=")]
+    command = line.removeprefix("ExecStopPost=").lstrip("-")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    segment = shm / "lmcache-pool-123-abc"
+    segment.write_bytes(b"x")
+    (shm / "lmcache-pool-123-abc.warm").write_bytes(b"i")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "systemctl"
+    body = "exit 1" if job is None else f"echo '42 lmcache-server.service {job} running'" if job else "true"
+    fake.write_text(f"#!/bin/sh\n{body}\n")
+    fake.chmod(0o755)
+    command = command.replace("%n", "lmcache-server.service").replace("/dev/shm/", f"{shm}/")
+    argv = shlex.split(command)
+    out = subprocess.run(argv, env={"PATH": f"{bindir}:/usr/bin:/bin"}, check=False)
+    assert out.returncode == 0
+    assert segment.exists() is not removed
+    assert (shm / "lmcache-pool-123-abc.warm").exists() is not removed

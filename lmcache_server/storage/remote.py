@@ -39,7 +39,7 @@
 The client, the key names, the up/down state and its reconnect live in
 :mod:`.remotelink` (:class:`RedisTier` builds on its :class:`RedisLink`).
 
-Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``exists_many``, ``delete``,
+Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``requeue``, ``exists_many``, ``delete``,
 ``clear``, ``flush``, ``stats``, ``close``.
 """
 
