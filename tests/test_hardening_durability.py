@@ -83,10 +83,12 @@ def _stored_in_redis(daemon: Daemon, redis: RedisServer, keys: list[bytes], payl
 
 
 @pytest.mark.parametrize("removal", ["clear", "delete"])
+@pytest.mark.parametrize("with_disk", [False, True], ids=["pending-in-shm_dir", "pending-in-spill-dir"])
 def test_a_removal_made_while_redis_is_down_survives_a_daemon_restart(
-    daemon_factory: Callable[..., Daemon], durable_redis: RedisServer, removal: str
+    daemon_factory: Callable[..., Daemon], durable_redis: RedisServer, tmp_path: Path, removal: str, with_disk: bool
 ) -> None:
-    daemon = daemon_factory(remote_url=durable_redis.url, remote_timeout_s=0.3)
+    disk = {"local_disk": f"file://{tmp_path / 'spill'}", "max_local_disk_size": "64MiB"} if with_disk else {}
+    daemon = daemon_factory(remote_url=durable_redis.url, remote_timeout_s=0.3, **disk)
     keys = [os.urandom(KEY_BYTES) for _ in range(4)]
     payload = os.urandom(10_000)
     _stored_in_redis(daemon, durable_redis, keys, payload)
