@@ -99,12 +99,15 @@ class ShmModel(RuleBasedStateMachine):
     # -- the client's view -----------------------------------------------------
     def _may_write(self, w: Writer) -> bool:
         """Whether the client may still copy into its slots: its lease is alive, or
-        its process is alive (a stalled writer the daemon keeps quarantined).  A
+        its process is alive (a stalled writer the daemon keeps quarantined, for
+        at most QUARANTINE_FACTOR lease timeouts: issue 29 item 3).  A
         "dead" owner wrote only at its grant: the daemon may free its slots at
         any sweep or warm restart, as its process is gone."""
         if w.owner == "dead":
             return False
-        return self.clock.now <= w.deadline or w.owner == "alive"
+        if w.owner == "alive":
+            return self.clock.now <= w.deadline + QUARANTINE_FACTOR * TIMEOUT_S
+        return self.clock.now <= w.deadline
 
     def _copy(self, offset: int, slot: Slot) -> None:
         view = self.daemon.pool.view
@@ -196,10 +199,9 @@ class ShmModel(RuleBasedStateMachine):
             for r in fresh:
                 w.slots[r.offset] = Slot(r.size, None)
 
-    # KNOWN BUG, excluded until its fix lands: issue 29 item 6 (server/shm.py
-    # ShmLeases.bind): a fault while restaging leaves the committed chunk's slot on
-    # the lease (the machine finds it at once: stage; bind with a fault).
-    ITEM_6_FIXED = False
+    # Issue 29 item 6 (a fault while restaging left the committed chunk's slot on
+    # the lease): fixed, so the rule runs.
+    ITEM_6_FIXED = True
 
     @precondition(lambda self: self.ITEM_6_FIXED and any(w.staged for w in self.writes.values()))
     @rule(n=pick, k=keys)

@@ -213,9 +213,14 @@ def alloc(
     segment: str,
     owner: dict[str, int] | None = None,
     tokens: TokensArg = None,
+    nonce: int | None = None,
+    deadline: float | None = None,
 ) -> Call[ShmGrant]:
     """Reserve pool slots under a write lease; ``owner`` names this process so the daemon
-    can tell when a writer whose lease expired can no longer write (shm.owner())."""
+    can tell when a writer whose lease expired can no longer write (shm.owner());
+    ``nonce`` (a random positive 63-bit integer) lets :func:`release` free the
+    grant even if its reply was never seen; ``deadline`` (CLOCK_MONOTONIC
+    seconds, this host) is when the caller stops waiting: nothing is granted past it."""
     n = len(keys)
 
     def parse(reply: Reply, _: list[Any]) -> ShmGrant:
@@ -227,6 +232,10 @@ def alloc(
     fields: dict[str, Any] = {"sizes": list(sizes), "shm": segment, **token_field}
     if owner is not None:
         fields["owner"] = owner
+    if nonce is not None:
+        fields["nonce"] = nonce
+    if deadline is not None:
+        fields["deadline"] = deadline
     return Call(Op.ALLOC, parse, namespace, keys, token_frame, fields=fields)
 
 
@@ -237,6 +246,7 @@ def commit(lease: int, segment: str) -> Call[list[PutStatus | int]]:
 
 
 def release(leases: Sequence[int]) -> Call[list[bool]]:
+    """End read leases, abandon write leases; an alloc's ``nonce`` names its grant too."""
     return Call(Op.RELEASE, _bool_list("released"), fields={"leases": list(leases)})
 
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -195,8 +196,15 @@ def _put_staged(
         bound = yield Ask(calls.bind(namespace, keys, [o for o, _ in slots], staged.lease, pool.segment, tokens))
     except ServerError as err:
         staged.busy = False
-        if err.code not in (ErrorCode.UNKNOWN_LEASE, ErrorCode.STALE_SEGMENT):
+        if err.code in _NOTHING_CONSUMED:
             staged.free += slots  # refused before it touched them (FORBIDDEN, BAD_REQUEST)
+            raise
+        if err.code not in (ErrorCode.UNKNOWN_LEASE, ErrorCode.STALE_SEGMENT):
+            # INTERNAL or anything else: which slots it consumed is unknown (a committed
+            # chunk's slot must never be written again): let the lease go, as unanswered.
+            if pool.staged is staged:
+                pool.staged = None
+            pool.unsettled.append(staged.lease)
             raise
         if pool.staged is staged:  # expired (or the daemon restarted): nothing was stored
             pool.staged = None
@@ -237,12 +245,41 @@ def _commit_staging(pool: SharedPool, lease: int, sizes: Sequence[int]) -> Flow:
     return statuses
 
 
+_NOTHING_CONSUMED = frozenset(
+    {ErrorCode.BAD_REQUEST, ErrorCode.FORBIDDEN, ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.BUSY}
+)
+"""Errors a bind gets only before it touches any slot (its checks, its admission)."""
+
+
 def _settle(pool: SharedPool) -> Flow:
     """Release write leases whose commit never reached the daemon (it holds their
     slots until it hears their writer is done)."""
     if pool.unsettled:
         leases, pool.unsettled = pool.unsettled, []
         yield Tell(calls.release(leases))
+
+
+def _alloc(
+    pool: SharedPool,
+    namespace: str,
+    keys: Sequence[bytes],
+    sizes: Sequence[int],
+    segment: str,
+    who: dict[str, int] | None,
+    tokens: Any,
+) -> Flow:
+    """An alloc under a nonce of our choosing: if its reply never comes (a
+    timeout, a lost connection), the daemon may still grant it; the nonce goes
+    with the unsettled leases, so the next flow (or close) releases that grant."""
+    nonce = secrets.randbits(63) or 1
+    try:
+        grant = yield Ask(calls.alloc(namespace, keys, sizes, segment, who, tokens, nonce=nonce))
+    except ServerError:
+        raise  # answered: nothing was granted
+    except BaseException:
+        pool.unsettled.append(nonce)  # the daemon's release takes an alloc's nonce too
+        raise
+    return grant
 
 
 def _commit(pool: SharedPool, lease: int) -> Flow:
@@ -378,7 +415,7 @@ def put_flow(
     if done is not None:
         return done
     yield from _retire_staged(pool)
-    grant = yield Ask(calls.alloc(namespace, keys, sizes, pool.segment, owner(), tokens))
+    grant = yield from _alloc(pool, namespace, keys, sizes, pool.segment, owner(), tokens)
     statuses: list[PutStatus | int] = list(grant.status)
     if grant.lease is None:
         return statuses
@@ -424,7 +461,7 @@ def fill_flow(
     if done is not None:
         return done
     yield from _retire_staged(pool)
-    grant = yield Ask(calls.alloc(namespace, keys, list(sizes), pool.segment, owner(), tokens))
+    grant = yield from _alloc(pool, namespace, keys, list(sizes), pool.segment, owner(), tokens)
     statuses: list[PutStatus | int] = list(grant.status)
     if grant.lease is None:
         return statuses

@@ -21,6 +21,7 @@ from .. import __version__
 from ..config import ServerConfig
 from ..storage import Chunk, TieredStore
 from ..storage.memory import Reservation
+from ..storage.tenants import tenant_of
 from .admission import ByteBudget
 from .shm import ShmLeases
 from .tokens import parse_tokens
@@ -206,6 +207,15 @@ class Handlers:
         ):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'sizes' must list one positive integer per key", request.id)
         tokens = parse_tokens(request)
+        nonce, deadline = request.fields.get("nonce"), request.fields.get("deadline")
+        if (nonce is not None and type(nonce) is not int) or (
+            deadline is not None and type(deadline) not in (int, float)
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "'nonce' must be an integer, 'deadline' a number (monotonic s)", request.id
+            )
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ProtocolError(ErrorCode.BUSY, "alloc deadline passed before it was served", request.id)
         # One alloc reserves at most max_message_size, as a put carries at most
         # that: a larger chunk is TOO_LARGE, the keys past the total NO_SPACE.
         limit = self.config.max_message_size
@@ -221,7 +231,8 @@ class Handlers:
                 total += size
                 asked.append(i)
                 outcomes.append(PutStatus.NO_SPACE)  # replaced below
-        self._check_reservation(shm, total, request.id)
+        tenant = tenant_of(self._ns(request))
+        self._check_reservation(shm, total, request.id, tenant)
         reserved = await self.store.reserve_waiting(
             self._ns(request),
             [request.keys[i] for i in asked],
@@ -231,22 +242,43 @@ class Handlers:
         for i, outcome in zip(asked, reserved):
             outcomes[i] = outcome
         reservations = [r for r in outcomes if isinstance(r, Reservation)]
+        if reservations and deadline is not None and time.monotonic() >= deadline:
+            # The client has given up waiting: a grant now would be a lease nobody knows.
+            for r in reservations:
+                self.store.abort(r)
+            raise ProtocolError(ErrorCode.BUSY, "alloc deadline passed while waiting for room", request.id)
         fields: dict[str, Any] = {
             "status": [int(PutStatus.STORED) if isinstance(r, Reservation) else int(r) for r in outcomes],
             "loc": [[r.offset, r.size] if isinstance(r, Reservation) else None for r in outcomes],
             "lease": None,
         }
         if reservations:
-            fields["lease"], fields["expires"] = shm.grant_writes(reservations, request.fields.get("owner"))
+            try:
+                fields["lease"], fields["expires"] = shm.grant_writes(
+                    reservations, request.fields.get("owner"), nonce=nonce, tenant=tenant
+                )
+            except ProtocolError as err:
+                raise ProtocolError(err.code, str(err), request.id) from None
         return Outcome(fields)
 
-    def _check_reservation(self, shm: ShmLeases, nbytes: int, request_id: int) -> None:
+    def _check_reservation(self, shm: ShmLeases, nbytes: int, request_id: int, tenant: str | None = None) -> None:
         """Bound what shared-memory writers may hold reserved (an alloc is in no
         byte budget: its payload never crosses the socket): all write leases
         together (with the slots quarantined after an expiry) at most
         ``shm_reserve_cap`` (one alloc always, when nothing is reserved), so
         allocs can never evict the whole pool and sit on it."""
         reserved = shm.reserved_bytes()
+        # Charged to the tenant: one tenant's allocs hold at most half the cap
+        # (quarantined slots included), so they cannot make every other tenant BUSY.
+        if tenant is not None:
+            own = shm.tenant_reserved_bytes(tenant)
+            if own and own + nbytes > self.shm_reserve_cap // 2:
+                raise ProtocolError(
+                    ErrorCode.BUSY,
+                    f"tenant {tenant!r} holds {own} bytes of shared-memory write reservations "
+                    f"(at most {self.shm_reserve_cap // 2}); retry",
+                    request_id,
+                )
         # With nothing reserved any one alloc is admitted (it is at most
         # max_message_size): a writer larger than the cap is slow, never starved.
         if reserved and reserved + nbytes > self.shm_reserve_cap:
@@ -337,6 +369,7 @@ class Handlers:
         leases = request.fields.get("leases")
         if not isinstance(leases, list) or len(leases) > self.config.max_keys_per_request:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'leases' must be a list of lease ids", request.id)
+        # An alloc's nonce may stand for its lease (a grant the client never saw).
         return Outcome({"released": self.shm.release(leases)})
 
     async def lookup(self, request: Request) -> Outcome:

@@ -28,12 +28,18 @@ until its writer is known to be done:
   namespace, process start time) and, when the writer is in the daemon's pid
   namespace, the sweep checks ``/proc/<pid>`` (a pid reused by another process
   has another start time);
-- a writer the daemon cannot observe (another pid namespace, or no ``owner``)
-  is given ``QUARANTINE_FACTOR`` lease timeouts (10 minutes by default) before
-  its slot is reused: the one case where a writer stopped longer than that and
-  then resumed could still write into a reused slot.  Put the engines in the
-  daemon's pid namespace (compose: ``pid: "service:lmcache-server"``) to rule
-  it out.
+- in any case ``QUARANTINE_FACTOR`` lease timeouts (10 minutes by default)
+  after it began, a live writer's too (a grant its client never saw, or a
+  client holding slots on purpose, must not hold the pool for ever): the one
+  case where a writer stopped longer than that and then resumed could still
+  write into a reused slot.  Put the engines in the daemon's pid namespace
+  (compose: ``pid: "service:lmcache-server"``) so dead writers free theirs at once.
+
+An alloc may carry a client-chosen ``nonce``: a ``release`` naming it frees
+the grant made under it (:meth:`ShmLeases.release_nonces`), so a client whose
+alloc reply never came frees a grant it never saw.  A bind takes each slot a
+key consumed off its lease at once, whatever fails after (no committed
+chunk's extent is ever left on a lease).
 
 **Staged slots** (a put in one round trip): a commit may ask for pool room
 bound to no key (:meth:`ShmLeases.stage`), held under a write lease of its
@@ -57,7 +63,7 @@ cannot observe gets ``QUARANTINE_FACTOR`` timeouts, counted from the lease's
 deadline.
 
 Primitives: :class:`ShmLeases` (``offer``, ``check_segment``, ``grant_reads``,
-``grant_writes``, ``stage``, ``bind``, ``commit``, ``release``, ``sweep``,
+``grant_writes``, ``stage``, ``bind``, ``commit``, ``release``, ``release_nonces``, ``sweep``,
 ``run``, ``stats``, ``reserved_bytes``, ``hand_over``, ``take_over``).
 """
 
@@ -76,6 +82,7 @@ from lmcache_client.protocol import ErrorCode, ProtocolError, PutStatus
 from ..storage import Chunk, TieredStore
 from ..storage.memory import UNBOUND, Reservation
 from ..storage.pool import MemoryPool
+from ..storage.tiered import ROOM_WAIT_S
 from ..storage.warmstart import HeldLease, HeldSlot
 
 
@@ -94,7 +101,12 @@ class _WriteLease:
     owner: Owner | None = None
     staged: bool = False
     """Slots bound to no key yet (a commit's ``stage``), consumed by ``bind``."""
+    tenant: str | None = None
+    """The tenant whose alloc made it (its reservations are charged to it)."""
 
+
+MAX_CANCELLED = 65536
+"""Nonces released before their grant remembered at most (each for a couple of lease timeouts)."""
 
 QUARANTINE_FACTOR = 20
 """Lease timeouts an expired write slot of a writer the daemon cannot observe stays
@@ -181,6 +193,10 @@ class ShmLeases:
         self._reads: dict[int, _ReadLease] = {}
         self._writes: dict[int, _WriteLease] = {}
         self._quarantine: dict[int, _Quarantined] = {}
+        self._nonces: dict[int, int] = {}
+        """Client-chosen nonce of a live write lease -> its lease id."""
+        self._cancelled: dict[int, float] = {}
+        """Nonces released before any grant -> until when a late grant under them is refused."""
 
     @property
     def enabled(self) -> bool:
@@ -225,15 +241,30 @@ class ShmLeases:
         return lease, deadline
 
     def grant_writes(
-        self, reservations: Sequence[Reservation], owner: Any = None, staged: bool = False
+        self,
+        reservations: Sequence[Reservation],
+        owner: Any = None,
+        staged: bool = False,
+        nonce: int | None = None,
+        tenant: str | None = None,
     ) -> tuple[int, float]:
         """Reserve ``reservations`` for one writer (``owner``: its alloc's ``owner``
         field, see :class:`Owner`; ``staged``: slots bound to no key, see
-        :meth:`stage`): (lease id, deadline)."""
+        :meth:`stage`; ``nonce``: the alloc's client-chosen id, see
+        :meth:`release_nonces`): (lease id, deadline).  A nonce already released
+        (the client gave up waiting) or in use: the reservations are aborted and
+        the grant refused (``UNKNOWN_LEASE``)."""
+        if nonce is not None and (nonce in self._cancelled or nonce in self._nonces):
+            self._cancelled.pop(nonce, None)
+            for reservation in reservations:
+                self.store.abort(reservation)
+            raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"alloc nonce {nonce!r} was released or is in use", 0)
         deadline = time.monotonic() + self.timeout_s
         lease = self._new_id()
+        if nonce is not None:
+            self._nonces[nonce] = lease
         self._writes[lease] = _WriteLease(
-            list(reservations), deadline, sum(r.size for r in reservations), Owner.parse(owner), staged
+            list(reservations), deadline, sum(r.size for r in reservations), Owner.parse(owner), staged, tenant
         )
         if staged:
             self.counters.staged_leases += 1
@@ -288,17 +319,21 @@ class ShmLeases:
             self._abort(grant)
             raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"staged lease {lease!r} expired", request_id)
         rooms = [at[o] for o in offsets]
-        statuses = self.store.bind(namespace, keys, rooms, tokens)
-        consumed = [r for r, s in zip(rooms, statuses) if s is PutStatus.STORED]
+        # Each room a key took leaves the lease right away, whatever fails after:
+        # a committed chunk's extent must never be released (or reused) as a slot.
+        taken: list[Reservation] = []
         fresh: list[Reservation] = []
-        for room in consumed:
-            del at[room.offset]
-            more = self.store.stage([room.size])
-            fresh += more or []
-        grant.reservations = list(at.values()) + fresh
-        grant.nbytes = sum(r.size for r in grant.reservations)
+        try:
+            statuses = self.store.bind(namespace, keys, rooms, tokens, taken)
+            for room in taken:
+                fresh += self.store.stage([room.size]) or []
+        finally:
+            for room in taken:
+                at.pop(room.offset, None)
+            grant.reservations = list(at.values()) + fresh
+            grant.nbytes = sum(r.size for r in grant.reservations)
         grant.deadline = time.monotonic() + self.timeout_s
-        nbytes = sum(r.size for r in consumed)
+        nbytes = sum(r.size for r in taken)
         self.counters.committed_bytes += nbytes
         self.counters.binds += 1
         return statuses, fresh, grant.deadline, nbytes
@@ -350,8 +385,34 @@ class ShmLeases:
                 self.counters.aborted_writes += 1
                 out.append(now <= write.deadline)
                 continue
-            self._end_quarantine(lease)  # a writer whose lease expired is done with it
-            out.append(False)
+            if self._end_quarantine(lease):  # a writer whose lease expired is done with it
+                out.append(False)
+                continue
+            # An alloc's nonce (its client never saw the grant): see release_nonces.
+            out.append(self.release_nonces([lease])[0])
+        return out
+
+    def release_nonces(self, nonces: Sequence[Any]) -> list[bool]:
+        """Abandon the write leases granted under these client-chosen nonces (an
+        alloc whose reply the client never saw); a nonce with no grant yet is
+        remembered for a while so that its grant, if it comes, is refused.
+        True where a live lease was released."""
+        now = time.monotonic()
+        out = []
+        for nonce in nonces:
+            if type(nonce) is not int:
+                out.append(False)
+                continue
+            lease = self._nonces.pop(nonce, None)
+            if lease is not None and lease not in self._writes and lease not in self._quarantine:
+                out.append(False)  # committed or released already
+                continue
+            if lease is None:
+                if len(self._cancelled) < MAX_CANCELLED:
+                    self._cancelled[nonce] = now + 2 * self.timeout_s + ROOM_WAIT_S
+                out.append(False)
+            else:
+                out.append(self.release([lease])[0])
         return out
 
     def _abort(self, write: _WriteLease) -> None:
@@ -387,12 +448,19 @@ class ShmLeases:
                     self.counters.expired_writes += 1
                 self._quarantine[lease] = _Quarantined(lease, write, now)
                 expired += 1
+        for nonce, lease in list(self._nonces.items()):
+            if lease not in self._writes and lease not in self._quarantine:
+                del self._nonces[nonce]
+        for nonce, until in list(self._cancelled.items()):
+            if now > until:
+                del self._cancelled[nonce]
         for lease, held in list(self._quarantine.items()):
             owner = held.write.owner
-            if owner is not None and owner.observable():
-                if not owner.alive():
-                    self._end_quarantine(lease)
+            if owner is not None and owner.observable() and not owner.alive():
+                self._end_quarantine(lease)
             elif now - held.since > QUARANTINE_FACTOR * self.timeout_s:
+                # Every quarantine is bounded, a live owner's too: a writer that
+                # never comes back must not hold the pool (and shm_reserve_cap) forever.
                 del self._quarantine[lease]
                 self._abort(held.write)
                 self.counters.quarantine_timed_out += 1
@@ -452,6 +520,11 @@ class ShmLeases:
     def reserved_bytes(self) -> int:
         """Pool bytes write leases hold now (staged slots and quarantined slots included)."""
         return sum(w.nbytes for w in self._writes.values()) + sum(q.write.nbytes for q in self._quarantine.values())
+
+    def tenant_reserved_bytes(self, tenant: str) -> int:
+        """Pool bytes the write leases of ``tenant``'s allocs hold now (quarantined ones included)."""
+        held = [w for w in self._writes.values()] + [q.write for q in self._quarantine.values()]
+        return sum(w.nbytes for w in held if w.tenant == tenant)
 
     def staged_bytes(self) -> int:
         """Pool bytes held by staged slots now (not counting quarantined ones)."""

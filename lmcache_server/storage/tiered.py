@@ -252,10 +252,13 @@ class TieredStore:
         digests: Sequence[bytes],
         rooms: Sequence[Reservation],
         tokens: Sequence[ChunkTokens | None] | None = None,
+        taken: list[Reservation] | None = None,
     ) -> list[PutStatus]:
         """A put into staged room (:meth:`stage`), already written: each room bound
         to its key with :meth:`reserve`'s checks and committed at once.  STORED
-        consumed the room; any other status leaves it staged."""
+        consumed the room; any other status leaves it staged.  ``taken`` gets
+        each consumed room as it is consumed (before its commit: known even if
+        this raises midway)."""
         out: list[PutStatus] = []
         parent: ChunkKey | None = None
         for i, (digest, room) in enumerate(zip(digests, rooms)):
@@ -267,6 +270,8 @@ class TieredStore:
             bound = self.memory.bind_room(room, key, parent)
             if isinstance(bound, Reservation):
                 bound.tokens = told
+                if taken is not None:
+                    taken.append(room)
                 out.append(self.commit(bound))
             else:
                 if bound is PutStatus.EXISTS:
