@@ -167,3 +167,24 @@ def test_a_nonce_releases_a_grant_the_client_never_saw(daemon_factory: Callable[
             c._run(calls.alloc(TENANT_B, [_key(2, "nonce")], [MiB], segment, shm.owner(), nonce=4343))
         assert err.value.code == ErrorCode.UNKNOWN_LEASE
         assert _shm_stats(c)["reserved_bytes"] == 0
+
+
+def test_a_bind_answered_internal_gives_its_staged_lease_up(daemon_factory: Callable[..., RealDaemon]) -> None:
+    """Item 6, client side: a bind error that does not say "nothing consumed"
+    (INTERNAL) is treated as an unanswered bind: the staged lease is dropped and
+    released, its slots never written again (one of them may hold a committed chunk)."""
+    d = daemon_factory(max_local_cpu_size="128MiB")
+    with d.client() as c:
+        for i in range(2):
+            k = _key(i, "internal")
+            c.put([k], [b"\x02" * MiB])
+        pool = c._pool
+        assert pool is not None and pool.staged is not None
+        st = pool.staged
+        flow = shm._put_staged(pool, "ns", [_key(5, "internal")], [MiB], lambda i, o, n: None, None)
+        ask = next(flow)
+        assert isinstance(ask, shm.Ask)
+        with pytest.raises(ServerError):
+            flow.throw(ServerError(ErrorCode.INTERNAL, "planted"))
+        assert pool.staged is None and st.lease in pool.unsettled
+        assert all(slot[0] != ask.call.fields["slots"][0] for slot in st.free)
