@@ -108,6 +108,11 @@ class MemoryTier:
         self.quotas = TenantQuotas()
         """Per-tenant byte limits (``tenant_quotas``); set by the composition root."""
         self._index: dict[ChunkKey, int | _Entry] = {}
+        # Keys with a store under way (prepare_store until complete_store or
+        # abort_store): the first reservation of a key claims it, so a second
+        # writer is EXISTS at once, whichever path (frames, alloc, staged bind)
+        # each takes, and never told STORED for a copy that would lose later.
+        self._claims: dict[ChunkKey, Reservation] = {}
         """key -> its entry: a packed int while neither leased nor pinned (storage/memoryentry.py)."""
         self._by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
         self.stored_bytes = 0
@@ -214,7 +219,13 @@ class MemoryTier:
             if not self.room_coming(size):  # else the caller may wait for it (and counts it if not)
                 self.counters.rejections += 1
             return PutStatus.NO_SPACE
-        return Reservation(key, offset, size, parent, self.pool.view[offset : offset + size])
+        reservation = Reservation(key, offset, size, parent, self.pool.view[offset : offset + size])
+        self._claims[key] = reservation
+        return reservation
+
+    def _unclaim(self, reservation: Reservation) -> None:
+        if self._claims.get(reservation.key) is reservation:
+            del self._claims[reservation.key]
 
     def _refusal(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> PutStatus | None:
         """Why ``key`` may not be stored (EXISTS, TOO_LARGE, SKIPPED, NO_SPACE over
@@ -223,6 +234,8 @@ class MemoryTier:
         if existing is not None:
             self._touch(key, existing)
             return PutStatus.EXISTS
+        if key in self._claims:
+            return PutStatus.EXISTS  # another writer's store of it is under way: first writer wins
         key = _canonical(key)
         if size > self.allocator.capacity:
             self.counters.rejections += 1
@@ -253,6 +266,7 @@ class MemoryTier:
     def complete_store(self, reservation: Reservation) -> PutStatus:
         """Phase two: make a filled reservation visible (EXISTS if the key was stored meanwhile)."""
         r = reservation
+        self._unclaim(r)
         if r.key in self._index:
             self.allocator.free(r.offset, r.size)
             return PutStatus.EXISTS
@@ -266,6 +280,7 @@ class MemoryTier:
         return PutStatus.STORED
 
     def abort_store(self, reservation: Reservation) -> None:
+        self._unclaim(reservation)
         self.allocator.free(reservation.offset, reservation.size)
 
     def reserve_room(self, size: int) -> Reservation | None:
