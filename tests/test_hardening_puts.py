@@ -95,3 +95,24 @@ def test_two_replicas_racing_on_the_same_keys_get_exactly_one_stored_each(daemon
         if stored != value(k, winner, 256 << 10):
             both.append(k.hex())
     assert not both, f"{len(both)} keys hold the loser's bytes"
+
+
+def test_a_put_of_another_size_replaces_a_stored_chunk_once_it_has_no_readers(daemon: Daemon) -> None:
+    """Issue 29 item 13: a chunk stored with the wrong size answered every re-store
+    EXISTS and every load as a miss, for ever.  A put of another size replaces it
+    (counted in the memory tier's stats), but not while a reader holds it."""
+    k = key(0, "wrong-size")
+    wrong, right = value(k, "other-layout", 1000), value(k, "engine", 4096)
+    with daemon.client(address=daemon.ipc_address) as reader, daemon.client(shared_memory=False) as c:
+        assert c.put([k], [wrong]) == [PutStatus.STORED]
+        assert reader.uses_shared_memory
+        pool = reader._pool
+        assert pool is not None
+        held = reader._run(calls.get_shm(NAMESPACE, [k], pool.segment))  # a read lease on the old bytes
+        assert held.lease is not None
+        assert c.put([k], [right]) == [PutStatus.EXISTS]  # a reader may be reading it: kept
+        reader._run(calls.release([held.lease]))
+        assert c.put([k], [right]) == [PutStatus.STORED]
+        assert bytes(c.get([k])[0]) == right
+        assert c.put([k], [right]) == [PutStatus.EXISTS]  # the same size: first writer wins again
+        assert c.stats()["tiers"]["memory"]["replaced_wrong_size"] == 1

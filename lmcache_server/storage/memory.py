@@ -80,6 +80,7 @@ class TierCounters:
     rejections: int = 0
     skipped: int = 0
     adopted: int = 0  # chunks taken over from the daemon before a warm restart
+    replaced_wrong_size: int = 0  # stored chunks replaced by a put of another size
 
 
 class MemoryTier:
@@ -231,7 +232,7 @@ class MemoryTier:
         """Why ``key`` may not be stored (EXISTS, TOO_LARGE, SKIPPED, NO_SPACE over
         its tenant's quota), else None: the checks of a store before it takes room."""
         existing = self._index.get(key)
-        if existing is not None:
+        if existing is not None and not self._replaced_wrong_size(key, existing, size):
             self._touch(key, existing)
             return PutStatus.EXISTS
         if key in self._claims:
@@ -247,6 +248,20 @@ class MemoryTier:
             self.counters.rejections += 1
             return PutStatus.NO_SPACE
         return None
+
+    def _replaced_wrong_size(self, key: ChunkKey, found: int | _Entry, size: int) -> bool:
+        """A stored chunk whose size differs from a new put's (another layout under
+        a colliding namespace, a partial write committed) would be EXISTS for ever
+        and a miss on every load: remove it (counted, logged) so the put stores
+        the new one, once it has no readers and is not pinned (else EXISTS now)."""
+        entry_size = unpack(found)[1] if isinstance(found, int) else found.size
+        if entry_size == size or (not isinstance(found, int) and (found.leases or found.pinned)):
+            return False
+        self._remove(self._entry(key, found))
+        self.counters.replaced_wrong_size += 1
+        logger.warning("chunk %s/%s stored with %d bytes replaced by a put of %d bytes",
+                       key.namespace, key.digest.hex()[:16], entry_size, size)  # fmt: skip
+        return True
 
     def room_coming(self, size: int) -> bool:
         """Whether chunks lent to the spill will free room for ``size`` bytes once written."""
