@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq.asyncio
@@ -150,9 +151,8 @@ class App:
             monitor.start(server.sock)
             if c.metrics_port:
                 await http.start()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.request_stop)
-            loop.add_signal_handler(signal.SIGHUP, security.reload, metrics)
+            _on_signal(loop, (signal.SIGTERM, signal.SIGINT), self.request_stop)
+            _on_signal(loop, (signal.SIGHUP,), lambda: security.reload(metrics))
             self.ready = True
             logger.info("lmcache-server ready: %s", c.summary())
             summary.start()
@@ -199,14 +199,28 @@ class App:
             offload.close()
             context.term()
             pool.release_lock()  # last: a kept segment may be adopted from now on
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
             # What is left is the event loop's and the interpreter's own teardown: a stop signal
-            # now would only turn a clean exit into a death by signal.
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            # now would only turn a clean exit into a death by signal.  One call per signal swaps
+            # our handler for SIG_IGN; there is no moment with the default (deadly) disposition.
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_IGN)
         logger.info("lmcache-server stopped")
         return 0
+
+
+def _on_signal(loop: asyncio.AbstractEventLoop, signals: tuple[int, ...], callback: Callable[[], None]) -> None:
+    """Run ``callback`` on the loop when one of ``signals`` arrives.
+
+    A plain ``signal.signal`` handler, not ``loop.add_signal_handler``: removing a loop's
+    handler restores the default disposition (death for SIGTERM) before anything else can be
+    installed, and a supervisor repeating SIGTERM during the shutdown hit that window.
+    """
+
+    def handler(signum: int, frame: object) -> None:
+        loop.call_soon_threadsafe(callback)
+
+    for sig in signals:
+        signal.signal(sig, handler)
 
 
 def _pool(c: ServerConfig, adoption: Adoption | None) -> tuple[MemoryPool, Adoption | None]:

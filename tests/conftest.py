@@ -50,10 +50,24 @@ def chunk_files(root: Path) -> list[Path]:
     return sorted(root.glob("v1/*/*.chunk"))
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port this test process has not handed out before.
+
+    The kernel may give the same ephemeral port to two ``bind(0)`` calls in a row once the
+    first socket is closed, so a daemon's ZeroMQ and metrics ports could be one port (seen
+    in CI: the daemon refused to start, its metrics port in use).
+    """
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port left that this test process has not handed out")
 
 
 def free_cluster_port() -> int:
