@@ -82,6 +82,7 @@ test: system-deps setup-test setup-vllm setup-sglang
 lint: setup-test
 	$(BIN)/ruff check lmcache_server client tests benchmarks
 	$(BIN)/mypy lmcache_server client/lmcache_client
+	$(BIN)/python scripts/check_layers.py
 
 bench: setup-test
 	$(BIN)/python benchmarks/bench_throughput.py --json bench-results/throughput.json

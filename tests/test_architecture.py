@@ -1,0 +1,183 @@
+"""The import-layer check (scripts/check_layers.py, issue 25): the tree keeps its
+floors, and the check fails on a fake tree that breaks each rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "check_layers.py"
+
+
+def run_check(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(root)], capture_output=True, text=True, timeout=60
+    )
+
+
+def make_tree(root: Path, files: dict[str, str]) -> Path:
+    """A tree laid out as this repository: every folder of a module gets an __init__.py."""
+    for name, source in files.items():
+        path = root / name
+        for folder in path.relative_to(root).parents:
+            if folder.parts and folder.parts[-1] != "client":
+                (root / folder).mkdir(parents=True, exist_ok=True)
+                (root / folder / "__init__.py").touch()
+        path.write_text(textwrap.dedent(source), encoding="utf-8")
+    return root
+
+
+# A small tree that keeps every rule: the cli on top, storage below the server, the
+# client at the bottom.
+CLEAN = {
+    "lmcache_server/cli.py": "from . import __version__\ndef main():\n    from .app import App\n",
+    "lmcache_server/app.py": "from .server.handlers import Handlers\nfrom .storage.disk import DiskTier\n",
+    "lmcache_server/server/handlers.py": "from ..storage import TieredStore\nclass Handlers: ...\n",
+    "lmcache_server/storage/__init__.py": "from .tiered import TieredStore\n",
+    "lmcache_server/storage/tiered.py": "from .disk import DiskTier\nfrom .base import Chunk\nclass TieredStore: ...\n",
+    "lmcache_server/storage/disk/__init__.py": "from .tier import DiskTier\n",
+    "lmcache_server/storage/disk/tier.py": "from ..base import Chunk\nfrom ...config import Config\nDiskTier = 1\n",
+    "lmcache_server/storage/base.py": "from lmcache_client.protocol import PutStatus\nclass Chunk: ...\n",
+    "lmcache_server/config.py": "class Config: ...\n",
+    "client/lmcache_client/__init__.py": "from .protocol import PutStatus\n",
+    "client/lmcache_client/protocol/__init__.py": "PutStatus = 1\n",
+    "client/lmcache_client/integrations/vllm/connector.py": "from ..transfer import ChunkTransfer\n",
+    "client/lmcache_client/integrations/transfer.py": "from ..client import CacheClient\nChunkTransfer = 1\n",
+    "client/lmcache_client/client.py": "from .protocol import PutStatus\nCacheClient = 1\n",
+}
+
+
+def violations(tmp_path: Path, **changed: str) -> list[str]:
+    """The violation lines for CLEAN with the files in ``changed`` replaced or added."""
+    files = {**CLEAN, **changed}
+    result = run_check(make_tree(tmp_path, files))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "violations" in result.stderr
+    return result.stdout.splitlines()
+
+
+def test_a_tree_that_keeps_the_rules_passes(tmp_path: Path) -> None:
+    result = run_check(make_tree(tmp_path, CLEAN))
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("check_layers: "), lines
+    assert "no cycle, no upward import" in lines[0]
+    assert "1 inside functions" in lines[0]  # cli's lazy import of app
+
+
+def test_two_modules_importing_each_other_are_a_cycle(tmp_path: Path) -> None:
+    lines = violations(
+        tmp_path,
+        **{
+            "lmcache_server/storage/tiered.py": "from .batchread import read_batch\nclass TieredStore: ...\n",
+            "lmcache_server/storage/batchread.py": "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from . import filling\nread_batch = 1\n",
+            "lmcache_server/storage/filling.py": "def fill():\n    from . import batchread\n",
+        },
+    )
+    assert lines == [
+        "lmcache_server/storage/batchread.py:3 imports lmcache_server.storage.filling [TYPE_CHECKING]: "
+        "storage.batchread may not import storage.filling (siblings in storage layer 4)",
+        "lmcache_server/storage/filling.py:2 imports lmcache_server.storage.batchread [in a function]: "
+        "storage.filling may not import storage.batchread (siblings in storage layer 4)",
+        "import cycle: lmcache_server.storage.batchread -> lmcache_server.storage.filling -> "
+        "lmcache_server.storage.batchread (lmcache_server/storage/batchread.py:3 [TYPE_CHECKING]; "
+        "lmcache_server/storage/filling.py:2 [in a function])",
+    ]
+
+
+def test_a_cycle_inside_one_room_is_reported_as_a_path(tmp_path: Path) -> None:
+    lines = violations(
+        tmp_path,
+        **{
+            "lmcache_server/storage/memory/tier.py": "from . import warm\n",
+            "lmcache_server/storage/memory/warm.py": "from .pool import Pool\n",
+            "lmcache_server/storage/memory/pool.py": "import lmcache_server.storage.memory.tier\nPool = 1\n",
+        },
+    )
+    assert lines == [
+        "import cycle: lmcache_server.storage.memory.pool -> lmcache_server.storage.memory.tier -> "
+        "lmcache_server.storage.memory.warm -> lmcache_server.storage.memory.pool "
+        "(lmcache_server/storage/memory/pool.py:1; lmcache_server/storage/memory/tier.py:1; "
+        "lmcache_server/storage/memory/warm.py:1)"
+    ]
+
+
+def test_a_lower_layer_importing_a_higher_one_is_reported(tmp_path: Path) -> None:
+    lines = violations(
+        tmp_path,
+        **{
+            "lmcache_server/storage/base.py": "class Chunk: ...\ndef f():\n    from ..server import http\n",
+            "lmcache_server/server/http.py": "",
+            "lmcache_server/supervisor.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from .summary import Summary\n",
+            "lmcache_server/summary.py": "",
+        },
+    )
+    assert lines == [
+        "lmcache_server/storage/base.py:3 imports lmcache_server.server.http [in a function]: "
+        "storage may not import server (layer 4 -> layer 7)",
+        "lmcache_server/supervisor.py:3 imports lmcache_server.summary [TYPE_CHECKING]: "
+        "supervisor may not import summary (layer 3 -> layer 6)",
+    ]
+
+
+def test_the_client_never_imports_the_daemon(tmp_path: Path) -> None:
+    lines = violations(
+        tmp_path,
+        **{"client/lmcache_client/client.py": "from lmcache_server import __version__\nCacheClient = 1\n"},
+    )
+    assert lines == [
+        "client/lmcache_client/client.py:1 imports lmcache_server: lmcache_client may not import version "
+        "(layer 1 -> layer 2)"
+    ]
+
+
+def test_sibling_rooms_stay_apart(tmp_path: Path) -> None:
+    lines = violations(
+        tmp_path,
+        **{
+            "lmcache_server/storage/disk/tier.py": "from ..memory import MemoryTier\n",
+            "lmcache_server/storage/memory/__init__.py": "MemoryTier = 1\n",
+            "client/lmcache_client/integrations/sglang.py": "from .vllm.connector import x\n",
+            "client/lmcache_client/client.py": "def f():\n    from .integrations import layout\n",
+            "client/lmcache_client/integrations/layout.py": "",
+        },
+    )
+    assert lines == [
+        "client/lmcache_client/client.py:2 imports lmcache_client.integrations.layout [in a function]: "
+        "client core may not import integrations shared (lmcache_client layer 2 -> lmcache_client layer 3)",
+        "client/lmcache_client/integrations/sglang.py:1 imports lmcache_client.integrations.vllm.connector: "
+        "integrations.sglang may not import integrations.vllm (siblings in lmcache_client layer 4)",
+        "lmcache_server/storage/disk/tier.py:1 imports lmcache_server.storage.memory: "
+        "storage.disk may not import storage.memory (siblings in storage layer 3)",
+    ]
+
+
+def test_only_a_storage_subpackages_init_is_open_to_the_rest(tmp_path: Path) -> None:
+    lines = violations(
+        tmp_path,
+        **{"lmcache_server/app.py": "from .storage.disk import DiskTier\nfrom .storage.disk.tier import DiskTier\n"},
+    )
+    assert lines == [
+        "lmcache_server/app.py:2 imports lmcache_server.storage.disk.tier: "
+        "only lmcache_server.storage.disk (its __init__) is open to code outside it"
+    ]
+
+
+def test_a_module_in_no_room_and_an_import_of_no_module_are_reported(tmp_path: Path) -> None:
+    lines = violations(
+        tmp_path,
+        **{
+            "lmcache_server/attic.py": "",
+            "lmcache_server/storage/tiered.py": "from .diskfiles import aligned_copy\n",
+        },
+    )
+    assert lines == [
+        "lmcache_server/attic.py: lmcache_server.attic is in no room of the top layers "
+        "(add it to LAYERS in scripts/check_layers.py)",
+        "lmcache_server/storage/tiered.py:1 imports lmcache_server.storage.diskfiles: no such module in the tree",
+    ]
