@@ -48,12 +48,16 @@ from pathlib import Path
 # rule is applied again with that scope's layers.
 LAYERS: dict[str, list[dict[str, list[str]]]] = {
     "": [  # the whole tree
+        # admin.py is a command-line tool the cli dispatches to (a client of a running
+        # daemon, over lmcache_client): nothing below the cli may import it.
         {"cli": ["lmcache_server.cli", "lmcache_server.__main__", "lmcache_server.admin"]},
         {"app": ["lmcache_server.app"]},
         {"server": ["lmcache_server.server*"]},
-        {"security": ["lmcache_server.security*"], "summary": ["lmcache_server.summary"]},
-        {"metrics": ["lmcache_server.metrics"], "events": ["lmcache_server.events*"]},
+        {"security": ["lmcache_server.security*"], "summary": ["lmcache_server.summary"]},  # guard reads metrics
+        {"metrics": ["lmcache_server.metrics"], "events": ["lmcache_server.events*"]},  # both read storage
         {"storage": ["lmcache_server.storage*"]},
+        # storage reads config (redact, ConfigError) and runs its tasks under the
+        # supervisor; config parses the codec settings with kv_codec.
         {
             "config": ["lmcache_server.config", "lmcache_server.configvalues", "lmcache_server.kv_codec"],
             "supervisor": ["lmcache_server.supervisor"],
