@@ -365,7 +365,7 @@ def write_chunk_files(directory: Path, entries: int, namespace: str, payload_byt
     root) with the daemon's own record writer, keys ``(namespace, i as 32
     little-endian bytes)``."""
     from lmcache_server.storage.base import ChunkKey
-    from lmcache_server.storage.diskfiles import path_for, write_record
+    from lmcache_server.storage.disk.files import path_for, write_record
 
     payload = os.urandom(payload_bytes)
     for i in range(start, entries):

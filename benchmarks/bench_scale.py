@@ -51,12 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import MIB, Processes, free_port, raise_on_sigterm, start_daemon, write_chunk_files  # noqa: E402
 from bench_disk import drop_page_cache  # noqa: E402
 
-from lmcache_server.storage import disksnapshot  # noqa: E402
 from lmcache_server.storage.base import ChunkKey  # noqa: E402
 from lmcache_server.storage.disk import DiskTier  # noqa: E402
-from lmcache_server.storage.memory import MemoryTier, Reservation  # noqa: E402
+from lmcache_server.storage.disk import snapshot as disksnapshot  # noqa: E402
+from lmcache_server.storage.memory import (  # noqa: E402
+    MemoryPool,  # noqa: E402
+    MemoryTier,
+    Reservation,
+)
 from lmcache_server.storage.policy import make_policy  # noqa: E402
-from lmcache_server.storage.pool import MemoryPool  # noqa: E402
 
 PAGE = 4096
 NAMESPACE = "bench-scale/Qwen2.5-7B-Instruct|bfloat16|L28|KV4|D128|tp0of1|c256|codec=none"
@@ -81,11 +84,12 @@ def digest(i: int) -> bytes:
 
 def _group(filename: str) -> str:
     name = os.path.basename(filename)
-    if name in ("policy.py", "adaptive.py", "history.py"):
+    room = os.path.basename(os.path.dirname(filename))  # the storage subpackage
+    if room == "policy":
         return "policy"
-    if name in ("memory.py", "memoryentry.py", "memorywarm.py", "allocator.py", "tenants.py"):
+    if (room == "memory" and name in ("tier.py", "entry.py", "warm.py", "allocator.py")) or name == "tenants.py":
         return "memory tier"
-    if name in ("disk.py", "disksnapshot.py", "diskfiles.py"):
+    if room == "disk" and name in ("tier.py", "snapshot.py", "files.py"):
         return "disk index"
     if name == os.path.basename(__file__):
         return "keys"

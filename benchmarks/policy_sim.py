@@ -54,8 +54,8 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcache_server.storage.allocator import ALIGNMENT as PAGE_BYTES
 from lmcache_server.storage.base import ChunkKey
+from lmcache_server.storage.memory.allocator import ALIGNMENT as PAGE_BYTES
 from lmcache_server.storage.policy import POLICIES, EvictionPolicy, LFUDAPolicy, LRUPolicy, make_policy
 
 BLOCK_TOKENS = 512

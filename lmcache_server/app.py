@@ -34,13 +34,12 @@ from .server.monitor import ConnectionMonitor
 from .server.shm import ShmLeases
 from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
-from .storage.allocator import ALIGNMENT
 from .storage.disk import DiskTier
+from .storage.memory import ALIGNMENT, Adoption, WarmStart
 from .storage.offload import Offload
 from .storage.policy import make_policy
 from .storage.remote import RedisTier, state_path_for
 from .storage.tenants import TenantQuotas
-from .storage.warmstart import Adoption, WarmStart
 from .summary import SummaryLog
 from .supervisor import Supervisor
 

@@ -30,7 +30,7 @@ def _dispatch_assert() -> None:
 
 
 def _disk_writer() -> None:
-    from lmcache_server.storage import disk
+    from lmcache_server.storage.disk import tier as disk
 
     write = disk.write_record
     calls = [0]

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from lmcache_server.server import shm as shm_module
 from lmcache_server.server.shm import ShmLeases
 from lmcache_server.storage import Chunk, ChunkKey, MemoryPool, MemoryTier, TieredStore
-from lmcache_server.storage.allocator import ALIGNMENT, aligned
 from lmcache_server.storage.memory import UNBOUND, Reservation
-from lmcache_server.storage.memoryentry import unpack
+from lmcache_server.storage.memory.allocator import ALIGNMENT, aligned
+from lmcache_server.storage.memory.entry import unpack
+from lmcache_server.storage.memory.warmstart import Adoption, WarmIndex, check, decode, encode
 from lmcache_server.storage.policy import LRUPolicy
-from lmcache_server.storage.warmstart import Adoption, WarmIndex, check, decode, encode
 
 NS = "model"
 POOL_PAGES = 16

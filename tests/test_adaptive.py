@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmcache_server.storage.adaptive import AdaptivePolicy
 from lmcache_server.storage.base import ChunkKey
 from lmcache_server.storage.policy import LFUDAPolicy, make_policy
+from lmcache_server.storage.policy.adaptive import AdaptivePolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lmcache_server.storage.allocator import ALIGNMENT, ExtentAllocator, aligned
+from lmcache_server.storage.memory.allocator import ALIGNMENT, ExtentAllocator, aligned
 
 
 def check_invariants(a: ExtentAllocator, live: dict[int, int]) -> None:

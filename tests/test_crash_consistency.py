@@ -10,7 +10,7 @@ the client's record is exact, not a checksum.  The RNG is seeded; every round
 asserts the daemon came back (ping), and the disk tier must have rebuilt
 entries from the files of the previous life in at least some rounds.
 
-The warm-restart variant (storage/warmstart.py) has no disk tier and puts
+The warm-restart variant (storage/memory/warmstart.py) has no disk tier and puts
 over shared memory: its rounds alternate a clean stop (SIGTERM: the next
 daemon adopts the pool, writers may still be copying into their slots) and a
 SIGKILL (the next start must be cold: not one hit), with the same rule that a

@@ -13,10 +13,10 @@ import pytest
 
 from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
-from lmcache_server.storage import disksnapshot
 from lmcache_server.storage.base import ChunkKey
 from lmcache_server.storage.disk import DiskTier
-from lmcache_server.storage.diskfiles import path_for, write_record
+from lmcache_server.storage.disk import snapshot as disksnapshot
+from lmcache_server.storage.disk.files import path_for, write_record
 from lmcache_server.storage.policy import make_policy
 
 from .conftest import disk_stats, wait_for

@@ -33,7 +33,7 @@ from lmcache_client.keys import ROOT_KEY, ChunkTokens, chunk_keys, chunk_tokens
 from lmcache_client.protocol import ErrorCode, PutStatus
 from lmcache_server.config import ConfigError, load_config
 from lmcache_server.storage.base import ChunkKey
-from lmcache_server.storage.diskfiles import path_for
+from lmcache_server.storage.disk.files import path_for
 
 from .conftest import Daemon, free_port, wait_for
 from .vllm_harness.fixtures import ROOT, vllm_python  # noqa: F401 - a fixture

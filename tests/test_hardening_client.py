@@ -50,7 +50,7 @@ class FakeDaemon:
         self.offer = offer
         self._held: int | None = None
         if hold and offer is not None and Path(offer["path"]).is_file():
-            # A daemon holds an exclusive flock on its segment while it runs (storage/pool.py).
+            # A daemon holds an exclusive flock on its segment while it runs (storage/memory/pool.py).
             self._held = os.open(offer["path"], os.O_RDONLY)
             try:
                 fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)

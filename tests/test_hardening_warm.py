@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from lmcache_client import PutStatus, calls
-from lmcache_server.storage import warmstart
 from lmcache_server.storage.base import ChunkKey
-from lmcache_server.storage.pool import INDEX_SUFFIX
-from lmcache_server.storage.warmstart import WarmIndex, WarmStart, boot_id, encode
+from lmcache_server.storage.memory import warmstart
+from lmcache_server.storage.memory.pool import INDEX_SUFFIX
+from lmcache_server.storage.memory.warmstart import WarmIndex, WarmStart, boot_id, encode
 
 from .conftest import NAMESPACE, SHM_ROOT, Daemon
 

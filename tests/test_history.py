@@ -1,4 +1,4 @@
-"""The compact key history (storage/history.py) and what the policies built on it keep of their behaviour."""
+"""The compact key history (storage/policy/history.py) and what the policies built on it keep of their behaviour."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 
-from lmcache_server.storage import adaptive
-from lmcache_server.storage.adaptive import AdaptivePolicy
 from lmcache_server.storage.base import ChunkKey
 from lmcache_server.storage.disk import DiskTier
-from lmcache_server.storage.history import KeyHistory, key_hash
-from lmcache_server.storage.policy import LFUDAPolicy
+from lmcache_server.storage.policy import LFUDAPolicy, adaptive
+from lmcache_server.storage.policy.adaptive import AdaptivePolicy
+from lmcache_server.storage.policy.history import KeyHistory, key_hash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _harness import write_chunk_files  # noqa: E402
@@ -93,7 +92,7 @@ def test_key_hash_is_the_same_in_every_process() -> None:
     keys = [ChunkKey("model-a|bf16", bytes([i]) * 32) for i in range(4)] + [ChunkKey("ns", b"a")]
     code = (
         "from lmcache_server.storage.base import ChunkKey;"
-        "from lmcache_server.storage.history import key_hash;"
+        "from lmcache_server.storage.policy.history import key_hash;"
         "import sys;"
         "print([key_hash(ChunkKey(ns, bytes.fromhex(d))) for ns, d in "
         f"{[(k.namespace, k.digest.hex()) for k in keys]!r}])"

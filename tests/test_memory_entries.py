@@ -1,5 +1,5 @@
 """The memory tier keeps an unleased, unpinned chunk as one packed int in its index
-(storage/memoryentry.py) and an entry object only while the chunk is leased,
+(storage/memory/entry.py) and an entry object only while the chunk is leased,
 pinned or dying; the accounting and the bytes are the same either way."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 
 from lmcache_client.protocol import PutStatus
 from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier
-from lmcache_server.storage.allocator import ALIGNMENT
-from lmcache_server.storage.memoryentry import Entry
+from lmcache_server.storage.memory.allocator import ALIGNMENT
+from lmcache_server.storage.memory.entry import Entry
 from lmcache_server.storage.policy import make_policy
 
 NS = "ns"

@@ -15,8 +15,8 @@ import pytest
 
 from lmcache_client.protocol import PutStatus
 from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier
-from lmcache_server.storage.allocator import ALIGNMENT
 from lmcache_server.storage.memory import Reservation
+from lmcache_server.storage.memory.allocator import ALIGNMENT
 from lmcache_server.storage.policy import make_policy
 
 NS = "ns"

@@ -183,7 +183,7 @@ def test_sharing_through_redis_cluster(daemon_factory, redis_cluster: list[Redis
 
 # -- kill -9 under load: nothing answered STORED is lost -----------------------------------------
 def redis_key_of(key: bytes, namespace: str = NAMESPACE, prefix: str = "lmcache:") -> bytes:
-    """The daemon's Redis key of a chunk (storage/remote.py)."""
+    """The daemon's Redis key of a chunk (storage/remote/tier.py)."""
     return f"{prefix}{hashlib.sha256(namespace.encode()).hexdigest()[:16]}:{key.hex()}".encode()
 
 

@@ -26,8 +26,8 @@ from lmcache_client.protocol import Op
 from lmcache_server.storage import TieredStore
 from lmcache_server.storage.base import ChunkKey
 from lmcache_server.storage.memory import MemoryTier
+from lmcache_server.storage.memory.pool import MemoryPool
 from lmcache_server.storage.policy import LRUPolicy
-from lmcache_server.storage.pool import MemoryPool
 
 from .conftest import NAMESPACE, Daemon, wait_for
 from .test_security import NS_A, Keys, start_daemon, stop

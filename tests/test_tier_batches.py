@@ -24,9 +24,9 @@ import redis.asyncio.connection
 
 from lmcache_client.protocol import PutStatus
 from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
-from lmcache_server.storage import disk as disk_module
 from lmcache_server.storage.disk import DiskTier
-from lmcache_server.storage.diskfiles import path_for, read_record
+from lmcache_server.storage.disk import tier as disk_module
+from lmcache_server.storage.disk.files import path_for, read_record
 from lmcache_server.storage.remote import RedisTier
 
 from ._slowlink import SlowLink

@@ -1,4 +1,4 @@
-"""Warm restarts (storage/warmstart.py), against real daemon processes.
+"""Warm restarts (storage/memory/warmstart.py), against real daemon processes.
 
 A clean stop leaves the pool segment and its index on the tmpfs; the next
 daemon with the same listen addresses and pool size adopts them and serves
@@ -20,7 +20,7 @@ import pytest
 from lmcache_client import CacheClient, ErrorCode, PutStatus, ServerError, calls
 from lmcache_client.shm import owner
 from lmcache_server.storage.base import ChunkKey
-from lmcache_server.storage.warmstart import (
+from lmcache_server.storage.memory.warmstart import (
     HeldLease,
     HeldSlot,
     WarmIndex,

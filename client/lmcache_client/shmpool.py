@@ -39,7 +39,7 @@ SAME_CLOCK_TOLERANCE_S = 1.0
 PARALLEL_COPY_MIN_BYTES = 4 << 20
 """A copy at least this large is split over ``copy_threads`` threads."""
 SEGMENT_NAME = re.compile(r"lmcache-pool-[0-9]+-([0-9a-f]{32})")
-"""How a daemon names its pool segment (lmcache_server/storage/pool.py): the token is the announced ``segment``."""
+"""How a daemon names its pool segment (the daemon's storage/memory/pool.py): the token is the announced ``segment``."""
 TMPFS_MAGIC = 0x01021994
 HUGETLBFS_MAGIC = 0x958458F6
 _MEMORY_FS = (TMPFS_MAGIC, HUGETLBFS_MAGIC)

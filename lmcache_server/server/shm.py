@@ -2,7 +2,7 @@
 writes into, the pool it has mapped.
 
 A local client maps the pool segment the hello reply names (see
-storage/pool.py).  Then:
+storage/memory/pool.py).  Then:
 
 - **get** with ``shm``: the reply carries each hit's ``(offset, length)`` in
   the pool and a *read lease*: the chunks stay leased (never evicted, never
@@ -52,7 +52,7 @@ restart (its slots with no key), freed by release.
 
 Lease ids are random 63-bit numbers: a client cannot guess another's.
 
-A warm restart (storage/warmstart.py) keeps the segment, its token and these
+A warm restart (storage/memory/warmstart.py) keeps the segment, its token and these
 rules: at the clean stop :meth:`ShmLeases.hand_over` lists the leases alive,
 and the next daemon :meth:`ShmLeases.take_over` them: read leases keep their
 chunks until their deadline, and every write slot, expired or not, goes
@@ -80,10 +80,8 @@ from typing import Any
 from lmcache_client.protocol import ErrorCode, ProtocolError, PutStatus
 
 from ..storage import Chunk, TieredStore
-from ..storage.memory import UNBOUND, Reservation
-from ..storage.pool import MemoryPool
+from ..storage.memory import UNBOUND, HeldLease, HeldSlot, MemoryPool, Reservation
 from ..storage.tiered import ROOM_WAIT_S
-from ..storage.warmstart import HeldLease, HeldSlot
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -1,9 +1,26 @@
-"""Storage: the tier interface (base), the memory pool and its allocator, the
-memory tier, and the tiered store that composes tiers."""
+"""Storage: the chunks the daemon keeps, in tiers composed by one store.
+
+Rooms (each subpackage's docstring says what it owns):
+
+- at the top, the tier interface (``base``: :class:`Tier`, :class:`Chunk`,
+  :class:`ChunkKey`) and the leaves several tiers share: record files
+  (``chunkfile``), copies off the event loop (``offload``), tenant quotas
+  (``tenants``);
+- ``policy/``: eviction and admission policies;
+- ``memory/``: the pool, its allocator, the memory tier and warm restarts;
+- ``disk/``: the disk tier; ``remote/``: the Redis tier;
+- the tiered store that ties the tiers together (``tiered``), with its batched
+  reads (``batchread``) and the fills of reserved chunks (``filling``).
+
+Layering, each floor importing only those below it, never a sibling:
+leaves (base, chunkfile, offload, tenants) <- policy <- memory, disk, remote
+<- filling, batchread <- tiered.  Of the rest of ``lmcache_server`` storage
+imports only ``config`` and ``supervisor``.  Code outside a room imports from
+the room's package (``storage.disk``), not from its modules.
+"""
 
 from .base import Chunk, ChunkKey, Tier
-from .memory import MemoryTier
-from .pool import MemoryPool, PinningError
+from .memory import MemoryPool, MemoryTier, PinningError
 from .tiered import TieredStore
 
 __all__ = ["Chunk", "ChunkKey", "MemoryPool", "MemoryTier", "PinningError", "Tier", "TieredStore"]

@@ -7,7 +7,7 @@ docs/protocol.md, "Shared memory").  The random token in the name is what a
 client proves it mapped the right segment with; the file is unlinked at close,
 and segments left by a daemon that died are removed at the next start.  A
 segment left on purpose at a clean stop, with its index (``<name>.warm``,
-storage/warmstart.py), is kept for the next daemon to *adopt*: it maps the same
+storage/memory/warmstart.py), is kept for the next daemon to *adopt*: it maps the same
 file again (same path, same token) instead of creating one.  Where
 the directory is missing, not tmpfs-backed or too small for the pool, the
 pool falls back to an anonymous private mapping (one log line; clients then

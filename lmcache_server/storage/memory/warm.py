@@ -1,4 +1,4 @@
-"""The memory tier's side of a warm restart (storage/warmstart.py): the list of
+"""The memory tier's side of a warm restart (storage/memory/warmstart.py): the list of
 stored chunks a clean stop leaves, and the adoption of that list by the next
 daemon's tier over the same pool.
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..base import Chunk, ChunkKey
 from .allocator import ExtentAllocator, aligned
-from .base import Chunk, ChunkKey
-from .memoryentry import Entry, canonical, pack, packable, shared, unpack
+from .entry import Entry, canonical, pack, packable, shared, unpack
 
 if TYPE_CHECKING:
-    from .memory import MemoryTier
+    from .tier import MemoryTier
 
 
 def snapshot(tier: MemoryTier) -> list[tuple[ChunkKey, int, int, bool]]:

@@ -58,9 +58,9 @@ from pathlib import Path
 
 import msgpack
 
-from .base import ChunkKey
-from .chunkfile import checksum
-from .diskfiles import HEADER_BLOCK, SUFFIX, TMP_PREFIX, disk_usage, unlink
+from ..base import ChunkKey
+from ..chunkfile import checksum
+from .files import HEADER_BLOCK, SUFFIX, TMP_PREFIX, disk_usage, unlink
 
 logger = logging.getLogger(__name__)
 

@@ -58,18 +58,18 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmcache_client.protocol import PutStatus
 
-from ..config import redact
-from ..supervisor import Supervisor
-from .base import Chunk, ChunkKey
-from .chunkfile import CorruptRecord, decode_record, encode_record
-from .offload import Offload
-from .remotelink import COMMAND_RETRIES as COMMAND_RETRIES  # re-exported
-from .remotelink import ERRORS, RedisLink
-from .remotelink import RemoteCounters as RemoteCounters  # re-exported
-from .remotepending import Pending
-from .remotepending import load as load_pending
-from .remotepending import save as save_pending
-from .remotequeue import Write, WriteQueue
+from ...config import redact
+from ...supervisor import Supervisor
+from ..base import Chunk, ChunkKey
+from ..chunkfile import CorruptRecord, decode_record, encode_record
+from ..offload import Offload
+from .link import COMMAND_RETRIES as COMMAND_RETRIES  # re-exported
+from .link import ERRORS, RedisLink
+from .link import RemoteCounters as RemoteCounters  # re-exported
+from .pending import Pending
+from .pending import load as load_pending
+from .pending import save as save_pending
+from .queue import Write, WriteQueue
 
 logger = logging.getLogger(__name__)
 

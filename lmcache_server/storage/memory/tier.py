@@ -39,16 +39,16 @@ from typing import Any
 from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
-from . import memorywarm
+from ..base import Chunk, ChunkKey
+from ..policy import EvictionPolicy, LRUPolicy
+from ..tenants import TenantQuotas, tenant_of
+from . import warm
 from .allocator import ExtentAllocator, aligned, extent_of
-from .base import Chunk, ChunkKey
-from .memoryentry import Entry as _Entry
-from .memoryentry import canonical as _canonical
-from .memoryentry import pack, packable, unpack
-from .memoryentry import shared as _shared
-from .policy import EvictionPolicy, LRUPolicy
+from .entry import Entry as _Entry
+from .entry import canonical as _canonical
+from .entry import pack, packable, unpack
+from .entry import shared as _shared
 from .pool import MemoryPool
-from .tenants import TenantQuotas, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class MemoryTier:
         # writer is EXISTS at once, whichever path (frames, alloc, staged bind)
         # each takes, and never told STORED for a copy that would lose later.
         self._claims: dict[ChunkKey, Reservation] = {}
-        """key -> its entry: a packed int while neither leased nor pinned (storage/memoryentry.py)."""
+        """key -> its entry: a packed int while neither leased nor pinned (storage/memory/entry.py)."""
         self._by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
         self.stored_bytes = 0
         self.pinned_bytes = 0
@@ -486,20 +486,20 @@ class MemoryTier:
         self._pack(entry)
         return True
 
-    # -- warm restarts (storage/warmstart.py; the work is in storage/memorywarm.py) --
+    # -- warm restarts (storage/memory/warmstart.py; the work is in storage/memory/warm.py) --
     def snapshot(self) -> list[tuple[ChunkKey, int, int, bool]]:
         """Every stored chunk as ``(key, offset, size, pinned)``, next victim first
         (pinned chunks last): what the next daemon needs to adopt the pool."""
-        return memorywarm.snapshot(self)
+        return warm.snapshot(self)
 
     def adopt(self, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None:
-        """Take over a pool left by a clean stop (see :func:`.memorywarm.adopt`)."""
-        memorywarm.adopt(self, chunks, held)
+        """Take over a pool left by a clean stop (see :func:`.warm.adopt`)."""
+        warm.adopt(self, chunks, held)
 
     def held_chunk(self, offset: int, size: int) -> Chunk:
         """A leased view of a held extent of a read lease whose chunk is gone
         (deleted or evicted before the restart), freed when the lease ends."""
-        return memorywarm.held_chunk(self, offset, size)
+        return warm.held_chunk(self, offset, size)
 
     # -- introspection -------------------------------------------------------------
     @property

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 
-from .base import ChunkKey
-from .diskfiles import aligned_copy
+from ..base import ChunkKey
+from .files import aligned_copy
 
 Release = Callable[[], None]
 

@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import asyncio
 
-from .base import ChunkKey
+from ..base import ChunkKey
+from .base import LFUDAPolicy
 from .history import KeyHistory, key_hash
-from .policy import LFUDAPolicy
 
 _EXPERT_GHOST_FACTOR = 2
 _DECAY_CACHEFULS = 4

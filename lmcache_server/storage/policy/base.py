@@ -36,7 +36,7 @@ import heapq
 from collections.abc import Callable
 from typing import Protocol
 
-from .base import ChunkKey
+from ..base import ChunkKey
 from .history import KeyHistory, key_hash
 
 

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .base import ChunkKey
+from ..base import ChunkKey
 
 logger = logging.getLogger(__name__)
 

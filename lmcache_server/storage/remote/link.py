@@ -27,9 +27,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
-from ..config import redact
-from ..supervisor import Supervisor
-from .base import ChunkKey
+from ...config import redact
+from ...supervisor import Supervisor
+from ..base import ChunkKey
 
 logger = logging.getLogger(__name__)
 

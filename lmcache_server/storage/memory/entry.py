@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from ..base import ChunkKey
 from .allocator import ALIGNMENT
-from .base import ChunkKey
 
 SIZE_BITS = 40  # payload sizes below 1 TiB pack; a larger chunk keeps its Entry
 _SIZE_MASK = (1 << SIZE_BITS) - 1

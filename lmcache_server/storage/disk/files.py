@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .base import ChunkKey
-from .chunkfile import CorruptRecord, encode_header, parse_header, verify_payload
+from ..base import ChunkKey
+from ..chunkfile import CorruptRecord, encode_header, parse_header, verify_payload
 
 logger = logging.getLogger(__name__)
 

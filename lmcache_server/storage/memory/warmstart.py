@@ -59,12 +59,12 @@ from typing import Any
 
 import msgpack
 
-from . import memorywarm
+from ..base import Chunk, ChunkKey
+from . import warm
 from .allocator import ExtentAllocator, aligned
-from .base import Chunk, ChunkKey
-from .memory import MemoryTier, Reservation
-from .memoryentry import Entry
+from .entry import Entry
 from .pool import INDEX_SUFFIX, SEGMENT_RE, MemoryPool, Segment
+from .tier import MemoryTier, Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class Adoption:
             for s in lease.slots:
                 live = at.get(s.offset)
                 found = memory.lease(live[0]) if live is not None and live[1] == s.size else None
-                chunks.append(found if found is not None else memorywarm.held_chunk(memory, s.offset, s.size, gone))
+                chunks.append(found if found is not None else warm.held_chunk(memory, s.offset, s.size, gone))
             read_grants.append((lease.lease, lease.deadline, chunks))
         view = memory.pool.view
         write_grants = [

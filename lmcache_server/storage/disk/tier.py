@@ -55,12 +55,14 @@ from typing import Any
 
 from lmcache_client.protocol import PutStatus
 
-from ..config import ConfigError
-from ..supervisor import Supervisor
-from . import disksnapshot
-from .base import Chunk, ChunkKey
-from .chunkfile import CorruptRecord
-from .diskfiles import (
+from ...config import ConfigError
+from ...supervisor import Supervisor
+from ..base import Chunk, ChunkKey
+from ..chunkfile import CorruptRecord
+from ..policy import EvictionPolicy, LRUPolicy
+from ..tenants import TenantQuotas, tenant_of
+from . import snapshot as disksnapshot
+from .files import (
     HEADER_BLOCK,
     LOCK_NAME,
     TMP_PREFIX,
@@ -74,9 +76,7 @@ from .diskfiles import (
     unlink,
     write_record,
 )
-from .policy import EvictionPolicy, LRUPolicy
 from .spillqueue import SpillQueue
-from .tenants import TenantQuotas, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -452,7 +452,7 @@ class DiskTier:
         """:meth:`_add` of each ``(keys[i], entries[i])`` in order, in bulk (a restart
         from the snapshot: a million entries): the index and the policy take them
         in one call each, the byte counts are summed per namespace and entry.
-        ``keys`` carry interned namespaces (storage/disksnapshot.py)."""
+        ``keys`` carry interned namespaces (storage/disk/snapshot.py)."""
         fresh = dict(zip(keys, entries))
         if len(fresh) != len(keys) or any(map(self._index.__contains__, keys)):
             for key, entry in zip(keys, entries):  # a key twice, or one indexed already: one by one

@@ -43,7 +43,7 @@ from __future__ import annotations
 import array
 import zlib
 
-from .base import ChunkKey
+from ..base import ChunkKey
 
 _SLOTS = 64  # per bucket
 _FP = 4  # bytes of a fingerprint: with the bucket, about 40 bits of the hash

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from .base import ChunkKey
+from ..base import ChunkKey
 
 logger = logging.getLogger(__name__)
 

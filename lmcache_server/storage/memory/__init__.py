@@ -1,0 +1,31 @@
+"""The memory tier and what it stands on: the pool, its allocator, warm restarts.
+
+- ``pool``: the shared-memory segment (:class:`MemoryPool`), pinned when it can be;
+- ``allocator``: best-fit extents of ``ALIGNMENT`` bytes inside it;
+- ``entry``: the compact per-chunk record (offset and size packed in one int);
+- ``tier``: :class:`MemoryTier`, the chunks in the pool, their leases, pins,
+  reservations (the two-phase write) and eviction;
+- ``warm`` and ``warmstart``: the pool handed from a cleanly stopped daemon to
+  the next (the tier's side, and the index file with its adoption).
+
+It imports the storage leaves and :mod:`..policy`, never the disk or Redis tier.
+Code outside this room imports the names below from ``storage.memory``.
+"""
+
+from .allocator import ALIGNMENT
+from .pool import MemoryPool, PinningError
+from .tier import UNBOUND, MemoryTier, Reservation
+from .warmstart import Adoption, HeldLease, HeldSlot, WarmStart
+
+__all__ = [
+    "ALIGNMENT",
+    "UNBOUND",
+    "Adoption",
+    "HeldLease",
+    "HeldSlot",
+    "MemoryPool",
+    "MemoryTier",
+    "PinningError",
+    "Reservation",
+    "WarmStart",
+]

@@ -1,0 +1,15 @@
+"""The Redis tier: a write-behind uplink shared by every node of a deployment.
+
+- ``tier``: :class:`RedisTier`, reads, write-behind and removals;
+- ``link``: the connection to Redis or a Redis Cluster, retries, counters;
+- ``queue``: the bounded queue of writes owed to Redis;
+- ``pending``: removals and writes owed to Redis, saved across a clean stop
+  (in the file :func:`state_path_for` names).
+
+It imports the storage leaves only, never the memory or disk tier.
+Code outside this room imports the names below from ``storage.remote``.
+"""
+
+from .tier import RedisTier, state_path_for
+
+__all__ = ["RedisTier", "state_path_for"]
