@@ -2,7 +2,7 @@
 
 Sources, lowest to highest precedence:
 
-1. built-in defaults (the field defaults below),
+1. built-in defaults (the field defaults of :mod:`.configfields`),
 2. the YAML file given by ``--config`` (or ``LMCACHE_CONFIG``, or LMCache's
    own name for it, ``LMCACHE_CONFIG_FILE``),
 3. environment variables ``LMCACHE_<KEY>`` (e.g. ``LMCACHE_MAX_LOCAL_CPU_SIZE=8GiB``),
@@ -14,8 +14,9 @@ environment is shared (a Kubernetes Service named ``lmcache`` injects
 ``LMCACHE_PORT=tcp://...`` into every pod; engine-side LMCache variables such
 as ``LMCACHE_USE_EXPERIMENTAL`` sit next to ours).  A bad value raises
 :class:`ConfigError` naming the key, the value, where it came from and what was
-expected (the value parsers live in :mod:`.configvalues`).  Primitives:
-:class:`ServerConfig`, :func:`load_config`, :func:`parse_size`.
+expected (the keys, their defaults and parsers live in :mod:`.configfields`,
+the value parsers in :mod:`.configvalues`).  Primitives: :class:`ServerConfig`,
+:func:`load_config`, :func:`parse_size`.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from typing import Any
 
 import yaml
 
-from . import configvalues as v
+from .configfields import ConfigFields
 from .configvalues import disk_path as disk_path  # re-exported: callers import these from here
 from .configvalues import parse_listen_address as parse_listen_address
 from .configvalues import parse_size as parse_size
 from .configvalues import redact as redact
-from .kv_codec import CODEC_MODES, CodecParams, CodecSettingError, parse_codec, parse_codec_params, resolve_codec
+from .kv_codec import CodecSettingError, resolve_codec
 
 logger = logging.getLogger(__name__)
 
@@ -57,316 +58,8 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    """Every setting of the daemon.  Sizes are bytes; ``None`` means "off"."""
-
-    # -- LMCache-compatible keys -----------------------------------------------------
-    chunk_size: int = v.field(
-        256,
-        v.int_in(1, 1 << 20),
-        "an integer number of tokens, 1..1048576",
-        "Tokens per chunk; advertised to clients in hello and used for token metrics.",
-    )
-    local_cpu: bool = v.field(True, v.boolean, "true or false", "Enable the CPU memory tier.")
-    max_local_cpu_size: int = v.field(
-        5 * 1024**3,
-        v.size(1 << 20),
-        'a size of at least 1 MiB, e.g. 40 (GB) or "40GiB"',
-        "Memory pool size; allocated once at start, never exceeded.",
-    )
-    local_disk: str | None = v.field(
-        None,
-        v.optional(v.file_url),
-        "a file:// URL such as file:///var/cache/lmcache",
-        "Disk spill directory (the disk tier); unset: no disk tier.",
-    )
-    max_local_disk_size: int = v.field(
-        0, v.size(), 'a size, e.g. 100 (GB) or "100GiB"', "Disk tier bound, in bytes on disk (as du counts them)."
-    )
-    remote_url: str | None = v.field(
-        None,
-        v.optional(v.redis_url),
-        "a redis://, rediss://, unix:// or redis+cluster:// URL",
-        "Redis uplink shared by every node; unset: no Redis tier.",
-    )
-    remote_serde: str = v.field(
-        "naive",
-        v.choice("naive", "cachegen"),
-        "naive or cachegen",
-        "What engine-side clients store (LMCache's meaning): cachegen is kv_codec cachegen with its defaults; "
-        "naive: raw chunks unless kv_codec says otherwise.",
-    )
-    kv_codec: str | None = v.field(
-        None,
-        v.optional(parse_codec),
-        f"one of {', '.join(CODEC_MODES)}, optionally with parameters as 'mode:name=value,...'",
-        "KV codec the engine adapters encode chunks with (announced in hello; the codec is part of the "
-        "namespace); unset: from remote_serde.  See docs/codec.md.",
-    )
-    kv_codec_params: CodecParams = v.field(
-        (),
-        parse_codec_params,
-        "a map of codec parameter name to value, e.g. {bits: 4}",
-        "Parameters of kv_codec (docs/codec.md lists each mode's).",
-    )
-    save_decode_cache: bool = v.field(
-        False, v.boolean, "true or false", "Hint to clients: also store KV produced while decoding."
-    )
-    # -- the server's own keys -------------------------------------------------------
-    remote_key_prefix: str = v.field(
-        "lmcache:", v.key_prefix, "a non-empty string without spaces", "Prefix of every key the daemon writes to Redis."
-    )
-    remote_ttl_s: float = v.field(
-        0.0, v.float_in(0.0, 10.0 * 365 * 86400), "seconds, 0 for no expiry", "Expiry of chunks written to Redis."
-    )
-    remote_timeout_s: float = v.field(
-        2.0, v.float_in(0.01, 600.0), "seconds, 0.01..600", "Redis connect and command timeout (bounds each reply)."
-    )
-    max_remote_queue_size: int = v.field(
-        256 * 1024**2,
-        v.size(1 << 20),
-        'a size of at least 1 MiB, e.g. "256MiB"',
-        "Bytes waiting to be written to Redis; beyond it writes are dropped and counted.",
-    )
-    remote_username: str | None = v.field(None, v.optional(v.string), "a string", "Redis ACL user (or in remote_url).")
-    remote_password: str | None = v.field(
-        None, v.optional(v.string), "a string", "Redis password (or in remote_url); prefer LMCACHE_REMOTE_PASSWORD."
-    )
-    disk_fsync: str = v.field(
-        "none",
-        v.choice("none", "data", "full"),
-        "none, data or full",
-        "Disk writes: none (page cache decides), data (fsync each file), full (file and directory).",
-    )
-    disk_io_threads: int = v.field(2, v.int_in(1, 64), "an integer 1..64", "Threads doing disk I/O.")
-    disk_retry_s: float = v.field(
-        30.0,
-        v.float_in(0.1, 3600.0),
-        "seconds, 0.1..3600",
-        "How long a degraded disk tier (full, unwritable) waits before it tries writing again.",
-    )
-    max_spill_queue_size: int = v.field(
-        256 * 1024**2,
-        v.size(1 << 20),
-        'a size of at least 1 MiB, e.g. "256MiB"',
-        "Bytes of evicted chunks waiting to be written to disk; beyond it spills are dropped.",
-    )
-    disk_direct_io: bool = v.field(
-        True,
-        v.boolean,
-        "true or false",
-        "Write chunk files with O_DIRECT (no page-cache copy) where the filesystem supports it.",
-    )
-    spill_ahead_size: int = v.field(
-        64 * 1024**2,
-        v.size(),
-        'a size, e.g. "64MiB" (0: off)',
-        "With a disk tier: pool bytes kept free by spilling the coldest chunks early, "
-        "written to disk straight from the pool (at most an eighth of the pool).",
-    )
-    listen: tuple[str, ...] = v.field(
-        ("tcp://127.0.0.1:65432",),
-        v.listen,
-        "a list of tcp://HOST:PORT or ipc:///PATH endpoints",
-        "ZeroMQ endpoints the daemon binds (ROUTER).",
-    )
-    # -- security (docs/security.md) --------------------------------------------------
-    auth: str = v.field(
-        "none",
-        v.choice("none", "curve"),
-        "none or curve",
-        "none: anyone who reaches an endpoint may do anything; curve: ZeroMQ CURVE keys and tenant grants.",
-    )
-    server_secret_key_file: str | None = v.field(
-        None,
-        v.optional(v.string),
-        "the path of the daemon's CURVE secret key file (lmcache-server keygen)",
-        "The daemon's CURVE key pair (mode 0600); required with auth: curve.",
-    )
-    client_keys_file: str | None = v.field(
-        None,
-        v.optional(v.string),
-        "the path of the YAML file of client keys and their grants",
-        "Client public keys, names, tenant grants and roles; required with auth: curve.",
-    )
-    allow_insecure: bool = v.field(
-        False,
-        v.boolean,
-        "true or false",
-        "Let auth: none bind a non-loopback tcp endpoint (a private network you trust); logged loudly.",
-    )
-    max_client_inflight_requests: int = v.field(
-        256,
-        v.int_in(1, 1 << 20),
-        "an integer 1..1048576",
-        "Requests one client connection may have in flight; beyond it that client gets BUSY.",
-    )
-    max_client_inflight_bytes: int = v.field(
-        512 * 1024**2,
-        v.size(1 << 20),
-        'a size of at least 1 MiB, e.g. "512MiB"',
-        "Payload bytes one client connection may hold in flight (puts and unsent get replies); beyond it BUSY.",
-    )
-    max_key_inflight_requests: int = v.field(
-        0,
-        v.int_in(0, 1 << 20),
-        "an integer 0..1048576 (0: no limit)",
-        "With auth: curve, requests all connections of one client key may have in flight together; "
-        "beyond it that key gets BUSY (0: only the per-connection limit).",
-    )
-    max_key_inflight_bytes: int = v.field(
-        0,
-        v.size(0),
-        'a size, e.g. "2GiB" (0: no limit)',
-        "With auth: curve, payload bytes all connections of one client key may hold in flight together; "
-        "beyond it BUSY (0: only the per-connection limit).",
-    )
-    metrics_host: str = v.field("127.0.0.1", v.host, "a host name or IP address", "Address of the HTTP metrics server.")
-    metrics_port: int = v.field(
-        9464, v.int_in(0, 65535), "a port 1..65535, or 0 to disable", "Port of /metrics and /healthz (0 disables it)."
-    )
-    max_message_size: int = v.field(
-        512 * 1024**2,
-        v.size(4096),
-        'a size of at least 4 KiB, e.g. "512MiB"',
-        "Largest request accepted (header + payloads); larger gets TOO_LARGE.",
-    )
-    max_inflight_bytes: int = v.field(
-        1024**3,
-        v.size(1 << 20),
-        'a size of at least 1 MiB, e.g. "1GiB"',
-        "Payload bytes being handled or sent at once; above it requests get BUSY.",
-    )
-    max_keys_per_request: int = v.field(4096, v.int_in(1, 1 << 20), "an integer 1..1048576", "Keys in one request.")
-    max_pinned_fraction: float = v.field(
-        0.5, v.float_in(0.0, 1.0), "a number from 0 to 1", "Share of the memory pool that pinned chunks may fill."
-    )
-    zmq_hwm: int = v.field(
-        256,
-        v.int_in(1, 1 << 20),
-        "an integer 1..1048576",
-        "ZeroMQ send/receive high-water marks, in messages per peer.",
-    )
-    zmq_io_threads: int = v.field(1, v.int_in(1, 64), "an integer 1..64", "ZeroMQ I/O threads.")
-    drain_timeout_s: float = v.field(
-        10.0, v.float_in(0.0, 3600.0), "seconds, 0..3600", "On SIGTERM/SIGINT, how long in-flight requests may finish."
-    )
-    pin_memory: str = v.field(
-        "auto",
-        v.choice("auto", "on", "off"),
-        "auto, on or off",
-        "Page-lock the pool for GPU DMA (auto: when CUDA is available).",
-    )
-    shared_memory: bool = v.field(
-        True,
-        v.boolean,
-        "true or false",
-        "Put the pool in a shared-memory segment (in shm_dir) that clients on this host map: "
-        "one memcpy per chunk instead of socket transfers.",
-    )
-    shm_dir: str = v.field(
-        "/dev/shm",
-        v.abs_path,
-        "an absolute directory path on a tmpfs, e.g. /dev/shm",
-        "Where the shared pool segment is created (owner-only); too small or missing: frames only.",
-    )
-    shm_access: str = v.field(
-        "owner",
-        v.choice("owner", "group"),
-        "owner or group",
-        "Who may map the pool segment: owner (0600, the daemon's user) or group (0660, also its group).",
-    )
-    shm_lease_timeout_s: float = v.field(
-        30.0,
-        v.float_in(0.1, 3600.0),
-        "seconds, 0.1..3600",
-        "How long a shared-memory client may hold a chunk it reads or a slot it writes before it is reclaimed.",
-    )
-    warm_restart: bool = v.field(
-        True,
-        v.boolean,
-        "true or false",
-        "At a clean stop keep the shared pool segment and write its index beside it, so that the next daemon "
-        "with the same listen addresses and pool size adopts the memory tier (a crash always starts cold).",
-    )
-    warm_restart_max_age_s: float = v.field(
-        3600.0,
-        v.float_in(0.0, 30 * 86400.0),
-        "seconds, 0..2592000",
-        "A clean pool segment that a daemon with other listen addresses left in shm_dir longer ago than this "
-        "is an orphan (that daemon moved or retired) and is removed at start; younger ones are kept for it.",
-    )
-    malloc_tuning: bool = v.field(
-        True, v.boolean, "true or false", "Keep glibc from mmap/munmap-ing every large receive buffer."
-    )
-    cache_policy: str = v.field(
-        "adaptive",
-        v.choice("adaptive", "lfuda", "lru"),
-        "adaptive, lfuda or lru",
-        "Eviction policy: adaptive (lfuda, refusing first-seen prompts' tails while that pays), "
-        "lfuda (frequency + recency, prefix-aware) or lru; see docs/eviction.md.",
-    )
-    tenant_quotas: tuple[tuple[str, int | None, int | None], ...] = v.field(
-        (),
-        v.tenant_quotas,
-        'a map of tenant name to {memory: SIZE, disk: SIZE}, e.g. {acme: {memory: "8GiB", disk: "100GiB"}}',
-        "Per-tenant byte caps in the memory and disk tiers; a tenant over its cap evicts its own chunks.",
-    )
-    # -- KV events for KV-aware routers (docs/events.md) ------------------------------
-    events_endpoint: str | None = v.field(
-        None,
-        v.optional(v.events_endpoint),
-        "a tcp://HOST:PORT (HOST may be *) or ipc:///PATH endpoint",
-        "Where the daemon publishes KV events in vLLM's format (ZeroMQ PUB); unset: no events.",
-    )
-    events_replay_endpoint: str | None = v.field(
-        None,
-        v.optional(v.events_endpoint),
-        "a tcp://HOST:PORT (HOST may be *) or ipc:///PATH endpoint",
-        "ZeroMQ ROUTER answering replay requests for past event batches (vLLM's protocol); unset: no replay.",
-    )
-    events_topic: str = v.field(
-        "kv@{node}@{model}",
-        v.topic,
-        "a string; placeholders {model}, {namespace} and {node} only",
-        "Topic of each event batch, per namespace: {model} is its model id, {node} is events_node.",
-    )
-    events_node: str = v.field(
-        "", v.string, "a string (empty: the host name)", "The node name in events_topic (e.g. the pod name for llm-d)."
-    )
-    events_block_size: int = v.field(
-        16,
-        v.int_in(1, 1 << 20),
-        "an integer number of tokens that divides chunk_size",
-        "Tokens per announced block: set it to the engine's (and router's) block size.",
-    )
-    events_replay_size: int = v.field(
-        64 * 1024**2,
-        v.size(1 << 20),
-        'a size of at least 1 MiB, e.g. "64MiB"',
-        "Bytes of event batches kept for replay (the oldest fall out).",
-    )
-    events_hwm: int = v.field(
-        1000,
-        v.int_in(1, 1 << 24),
-        "an integer 1..16777216",
-        "Batches queued per subscriber; a slower subscriber loses batches (and may replay them).",
-    )
-    events_batch_max_events: int = v.field(
-        256, v.int_in(1, 1 << 20), "an integer 1..1048576", "Events in one batch at most; a full batch is sent at once."
-    )
-    events_batch_interval_s: float = v.field(
-        0.05, v.float_in(0.0, 60.0), "seconds, 0..60", "How long an event waits for others to share its batch."
-    )
-    log_level: str = v.field(
-        "INFO", v.choice("debug", "info", "warning", "error"), "DEBUG, INFO, WARNING or ERROR", "Log verbosity."
-    )
-    stats_log_interval_s: float = v.field(
-        30.0,
-        v.float_in(0.0, 86400.0),
-        "seconds, 0..86400 (0 disables)",
-        "Interval of the one-line INFO summary (hits by tier, tokens reused, throughput); 0 disables it.",
-    )
+class ServerConfig(ConfigFields):
+    """Every setting of the daemon (the keys: :class:`.configfields.ConfigFields`), checked across keys."""
 
     def __post_init__(self) -> None:
         # Keys whose tiers are not built yet are refused, never silently ignored.

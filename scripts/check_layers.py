@@ -59,7 +59,12 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
         # storage reads config (redact, ConfigError) and runs its tasks under the
         # supervisor; config parses the codec settings with kv_codec.
         {
-            "config": ["lmcache_server.config", "lmcache_server.configvalues", "lmcache_server.kv_codec"],
+            "config": [
+                "lmcache_server.config",
+                "lmcache_server.configfields",
+                "lmcache_server.configvalues",
+                "lmcache_server.kv_codec",
+            ],
             "supervisor": ["lmcache_server.supervisor"],
         },
         {"version": ["lmcache_server"]},  # lmcache_server/__init__.py: __version__ only
