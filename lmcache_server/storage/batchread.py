@@ -21,22 +21,48 @@ released and the first error propagates; a cancelled batch cancels its reads
 (a read into the pool gives its room back once its thread is done, see
 :func:`.filling.fill_reservation`) and releases whatever they still return.
 
-Primitive: :func:`read_batch`.
+Primitives: :func:`read_batch`, over any :class:`Tiers` (the tiered store is one).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .base import Chunk, ChunkKey, Tier
+from .disk import DiskTier
+from .memory import MemoryTier
+from .remote import RedisTier
 
-if TYPE_CHECKING:
-    from .tiered import TieredStore
+
+class Fills(Protocol):
+    """The puts still copying into the pool (:class:`.filling.Filling` is one)."""
+
+    async def filled(self, key: ChunkKey) -> None: ...
 
 
-async def read_batch(store: TieredStore, keys: Sequence[ChunkKey]) -> list[Chunk | None]:
+class Tiers(Protocol):
+    """What a batch read needs of the tiered store: its tiers, its fills and its
+    promotions (:class:`.tiered.TieredStore` is one; it passes itself in)."""
+
+    @property
+    def memory(self) -> MemoryTier: ...
+    @property
+    def disk(self) -> DiskTier | None: ...
+    @property
+    def remote(self) -> RedisTier | None: ...
+    @property
+    def lower(self) -> list[Tier]: ...
+    @property
+    def filling(self) -> Fills: ...
+
+    async def promote(self, tier: str, key: ChunkKey, chunk: Chunk) -> Chunk: ...
+
+    async def promote_from_disk(self, disk: DiskTier, key: ChunkKey) -> Chunk | None: ...
+
+
+async def read_batch(store: Tiers, keys: Sequence[ChunkKey]) -> list[Chunk | None]:
     """One Chunk per hit (release each), None per miss, in the order of ``keys``."""
     out: list[Chunk | None] = [None] * len(keys)
     first: dict[ChunkKey, int] = {}
@@ -73,9 +99,7 @@ async def read_batch(store: TieredStore, keys: Sequence[ChunkKey]) -> list[Chunk
     return out
 
 
-def _read_and_promote(
-    store: TieredStore, tier: Tier, keys: Sequence[ChunkKey]
-) -> Callable[[int], Awaitable[Chunk | None]]:
+def _read_and_promote(store: Tiers, tier: Tier, keys: Sequence[ChunkKey]) -> Callable[[int], Awaitable[Chunk | None]]:
     async def read(i: int) -> Chunk | None:
         chunk = await tier.get(keys[i])
         return None if chunk is None else await store.promote(tier.name, keys[i], chunk)
@@ -83,9 +107,7 @@ def _read_and_promote(
     return read
 
 
-async def _from_remote(
-    store: TieredStore, keys: Sequence[ChunkKey], out: list[Chunk | None], missing: list[int]
-) -> None:
+async def _from_remote(store: Tiers, keys: Sequence[ChunkKey], out: list[Chunk | None], missing: list[int]) -> None:
     """Redis: every missing key in one round trip, then the hits promoted concurrently."""
     remote = store.remote
     assert remote is not None
@@ -95,7 +117,7 @@ async def _from_remote(
     await _each(out, list(hits), lambda i: store.promote(remote.name, keys[i], hits[i]))
 
 
-async def _one(store: TieredStore, key: ChunkKey) -> Chunk | None:
+async def _one(store: Tiers, key: ChunkKey) -> Chunk | None:
     """A repeated key of the batch: its first occurrence was just read (and promoted
     when there was room), so it is read again the same way, on its own."""
     chunk = await store.memory.get(key)

@@ -13,8 +13,9 @@ Code outside this room imports the names below from ``storage.memory``.
 """
 
 from .allocator import ALIGNMENT
+from .entry import UNBOUND, Reservation
 from .pool import MemoryPool, PinningError
-from .tier import UNBOUND, MemoryTier, Reservation
+from .tier import MemoryTier
 from .warmstart import Adoption, HeldLease, HeldSlot, WarmStart
 
 __all__ = [

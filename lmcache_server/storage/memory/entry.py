@@ -8,15 +8,20 @@ the int of its offset.  A chunk being read or pinned is an :class:`Entry`
 pinned; a lease's release closes over that object, so a chunk deleted while
 being read keeps it (``dead``) until its extent is freed.
 
-Primitives: :class:`Entry`, :func:`pack`, :func:`unpack`, :func:`packable`,
-:func:`shared` (one int object per chunk size), :func:`canonical` (the key
-with the interned namespace string).
+A chunk being written is a :class:`Reservation` until its put commits: room in
+the pool the index does not show yet (``UNBOUND`` when reserved for no key).
+
+Primitives: :class:`Entry`, :class:`Reservation`, :func:`pack`, :func:`unpack`,
+:func:`packable`, :func:`shared` (one int object per chunk size),
+:func:`canonical` (the key with the interned namespace string).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+
+from lmcache_client.keys import ChunkTokens
 
 from ..base import ChunkKey
 from .allocator import ALIGNMENT
@@ -69,3 +74,20 @@ def canonical(key: ChunkKey) -> ChunkKey:
     its own copy: ~150 bytes per chunk if kept)."""
     namespace = sys.intern(key.namespace)
     return key if namespace is key.namespace else ChunkKey(namespace, key.digest)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Reservation:
+    """Room in the pool for one chunk, not yet visible (see :meth:`.tier.MemoryTier.prepare_store`)."""
+
+    key: ChunkKey
+    offset: int
+    size: int
+    parent: ChunkKey | None
+    view: memoryview
+    tokens: ChunkTokens | None = None
+    """The chunk's token ids, when its put sent them (announced at commit, then dropped)."""
+
+
+UNBOUND = ChunkKey("", b"")
+"""The key of room reserved for no chunk yet (:meth:`.tier.MemoryTier.reserve_room`)."""

@@ -36,7 +36,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from ..base import Chunk, ChunkKey
@@ -44,30 +43,13 @@ from ..policy import EvictionPolicy, LRUPolicy
 from ..tenants import TenantQuotas, tenant_of
 from . import warm
 from .allocator import ExtentAllocator, aligned, extent_of
+from .entry import UNBOUND, Reservation, pack, packable, unpack
 from .entry import Entry as _Entry
 from .entry import canonical as _canonical
-from .entry import pack, packable, unpack
 from .entry import shared as _shared
 from .pool import MemoryPool
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class Reservation:
-    """Room in the pool for one chunk, not yet visible (see prepare_store)."""
-
-    key: ChunkKey
-    offset: int
-    size: int
-    parent: ChunkKey | None
-    view: memoryview
-    tokens: ChunkTokens | None = None
-    """The chunk's token ids, when its put sent them (announced at commit, then dropped)."""
-
-
-UNBOUND = ChunkKey("", b"")
-"""The key of room reserved for no chunk yet (:meth:`MemoryTier.reserve_room`)."""
 
 
 @dataclasses.dataclass

@@ -3,23 +3,50 @@ stored chunks a clean stop leaves, and the adoption of that list by the next
 daemon's tier over the same pool.
 
 Primitives: :func:`snapshot`, :func:`adopt`, :func:`held_chunk`; the tier's
-methods of the same names call them.
+methods of the same names call them, passing themselves in as a
+:class:`WarmTier` (the tier's state these functions work on; this module does
+not import the tier).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..base import Chunk, ChunkKey
+from ..policy import EvictionPolicy
 from .allocator import ExtentAllocator, aligned
 from .entry import Entry, canonical, pack, packable, shared, unpack
-
-if TYPE_CHECKING:
-    from .tier import MemoryTier
+from .pool import MemoryPool
 
 
-def snapshot(tier: MemoryTier) -> list[tuple[ChunkKey, int, int, bool]]:
+class AdoptedCount(Protocol):
+    adopted: int
+
+
+class WarmTier(Protocol):
+    """The parts of :class:`.tier.MemoryTier` a warm restart reads and sets."""
+
+    _index: dict[ChunkKey, int | Entry]
+    allocator: ExtentAllocator
+    evictable_bytes: int
+    dying_bytes: int
+
+    @property
+    def pool(self) -> MemoryPool: ...
+    @property
+    def policy(self) -> EvictionPolicy: ...
+    @property
+    def counters(self) -> AdoptedCount: ...
+
+    def _account(self, key: ChunkKey, size: int, sign: int) -> None: ...
+
+    def pin(self, key: ChunkKey) -> bool: ...
+
+    def _lease(self, entry: Entry) -> Chunk: ...
+
+
+def snapshot(tier: WarmTier) -> list[tuple[ChunkKey, int, int, bool]]:
     """Every chunk ``tier`` stores as ``(key, offset, size, pinned)``, next victim
     first (pinned chunks last)."""
     index = tier._index
@@ -41,7 +68,7 @@ def snapshot(tier: MemoryTier) -> list[tuple[ChunkKey, int, int, bool]]:
     return rows
 
 
-def adopt(tier: MemoryTier, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None:
+def adopt(tier: WarmTier, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None:
     """Make an empty ``tier`` take over a pool left by a clean stop: ``chunks`` as
     :func:`snapshot` gave them (inserted in that order: the policy keeps it) and
     the extents ``(offset, size)`` of leases carried over, allocated until given
@@ -67,7 +94,7 @@ def adopt(tier: MemoryTier, chunks: Sequence[tuple[ChunkKey, int, int, bool]], h
     tier.counters.adopted = len(chunks)
 
 
-def held_chunk(tier: MemoryTier, offset: int, size: int, held: dict[int, Entry] | None = None) -> Chunk:
+def held_chunk(tier: WarmTier, offset: int, size: int, held: dict[int, Entry] | None = None) -> Chunk:
     """A leased view of a held extent of a read lease whose chunk is gone (deleted
     or evicted before the restart), freed when its last lease ends.  ``held``: the
     entries made so far by offset, shared by every slot on the same extent (two

@@ -55,18 +55,29 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
 from ..base import Chunk, ChunkKey
 from . import warm
 from .allocator import ExtentAllocator, aligned
-from .entry import Entry
+from .entry import Entry, Reservation
 from .pool import INDEX_SUFFIX, SEGMENT_RE, MemoryPool, Segment
-from .tier import MemoryTier, Reservation
 
 logger = logging.getLogger(__name__)
+
+
+class WarmMemory(warm.WarmTier, Protocol):
+    """What a warm restart needs of the memory tier (:class:`.tier.MemoryTier` is
+    one; this module does not import it)."""
+
+    def snapshot(self) -> list[tuple[ChunkKey, int, int, bool]]: ...
+
+    def adopt(self, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None: ...
+
+    def lease(self, key: ChunkKey) -> Chunk | None: ...
+
 
 FORMAT_VERSION = 2
 MAGIC = b"LMCWARM\x00"
@@ -242,7 +253,7 @@ class Adoption:
     index: WarmIndex
 
     def restore(
-        self, memory: MemoryTier, now: float | None = None
+        self, memory: WarmMemory, now: float | None = None
     ) -> tuple[list[tuple[int, float, list[Chunk]]], list[tuple[int, float, dict[str, int] | None, list[Reservation]]]]:
         """Fill the (new, empty) ``memory`` tier from the index; returns the leases
         for server/shm.py to take over: read leases still alive ``(lease,
@@ -465,7 +476,7 @@ class WarmStart:
             fate = f"removed the old pool segment {name}"
         logger.warning("warm restart refused, the memory tier starts cold: %s; %s", reason, fate)
 
-    def save(self, pool: MemoryPool, memory: MemoryTier, leases: list[HeldLease]) -> bool:
+    def save(self, pool: MemoryPool, memory: WarmMemory, leases: list[HeldLease]) -> bool:
         """Write the index of ``memory`` beside its segment (call it once nothing
         writes into the pool any more, before the pool is closed); False
         (logged) where it could not be written: the segment is then removed."""

@@ -3,12 +3,47 @@
 A tier owns the bytes; a policy only orders keys (the primitives are listed in
 :mod:`.base`).  This room holds the policy interface and the classic policies
 (``base``: :class:`EvictionPolicy`, :class:`LRUPolicy`, :class:`LFUDAPolicy`),
-the adaptive admission built on lfuda (``adaptive``) and the compact frequency
-history both keep of evicted keys (``history``).  It imports only the storage
-leaves (``storage/base.py``).  Others use :func:`make_policy` and the names below.
+the adaptive admission built on lfuda (``adaptive``), the compact frequency
+history both keep of evicted keys (``history``), and here the factory that
+picks one by its ``cache_policy`` name (:func:`make_policy`, :data:`POLICIES`).
+It imports only the storage leaves (``storage/base.py``).  Others use the
+names below.
 """
 
-from .adaptive import AdaptivePolicy
-from .base import POLICIES, EvictionPolicy, LFUDAPolicy, LRUPolicy, make_policy
+from __future__ import annotations
 
-__all__ = ["POLICIES", "AdaptivePolicy", "EvictionPolicy", "LFUDAPolicy", "LRUPolicy", "make_policy"]
+from collections.abc import Callable
+
+from .adaptive import AdaptivePolicy
+from .base import EvictionPolicy, LFUDAPolicy, LRUPolicy
+
+__all__ = ["POLICIES", "AdaptivePolicy", "EvictionPolicy", "LFUDAPolicy", "LRUPolicy", "PolicyFactory", "make_policy"]
+
+PolicyFactory = Callable[[int | None, int], EvictionPolicy]
+"""``(capacity_bytes, alignment) -> policy``: what a tier of that size needs."""
+
+
+def _adaptive(capacity_bytes: int | None, alignment: int) -> EvictionPolicy:
+    if capacity_bytes is None:  # a tier that sees spills, not puts: nothing to admit or refuse
+        return LFUDAPolicy()
+    return AdaptivePolicy(capacity_bytes, alignment)
+
+
+POLICIES: dict[str, PolicyFactory] = {
+    "lru": lambda capacity_bytes, alignment: LRUPolicy(),
+    "lfuda": lambda capacity_bytes, alignment: LFUDAPolicy(),
+    "adaptive": _adaptive,
+}
+
+
+def make_policy(name: str, capacity_bytes: int | None = None, alignment: int = 1) -> EvictionPolicy:
+    """The policy called ``name`` for a tier of ``capacity_bytes`` that allocates
+    in multiples of ``alignment`` bytes.
+
+    ``adaptive`` needs the capacity (its experts model the tier).  Without it,
+    as for the disk tier, which sees spills and never a put, it is ``lfuda``."""
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown cache_policy {name!r}; known: {sorted(POLICIES)}") from None
+    return factory(capacity_bytes, alignment)

@@ -18,7 +18,8 @@ A tier owns the bytes; a policy only orders keys.  Primitives:
   frequencies aside).
 
 Every call is O(1) or O(log n) amortised, except ``victim`` which may pass
-over the (few) skipped keys.  Select one with ``cache_policy``:
+over the (few) skipped keys.  Select one with ``cache_policy`` (the package's
+:func:`make_policy`):
 
 - ``lru``: least recently used.
 - ``lfuda``: LFU with dynamic aging, a bounded frequency history of evicted
@@ -358,35 +359,3 @@ def _rank(priority: int, tie: int, seq: int) -> int:
     ``seq`` below 2**47: 10**14 chunk operations)."""
     tie = min(max(tie + _TIE_OFFSET, 0), (1 << _FIELD) - 1)
     return (priority << _PRIORITY_SHIFT) | (tie << _FIELD) | (seq & ((1 << _FIELD) - 1))
-
-
-PolicyFactory = Callable[[int | None, int], EvictionPolicy]
-"""``(capacity_bytes, alignment) -> policy``: what a tier of that size needs."""
-
-
-def _adaptive(capacity_bytes: int | None, alignment: int) -> EvictionPolicy:
-    from .adaptive import AdaptivePolicy  # it builds on LFUDAPolicy, defined above
-
-    if capacity_bytes is None:  # a tier that sees spills, not puts: nothing to admit or refuse
-        return LFUDAPolicy()
-    return AdaptivePolicy(capacity_bytes, alignment)
-
-
-POLICIES: dict[str, PolicyFactory] = {
-    "lru": lambda capacity_bytes, alignment: LRUPolicy(),
-    "lfuda": lambda capacity_bytes, alignment: LFUDAPolicy(),
-    "adaptive": _adaptive,
-}
-
-
-def make_policy(name: str, capacity_bytes: int | None = None, alignment: int = 1) -> EvictionPolicy:
-    """The policy called ``name`` for a tier of ``capacity_bytes`` that allocates
-    in multiples of ``alignment`` bytes.
-
-    ``adaptive`` needs the capacity (its experts model the tier).  Without it,
-    as for the disk tier, which sees spills and never a put, it is ``lfuda``."""
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown cache_policy {name!r}; known: {sorted(POLICIES)}") from None
-    return factory(capacity_bytes, alignment)
