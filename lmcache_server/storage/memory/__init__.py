@@ -3,8 +3,9 @@
 - ``pool``: the shared-memory segment (:class:`MemoryPool`), pinned when it can be;
 - ``allocator``: best-fit extents of ``ALIGNMENT`` bytes inside it;
 - ``entry``: the compact per-chunk record (offset and size packed in one int);
-- ``tier``: :class:`MemoryTier`, the chunks in the pool, their leases, pins,
-  reservations (the two-phase write) and eviction;
+- ``tier``: :class:`MemoryTier`, the chunks in the pool: reads, reservations
+  (the two-phase write), pins; built on ``eviction`` (allocation, eviction,
+  quotas) on ``index`` (the tier's state, entries, leases, removal, accounts);
 - ``warm`` and ``warmstart``: the pool handed from a cleanly stopped daemon to
   the next (the tier's side, and the index file with its adoption).
 

@@ -26,83 +26,43 @@ what the allocator handed out (payload rounded up to 4 KiB pages), and
 ``evictable_bytes`` the extents of stored chunks neither leased nor pinned, kept
 up to date on every change so that a put under pressure asks in O(1) whether
 evicting could make room at all.
+
+The tier is three layers, one job each: :mod:`.index` (:class:`.index.ChunkIndex`:
+the state, entries, leases, removal and accounts), :mod:`.eviction`
+(:class:`.eviction.TierEviction`: allocation, eviction, waiting for lent room,
+quotas) and this module (:class:`MemoryTier`: reads, the two-phase write, pins,
+the warm-restart hooks, stats).
+
+Primitives: :class:`MemoryTier` (``get``, ``put``, ``prepare_store`` /
+``complete_store`` / ``abort_store``, ``reserve_room`` / ``bind_room``,
+``lease``, ``delete``, ``clear``, ``pin``, ``unpin``, ``snapshot``, ``adopt``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lmcache_client.protocol import PutStatus
 
 from ..base import Chunk, ChunkKey
-from ..policy import EvictionPolicy, LRUPolicy
-from ..tenants import TenantQuotas, tenant_of
 from . import warm
-from .allocator import ExtentAllocator, aligned, extent_of
+from .allocator import extent_of
 from .entry import UNBOUND, Reservation, pack, packable, unpack
 from .entry import Entry as _Entry
 from .entry import canonical as _canonical
-from .entry import shared as _shared
-from .pool import MemoryPool
+from .eviction import TierEviction
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class TierCounters:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    stores: int = 0
-    rejections: int = 0
-    skipped: int = 0
-    adopted: int = 0  # chunks taken over from the daemon before a warm restart
-    replaced_wrong_size: int = 0  # stored chunks replaced by a put of another size
+class MemoryTier(TierEviction):
+    """The memory tier (see the module); its constructor and state are
+    :class:`.index.ChunkIndex`'s: ``MemoryTier(pool, max_pinned_bytes, policy, on_evict)``."""
 
-
-class MemoryTier:
     name = "memory"
-
-    def __init__(
-        self,
-        pool: MemoryPool,
-        max_pinned_bytes: int,
-        policy: EvictionPolicy | None = None,
-        on_evict: Callable[[ChunkKey, Chunk, bool], bool] | None = None,
-    ):
-        self.pool = pool
-        self.allocator = ExtentAllocator(pool.size, track_sizes=False)  # the entries keep the sizes
-        self.max_pinned_bytes = max_pinned_bytes
-        self.policy = policy if policy is not None else LRUPolicy()
-        self.on_evict = on_evict
-        self.on_removed: Callable[[ChunkKey], None] | None = None
-        """Called after a chunk leaves the index (evicted, deleted, cleared); set by the tiered store."""
-        self.spill_ahead_bytes = 0  # set by the tiered store when a disk tier takes spills
-        self.lends_spills = False  # set by the tiered store when a disk tier takes spills
-        self.dying_bytes = 0  # extents of removed chunks still leased (being sent or spilled)
-        self.lent_bytes = 0  # of which lent to the spill: back once the disk has them
-        self._room: asyncio.Event | None = None  # set when a dying extent is freed
-        self.counters = TierCounters()
-        self.quotas = TenantQuotas()
-        """Per-tenant byte limits (``tenant_quotas``); set by the composition root."""
-        self._index: dict[ChunkKey, int | _Entry] = {}
-        # Keys with a store under way (prepare_store until complete_store or
-        # abort_store): the first reservation of a key claims it, so a second
-        # writer is EXISTS at once, whichever path (frames, alloc, staged bind)
-        # each takes, and never told STORED for a copy that would lose later.
-        self._claims: dict[ChunkKey, Reservation] = {}
-        """key -> its entry: a packed int while neither leased nor pinned (storage/memory/entry.py)."""
-        self._by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
-        self.stored_bytes = 0
-        self.pinned_bytes = 0
-        self.leased_chunks = 0
-        self.evictable_bytes = 0  # extents of indexed chunks neither leased nor pinned
-        self.keep_segment = False  # leave the shared segment at close: its index was written
 
     # -- reads ---------------------------------------------------------------------
     async def get(self, key: ChunkKey) -> Chunk | None:
@@ -113,53 +73,6 @@ class MemoryTier:
         self.counters.hits += 1
         self._touch(key, found)
         return self._lease(self._entry(key, found))
-
-    def _touch(self, key: ChunkKey, found: int | _Entry) -> None:
-        """Tell the policy of a hit on ``found`` (``key``'s entry) unless it is pinned."""
-        if isinstance(found, int):
-            self.policy.touched(key)
-        elif not found.pinned:
-            self.policy.touched(found.key)  # the tier's key object: a policy keeping it adds no copy
-
-    def _entry(self, key: ChunkKey, found: int | _Entry | None = None) -> _Entry:
-        """``key``'s entry as an object (kept in the index until :meth:`_pack` packs it
-        again); ``found``: ``self._index[key]`` when the caller has it."""
-        if found is None:
-            found = self._index[key]
-        if not isinstance(found, int):
-            return found
-        offset, size = unpack(found)
-        entry = self._index[key] = _Entry(key, offset, _shared(size), _shared(extent_of(size)))
-        return entry
-
-    def _pack(self, entry: _Entry) -> None:
-        """Store an indexed entry as one int again once nothing needs its object."""
-        if not (entry.leases or entry.pinned or entry.dead) and packable(entry.offset, entry.size):
-            self._index[entry.key] = pack(entry.offset, entry.size)
-
-    def _lease(self, entry: _Entry) -> Chunk:
-        entry.leases += 1
-        if entry.leases == 1:
-            self.leased_chunks += 1
-            if not entry.pinned and not entry.dead:
-                self.evictable_bytes -= entry.extent
-        view = self.pool.view[entry.offset : entry.offset + entry.size]
-        return Chunk(view, self.name, lambda: self._release(entry), entry.offset)
-
-    def _release(self, entry: _Entry) -> None:
-        entry.leases -= 1
-        if entry.leases == 0:
-            self.leased_chunks -= 1
-            if entry.dead:
-                self.dying_bytes -= entry.extent
-                if entry.lent:
-                    self.lent_bytes -= entry.extent
-                self.allocator.free(entry.offset, entry.extent)
-                if self._room is not None:
-                    self._room.set()
-            elif not entry.pinned:
-                self.evictable_bytes += entry.extent
-                self._pack(entry)
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [k in self._index for k in keys]
@@ -245,21 +158,6 @@ class MemoryTier:
                        key.namespace, key.digest.hex()[:16], entry_size, size)  # fmt: skip
         return True
 
-    def room_coming(self, size: int) -> bool:
-        """Whether chunks lent to the spill will free room for ``size`` bytes once written."""
-        return bool(self.lent_bytes) and self.allocator.free_bytes + self.lent_bytes >= aligned(size)
-
-    async def wait_for_room(self, timeout_s: float) -> bool:
-        """Wait until an extent of a removed chunk is freed (False: ``timeout_s`` passed first)."""
-        if self._room is None:
-            self._room = asyncio.Event()
-        self._room.clear()
-        try:
-            await asyncio.wait_for(self._room.wait(), max(timeout_s, 0.0))
-        except TimeoutError:
-            return False
-        return True
-
     def complete_store(self, reservation: Reservation) -> PutStatus:
         """Phase two: make a filled reservation visible (EXISTS if the key was stored meanwhile)."""
         r = reservation
@@ -310,95 +208,6 @@ class MemoryTier:
             return None
         return self._lease(self._entry(key, found))
 
-    def _allocate(self, size: int) -> int | None:
-        offset = self.allocator.alloc(size)
-        if offset is None:
-            offset = self._evict_for(size)
-        if offset is not None and self.spill_ahead_bytes:
-            self._evict_ahead()
-        return offset
-
-    def _evict_for(self, size: int) -> int | None:
-        """Evict the policy's victims until the allocation fits; chunks being read
-        (leased) are never victims.  With a disk tier the victims are lent to it
-        (written straight from the pool: copying 32 MiB here would stall the
-        event loop), so their room comes back only once written: None then, and
-        :meth:`room_coming` says the caller may wait for it."""
-        if (self.pinned_bytes or self.leased_chunks) and not self._could_fit(size):
-            return None  # refuse without evicting chunks for nothing
-        while not self.room_coming(size) and (key := self.policy.victim(self._is_leased)) is not None:
-            self._evict_lending(self._entry(key))
-            offset = self.allocator.alloc(size)
-            if offset is not None:
-                return offset
-        return None
-
-    def _evict_lending(self, entry: _Entry) -> None:
-        """Evict ``entry``, lent to the spill when a disk tier takes it, else at once."""
-        if not (self.lends_spills and self._evict(entry, lend=True)):
-            # A spill declined (queue full): dropped, no copy.  Its lease ended, so the
-            # index may hold the entry packed again: evict the index's entry, not a stale copy.
-            self._evict(self._entry(entry.key), lend=False)
-
-    def _evict_ahead(self) -> None:
-        """Lend victims to the spill until ``spill_ahead_bytes`` (at most an eighth
-        of the pool) are free or on their way out, so that the next puts find
-        room without waiting for a copy."""
-        target = min(self.spill_ahead_bytes, self.allocator.capacity // 8)
-        while self.allocator.free_bytes + self.dying_bytes < target:
-            key = self.policy.victim(self._is_leased)
-            if key is None or not self._evict(self._entry(key), lend=True):
-                return
-
-    def _evict(self, entry: _Entry, lend: bool) -> bool:
-        """Evict ``entry`` (False: the receiver declined a lent chunk; it stays)."""
-        if self.on_evict is not None:
-            chunk = self._lease(entry)
-            taken = self.on_evict(entry.key, chunk, lend)
-            if not lend:
-                chunk.release()
-            elif not taken:
-                chunk.release()
-                return False
-            elif entry.leases:  # still lent: its extent is freed when the spill is written
-                entry.lent = True
-                self.lent_bytes += entry.extent
-        self._remove(entry)
-        self.counters.evictions += 1
-        self.counters.evicted_bytes += entry.size
-        return True
-
-    def _is_leased(self, key: ChunkKey) -> bool:
-        found = self._index[key]
-        return not isinstance(found, int) and found.leases > 0
-
-    def _within_quota(self, key: ChunkKey, size: int) -> bool:
-        """Evict the key's tenant's own chunks until ``size`` more bytes fit its
-        quota (storage/tenants.py); False when they cannot."""
-        found = self.quotas.limit_for(key.namespace)
-        if found is None:
-            return True
-        tenant, limit = found
-        if size > limit:
-            return False
-
-        def not_theirs(k: ChunkKey) -> bool:
-            return self._is_leased(k) or tenant_of(k.namespace) != tenant
-
-        while self.quotas.used(tenant) + size > limit:
-            victim = self.policy.victim(not_theirs)
-            if victim is None:
-                return False
-            self._evict_lending(self._entry(victim))
-            self.quotas.evictions[tenant] += 1
-        return True
-
-    def _could_fit(self, size: int) -> bool:
-        """Whether evicting every evictable chunk would free enough bytes (O(1):
-        ``evictable_bytes`` is kept current; asked when pinned or leased chunks
-        make the answer uncertain)."""
-        return self.allocator.free_bytes + self.evictable_bytes >= aligned(size)
-
     async def delete(self, key: ChunkKey) -> bool:
         found = self._index.get(key)
         if found is None:
@@ -411,32 +220,6 @@ class MemoryTier:
         for key in victims:
             self._remove(self._entry(key))
         return len(victims)
-
-    def _remove(self, entry: _Entry) -> None:
-        del self._index[entry.key]
-        if entry.pinned:
-            self.pinned_bytes -= entry.size
-        else:
-            self.policy.removed(entry.key)
-            if not entry.leases:
-                self.evictable_bytes -= entry.extent
-        self._account(entry.key, entry.size, -1)
-        if entry.leases:
-            entry.dead = True
-            self.dying_bytes += entry.extent
-        else:
-            self.allocator.free(entry.offset, entry.extent)
-        if self.on_removed is not None:
-            self.on_removed(entry.key)
-
-    def _account(self, key: ChunkKey, size: int, sign: int) -> None:
-        self.stored_bytes += sign * size
-        self.quotas.account(key.namespace, sign * size)
-        counts = self._by_namespace.setdefault(key.namespace, [0, 0])
-        counts[0] += sign
-        counts[1] += sign * size
-        if counts[0] == 0:
-            del self._by_namespace[key.namespace]
 
     # -- pins ----------------------------------------------------------------------
     def pin(self, key: ChunkKey) -> bool:
