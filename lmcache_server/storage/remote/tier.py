@@ -9,7 +9,7 @@
   :mod:`.chunkfile` records (header with namespace, key, length, CRC32C, then
   the payload), so a damaged or foreign value is a miss, never wrong bytes.
   Optional TTL (``remote_ttl_s``).
-- Writes: every chunk stored in memory is queued (:mod:`.remotequeue`,
+- Writes: every chunk stored in memory is queued (:mod:`.queue`,
   bounded by bytes; full -> drop and count), its record (checksum and copy)
   built off the event loop (:mod:`.offload`), and written by a background
   task in pipelines sized to what the link sends within half of
@@ -23,7 +23,7 @@
   round trip (a pipeline of GETs; on a cluster split per node by redis-py),
   each reply bounded by ``remote_timeout_s``; records are verified off the loop.
 - Restarts: with ``state_path``, a clean stop saves the removals and the keys
-  of the writes Redis was not yet told about (:mod:`.remotepending`); the next
+  of the writes Redis was not yet told about (:mod:`.pending`); the next
   start sends the removals before anything else (reads of the keys they cover
   are misses meanwhile) and re-queues the writes of chunks it still holds
   (:meth:`requeue`, after a warm restart), logging what is dropped.
@@ -37,7 +37,11 @@
   The writer and the probe are supervised (:mod:`..supervisor`).
 
 The client, the key names, the up/down state and its reconnect live in
-:mod:`.remotelink` (:class:`RedisTier` builds on its :class:`RedisLink`).
+:mod:`.link` (:class:`.link.RedisLink`); the writes in :mod:`.writer`
+(:class:`.writer.RedisWriter`); what a stop owed Redis, carried to the next start,
+in :mod:`.carryover` (:class:`.carryover.RedisCarryover`).  :class:`RedisTier`
+builds on the last two (both on the link) and holds the state, the lifecycle,
+the reads and the removals.
 
 Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``requeue``, ``exists_many``, ``delete``,
 ``clear``, ``flush``, ``stats``, ``close``.
@@ -50,34 +54,25 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from lmcache_client.protocol import PutStatus
 
 from ...config import redact
 from ...supervisor import Supervisor
 from ..base import Chunk, ChunkKey
-from ..chunkfile import CorruptRecord, decode_record, encode_record
+from ..chunkfile import CorruptRecord, decode_record
 from ..offload import Offload
+from .carryover import RedisCarryover
 from .link import COMMAND_RETRIES as COMMAND_RETRIES  # re-exported
-from .link import ERRORS, RedisLink
+from .link import ERRORS
 from .link import RemoteCounters as RemoteCounters  # re-exported
-from .pending import Pending
-from .pending import load as load_pending
-from .pending import save as save_pending
 from .queue import Write, WriteQueue
+from .writer import BATCH_BYTES, RedisWriter
+from .writer import BATCH_WRITES as BATCH_WRITES  # re-exported
+from .writer import POISON_FAILURES as POISON_FAILURES  # re-exported
 
 logger = logging.getLogger(__name__)
-
-POISON_FAILURES = 3
-"""A queued write that fails this many times with an unexpected error is dropped (counted)."""
-BATCH_WRITES, BATCH_BYTES = 64, 32 << 20
-"""At most this many writes (and, past the first, bytes) per pipelined round trip to Redis."""
-_TIMEOUTS = (TimeoutError, asyncio.TimeoutError, RedisTimeoutError)
 
 
 def state_path_for(spill_dir: Path | None, shm_dir: str, listen: Sequence[str]) -> Path:
@@ -90,7 +85,7 @@ def state_path_for(spill_dir: Path | None, shm_dir: str, listen: Sequence[str]) 
     return Path(shm_dir) / f"lmcache-redis-pending-{tag}.json"
 
 
-class RedisTier(RedisLink):
+class RedisTier(RedisCarryover, RedisWriter):
     name = "redis"
 
     def __init__(
@@ -150,54 +145,6 @@ class RedisTier(RedisLink):
             await asyncio.sleep(0.01)
         return self._drained()
 
-    def _target(self) -> str:
-        return f"{redact(self.url)} {self.key_prefix}"
-
-    def _load_pending(self) -> None:
-        if self.state_path is None:
-            return
-        pending = load_pending(self.state_path, self._target())
-        if pending is None:
-            return
-        for namespace in pending.clears:
-            self.queue.remember_clear(namespace)
-        for key in pending.deletes:
-            self.queue.remember_delete(key)
-        self.unwritten = pending.writes
-        logger.info("Redis uplink: the last stop left %d clears, %d deletes and %d writes pending; removals are"
-                    " sent first", len(pending.clears), len(pending.deletes), len(pending.writes))  # fmt: skip
-
-    def requeue(self, enqueue: Callable[[ChunkKey], bool]) -> None:
-        """Queue again the writes the last stop left pending, through ``enqueue``
-        (True: this daemon still holds the chunk and queued it); log the rest."""
-        keys, self.unwritten = self.unwritten, []
-        if not keys:
-            return
-        queued = sum(1 for key in keys if not self.queue.removing(key) and enqueue(key))
-        self.counters.dropped_writes += len(keys) - queued
-        logger.log(
-            logging.WARNING if queued < len(keys) else logging.INFO,
-            "Redis uplink: re-queued %d writes pending at the last stop; %d dropped (no longer held here)",
-            queued, len(keys) - queued,
-        )  # fmt: skip
-
-    def _save_pending(self) -> None:
-        if self.state_path is None:
-            return
-        clears, deletes, writes = self.queue.pending()
-        writes += [key for key in self.unwritten if key not in set(writes)]
-        pending = Pending(self._target(), clears, deletes, writes)
-        try:
-            save_pending(self.state_path, pending)
-        except OSError as err:
-            logger.warning("Redis uplink: cannot save what is pending to %s (%s): %d clears, %d deletes"
-                           " and %d writes are lost", self.state_path, err, len(clears), len(deletes),
-                           len(writes))  # fmt: skip
-            return
-        if pending:
-            logger.warning("Redis uplink: %d clears, %d deletes and %d writes still pending; saved to %s for the"
-                           " next start", len(clears), len(deletes), len(writes), self.state_path)  # fmt: skip
-
     def _drained(self) -> bool:
         return self.queue.idle() and self._writing is None and not self._building and not self._removing
 
@@ -213,130 +160,6 @@ class RedisTier(RedisLink):
             await self._client.aclose()
         except ERRORS:
             pass
-
-    # -- writes --------------------------------------------------------------------
-    def accepts(self, size: int) -> bool:
-        return self.queue.fits(size)
-
-    def enqueue(self, key: ChunkKey, data: Any, release: Callable[[], None] | None = None) -> bool:
-        """Queue a chunk for Redis; False (counted) if the queue is full.
-
-        The record is built off the event loop from ``data``, which must stay
-        unchanged until ``release()`` is called (once, when it has been copied
-        or the write is dropped); without ``release`` the bytes must never change.
-        """
-        size = memoryview(data).nbytes
-        if not self.queue.fits(size):
-            self.counters.dropped_writes += 1
-            if release is not None:
-                release()
-            return False
-        write = self.queue.add(key, size)
-        if write is None:  # already queued
-            if release is not None:
-                release()
-            return True
-        task = asyncio.get_running_loop().create_task(self._build(write, data, release))
-        self._building.add(task)
-        task.add_done_callback(self._building.discard)
-        return True
-
-    async def _build(self, write: Write, data: Any, release: Callable[[], None] | None) -> None:
-        try:
-            record = await self._offload.run(encode_record, write.key.namespace, write.key.digest, data)
-        except Exception as err:
-            logger.warning("Redis uplink: cannot build the record of a chunk (%s); not written", err)
-            self.counters.dropped_writes += 1
-            self.queue.done(write)
-            return
-        finally:
-            if release is not None:
-                release()
-        if self.queue.built(write, record):
-            self._wake.set()
-
-    async def _write_loop(self) -> None:
-        while True:
-            if not self.up or (self.queue.head() is None and not self.queue.pending_removals):
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            batch: list[Write] = []
-            try:
-                await self._send_removals()
-                batch = self.queue.heads(BATCH_WRITES, self.batch_bytes)
-                if batch:
-                    started = time.monotonic()
-                    await self._send(batch)
-                    self._fit_batches(sum(w.size for w in batch), time.monotonic() - started)
-            except ERRORS as err:
-                self.counters.write_errors += 1
-                if isinstance(err, _TIMEOUTS) and len(batch) > 1:  # too big for the link in time: not an outage
-                    sent = sum(w.size for w in batch)
-                    self.batch_bytes = max(1, sent // 2)
-                    logger.info("Redis uplink: a pipeline of %d writes (%.1f MiB) timed out; sending at most"
-                                " %.1f MiB a pipeline", len(batch), sent / 2**20, self.batch_bytes / 2**20)  # fmt: skip
-                    continue
-                self._mark_down(err)  # the writes stay queued: sent again once Redis is back
-            except Exception:
-                # Not a Redis failure: a bug or a reply nothing expects.  The
-                # supervisor logs, counts and restarts the loop; a write that
-                # keeps failing so is dropped rather than blocking the queue.
-                for write in batch:
-                    write.failures += 1
-                    if write.failures >= POISON_FAILURES:
-                        self.queue.done(write)
-                        self.counters.dropped_writes += 1
-                raise
-
-    def _fit_batches(self, sent: int, elapsed_s: float) -> None:
-        """Size the next pipelines to what the link sent lately within half the timeout
-        (redis-py bounds the write of a whole pipeline by ``timeout_s``): a slow link
-        gets smaller pipelines instead of timeouts, a fast one BATCH_BYTES."""
-        rate = sent / max(elapsed_s, 1e-6)
-        self.batch_bytes = int(min(BATCH_BYTES, max(1, rate * self.timeout_s / 2, self.batch_bytes // 2)))
-
-    async def _send(self, batch: list[Write]) -> None:
-        """SET a batch in one round trip (a pipeline); the writes leave the queue
-        only if every one was acknowledged (a SET is idempotent: a batch that
-        failed half-way is sent again whole)."""
-        self._writing = batch
-        for write in batch:
-            write.attempted = True
-        try:
-            # A memoryview goes out as its own chunk (redis-py's asyncio packer), uncopied.
-            if len(batch) == 1:
-                await self._client.set(self.redis_key(batch[0].key), batch[0].record, px=self.ttl_ms)
-            else:
-                async with self._client.pipeline(transaction=False) as pipe:
-                    for write in batch:
-                        pipe.set(self.redis_key(write.key), write.record, px=self.ttl_ms)
-                    await pipe.execute()
-        finally:
-            self._writing = None
-        for write in batch:
-            self.counters.stores += 1
-            self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
-
-    async def _send_removals(self) -> None:
-        clears, deletes = self.queue.take_removals()
-        self._removing = len(clears) + len(deletes)
-        try:
-            for namespace in list(clears):
-                await self._clear_in_redis(namespace)
-                clears.remove(namespace)
-            while deletes:
-                batch = deletes[-500:]
-                await self._delete_in_redis(batch)
-                del deletes[-len(batch) :]
-        except BaseException:
-            self.queue.put_back(clears, deletes)
-            raise
-        finally:
-            self._removing = 0
-
-    async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
-        return PutStatus.STORED if self.enqueue(key, bytes(data)) else PutStatus.NO_SPACE
 
     # -- reads ---------------------------------------------------------------------
     def peek(self, key: ChunkKey) -> bool:

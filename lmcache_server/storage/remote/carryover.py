@@ -1,0 +1,83 @@
+"""What the Redis tier owed Redis at a clean stop, carried to the next start
+(:class:`RedisCarryover`, a base of :class:`.tier.RedisTier`).
+
+``open`` takes over the removals and writes the last stop left in
+``state_path`` (:mod:`.pending`): the removals are queued to be sent before
+anything else, the writes wait for :meth:`RedisCarryover.requeue` (after a
+warm restart adopted the chunks).  ``close`` saves what is still owed.
+
+Primitives: :class:`RedisCarryover` (``requeue``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from ...config import redact
+from ..base import ChunkKey
+from .link import RedisLink
+from .pending import Pending
+from .pending import load as load_pending
+from .pending import save as save_pending
+from .queue import WriteQueue
+
+logger = logging.getLogger("lmcache_server.storage.remote.tier")  # the tier's log lines keep their logger name
+
+
+class RedisCarryover(RedisLink):
+    """The pending state of :class:`.tier.RedisTier` across a clean stop; the
+    tier's ``__init__`` sets the attributes below."""
+
+    queue: WriteQueue
+    state_path: Path | None
+    unwritten: list[ChunkKey]
+
+    def _target(self) -> str:
+        return f"{redact(self.url)} {self.key_prefix}"
+
+    def _load_pending(self) -> None:
+        if self.state_path is None:
+            return
+        pending = load_pending(self.state_path, self._target())
+        if pending is None:
+            return
+        for namespace in pending.clears:
+            self.queue.remember_clear(namespace)
+        for key in pending.deletes:
+            self.queue.remember_delete(key)
+        self.unwritten = pending.writes
+        logger.info("Redis uplink: the last stop left %d clears, %d deletes and %d writes pending; removals are"
+                    " sent first", len(pending.clears), len(pending.deletes), len(pending.writes))  # fmt: skip
+
+    def requeue(self, enqueue: Callable[[ChunkKey], bool]) -> None:
+        """Queue again the writes the last stop left pending, through ``enqueue``
+        (True: this daemon still holds the chunk and queued it); log the rest."""
+        keys, self.unwritten = self.unwritten, []
+        if not keys:
+            return
+        queued = sum(1 for key in keys if not self.queue.removing(key) and enqueue(key))
+        self.counters.dropped_writes += len(keys) - queued
+        logger.log(
+            logging.WARNING if queued < len(keys) else logging.INFO,
+            "Redis uplink: re-queued %d writes pending at the last stop; %d dropped (no longer held here)",
+            queued, len(keys) - queued,
+        )  # fmt: skip
+
+    def _save_pending(self) -> None:
+        if self.state_path is None:
+            return
+        clears, deletes, writes = self.queue.pending()
+        writes += [key for key in self.unwritten if key not in set(writes)]
+        pending = Pending(self._target(), clears, deletes, writes)
+        try:
+            save_pending(self.state_path, pending)
+        except OSError as err:
+            logger.warning("Redis uplink: cannot save what is pending to %s (%s): %d clears, %d deletes"
+                           " and %d writes are lost", self.state_path, err, len(clears), len(deletes),
+                           len(writes))  # fmt: skip
+            return
+        if pending:
+            logger.warning("Redis uplink: %d clears, %d deletes and %d writes still pending; saved to %s for the"
+                           " next start", len(clears), len(deletes), len(writes), self.state_path)  # fmt: skip

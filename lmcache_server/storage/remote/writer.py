@@ -1,0 +1,179 @@
+"""The Redis tier's writes (:class:`RedisWriter`, a base of :class:`.tier.RedisTier`):
+write-behind, pipelined.
+
+- ``enqueue`` queues a chunk (:class:`.queue.WriteQueue`, bounded by bytes;
+  full -> dropped and counted) and builds its record (checksum and copy) off
+  the event loop (:mod:`..offload`); a request never waits.
+- One background task (``_write_loop``) first sends the removals Redis is owed,
+  then the queued writes in pipelines of at most ``BATCH_WRITES`` writes and
+  ``batch_bytes`` bytes, sized to what the link sends within half of
+  ``timeout_s``.  A write leaves the queue only once Redis acknowledged it; a
+  Redis failure marks the link down and the writes wait for it; a pipeline
+  that timed out is halved, not an outage; a write that keeps failing with an
+  unexpected error is dropped after ``POISON_FAILURES`` tries.
+
+Primitives: :class:`RedisWriter` (``accepts``, ``enqueue``, ``put``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from lmcache_client.protocol import PutStatus
+
+from ..base import ChunkKey
+from ..chunkfile import encode_record
+from ..offload import Offload
+from .link import ERRORS, RedisLink
+from .queue import Write, WriteQueue
+
+logger = logging.getLogger("lmcache_server.storage.remote.tier")  # the tier's log lines keep their logger name
+
+POISON_FAILURES = 3
+"""A queued write that fails this many times with an unexpected error is dropped (counted)."""
+BATCH_WRITES, BATCH_BYTES = 64, 32 << 20
+"""At most this many writes (and, past the first, bytes) per pipelined round trip to Redis."""
+_TIMEOUTS = (TimeoutError, asyncio.TimeoutError, RedisTimeoutError)
+
+
+class RedisWriter(RedisLink):
+    """The writes of :class:`.tier.RedisTier`; the tier's ``__init__`` sets the
+    attributes below."""
+
+    ttl_ms: int | None
+    queue: WriteQueue
+    batch_bytes: int
+    _offload: Offload
+    _building: set[asyncio.Task[None]]
+    _writing: list[Write] | None
+    _removing: int
+
+    # -- writes --------------------------------------------------------------------
+    def accepts(self, size: int) -> bool:
+        return self.queue.fits(size)
+
+    def enqueue(self, key: ChunkKey, data: Any, release: Callable[[], None] | None = None) -> bool:
+        """Queue a chunk for Redis; False (counted) if the queue is full.
+
+        The record is built off the event loop from ``data``, which must stay
+        unchanged until ``release()`` is called (once, when it has been copied
+        or the write is dropped); without ``release`` the bytes must never change.
+        """
+        size = memoryview(data).nbytes
+        if not self.queue.fits(size):
+            self.counters.dropped_writes += 1
+            if release is not None:
+                release()
+            return False
+        write = self.queue.add(key, size)
+        if write is None:  # already queued
+            if release is not None:
+                release()
+            return True
+        task = asyncio.get_running_loop().create_task(self._build(write, data, release))
+        self._building.add(task)
+        task.add_done_callback(self._building.discard)
+        return True
+
+    async def _build(self, write: Write, data: Any, release: Callable[[], None] | None) -> None:
+        try:
+            record = await self._offload.run(encode_record, write.key.namespace, write.key.digest, data)
+        except Exception as err:
+            logger.warning("Redis uplink: cannot build the record of a chunk (%s); not written", err)
+            self.counters.dropped_writes += 1
+            self.queue.done(write)
+            return
+        finally:
+            if release is not None:
+                release()
+        if self.queue.built(write, record):
+            self._wake.set()
+
+    async def _write_loop(self) -> None:
+        while True:
+            if not self.up or (self.queue.head() is None and not self.queue.pending_removals):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch: list[Write] = []
+            try:
+                await self._send_removals()
+                batch = self.queue.heads(BATCH_WRITES, self.batch_bytes)
+                if batch:
+                    started = time.monotonic()
+                    await self._send(batch)
+                    self._fit_batches(sum(w.size for w in batch), time.monotonic() - started)
+            except ERRORS as err:
+                self.counters.write_errors += 1
+                if isinstance(err, _TIMEOUTS) and len(batch) > 1:  # too big for the link in time: not an outage
+                    sent = sum(w.size for w in batch)
+                    self.batch_bytes = max(1, sent // 2)
+                    logger.info("Redis uplink: a pipeline of %d writes (%.1f MiB) timed out; sending at most"
+                                " %.1f MiB a pipeline", len(batch), sent / 2**20, self.batch_bytes / 2**20)  # fmt: skip
+                    continue
+                self._mark_down(err)  # the writes stay queued: sent again once Redis is back
+            except Exception:
+                # Not a Redis failure: a bug or a reply nothing expects.  The
+                # supervisor logs, counts and restarts the loop; a write that
+                # keeps failing so is dropped rather than blocking the queue.
+                for write in batch:
+                    write.failures += 1
+                    if write.failures >= POISON_FAILURES:
+                        self.queue.done(write)
+                        self.counters.dropped_writes += 1
+                raise
+
+    def _fit_batches(self, sent: int, elapsed_s: float) -> None:
+        """Size the next pipelines to what the link sent lately within half the timeout
+        (redis-py bounds the write of a whole pipeline by ``timeout_s``): a slow link
+        gets smaller pipelines instead of timeouts, a fast one BATCH_BYTES."""
+        rate = sent / max(elapsed_s, 1e-6)
+        self.batch_bytes = int(min(BATCH_BYTES, max(1, rate * self.timeout_s / 2, self.batch_bytes // 2)))
+
+    async def _send(self, batch: list[Write]) -> None:
+        """SET a batch in one round trip (a pipeline); the writes leave the queue
+        only if every one was acknowledged (a SET is idempotent: a batch that
+        failed half-way is sent again whole)."""
+        self._writing = batch
+        for write in batch:
+            write.attempted = True
+        try:
+            # A memoryview goes out as its own chunk (redis-py's asyncio packer), uncopied.
+            if len(batch) == 1:
+                await self._client.set(self.redis_key(batch[0].key), batch[0].record, px=self.ttl_ms)
+            else:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for write in batch:
+                        pipe.set(self.redis_key(write.key), write.record, px=self.ttl_ms)
+                    await pipe.execute()
+        finally:
+            self._writing = None
+        for write in batch:
+            self.counters.stores += 1
+            self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
+
+    async def _send_removals(self) -> None:
+        clears, deletes = self.queue.take_removals()
+        self._removing = len(clears) + len(deletes)
+        try:
+            for namespace in list(clears):
+                await self._clear_in_redis(namespace)
+                clears.remove(namespace)
+            while deletes:
+                batch = deletes[-500:]
+                await self._delete_in_redis(batch)
+                del deletes[-len(batch) :]
+        except BaseException:
+            self.queue.put_back(clears, deletes)
+            raise
+        finally:
+            self._removing = 0
+
+    async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
+        return PutStatus.STORED if self.enqueue(key, bytes(data)) else PutStatus.NO_SPACE
