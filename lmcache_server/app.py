@@ -16,6 +16,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq.asyncio
@@ -65,10 +66,27 @@ class App:
         self._stop.set()
 
     async def run(self) -> int:
-        """Run until a stop signal; return the process exit code."""
-        c = self.config
-        loop = asyncio.get_running_loop()
+        """Run until a stop signal; return the process exit code.
+
+        build -> serve (until a stop is asked) -> drain -> hand over.  A failure while
+        building propagates with nothing started; from the first bind on, the hand-over
+        closes everything whatever happened.
+        """
         self._stop = asyncio.Event()
+        d = await self._build()
+        stopped = False  # a clean stop: signalled and drained (only then is the pool kept)
+        try:
+            await self._serve(d)
+            await self._drain(d)
+            stopped = True
+        finally:
+            await self._hand_over(d, stopped)
+        logger.info("lmcache-server stopped")
+        return 0
+
+    async def _build(self) -> _Daemon:
+        """Every component, in dependency order: nothing listens yet."""
+        c = self.config
         # Exposed endpoints without auth, unsafe key files: refused before anything is allocated.
         security = Security.from_config(c)
         if c.malloc_tuning and not tune_malloc():
@@ -139,75 +157,109 @@ class App:
         http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready)
         monitor = ConnectionMonitor(metrics)
         summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
-        replay: asyncio.Task[None] | None = None
-        stopped = False  # a clean stop: signalled and drained (only then is the pool kept)
-        try:
-            security.start(context, metrics)  # the ZAP handler exists before any handshake
-            server.bind()
-            if events is not None:
-                _bind_events(events.publisher)
-                replay = supervisor.spawn("events_replay", events.publisher.serve_replay)
-            monitor.start(server.sock)
-            if c.metrics_port:
-                await http.start()
-            _on_signal(loop, (signal.SIGTERM, signal.SIGINT), self.request_stop)
-            _on_signal(loop, (signal.SIGHUP,), lambda: security.reload(metrics))
-            self.ready = True
-            logger.info("lmcache-server ready: %s", c.summary())
-            summary.start()
-            serving = loop.create_task(server.serve())
-            stopping = loop.create_task(self._stop.wait())
-            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if serving.done():
-                serving.result()  # re-raise what killed the receive loop
-            serving.cancel()
-            self.ready = False
-            logger.info("stopping: draining in-flight requests (up to %.1fs)", c.drain_timeout_s)
-            deadline = time.monotonic() + c.drain_timeout_s
-            if await server.drain(c.drain_timeout_s):
-                logger.info("drained cleanly")
-            else:
-                logger.warning("drain timed out; cancelled the rest")
-            if not await store.flush(max(0.0, deadline - time.monotonic())):
-                logger.warning("drain timed out before every spill reached the disk")
-            stopped = True
-        finally:
-            # The stop handlers stay until the end: a second SIGTERM during the shutdown (a
-            # supervisor repeating itself) must not kill a daemon that is writing its snapshots.
-            self.ready = False
-            self._stop.set()
-            await summary.close()
-            await monitor.close()
-            server.close()
-            security.stop()
-            if sweeper is not None:
-                sweeper.cancel()
-            if warm is not None and stopped and pool.shared:
-                leases = shm.hand_over()
-                await store.filling.wait()  # nothing of ours writes into the pool past this point
-                memory.keep_segment = warm.save(pool, memory, leases)
-            else:
-                shm.close()
-            await http.close()
-            await store.close()
-            if events is not None:
-                if replay is not None:
-                    replay.cancel()
-                events.publisher.close()  # after the store: its last removals are sent too
-            await supervisor.close()
-            offload.close()
-            context.term()
-            pool.release_lock()  # last: a kept segment may be adopted from now on
-            # What is left is the event loop's and the interpreter's own teardown: a stop signal
-            # now would only turn a clean exit into a death by signal.  One call per signal swaps
-            # our handler for SIG_IGN; there is no moment with the default (deadly) disposition.
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)
-        logger.info("lmcache-server stopped")
-        return 0
+        return _Daemon(
+            security, warm, pool, supervisor, offload, memory, store, metrics, context, events, shm, server,
+            sweeper, http, monitor, summary,
+        )  # fmt: skip
+
+    async def _serve(self, d: _Daemon) -> None:
+        """Bind, install the signal handlers, say ready, and serve until a stop is asked."""
+        c = self.config
+        loop = asyncio.get_running_loop()
+        assert self._stop is not None
+        d.security.start(d.context, d.metrics)  # the ZAP handler exists before any handshake
+        d.server.bind()
+        if d.events is not None:
+            _bind_events(d.events.publisher)
+            d.replay = d.supervisor.spawn("events_replay", d.events.publisher.serve_replay)
+        d.monitor.start(d.server.sock)
+        if c.metrics_port:
+            await d.http.start()
+        _on_signal(loop, (signal.SIGTERM, signal.SIGINT), self.request_stop)
+        _on_signal(loop, (signal.SIGHUP,), lambda: d.security.reload(d.metrics))
+        self.ready = True
+        logger.info("lmcache-server ready: %s", c.summary())
+        d.summary.start()
+        serving = loop.create_task(d.server.serve())
+        stopping = loop.create_task(self._stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():
+            serving.result()  # re-raise what killed the receive loop
+        serving.cancel()
+
+    async def _drain(self, d: _Daemon) -> None:
+        """Stop taking work; finish in-flight replies and spills within drain_timeout_s."""
+        c = self.config
+        self.ready = False
+        logger.info("stopping: draining in-flight requests (up to %.1fs)", c.drain_timeout_s)
+        deadline = time.monotonic() + c.drain_timeout_s
+        if await d.server.drain(c.drain_timeout_s):
+            logger.info("drained cleanly")
+        else:
+            logger.warning("drain timed out; cancelled the rest")
+        if not await d.store.flush(max(0.0, deadline - time.monotonic())):
+            logger.warning("drain timed out before every spill reached the disk")
+
+    async def _hand_over(self, d: _Daemon, stopped: bool) -> None:
+        """Close everything in order; after a clean stop keep the segment and its warm index."""
+        assert self._stop is not None
+        # The stop handlers stay until the end: a second SIGTERM during the shutdown (a
+        # supervisor repeating itself) must not kill a daemon that is writing its snapshots.
+        self.ready = False
+        self._stop.set()
+        await d.summary.close()
+        await d.monitor.close()
+        d.server.close()
+        d.security.stop()
+        if d.sweeper is not None:
+            d.sweeper.cancel()
+        if d.warm is not None and stopped and d.pool.shared:
+            leases = d.shm.hand_over()
+            await d.store.filling.wait()  # nothing of ours writes into the pool past this point
+            d.memory.keep_segment = d.warm.save(d.pool, d.memory, leases)
+        else:
+            d.shm.close()
+        await d.http.close()
+        await d.store.close()
+        if d.events is not None:
+            if d.replay is not None:
+                d.replay.cancel()
+            d.events.publisher.close()  # after the store: its last removals are sent too
+        await d.supervisor.close()
+        d.offload.close()
+        d.context.term()
+        d.pool.release_lock()  # last: a kept segment may be adopted from now on
+        # What is left is the event loop's and the interpreter's own teardown: a stop signal
+        # now would only turn a clean exit into a death by signal.  One call per signal swaps
+        # our handler for SIG_IGN; there is no moment with the default (deadly) disposition.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
 
 
-def _on_signal(loop: asyncio.AbstractEventLoop, signals: tuple[int, ...], callback: Callable[[], None]) -> None:
+@dataclass
+class _Daemon:
+    """What _build made, for _serve, _drain and _hand_over (one running daemon's parts)."""
+
+    security: Security
+    warm: WarmStart | None
+    pool: MemoryPool
+    supervisor: Supervisor
+    offload: Offload
+    memory: MemoryTier
+    store: TieredStore
+    metrics: ServerMetrics
+    context: zmq.asyncio.Context
+    events: Announcer | None
+    shm: ShmLeases
+    server: ZmqServer
+    sweeper: asyncio.Task[None] | None
+    http: HttpEndpoint
+    monitor: ConnectionMonitor
+    summary: SummaryLog
+    replay: asyncio.Task[None] | None = None
+
+
+def _on_signal(loop: asyncio.AbstractEventLoop, signals: tuple[int, ...], callback: Callable[[], object]) -> None:
     """Run ``callback`` on the loop when one of ``signals`` arrives.
 
     A plain ``signal.signal`` handler, not ``loop.add_signal_handler``: removing a loop's
