@@ -4,53 +4,33 @@ Handlers never touch sockets.  They return the reply fields and, for get,
 the leased chunks to send; the server releases those once ZeroMQ has sent
 them.  Refusals are raised as ProtocolError and become one error reply.
 
+The shared-memory ops (a get under a read lease, alloc, commit, bind,
+release) are in shmhandlers.py, which :class:`Handlers` builds on; what a
+handler returns, :class:`Outcome`, is in outcome.py (importable from here).
+
 Primitives: :class:`Handlers` (``handle``) and :class:`Outcome`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-from lmcache_client.protocol import KEY_BYTES, PROTOCOL_VERSION, ErrorCode, Op, ProtocolError, PutStatus, Request
+from lmcache_client.protocol import KEY_BYTES, PROTOCOL_VERSION, ErrorCode, Op, ProtocolError, Request
 
 from .. import __version__
 from ..config import ServerConfig
-from ..storage import Chunk, TieredStore
-from ..storage.memory import Reservation
-from ..storage.tenants import tenant_of
+from ..storage import TieredStore
 from .admission import ByteBudget
+from .outcome import Outcome
 from .shm import ShmLeases
+from .shmhandlers import STAGED_SHARE, ShmHandlers
 from .tokens import parse_tokens
 
-STAGED_SHARE = 32
-"""Staged shared-memory slots (all clients together) hold at most 1/STAGED_SHARE of the
-pool: room held for puts that may not come, so it is kept small; it pays most for
-small puts anyway (a round trip saved is a larger share of a small put's time)."""
+__all__ = ["STAGED_SHARE", "Handlers", "Outcome"]
 
 
-@dataclasses.dataclass
-class Outcome:
-    fields: dict[str, Any]
-    chunks: list[Chunk] = dataclasses.field(default_factory=list)
-    budget_bytes: int = 0
-    """Bytes taken from the budget for the reply; released once it is sent."""
-    shm_in_bytes: int = 0
-    """Chunk bytes a shared-memory client wrote into the pool (commit), for the byte counters."""
-    shm_out_bytes: int = 0
-    """Chunk bytes a shared-memory client may now read from the pool (get under a lease)."""
-    trimmed: int = 0
-    """Hits answered as misses because the connection's fair share of the budget was spent."""
-    after_reply: Callable[[], asyncio.Future[None] | None] | None = None
-    """Work to start right after the reply is queued, before any other request
-    runs (a put's copy into the pool: it overlaps the client's next transfer).
-    It may return a future: the request's bytes stay counted in flight until it is done."""
-
-
-class Handlers:
+class Handlers(ShmHandlers):
     def __init__(self, store: TieredStore, config: ServerConfig, budget: ByteBudget, shm: ShmLeases | None = None):
         self.store = store
         self.config = config
@@ -87,12 +67,6 @@ class Handlers:
             return await self.get(request, reply_share)
         return await self._table[request.op](request)
 
-    @staticmethod
-    def _ns(request: Request) -> str:
-        namespace: str | None = request.namespace
-        assert namespace is not None  # decode_request guarantees it for data ops
-        return namespace
-
     async def hello(self, request: Request) -> Outcome:
         c = self.config
         return Outcome(
@@ -126,17 +100,6 @@ class Handlers:
         statuses, finish = await self.store.prepare_puts(self._ns(request), request.keys, request.payloads, tokens)
         return Outcome({"status": [int(s) for s in statuses]}, after_reply=finish)
 
-    def _shm(self, request: Request) -> ShmLeases:
-        """The lease table, after checking the request names this server's segment."""
-        if self.shm is None:
-            raise ProtocolError(ErrorCode.STALE_SEGMENT, "shared memory is off on this server", request.id)
-        self.shm.check_segment(request.fields.get("shm"), request.id)
-        return self.shm
-
-    def _reply_cap(self, reply_share: Callable[[], int] | None) -> int:
-        cap = self.config.max_message_size
-        return cap if reply_share is None else min(cap, reply_share())
-
     async def get(self, request: Request, reply_share: Callable[[], int] | None = None) -> Outcome:
         if request.fields.get("shm") is not None:
             return await self.get_shm(request, reply_share)
@@ -161,216 +124,6 @@ class Handlers:
                 chunk.release()
             raise ProtocolError(ErrorCode.BUSY, "in-flight byte budget spent; retry", request.id)
         return Outcome({"found": [c is not None for c in chunks]}, hits, total, trimmed=trimmed)
-
-    async def get_shm(self, request: Request, reply_share: Callable[[], int] | None = None) -> Outcome:
-        """A get answered with pool locations under a read lease; a hit that is
-        not in the pool (no room to promote it) still travels as a payload frame."""
-        shm = self._shm(request)
-        chunks = await self.store.get_many(self._ns(request), request.keys)
-        leased: list[Chunk] = []
-        framed: list[Chunk] = []
-        locations: list[list[int] | None] = []
-        cap = self._reply_cap(reply_share)
-        total = trimmed = 0
-        for i, chunk in enumerate(chunks):
-            if chunk is None:
-                locations.append(None)
-            elif chunk.offset is not None:
-                leased.append(chunk)
-                locations.append([chunk.offset, chunk.nbytes])
-            elif total + chunk.nbytes <= cap:
-                framed.append(chunk)
-                total += chunk.nbytes
-                locations.append(None)
-            else:
-                trimmed += total + chunk.nbytes <= self.config.max_message_size
-                chunk.release()
-                chunks[i] = None
-                locations.append(None)
-        if not self.budget.try_acquire(total):
-            for chunk in leased + framed:
-                chunk.release()
-            raise ProtocolError(ErrorCode.BUSY, "in-flight byte budget spent; retry", request.id)
-        fields: dict[str, Any] = {"found": [c is not None for c in chunks], "loc": locations, "lease": None}
-        if leased:
-            fields["lease"], fields["expires"] = shm.grant_reads(leased)
-        return Outcome(fields, framed, total, shm_out_bytes=sum(c.nbytes for c in leased), trimmed=trimmed)
-
-    async def alloc(self, request: Request) -> Outcome:
-        """Reserve pool room for chunks the client will write, under a write lease."""
-        shm = self._shm(request)
-        sizes = request.fields.get("sizes")
-        if (
-            not isinstance(sizes, list)
-            or len(sizes) != len(request.keys)
-            or not all(type(n) is int and n > 0 for n in sizes)
-        ):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "'sizes' must list one positive integer per key", request.id)
-        tokens = parse_tokens(request)
-        nonce, deadline = request.fields.get("nonce"), request.fields.get("deadline")
-        if (nonce is not None and type(nonce) is not int) or (
-            deadline is not None and type(deadline) not in (int, float)
-        ):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, "'nonce' must be an integer, 'deadline' a number (monotonic s)", request.id
-            )
-        if deadline is not None and time.monotonic() >= deadline:
-            raise ProtocolError(ErrorCode.BUSY, "alloc deadline passed before it was served", request.id)
-        # One alloc reserves at most max_message_size, as a put carries at most
-        # that: a larger chunk is TOO_LARGE, the keys past the total NO_SPACE.
-        limit = self.config.max_message_size
-        outcomes: list[Reservation | PutStatus] = []
-        asked: list[int] = []
-        total = 0
-        for i, size in enumerate(sizes):
-            if size > limit:
-                outcomes.append(PutStatus.TOO_LARGE)
-            elif total + size > limit:
-                outcomes.append(PutStatus.NO_SPACE)
-            else:
-                total += size
-                asked.append(i)
-                outcomes.append(PutStatus.NO_SPACE)  # replaced below
-        tenant = tenant_of(self._ns(request))
-        self._check_reservation(shm, total, request.id, tenant)
-        reserved = await self.store.reserve_waiting(
-            self._ns(request),
-            [request.keys[i] for i in asked],
-            [sizes[i] for i in asked],
-            None if tokens is None else [tokens[i] for i in asked],
-        )
-        for i, outcome in zip(asked, reserved):
-            outcomes[i] = outcome
-        reservations = [r for r in outcomes if isinstance(r, Reservation)]
-        if reservations and deadline is not None and time.monotonic() >= deadline:
-            # The client has given up waiting: a grant now would be a lease nobody knows.
-            for r in reservations:
-                self.store.abort(r)
-            raise ProtocolError(ErrorCode.BUSY, "alloc deadline passed while waiting for room", request.id)
-        fields: dict[str, Any] = {
-            "status": [int(PutStatus.STORED) if isinstance(r, Reservation) else int(r) for r in outcomes],
-            "loc": [[r.offset, r.size] if isinstance(r, Reservation) else None for r in outcomes],
-            "lease": None,
-        }
-        if reservations:
-            try:
-                fields["lease"], fields["expires"] = shm.grant_writes(
-                    reservations, request.fields.get("owner"), nonce=nonce, tenant=tenant
-                )
-            except ProtocolError as err:
-                raise ProtocolError(err.code, str(err), request.id) from None
-        return Outcome(fields)
-
-    def _check_reservation(self, shm: ShmLeases, nbytes: int, request_id: int, tenant: str | None = None) -> None:
-        """Bound what shared-memory writers may hold reserved (an alloc is in no
-        byte budget: its payload never crosses the socket): all write leases
-        together (with the slots quarantined after an expiry) at most
-        ``shm_reserve_cap`` (one alloc always, when nothing is reserved), so
-        allocs can never evict the whole pool and sit on it."""
-        reserved = shm.reserved_bytes()
-        # Charged to the tenant: one tenant's allocs hold at most half the cap
-        # (quarantined slots included), so they cannot make every other tenant BUSY.
-        if tenant is not None:
-            own = shm.tenant_reserved_bytes(tenant)
-            if own and own + nbytes > self.shm_reserve_cap // 2:
-                raise ProtocolError(
-                    ErrorCode.BUSY,
-                    f"tenant {tenant!r} holds {own} bytes of shared-memory write reservations "
-                    f"(at most {self.shm_reserve_cap // 2}); retry",
-                    request_id,
-                )
-        # With nothing reserved any one alloc is admitted (it is at most
-        # max_message_size): a writer larger than the cap is slow, never starved.
-        if reserved and reserved + nbytes > self.shm_reserve_cap:
-            raise ProtocolError(
-                ErrorCode.BUSY,
-                f"shared-memory write reservations spent ({reserved} of {self.shm_reserve_cap} bytes); retry",
-                request_id,
-            )
-
-    async def commit(self, request: Request) -> Outcome:
-        """Make a write lease's chunks visible; one status per reserved chunk.
-        With ``stage`` (sizes), also stage slots for the writer's next put (see bind)."""
-        shm = self._shm(request)
-        stage = self._stage_sizes(request)
-        statuses, nbytes = shm.commit(request.fields.get("lease"), request.id)
-        fields: dict[str, Any] = {"status": [int(s) for s in statuses]}
-        if stage is not None:
-            fields["staged"] = None
-            # Staged room counts against shm_reserve_cap like any write lease, and is
-            # speculative (evicts chunks for a put that may not come), so all of it
-            # together stays under 1/32 of the pool; staging is optional: past
-            # either cap (or without room) it is declined, not BUSY.
-            total = sum(stage)
-            if (
-                shm.reserved_bytes() + total <= self.shm_reserve_cap
-                and shm.staged_bytes() + total <= self.shm_stage_cap
-            ):
-                staged = shm.stage(stage, request.fields.get("owner"))
-                if staged is not None:
-                    lease, rooms, deadline = staged
-                    fields["staged"] = {
-                        "lease": lease,
-                        "slots": [[r.offset, r.size] for r in rooms],
-                        "expires": deadline,
-                    }
-        return Outcome(fields, shm_in_bytes=nbytes)
-
-    def _stage_sizes(self, request: Request) -> list[int] | None:
-        """A commit's ``stage`` field: None, or one positive size per slot, at most
-        max_keys_per_request slots and max_message_size bytes in all (as one alloc)."""
-        stage = request.fields.get("stage")
-        if stage is None:
-            return None
-        if (
-            not isinstance(stage, list)
-            or not 0 < len(stage) <= self.config.max_keys_per_request
-            or not all(type(n) is int and n > 0 for n in stage)
-            or sum(stage) > self.config.max_message_size
-        ):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                "'stage' must list 1 to max_keys_per_request positive sizes, at most max_message_size in all",
-                request.id,
-            )
-        return stage
-
-    async def bind(self, request: Request) -> Outcome:
-        """A put into staged slots in one round trip: bind each key to the slot the
-        client wrote (``slots``: one offset per key) and commit; the reply carries
-        one status per key, the fresh slots staged in place of those consumed and
-        the lease's renewed deadline."""
-        shm = self._shm(request)
-        lease, slots = request.fields.get("lease"), request.fields.get("slots")
-        if type(lease) is not int:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "'lease' must be a staged lease id", request.id)
-        if (
-            not isinstance(slots, list)
-            or len(slots) != len(request.keys)
-            or not all(type(o) is int for o in slots)
-            or len(set(slots)) != len(slots)
-        ):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "'slots' must list one distinct slot offset per key", request.id)
-        tokens = parse_tokens(request)
-        statuses, fresh, deadline, nbytes = shm.bind(lease, self._ns(request), request.keys, slots, tokens, request.id)
-        return Outcome(
-            {
-                "status": [int(s) for s in statuses],
-                "fresh": [[r.offset, r.size] for r in fresh],
-                "expires": deadline,
-            },
-            shm_in_bytes=nbytes,
-        )
-
-    async def release(self, request: Request) -> Outcome:
-        """End read leases (or abandon write leases); True where the lease was still live."""
-        if self.shm is None:
-            raise ProtocolError(ErrorCode.STALE_SEGMENT, "shared memory is off on this server", request.id)
-        leases = request.fields.get("leases")
-        if not isinstance(leases, list) or len(leases) > self.config.max_keys_per_request:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "'leases' must be a list of lease ids", request.id)
-        # An alloc's nonce may stand for its lease (a grant the client never saw).
-        return Outcome({"released": self.shm.release(leases)})
 
     async def lookup(self, request: Request) -> Outcome:
         hits, tiers = await self.store.lookup(self._ns(request), request.keys)
