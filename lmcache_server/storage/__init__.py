@@ -9,8 +9,9 @@ Rooms (each subpackage's docstring says what it owns):
 - ``policy/``: eviction and admission policies;
 - ``memory/``: the pool, its allocator, the memory tier and warm restarts;
 - ``disk/``: the disk tier; ``remote/``: the Redis tier;
-- the tiered store that ties the tiers together (``tiered``), with its batched
-  reads (``batchread``) and the fills of reserved chunks (``filling``).
+- the tiered store that ties the tiers together (``tiered``, with its puts in
+  ``tieredputs`` and its lookups in ``tieredlookup``), with its batched reads
+  (``batchread``) and the fills of reserved chunks (``filling``).
 
 Layering, each floor importing only those below it, never a sibling:
 leaves (base, chunkfile, offload, tenants) <- policy <- memory, disk, remote

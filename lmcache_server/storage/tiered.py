@@ -25,20 +25,22 @@ Tiers are ordered fastest first: memory, then disk, then Redis.
   tier (memory, disk) is announced as removed; a clear, as cleared.
 
 Batching, promotion, spill and lookup semantics are written here once, not in
-each tier.  Primitives: ``get_many``, ``prepare_puts``, ``put_many``,
-``reserve``, ``commit``, ``abort``, ``stage``, ``bind``, ``lookup``, ``exists``, ``delete``,
-``clear``, ``pin``, ``unpin``, ``stats``, ``flush``, ``close``.
+each tier.  This module holds :class:`TieredStore`'s composition, reads and
+promotion, spill, removals, stats and lifecycle; it builds on
+:class:`.tieredputs.TieredPuts` (the two-phase put, its variants, the uplink to
+Redis) and :class:`.tieredlookup.TieredLookup` (lookup and exists).
+
+Primitives: ``get_many``, ``prepare_puts``, ``put_many``, ``reserve``, ``commit``, ``abort``,
+``stage``, ``bind``, ``lookup``, ``exists``, ``delete``, ``clear``, ``pin``, ``unpin``, ``stats``,
+``flush``, ``close``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
-from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from ..supervisor import Supervisor
@@ -49,19 +51,12 @@ from .filling import Filling, fill_reservation
 from .memory import MemoryTier, Reservation
 from .offload import Offload
 from .remote import RedisTier
-
-ROOM_WAIT_S = 5.0
-"""How long a put waits for room that spills being written will free."""
-
-
-@dataclasses.dataclass
-class LookupCounters:
-    lookups: int = 0
-    chunks_asked: int = 0
-    chunks_hit: int = 0
+from .tieredlookup import LookupCounters, TieredLookup
+from .tieredputs import ROOM_WAIT_S as ROOM_WAIT_S  # re-exported: server/shm.py reads it
+from .tieredputs import TieredPuts
 
 
-class TieredStore:
+class TieredStore(TieredPuts, TieredLookup):
     def __init__(
         self,
         memory: MemoryTier,
@@ -107,9 +102,6 @@ class TieredStore:
             return disk.enqueue(key, chunk.data, chunk.release)
         disk.enqueue(key, chunk.data)
         return True
-
-    def _unannounced(self, key: ChunkKey) -> bool:
-        return self.events is not None and not self.events.announced(key)
 
     def _left(self, key: ChunkKey) -> None:
         """A tier dropped ``key``: announce it removed once no local tier holds it."""
@@ -162,269 +154,6 @@ class TieredStore:
         if await fill_reservation(self.memory, reservation, fill()) is PutStatus.STORED:
             self.promotions[disk.name] += 1
         return self.memory.lease(key)
-
-    def reserve(
-        self,
-        namespace: str,
-        digests: Sequence[bytes],
-        sizes: Sequence[int],
-        tokens: Sequence[ChunkTokens | None] | None = None,
-    ) -> list[Reservation | PutStatus]:
-        """Phase one of a put: room in the pool for each chunk (invisible to
-        readers until :meth:`commit`), or the PutStatus saying why there is none.
-        A key repeated within the batch, or still filling from an earlier put,
-        is EXISTS.  ``tokens`` (one per digest) travel with the reservations
-        until commit announces them."""
-        out: list[Reservation | PutStatus] = []
-        reserved: set[ChunkKey] = set()
-        # Consecutive keys of one put are (nearly always) one prefix chain: the
-        # previous key is a hint to the eviction policy.
-        parent: ChunkKey | None = None
-        for i, (digest, size) in enumerate(zip(digests, sizes)):
-            key = ChunkKey(namespace, digest)
-            if key in reserved or key in self.filling:
-                out.append(PutStatus.EXISTS)
-                continue
-            reservation = self.memory.prepare_store(key, size, parent)
-            told = self._told(tokens, i)
-            if isinstance(reservation, Reservation):
-                reserved.add(key)
-                reservation.tokens = told
-            elif reservation is PutStatus.EXISTS:
-                self._announce_stored_before(key, told)
-            out.append(reservation)
-            parent = key
-        return out
-
-    def _told(self, tokens: Sequence[ChunkTokens | None] | None, i: int) -> ChunkTokens | None:
-        """Chunk ``i``'s token ids, when the put sent them and KV events are on."""
-        return tokens[i] if tokens is not None and self.events is not None else None
-
-    def _announce_stored_before(self, key: ChunkKey, told: ChunkTokens | None) -> None:
-        """A put with token ids found ``key`` stored before without them (an older
-        client, a warm restart): announce it now."""
-        if told is not None and self._unannounced(key):
-            self.events.stored(key, told, self.memory.name)  # type: ignore[union-attr]
-
-    async def reserve_waiting(
-        self,
-        namespace: str,
-        digests: Sequence[bytes],
-        sizes: Sequence[int],
-        tokens: Sequence[ChunkTokens | None] | None = None,
-    ) -> list[Reservation | PutStatus]:
-        """:meth:`reserve`, waiting (at most ``ROOM_WAIT_S``) for room that chunks
-        lent to the spill will free once the disk has them."""
-        outcomes = self.reserve(namespace, digests, sizes, tokens)
-        deadline = time.monotonic() + ROOM_WAIT_S
-        while True:
-            coming = self.memory.room_coming
-            waiting = [i for i, o in enumerate(outcomes) if o is PutStatus.NO_SPACE and coming(sizes[i])]
-            if not waiting:
-                break
-            if not await self.memory.wait_for_room(deadline - time.monotonic()):
-                self.memory.counters.rejections += len(waiting)  # gave up: a refusal after all
-                break
-            for i in waiting:
-                one = None if tokens is None else tokens[i : i + 1]
-                outcomes[i] = self.reserve(namespace, digests[i : i + 1], sizes[i : i + 1], one)[0]
-        return outcomes
-
-    def stage(self, sizes: Sequence[int]) -> list[Reservation] | None:
-        """Room for a shared-memory writer's next put, bound to no key yet (staged
-        slots, invisible and never evicted): one per size, or None (nothing kept)
-        when the pool cannot hold them all now."""
-        rooms: list[Reservation] = []
-        if sum(sizes) > self.memory.allocator.capacity:
-            return None
-        for size in sizes:
-            room = self.memory.reserve_room(size)
-            if room is None:
-                for r in rooms:
-                    self.abort(r)
-                return None
-            rooms.append(room)
-        return rooms
-
-    def bind(
-        self,
-        namespace: str,
-        digests: Sequence[bytes],
-        rooms: Sequence[Reservation],
-        tokens: Sequence[ChunkTokens | None] | None = None,
-        taken: list[Reservation] | None = None,
-    ) -> list[PutStatus]:
-        """A put into staged room (:meth:`stage`), already written: each room bound
-        to its key with :meth:`reserve`'s checks and committed at once.  STORED
-        consumed the room; any other status leaves it staged.  ``taken`` gets
-        each consumed room as it is consumed (before its commit: known even if
-        this raises midway)."""
-        out: list[PutStatus] = []
-        parent: ChunkKey | None = None
-        for i, (digest, room) in enumerate(zip(digests, rooms)):
-            key = ChunkKey(namespace, digest)
-            if key in self.filling:
-                out.append(PutStatus.EXISTS)
-                continue
-            told = self._told(tokens, i)
-            bound = self.memory.bind_room(room, key, parent)
-            if isinstance(bound, Reservation):
-                bound.tokens = told
-                if taken is not None:
-                    taken.append(room)
-                out.append(self.commit(bound))
-            else:
-                if bound is PutStatus.EXISTS:
-                    self._announce_stored_before(key, told)
-                out.append(bound)
-            parent = key
-        return out
-
-    def commit(self, reservation: Reservation) -> PutStatus:
-        """Phase two: the filled reservation becomes visible, and is queued for Redis."""
-        status = self.memory.complete_store(reservation)
-        if status is PutStatus.STORED:
-            if self.remote is not None:
-                self._uplink(reservation.key)
-            if reservation.tokens is not None and self.events is not None:
-                self.events.stored(reservation.key, reservation.tokens, self.memory.name)
-        reservation.tokens = None
-        return status
-
-    def _uplink(self, key: ChunkKey) -> None:
-        """Queue a stored chunk for Redis; leased until its record is built (off the loop)."""
-        assert self.remote is not None
-        lease = self.memory.lease(key)
-        if lease is not None:
-            self.remote.enqueue(key, lease.data, lease.release)
-
-    def uplink_again(self, key: ChunkKey) -> bool:
-        """Queue ``key`` for Redis if memory holds it (True); for writes a previous
-        daemon owed Redis (:meth:`.RedisTier.requeue`)."""
-        if self.remote is None:
-            return False
-        lease = self.memory.lease(key)
-        return lease is not None and self.remote.enqueue(key, lease.data, lease.release)
-
-    def abort(self, reservation: Reservation) -> None:
-        self.memory.abort_store(reservation)
-
-    async def prepare_puts(
-        self,
-        namespace: str,
-        digests: Sequence[bytes],
-        payloads: Sequence[Any],
-        tokens: Sequence[ChunkTokens | None] | None = None,
-    ) -> tuple[list[PutStatus], Callable[[], asyncio.Future[None] | None]]:
-        """A put of payload frames: the statuses to answer now, and ``finish``.
-        ``tokens``: one per digest (or None), announced once the chunk is visible.
-
-        ``finish`` starts copying the payloads in (off the event loop) and
-        returns a future done once every chunk is visible (None: nothing to
-        copy); the payloads must stay alive until then.  The server calls it
-        right after queueing the reply, in the same event-loop step: from then
-        on the chunks are *filling*, and reads of them wait, so no request can
-        observe the gap, while ZeroMQ's I/O thread already receives the
-        client's next request and the event loop serves others.
-        """
-        if self.filling:
-            # One generation of copies at a time: this put's reply waits until the
-            # earlier puts' chunks are in (milliseconds), so a client streaming
-            # puts faster than they are copied is slowed down rather than piling
-            # up payloads, and those chunks are evictable again before this
-            # put asks for room.
-            await self.filling.wait()
-        sources = [memoryview(p).cast("B") for p in payloads]
-        outcomes = await self.reserve_waiting(namespace, digests, [src.nbytes for src in sources], tokens)
-        pending = [(r, src) for r, src in zip(outcomes, sources) if isinstance(r, Reservation)]
-        statuses = [PutStatus.STORED if isinstance(r, Reservation) else r for r in outcomes]
-
-        def finish() -> asyncio.Future[None] | None:
-            return self.filling.start(pending) if pending else None
-
-        return statuses, finish
-
-    async def put_many(
-        self,
-        namespace: str,
-        digests: Sequence[bytes],
-        payloads: Sequence[Any],
-        tokens: Sequence[ChunkTokens | None] | None = None,
-    ) -> list[PutStatus]:
-        """Store the chunks now (prepare_puts, then wait for finish)."""
-        statuses, finish = await self.prepare_puts(namespace, digests, payloads, tokens)
-        done = finish()
-        if done is not None:
-            await done
-        return statuses
-
-    def _where(self, key: ChunkKey) -> str | None:
-        if key in self.filling:
-            return self.memory.name
-        return next((t.name for t in self.tiers if t.peek(key)), None)
-
-    def _locate_local(self, namespace: str, digests: Sequence[bytes]) -> list[str | None]:
-        """The fastest local tier (memory, disk) holding each key; None where none does."""
-        # Plain tuples hash and compare like ChunkKeys (a NamedTuple), at a sixth of
-        # the cost of building one: these only test membership (ChunkKeys for Redis below).
-        keys = cast(list[ChunkKey], [(namespace, d) for d in digests])
-        memory = self.memory.name
-        if not self.filling:  # the common case: one pass over the memory index answers it
-            found = self.memory.peek_many(keys)
-            if all(found):
-                return [memory] * len(keys)
-            tiers: list[str | None] = [memory if f else None for f in found]
-            rest = self.tiers[1:]
-        else:
-            tiers = [memory if f else None for f in self.filling.peek_many(keys)]
-            rest = self.tiers
-        # One membership pass per tier over the keys still unplaced (a lookup asks
-        # for up to max_keys_per_request keys at a time), not a call per key and tier.
-        for tier in rest:
-            if tier is self.remote:  # asked by _locate, in one round trip
-                continue
-            missing = [i for i, t in enumerate(tiers) if t is None]
-            if not missing:
-                break
-            found = tier.peek_many(keys if len(missing) == len(keys) else [keys[i] for i in missing])
-            for i, hit in zip(missing, found):
-                if hit:
-                    tiers[i] = tier.name
-        return tiers
-
-    async def _locate(self, namespace: str, digests: Sequence[bytes]) -> list[str | None]:
-        tiers = self._locate_local(namespace, digests)
-        if self.remote is not None and None in tiers:
-            # One round trip for every key no local tier holds.
-            missing = [i for i, t in enumerate(tiers) if t is None]
-            found = await self.remote.exists_many([ChunkKey(namespace, digests[i]) for i in missing])
-            for i, hit in zip(missing, found):
-                if hit:
-                    tiers[i] = self.remote.name
-        return tiers
-
-    def _counted(self, tiers: list[str | None]) -> tuple[int, list[str | None]]:
-        hits = len(tiers) if None not in tiers else tiers.index(None)
-        c = self.lookup_counters
-        c.lookups += 1
-        c.chunks_asked += len(tiers)
-        c.chunks_hit += hits
-        return hits, tiers
-
-    async def lookup(self, namespace: str, digests: Sequence[bytes]) -> tuple[int, list[str | None]]:
-        """Leading-hit count and the fastest tier holding each key (None: not stored)."""
-        return self._counted(await self._locate(namespace, digests))
-
-    def lookup_now(self, namespace: str, digests: Sequence[bytes]) -> tuple[int, list[str | None]] | None:
-        """:meth:`lookup` answered without waiting, or None when it must ask Redis
-        (some key is in no local tier and a remote tier is configured)."""
-        tiers = self._locate_local(namespace, digests)
-        if self.remote is not None and None in tiers:
-            return None
-        return self._counted(tiers)
-
-    async def exists(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
-        return [t is not None for t in await self._locate(namespace, digests)]
 
     async def delete(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
         out = []
