@@ -6,8 +6,9 @@
 - ``tier``: :class:`MemoryTier`, the chunks in the pool: reads, reservations
   (the two-phase write), pins; built on ``eviction`` (allocation, eviction,
   quotas) on ``index`` (the tier's state, entries, leases, removal, accounts);
-- ``warm`` and ``warmstart``: the pool handed from a cleanly stopped daemon to
-  the next (the tier's side, and the index file with its adoption).
+- ``warm``, ``warmstart``, ``warmindex`` and ``warmadopt``: the pool handed from
+  a cleanly stopped daemon to the next (the tier's side; finding, locking and
+  writing in ``shm_dir``; the index file and its checks; its adoption).
 
 It imports the storage leaves and :mod:`..policy`, never the disk or Redis tier.
 Code outside this room imports the names below from ``storage.memory``.
@@ -17,7 +18,9 @@ from .allocator import ALIGNMENT
 from .entry import UNBOUND, Reservation
 from .pool import MemoryPool, PinningError
 from .tier import MemoryTier
-from .warmstart import Adoption, HeldLease, HeldSlot, WarmStart
+from .warmadopt import Adoption
+from .warmindex import HeldLease, HeldSlot
+from .warmstart import WarmStart
 
 __all__ = [
     "ALIGNMENT",

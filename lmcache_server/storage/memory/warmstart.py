@@ -12,22 +12,6 @@ cold start with one log line saying why, and the old segment and its index
 are removed.  Files of other users in the (sticky) directory are skipped: any
 local user can create one there, and none stops a daemon from starting.
 
-What the index holds, in msgpack under a magic, a format version and a
-BLAKE2b digest of the body:
-
-- every stored chunk: namespace, digest, offset, size, pinned; in the
-  eviction policy's order (next victim first), so the order survives.
-  Frequencies of ``lfuda``/``adaptive`` start again at one;
-- the shared-memory leases alive at the stop (server/shm.py): read leases
-  (the chunks a client may still be copying out of) and write slots (reserved,
-  never committed: a client may still be copying into them).  The next daemon
-  keeps a read lease's extents until its deadline (CLOCK_MONOTONIC is the
-  host's, so deadlines carry over) and holds every write slot in its
-  quarantine under the same lease id, until its writer's late
-  ``commit``/``release`` arrives (refused, the write is aborted), its process
-  is gone, or ``QUARANTINE_FACTOR`` lease timeouts passed: a writer that was
-  mid-copy when the old daemon stopped can never write into a reused slot.
-
 The index file is the clean marker.  It is written last (temp file + rename,
 while the segment's lock is held) and removed by the next daemon the moment it
 has locked the segment, before it serves anything; a daemon killed later
@@ -36,96 +20,72 @@ pool.py).  So a crash (SIGKILL, OOM kill, power loss) is always a cold start of
 the memory tier: no bytes are adopted without the proof of a clean stop, and a
 put pays nothing for it (no checksum; docs/operations.md).
 
-Primitives: :class:`WarmStart` (``find``, ``save``), :class:`Adoption`
-(``restore``), :class:`HeldLease`, :class:`HeldSlot`, :func:`encode`,
+Three modules, one job each: this one finds, locks and removes segments and
+their index files in ``shm_dir`` and writes the index at the stop
+(:class:`WarmStart`); :mod:`.warmindex` is the index file (what it holds, its
+bytes, its checks); :mod:`.warmadopt` fills the new tier from it
+(:class:`Adoption`).  Their names stay importable from here.
+
+Primitives: :class:`WarmStart` (``find``, ``save``), :func:`installation_id`,
+:func:`boot_id`; from :mod:`.warmadopt`: :class:`Adoption` (``restore``); from
+:mod:`.warmindex`: :class:`HeldLease`, :class:`HeldSlot`, :func:`encode`,
 :func:`decode`, :class:`WarmIndexError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import hashlib
 import logging
 import os
 import socket
 import stat
-import struct
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
 
-import msgpack
-
-from ..base import Chunk, ChunkKey
-from . import warm
-from .allocator import ExtentAllocator, aligned
-from .entry import Entry, Reservation
 from .pool import INDEX_SUFFIX, SEGMENT_RE, MemoryPool, Segment
+from .warmadopt import Adoption, WarmMemory
+from .warmindex import (
+    FORMAT_VERSION,
+    MAGIC,
+    HeldLease,
+    HeldSlot,
+    WarmIndex,
+    WarmIndexError,
+    check,
+    decode,
+    encode,
+)
+
+__all__ = [
+    "DEFAULT_MAX_AGE_S",
+    "FORMAT_VERSION",
+    "LOCK_WAIT_S",
+    "MAGIC",
+    "MAX_INDEX_BYTES",
+    "TMP_SUFFIX",
+    "Adoption",
+    "HeldLease",
+    "HeldSlot",
+    "WarmIndex",
+    "WarmIndexError",
+    "WarmMemory",
+    "WarmStart",
+    "boot_id",
+    "check",
+    "decode",
+    "encode",
+    "installation_id",
+]
 
 logger = logging.getLogger(__name__)
 
-
-class WarmMemory(warm.WarmTier, Protocol):
-    """What a warm restart needs of the memory tier (:class:`.tier.MemoryTier` is
-    one; this module does not import it)."""
-
-    def snapshot(self) -> list[tuple[ChunkKey, int, int, bool]]: ...
-
-    def adopt(self, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None: ...
-
-    def lease(self, key: ChunkKey) -> Chunk | None: ...
-
-
-FORMAT_VERSION = 2
-MAGIC = b"LMCWARM\x00"
-_HEADER = struct.Struct("<8sIIQ32s")  # magic, version, reserved, body length, blake2b-256 of the body
 MAX_INDEX_BYTES = 1 << 30
 LOCK_WAIT_S = 5.0
 """How long a new daemon waits for the old one to let go of the segment (it exits right after the index)."""
 TMP_SUFFIX = ".tmp"
-
-
-class WarmIndexError(ValueError):
-    """An index that cannot be adopted; the message says why (logged once)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HeldSlot:
-    """One extent of a lease carried over a restart (``key``: a write slot's chunk)."""
-
-    offset: int
-    size: int
-    key: ChunkKey | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HeldLease:
-    """A shared-memory lease alive at a clean stop.
-
-    ``deadline``: a read lease's expiry, or when a write slot's quarantine
-    clock starts (server/shm.py); ``owner``: a write lease's owner field."""
-
-    lease: int
-    write: bool
-    deadline: float
-    owner: dict[str, int] | None
-    slots: tuple[HeldSlot, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmIndex:
-    segment: str
-    pool_size: int
-    identity: tuple[str, ...]
-    boot_id: str
-    written_at: float
-    chunks: list[tuple[ChunkKey, int, int, bool]]
-    leases: list[HeldLease]
-    installation: str = ""
-    """The daemon installation that wrote it (:func:`installation_id`)."""
 
 
 def installation_id() -> str:
@@ -142,182 +102,6 @@ def boot_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
-
-
-# -- the file format ---------------------------------------------------------------
-def encode(index: WarmIndex) -> bytes:
-    """The index file's bytes: header (magic, version, length, digest), then the msgpack body."""
-    body: bytes = msgpack.packb(
-        {
-            "segment": index.segment,
-            "pool_size": index.pool_size,
-            "identity": list(index.identity),
-            "installation": index.installation,
-            "boot_id": index.boot_id,
-            "written_at": index.written_at,
-            "chunks": [[k.namespace, k.digest, off, size, pinned] for k, off, size, pinned in index.chunks],
-            "leases": [
-                [
-                    h.lease,
-                    h.write,
-                    h.deadline,
-                    h.owner,
-                    [
-                        [s.offset, s.size, *((s.key.namespace, s.key.digest) if s.key else (None, None))]
-                        for s in h.slots
-                    ],
-                ]
-                for h in index.leases
-            ],
-        },
-        use_bin_type=True,
-    )
-    digest = hashlib.blake2b(body, digest_size=32).digest()
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body), digest) + body
-
-
-def decode(raw: bytes) -> WarmIndex:
-    """The index in ``raw``; WarmIndexError saying what is wrong with it."""
-    if len(raw) < _HEADER.size:
-        raise WarmIndexError(f"index truncated ({len(raw)} bytes)")
-    magic, version, _, length, digest = _HEADER.unpack_from(raw)
-    if magic != MAGIC:
-        raise WarmIndexError("not an index file (bad magic)")
-    if version != FORMAT_VERSION:
-        raise WarmIndexError(f"index format version {version}, this daemon reads version {FORMAT_VERSION}")
-    body = raw[_HEADER.size :]
-    if len(body) != length:
-        raise WarmIndexError(f"index truncated ({len(body)} of {length} body bytes)")
-    if hashlib.blake2b(body, digest_size=32).digest() != digest:
-        raise WarmIndexError("index checksum mismatch (corrupt)")
-    try:
-        m = msgpack.unpackb(body, raw=False, strict_map_key=True)
-        chunks = [(ChunkKey(_str(ns), _bytes(d)), _uint(o), _uint(n, 1), _bool(p)) for ns, d, o, n, p in m["chunks"]]
-        leases = [
-            HeldLease(
-                _uint(lease, 1),
-                _bool(write),
-                float(deadline),
-                {str(k): int(v) for k, v in owner.items()} if owner is not None else None,
-                tuple(
-                    HeldSlot(_uint(o), _uint(n, 1), ChunkKey(_str(ns), _bytes(d)) if d is not None else None)
-                    for o, n, ns, d in slots
-                ),
-            )
-            for lease, write, deadline, owner, slots in m["leases"]
-        ]
-        return WarmIndex(
-            _str(m["segment"]),
-            _uint(m["pool_size"], 1),
-            tuple(_str(x) for x in m["identity"]),
-            _str(m["boot_id"]),
-            float(m["written_at"]),
-            chunks,
-            leases,
-            _str(m["installation"]),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as err:
-        raise WarmIndexError(f"malformed index ({type(err).__name__}: {err})") from err
-
-
-def _str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {type(v).__name__}")
-    return v
-
-
-def _bytes(v: Any) -> bytes:
-    if not isinstance(v, bytes):
-        raise TypeError(f"expected bytes, got {type(v).__name__}")
-    return v
-
-
-def _bool(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"expected a boolean, got {type(v).__name__}")
-    return v
-
-
-def _uint(v: Any, least: int = 0) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < least:
-        raise ValueError(f"expected an integer >= {least}, got {v!r}")
-    return v
-
-
-# -- adopting ----------------------------------------------------------------------
-@dataclasses.dataclass
-class Adoption:
-    """A segment locked for this daemon and the index it was left with."""
-
-    segment: Segment
-    index: WarmIndex
-
-    def restore(
-        self, memory: WarmMemory, now: float | None = None
-    ) -> tuple[list[tuple[int, float, list[Chunk]]], list[tuple[int, float, dict[str, int] | None, list[Reservation]]]]:
-        """Fill the (new, empty) ``memory`` tier from the index; returns the leases
-        for server/shm.py to take over: read leases still alive ``(lease,
-        deadline, chunks)`` and write slots ``(lease, since, owner, reservations)``."""
-        now = time.monotonic() if now is None else now
-        reads, writes, held = _leases_kept(self.index, now)
-        memory.adopt(self.index.chunks, held)
-        at = {offset: (key, size) for key, offset, size, _ in self.index.chunks}
-        # One held entry per extent, leased once per slot: two read leases (or one get
-        # naming a key twice) on a chunk deleted before the stop free its extent once,
-        # when the last of them ends.
-        gone: dict[int, Entry] = {}
-        read_grants = []
-        for lease in reads:
-            chunks = []
-            for s in lease.slots:
-                live = at.get(s.offset)
-                found = memory.lease(live[0]) if live is not None and live[1] == s.size else None
-                chunks.append(found if found is not None else warm.held_chunk(memory, s.offset, s.size, gone))
-            read_grants.append((lease.lease, lease.deadline, chunks))
-        view = memory.pool.view
-        write_grants = [
-            (
-                lease.lease,
-                lease.deadline,
-                lease.owner,
-                [
-                    Reservation(s.key or ChunkKey("", b""), s.offset, s.size, None, view[s.offset : s.offset + s.size])
-                    for s in lease.slots
-                ],
-            )
-            for lease in writes
-        ]
-        return read_grants, write_grants
-
-
-def _leases_kept(index: WarmIndex, now: float) -> tuple[list[HeldLease], list[HeldLease], list[tuple[int, int]]]:
-    """Read leases still alive, every write lease, and the extents they hold that
-    no stored chunk covers (those the adopted allocator must keep allocated)."""
-    at = {offset: size for _, offset, size, _ in index.chunks}
-    reads = [h for h in index.leases if not h.write and h.deadline > now]
-    writes = [h for h in index.leases if h.write]
-    held: dict[int, int] = {}
-    for lease in reads + writes:
-        for s in lease.slots:
-            if lease.write or at.get(s.offset) != s.size:
-                if held.get(s.offset, s.size) != s.size:
-                    raise WarmIndexError(f"two leases hold different extents at offset {s.offset}")
-                held[s.offset] = s.size
-    return reads, writes, sorted(held.items())
-
-
-def check(index: WarmIndex, pool_size: int) -> None:
-    """Raise WarmIndexError unless every extent is page-aligned, inside the pool,
-    overlapping no other, and no key is listed twice."""
-    keys = {key for key, _, _, _ in index.chunks}
-    if len(keys) != len(index.chunks):
-        raise WarmIndexError("a chunk is listed twice")
-    _, _, held = _leases_kept(index, float("-inf"))
-    extents = [(o, aligned(n)) for _, o, n, _ in index.chunks] + [(o, aligned(n)) for o, n in held]
-    try:
-        ExtentAllocator.with_used(pool_size, extents)
-    except ValueError as err:
-        raise WarmIndexError(f"inconsistent extents: {err}") from None
 
 
 DEFAULT_MAX_AGE_S = 3600.0
