@@ -16,7 +16,7 @@
 - With ``direct_io`` (and a filesystem that takes it) files are written with
   O_DIRECT, straight from pool memory to the device: no page-cache copy;
   reads stay buffered and drop the file's pages after, so nothing is cached
-  twice (see :mod:`.diskfiles`).
+  twice (see :mod:`.files`).
 - Reads verify the header, the namespace, the key and the payload checksum; a
   damaged, truncated or foreign file is a miss, is deleted and is counted.
 - On open the index is rebuilt from the directory (headers only), so the cache
