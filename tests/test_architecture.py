@@ -30,6 +30,16 @@ def make_tree(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
+def test_the_tree_keeps_its_layers() -> None:
+    """No import cycle, no upward or sibling import, no inner module of a storage
+    subpackage imported from outside it: the floors of issue 25, as the table at the
+    top of scripts/check_layers.py writes them."""
+    result = run_check(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1 and "no cycle, no upward import" in lines[0], lines
+
+
 # A small tree that keeps every rule: the cli on top, storage below the server, the
 # client at the bottom.
 CLEAN = {

@@ -53,14 +53,10 @@ restart (its slots with no key), freed by release.
 Lease ids are random 63-bit numbers: a client cannot guess another's.
 
 A warm restart (storage/memory/warmstart.py) keeps the segment, its token and these
-rules: at the clean stop :meth:`ShmLeases.hand_over` lists the leases alive,
-and the next daemon :meth:`ShmLeases.take_over` them: read leases keep their
-chunks until their deadline, and every write slot, expired or not, goes
-straight into the quarantine under its lease id.  Its writer's ``commit`` is
-refused (``UNKNOWN_LEASE``: a write in flight across a restart is aborted) and
-frees the slot, as its ``release`` or its death does; a writer the daemon
-cannot observe gets ``QUARANTINE_FACTOR`` timeouts, counted from the lease's
-deadline.
+rules: :meth:`ShmLeases.hand_over` and :meth:`ShmLeases.take_over` carry the
+leases to the next daemon (shmwarm.py says how).  The table itself (its
+records, the writer's liveness, what the leases hold, the counters) is
+shmtable.py; this module grants, ends and expires leases.
 
 Primitives: :class:`ShmLeases` (``offer``, ``check_segment``, ``grant_reads``,
 ``grant_writes``, ``stage``, ``bind``, ``commit``, ``release``, ``release_nonces``, ``sweep``,
@@ -70,135 +66,25 @@ Primitives: :class:`ShmLeases` (``offer``, ``check_segment``, ``grant_reads``,
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
-import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from lmcache_client.protocol import ErrorCode, ProtocolError, PutStatus
 
-from ..storage import Chunk, TieredStore
-from ..storage.memory import UNBOUND, HeldLease, HeldSlot, MemoryPool, Reservation
+from ..storage import Chunk
+from ..storage.memory import HeldLease, Reservation
 from ..storage.tiered import ROOM_WAIT_S
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _ReadLease:
-    chunks: list[Chunk]
-    deadline: float
-    nbytes: int
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _WriteLease:
-    reservations: list[Reservation]
-    deadline: float
-    nbytes: int
-    owner: Owner | None = None
-    staged: bool = False
-    """Slots bound to no key yet (a commit's ``stage``), consumed by ``bind``."""
-    tenant: str | None = None
-    """The tenant whose alloc made it (its reservations are charged to it)."""
-
+from .shmtable import QUARANTINE_FACTOR as QUARANTINE_FACTOR  # re-exported: tests import it from here
+from .shmtable import LeaseTable, Owner, Quarantined, ReadLease, WriteLease
+from .shmwarm import adopted_leases, held_leases
 
 MAX_CANCELLED = 65536
 """Nonces released before their grant remembered at most (each for a couple of lease timeouts)."""
 
-QUARANTINE_FACTOR = 20
-"""Lease timeouts an expired write slot of a writer the daemon cannot observe stays
-quarantined (with the default 30 s: 10 minutes)."""
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Owner:
-    """The process holding a write lease, as its alloc described it."""
-
-    pid: int
-    pidns: int
-    start: int
-    """Process start time (clock ticks since boot, /proc/<pid>/stat field 22)."""
-
-    @classmethod
-    def parse(cls, value: Any) -> Owner | None:
-        if not isinstance(value, dict):
-            return None
-        try:
-            owner = cls(int(value["pid"]), int(value["pidns"]), int(value["start"]))
-        except (KeyError, TypeError, ValueError):
-            return None
-        return owner if owner.pid > 0 else None
-
-    def observable(self) -> bool:
-        """Whether this daemon sees the owner's pid namespace (so its pid means the same here)."""
-        return _own_pidns() == self.pidns
-
-    def alive(self) -> bool:
-        """The process still exists (the same one: a reused pid has another start time)."""
-        return _start_time(self.pid) == self.start
-
-
-def _own_pidns() -> int | None:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Quarantined:
-    lease: int
-    write: _WriteLease
-    since: float
-
-
-@dataclasses.dataclass
-class ShmCounters:
-    read_leases: int = 0
-    write_leases: int = 0
-    read_bytes: int = 0
-    committed_bytes: int = 0
-    expired_reads: int = 0
-    expired_writes: int = 0
-    aborted_writes: int = 0
-    quarantine_released: int = 0
-    """Expired write slots freed because their writer came back (commit/release) or died."""
-    quarantine_timed_out: int = 0
-    """Expired write slots of unobservable writers freed after QUARANTINE_FACTOR timeouts."""
-    staged_leases: int = 0
-    """Leases of staged slots granted (a commit's ``stage``)."""
-    binds: int = 0
-    """Puts into staged slots (``bind`` requests answered)."""
-    expired_staged: int = 0
-    """Leases of staged slots that lapsed (quarantined like an expired write lease)."""
-
-
-class ShmLeases:
-    def __init__(self, store: TieredStore, pool: MemoryPool, timeout_s: float):
-        self.store = store
-        self.pool = pool
-        self.timeout_s = timeout_s
-        self.counters = ShmCounters()
-        self._reads: dict[int, _ReadLease] = {}
-        self._writes: dict[int, _WriteLease] = {}
-        self._quarantine: dict[int, _Quarantined] = {}
-        self._nonces: dict[int, int] = {}
-        """Client-chosen nonce of a live write lease -> its lease id."""
-        self._cancelled: dict[int, float] = {}
-        """Nonces released before any grant -> until when a late grant under them is refused."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.pool.shared
+class ShmLeases(LeaseTable):
+    """Grants, ends and expires the leases of its table (see the module docstring)."""
 
     def offer(self) -> dict[str, Any] | None:
         """What the hello reply tells a client about mapping the pool (None: not shared)."""
@@ -221,19 +107,13 @@ class ShmLeases:
                 ErrorCode.STALE_SEGMENT, "unknown shared-memory segment: say hello again and remap", request_id
             )
 
-    def _new_id(self) -> int:
-        while True:
-            lease = secrets.randbits(63)
-            if lease and lease not in self._reads and lease not in self._writes:
-                return lease
-
     # -- grants --------------------------------------------------------------------
     def grant_reads(self, chunks: Sequence[Chunk]) -> tuple[int, float]:
         """Keep ``chunks`` (memory-tier, leased) until released or expired: (lease id, deadline)."""
         deadline = time.monotonic() + self.timeout_s
         lease = self._new_id()
         nbytes = sum(c.nbytes for c in chunks)
-        self._reads[lease] = _ReadLease(list(chunks), deadline, nbytes)
+        self._reads[lease] = ReadLease(list(chunks), deadline, nbytes)
         self.counters.read_leases += 1
         self.counters.read_bytes += nbytes
         return lease, deadline
@@ -261,7 +141,7 @@ class ShmLeases:
         lease = self._new_id()
         if nonce is not None:
             self._nonces[nonce] = lease
-        self._writes[lease] = _WriteLease(
+        self._writes[lease] = WriteLease(
             list(reservations), deadline, sum(r.size for r in reservations), Owner.parse(owner), staged, tenant
         )
         if staged:
@@ -413,18 +293,6 @@ class ShmLeases:
                 out.append(self.release([lease])[0])
         return out
 
-    def _abort(self, write: _WriteLease) -> None:
-        for reservation in write.reservations:
-            self.store.abort(reservation)
-
-    def _end_quarantine(self, lease: int) -> bool:
-        held = self._quarantine.pop(lease, None)
-        if held is None:
-            return False
-        self._abort(held.write)
-        self.counters.quarantine_released += 1
-        return True
-
     # -- expiry --------------------------------------------------------------------
     def sweep(self, now: float | None = None) -> int:
         """Expire leases past their deadline; returns how many."""
@@ -444,7 +312,7 @@ class ShmLeases:
                     self.counters.expired_staged += 1
                 else:
                     self.counters.expired_writes += 1
-                self._quarantine[lease] = _Quarantined(lease, write, now)
+                self._quarantine[lease] = Quarantined(lease, write, now)
                 expired += 1
         for nonce, lease in list(self._nonces.items()):
             if lease not in self._writes and lease not in self._quarantine:
@@ -471,25 +339,10 @@ class ShmLeases:
             await asyncio.sleep(interval)
             self.sweep()
 
-    # -- warm restarts ----------------------------------------------------------------
+    # -- warm restarts (shmwarm.py) ---------------------------------------------------
     def hand_over(self) -> list[HeldLease]:
         """The leases alive now, for the next daemon (a clean stop); then :meth:`close`."""
-        out = [
-            HeldLease(
-                lease,
-                False,
-                r.deadline,
-                None,
-                tuple(HeldSlot(c.offset, c.nbytes) for c in r.chunks if c.offset is not None),
-            )
-            for lease, r in self._reads.items()
-        ]
-        writes = [(lease, w, w.deadline) for lease, w in self._writes.items()]
-        writes += [(lease, q.write, q.since) for lease, q in self._quarantine.items()]
-        for lease, w, since in writes:
-            owner = dataclasses.asdict(w.owner) if w.owner is not None else None
-            slots = tuple(HeldSlot(r.offset, r.size, None if r.key == UNBOUND else r.key) for r in w.reservations)
-            out.append(HeldLease(lease, True, since, owner, slots))
+        out = held_leases(self._reads, self._writes, self._quarantine)
         self.close()
         return out
 
@@ -500,13 +353,10 @@ class ShmLeases:
     ) -> None:
         """Leases of the daemon before a warm restart: read leases ``(lease,
         deadline, chunks)`` held until they end, write slots ``(lease, since,
-        owner, reservations)`` quarantined (see the module docstring)."""
-        for lease, deadline, chunks in reads:
-            self._reads[lease] = _ReadLease(list(chunks), deadline, sum(c.nbytes for c in chunks))
-        for lease, since, owner, reservations in writes:
-            nbytes = sum(r.size for r in reservations)
-            write = _WriteLease(list(reservations), since, nbytes, Owner.parse(owner))
-            self._quarantine[lease] = _Quarantined(lease, write, since)
+        owner, reservations)`` quarantined (see shmwarm.py)."""
+        adopted, quarantined = adopted_leases(reads, writes)
+        self._reads.update(adopted)
+        self._quarantine.update(quarantined)
 
     def close(self) -> None:
         """Release every lease (shutdown)."""
@@ -514,29 +364,3 @@ class ShmLeases:
         for held in self._quarantine.values():
             self._abort(held.write)
         self._quarantine.clear()
-
-    def reserved_bytes(self) -> int:
-        """Pool bytes write leases hold now (staged slots and quarantined slots included)."""
-        return sum(w.nbytes for w in self._writes.values()) + sum(q.write.nbytes for q in self._quarantine.values())
-
-    def tenant_reserved_bytes(self, tenant: str) -> int:
-        """Pool bytes the write leases of ``tenant``'s allocs hold now (quarantined ones included)."""
-        held = [w for w in self._writes.values()] + [q.write for q in self._quarantine.values()]
-        return sum(w.nbytes for w in held if w.tenant == tenant)
-
-    def staged_bytes(self) -> int:
-        """Pool bytes held by staged slots now (not counting quarantined ones)."""
-        return sum(w.nbytes for w in self._writes.values() if w.staged)
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "enabled": self.enabled,
-            "active_read_leases": len(self._reads),
-            "active_write_leases": sum(1 for w in self._writes.values() if not w.staged),
-            "leased_bytes": sum(r.nbytes for r in self._reads.values()),
-            "reserved_bytes": self.reserved_bytes(),
-            "quarantined_bytes": sum(q.write.nbytes for q in self._quarantine.values()),
-            "active_staged_leases": sum(1 for w in self._writes.values() if w.staged),
-            "staged_bytes": self.staged_bytes(),
-            **dataclasses.asdict(self.counters),
-        }
