@@ -18,7 +18,7 @@ layout measures, interleaved, in one run:
 
 Layouts: ``cpu`` is vLLM 0.32's CPU backend (K of each head transposed inside a
 block, ``[head_dim, 128 tokens]``; probed from vLLM's own cache write when vLLM
-is importable, else from the stand-in write of tests/test_paged_layout.py),
+is importable, else from the stand-in write of tests/integrations/test_paged_layout.py),
 ``nhd`` a FlashAttention-style ``K || V`` per token (on CPU tensors here).
 Chunk sizes come from the model shapes: 4 MiB = 8 layers x 4 KV heads x 128
 fp16; 16 MiB = 32 x 4 x 128 fp16; 32 MiB = 32 x 8 x 128 bf16 (Llama-3-8B).
@@ -59,13 +59,13 @@ def cpu_writer() -> tuple[Any, str]:
 
         return write, "vLLM's cpu_attn_reshape_and_cache"
     except ImportError:
-        from tests.vllm_harness.standins import cpu_write
+        from tests.integrations.vllm.vllm_harness.standins import cpu_write
 
         return cpu_write, "stand-in of vLLM's CPU write (vLLM not importable)"
 
 
 def nhd_write(key: Any, value: Any, cache: Any, slots: Any) -> None:
-    from tests.vllm_harness.standins import flash_write
+    from tests.integrations.vllm.vllm_harness.standins import flash_write
 
     flash_write(key, value, cache, slots)
 

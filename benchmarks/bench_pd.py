@@ -8,7 +8,7 @@ Builds the local Llama of bench_vllm.py (random weights, 8 layers, hidden
 (the PD command lines of docs/integrations.md) and a plain vLLM instance
 without the connector (the same command without ``--kv-transfer-config``).
 Requests go to the plain instance directly and, for PD, as
-tests/vllm_harness/pd_proxy.py sends them (producer with ``max_tokens=1``,
+tests/integrations/vllm/vllm_harness/pd_proxy.py sends them (producer with ``max_tokens=1``,
 then the consumer), from this process, so no relay sits in the timings.
 All requests stream; per prompt size and repetition, with a fresh random
 prompt each time:
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import free_port, raise_on_sigterm, workspace  # noqa: E402
 from benchmarks.bench_vllm import VLLM_PYTHON, build_model, counters, start_servers  # noqa: E402
-from tests.vllm_harness.fixtures import doc_command  # noqa: E402
+from tests.integrations.vllm.vllm_harness.fixtures import doc_command  # noqa: E402
 
 
 def stream(url: str, model: str, tokens: list[int], n: int, times: list[float] | None = None) -> list[float]:
@@ -76,7 +76,7 @@ def stream(url: str, model: str, tokens: list[int], n: int, times: list[float] |
 
 def ttft_itl(url: str, model: str, tokens: list[int], n: int, prefill_url: str | None = None) -> tuple[float, float]:
     """Time to the first token and mean inter-token gap; with ``prefill_url`` the PD flow
-    (what tests/vllm_harness/pd_proxy.py does, without the relay): the prompt on the
+    (what tests/integrations/vllm/vllm_harness/pd_proxy.py does, without the relay): the prompt on the
     producer with one output token, then streamed from the consumer at ``url``."""
     started = time.perf_counter()
     if prefill_url is not None:

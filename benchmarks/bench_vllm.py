@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import CpuMeter, free_port, raise_on_sigterm, workspace  # noqa: E402
-from tests.vllm_harness.fixtures import doc_command  # noqa: E402
+from tests.integrations.vllm.vllm_harness.fixtures import doc_command  # noqa: E402
 
 VLLM_PYTHON = Path(os.environ.get("LMCACHE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 MODEL = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8}
@@ -58,7 +58,7 @@ CHUNK = 256
 
 def build_model(out: Path) -> Path:
     code = (
-        "import sys; from pathlib import Path; from tests.vllm_harness.models import build;"
+        "import sys; from pathlib import Path; from tests.integrations.vllm.vllm_harness.models import build;"
         f"build(Path(sys.argv[1]), 'llama', **{ {**MODEL, **MODEL_HEADS}!r})"
     )
     subprocess.run([str(VLLM_PYTHON), "-c", code, str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600)

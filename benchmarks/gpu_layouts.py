@@ -58,7 +58,7 @@ def unavailable_reason(device: str) -> str | None:
 
 
 def cache_write() -> tuple[Callable[..., None], str]:
-    """vLLM's flash cache write, or the stand-in of tests/vllm_harness/standins.py."""
+    """vLLM's flash cache write, or the stand-in of tests/integrations/vllm/vllm_harness/standins.py."""
     try:
         import torch
         import vllm._custom_ops  # noqa: F401 - registers _C_cache_ops
@@ -72,7 +72,7 @@ def cache_write() -> tuple[Callable[..., None], str]:
 
         return write, "vLLM reshape_and_cache_flash"
     except (ImportError, AttributeError, RuntimeError):
-        from tests.vllm_harness.standins import flash_write
+        from tests.integrations.vllm.vllm_harness.standins import flash_write
 
         return flash_write, "torch stand-in of reshape_and_cache_flash"
 
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stand_in() -> tuple[Callable[..., None], str]:
-    from tests.vllm_harness.standins import flash_write
+    from tests.integrations.vllm.vllm_harness.standins import flash_write
 
     return flash_write, "torch stand-in of reshape_and_cache_flash"
 

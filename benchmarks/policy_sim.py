@@ -16,7 +16,7 @@ This is :class:`lmcache_server.storage.memory.MemoryTier`'s put/get logic for
 uniform chunks (allocation first, eviction only when the pool is full), and
 the policy objects are the daemon's own classes from
 :mod:`lmcache_server.storage.policy`, so the daemon's replay must match the
-simulation of the same policy (``tests/test_policy.py`` checks it exactly).
+simulation of the same policy (``tests/storage/policy/test_policy.py`` checks it exactly).
 
 ``belady`` (farthest next use, offline only) evicts the held key whose next
 access in the trace is farthest away; like the reference figures in the trace's

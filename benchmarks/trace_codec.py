@@ -79,7 +79,7 @@ def model_kv_chunks(count: int) -> tuple[str, list[Any]]:
         source = f"codec_model (trained, held-out perplexity {meta.get('held_out_ppl', float('nan')):.1f})"
     except (FileNotFoundError, ImportError) as err:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests._hf_replica import VOCAB, build_model
+        from tests.integrations._hf_replica import VOCAB, build_model
 
         model = build_model()
         ids = torch.randint(1, VOCAB, (count * BLOCK_TOKENS,), generator=torch.Generator().manual_seed(0))

@@ -24,7 +24,7 @@ import yaml
 from lmcache_server.config import ServerConfig, load_config
 
 from .conftest import Daemon, free_port
-from .test_metrics import exported_names, metric_names, scrape
+from .server.test_metrics import exported_names, metric_names, scrape
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -248,7 +248,7 @@ def test_pd_compose_file_is_valid_and_runs_the_documented_roles() -> None:
     for name in ("vllm-prefill", "vllm-decode"):
         command = services[name]["command"]
         flags = command[command.index("--kv-transfer-config") + 1]
-        assert flags in doc  # the flags of the documented commands, which tests/test_vllm_pd.py runs
+        assert flags in doc  # the flags of the documented commands, which tests/integrations/vllm/test_vllm_pd.py runs
         roles[name] = json.loads(flags)["kv_role"]
         assert services[name]["environment"]["LMCACHE_SERVER_ADDRESS"] == "tcp://lmcache-server:65432"
     assert roles == {"vllm-prefill": "kv_producer", "vllm-decode": "kv_consumer"}

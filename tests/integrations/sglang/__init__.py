@@ -1,0 +1,1 @@
+"""Tests of the SGLang HiCache backend (lmcache_client.integrations.sglang)."""

@@ -1,0 +1,98 @@
+"""Test models built locally (no hub): a config with seeded random weights and a word-level tokenizer.
+
+``python -m tests.integrations.vllm.vllm_harness.models OUT_DIR ARCH...`` writes, per
+architecture, a Hugging Face checkpoint in ``OUT_DIR/ARCH`` (``config.json``,
+``model.safetensors``, tokenizer files) that vLLM and transformers both load.  The tokenizer is a WordLevel
+vocabulary ``w0 .. wN`` split on whitespace, so a prompt of ``n`` words is
+exactly ``n`` tokens (``prompt(n, seed)`` makes one).  Architectures:
+``llama`` (GQA, head_dim 64) and ``qwen2`` (another head_dim, 32, and
+biased QKV projections).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+SPECIALS = ["<unk>", "<s>", "</s>"]
+
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "use_sliding_window": False,
+    },
+}
+
+
+def word(token: int) -> str:
+    return f"w{token - len(SPECIALS)}"
+
+
+def prompt_tokens(n: int, seed: int, vocab: int = 1024, first: int = len(SPECIALS)) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(first, vocab) for _ in range(n)]
+
+
+def build(out: Path, arch: str, vocab: int = 1024, **overrides: Any) -> Path:
+    """Write the checkpoint to ``out`` (skipped when it is already there)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    table = {name: i for i, name in enumerate(SPECIALS)}
+    table.update({word(i): i for i in range(len(SPECIALS), vocab)})
+    tok = Tokenizer(models.WordLevel(vocab=table, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(out)
+    fields = dict(ARCHS[arch])
+    fields.update(
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        initializer_range=0.1,  # larger than the default so greedy decoding does not just repeat
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    fields.update(overrides)
+    config = AutoConfig.for_model(fields.pop("model_type"), **{k: v for k, v in fields.items() if k != "architectures"})
+    config.architectures = fields["architectures"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "lmcache-test-model.json").write_text(json.dumps({"arch": arch, "vocab": vocab, **overrides}))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    out, *archs = argv
+    for arch in archs:
+        print(build(Path(out) / arch, arch))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

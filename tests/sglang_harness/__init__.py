@@ -1,2 +1,0 @@
-"""Harness of the real-SGLang tests: scripts run with the SGLang venv's python
-(``make setup-sglang``: ``.venv-sglang``), driven by tests/test_sglang_real.py."""

@@ -1,0 +1,1 @@
+"""Tests of lmcache_server.storage: the tiered store, the Redis tier, quotas, durability."""

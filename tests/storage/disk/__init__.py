@@ -1,0 +1,1 @@
+"""Tests of lmcache_server.storage.disk: the disk tier, its write path, snapshot and crash consistency."""

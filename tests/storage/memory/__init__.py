@@ -1,0 +1,1 @@
+"""Tests of lmcache_server.storage.memory: the pool allocator, entries, eviction, warm restarts."""
