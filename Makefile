@@ -37,7 +37,7 @@ $(VLLM_VENV)/.installed: client/pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q "$(VLLM)" "$(TORCH)"
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q -e "./client[codec]"
-	$(VLLM_VENV)/bin/python -c "import vllm; from lmcache_client.integrations.vllm_compat import HAVE_VLLM; assert HAVE_VLLM; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
+	$(VLLM_VENV)/bin/python -c "import vllm; from lmcache_client.integrations.vllm.compat import HAVE_VLLM; assert HAVE_VLLM; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
 	touch $@
 
 setup-vllm: $(VLLM_VENV)/.installed
@@ -60,7 +60,7 @@ $(SGLANG_VENV)/.installed: client/pyproject.toml
 		from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo; \
 		import sglang.srt.mem_cache.memory_pool_host; \
 		from sglang.srt.mem_cache.utils import get_storage_hash_str; assert len(get_storage_hash_str(list(range(32)), None, page_size=16)) == 2; \
-		from lmcache_client.integrations import sglang_hicache; assert sglang_hicache.HiCacheStorage is HiCacheStorage; \
+		from lmcache_client.integrations.sglang import hicache; assert hicache.HiCacheStorage is HiCacheStorage; \
 		print('SGLang', sglang.__version__, 'in $(SGLANG_VENV)')"
 	touch $@
 

@@ -76,8 +76,8 @@ def make_worker(size_mib: int, layout: str, client: Any, namespace: str) -> tupl
     from lmcache_client.integrations.layout import ChunkLayout
     from lmcache_client.integrations.paged import PagedCopier, probe_block_layout
     from lmcache_client.integrations.transfer import ChunkTransfer
-    from lmcache_client.integrations.vllm_layout import EngineLayout
-    from lmcache_client.integrations.vllm_worker import WorkerSide
+    from lmcache_client.integrations.vllm.layout import EngineLayout
+    from lmcache_client.integrations.vllm.worker import WorkerSide
 
     layers, heads, dim, dtype_name = SHAPES[size_mib]
     dtype = getattr(torch, dtype_name)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lmcache_client import CacheClient, Namespace
     from lmcache_client.integrations.transfer import ChunkTransfer
-    from lmcache_client.integrations.vllm_meta import LoadRequest, SaveRequest
+    from lmcache_client.integrations.vllm.meta import LoadRequest, SaveRequest
     from lmcache_client.memtune import tune_malloc
 
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # vLLM's OpenAI server with the lmcache-server client installed, so that
-# --kv-transfer-config can load lmcache_client.integrations.vllm_connector.
+# --kv-transfer-config can load lmcache_client.integrations.vllm.connector.
 # Build from the repository root:
 #
 #   docker build -f deploy/vllm.Dockerfile -t lmcache-vllm .

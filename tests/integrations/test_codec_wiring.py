@@ -298,7 +298,7 @@ def test_sglang_backend_with_a_codec(daemons: dict[str, Daemon], mode: str, capl
         else:
             assert ns == a.backend.namespace and refused  # once per transfer (one per SGLang thread)
         with daemons[mode].client() as c:
-            from lmcache_client.integrations.sglang_hicache import page_key
+            from lmcache_client.integrations.sglang.hicache import page_key
 
             frame = bytes(c.get([page_key(keys[0])], namespace=ns)[0])
         assert (len(frame) != a.backend.page_bytes) == (mode == "lossless")
@@ -310,7 +310,7 @@ def test_sglang_backend_with_a_codec(daemons: dict[str, Daemon], mode: str, capl
 def test_an_engine_side_codec_overrides_the_daemons(daemons: dict[str, Daemon]) -> None:
     """The vLLM connector's ``codec`` extra config: this transfer's own codec, whatever
     the daemon announces, in that codec's namespace."""
-    from lmcache_client.integrations.vllm_connector import ConnectorSettings
+    from lmcache_client.integrations.vllm.connector import ConnectorSettings
 
     assert ConnectorSettings.from_extra_config({"codec": "int8:group=64"}).codec == "int8:group=64"
     with pytest.raises(ValueError, match="codec='int8:group=7'"):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from lmcache_client.integrations.vllm_scheduler import SchedulerSide
+from lmcache_client.integrations.vllm.scheduler import SchedulerSide
 from lmcache_client.protocol import PutStatus
 
 from ..conftest import SHM_ROOT, Daemon, RedisServer, wait_for

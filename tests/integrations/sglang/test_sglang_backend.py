@@ -23,7 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lmcache_client.integrations.sglang_hicache import (  # noqa: E402
+from lmcache_client.integrations.sglang.hicache import (  # noqa: E402
     HiCacheStorage,
     LMCacheServerHiCacheStorage,
     page_key,
@@ -116,7 +116,7 @@ class Replica:
     def __init__(self, address: str, pool: Any = None, **config: Any):
         extra = {
             "backend_name": "lmcache-server",
-            "module_path": "lmcache_client.integrations.sglang_hicache",
+            "module_path": "lmcache_client.integrations.sglang.hicache",
             "class_name": "LMCacheServerHiCacheStorage",
             "address": address,
             "timeout_s": 5.0,

@@ -123,7 +123,7 @@ def runs(
 def test_backend_is_a_real_subclass_of_sglangs_hicache_storage(runs: dict[str, Any]) -> None:
     c = runs["a"]["classes"]
     assert c["sglang_version"] == "0.5.23"
-    assert c["base_is_sglangs"], "sglang_hicache.HiCacheStorage must be SGLang's class where SGLang is installed"
+    assert c["base_is_sglangs"], "sglang.hicache.HiCacheStorage must be SGLang's class where SGLang is installed"
     assert c["subclass"] and c["ours_abstract"] == [], "instantiable: no abstract method left"
     assert c["base_abstract"] == ["batch_get", "batch_set", "exists", "get", "set"]
     assert c["base_public"] == BASE_PUBLIC, "SGLang's base changed: check the backend against the new methods"
@@ -146,7 +146,7 @@ def test_backend_is_a_real_subclass_of_sglangs_hicache_storage(runs: dict[str, A
 
 def test_built_by_sglangs_factory_from_the_documented_extra_config(runs: dict[str, Any]) -> None:
     f = runs["a"]["factory"]
-    assert f["type"] == "lmcache_client.integrations.sglang_hicache.LMCacheServerHiCacheStorage"
+    assert f["type"] == "lmcache_client.integrations.sglang.hicache.LMCacheServerHiCacheStorage"
     assert (f["address"], f["timeout_s"]) == (runs["spec"]["shm"], 2.0)
     assert f["namespace"] == "test/sglang-real|float16|L4|KV2|D32|tp0of1|c16|layout=sglang-page_first"
     assert f["page_bytes"] == 2 * 4 * PAGE * 2 * 32 * 2

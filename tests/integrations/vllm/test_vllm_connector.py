@@ -23,14 +23,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from lmcache_client import CacheClient, chunk_keys  # noqa: E402
-from lmcache_client.integrations.vllm_compat import HAVE_VLLM, KVConnectorBase_V1, KVConnectorMetadata  # noqa: E402
-from lmcache_client.integrations.vllm_connector import (  # noqa: E402
+from lmcache_client.integrations.vllm.compat import HAVE_VLLM, KVConnectorBase_V1, KVConnectorMetadata  # noqa: E402
+from lmcache_client.integrations.vllm.connector import (  # noqa: E402
     ConnectorSettings,
     LMCacheServerConnectorV1,
     layout_from_vllm_config,
 )
-from lmcache_client.integrations.vllm_layout import UnsupportedLayout  # noqa: E402
-from lmcache_client.integrations.vllm_meta import LMCacheServerConnectorMetadata  # noqa: E402
+from lmcache_client.integrations.vllm.layout import UnsupportedLayout  # noqa: E402
+from lmcache_client.integrations.vllm.meta import LMCacheServerConnectorMetadata  # noqa: E402
 
 from ...conftest import Daemon  # noqa: E402
 from .vllm_harness.engine import (  # noqa: E402

@@ -26,7 +26,7 @@ from . import engine
 
 SGLANG = {
     "backend_name": "lmcache-server",
-    "module_path": "lmcache_client.integrations.sglang_hicache",
+    "module_path": "lmcache_client.integrations.sglang.hicache",
     "class_name": "LMCacheServerHiCacheStorage",
 }
 CHECKED_METHODS = (
@@ -94,7 +94,7 @@ def classes() -> dict[str, Any]:
     import sglang
     from sglang.srt.mem_cache import hicache_storage
 
-    from lmcache_client.integrations import sglang_hicache
+    from lmcache_client.integrations.sglang import hicache as sglang_hicache
 
     base, ours = hicache_storage.HiCacheStorage, sglang_hicache.LMCacheServerHiCacheStorage
     return {
@@ -185,7 +185,7 @@ def partial_and_wrong(address: str) -> dict[str, Any]:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     from lmcache_client import CacheClient
-    from lmcache_client.integrations.sglang_hicache import page_key
+    from lmcache_client.integrations.sglang.hicache import page_key
 
     generic = engine.Replica(extra(address, "wrong"))
     zero_copy = engine.Replica(extra(address, "wrong", interface_v1=1))

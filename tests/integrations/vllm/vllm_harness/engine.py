@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from lmcache_client.integrations.vllm_connector import LMCacheServerConnectorV1
-from lmcache_client.integrations.vllm_meta import LMCacheServerConnectorMetadata
+from lmcache_client.integrations.vllm.connector import LMCacheServerConnectorV1
+from lmcache_client.integrations.vllm.meta import LMCacheServerConnectorMetadata
 
 from .standins import cpu_write
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[4]
 VLLM_PYTHON = Path(os.environ.get("LMCACHE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 CONNECTOR = {
     "kv_connector": "LMCacheServerConnectorV1",
-    "kv_connector_module_path": "lmcache_client.integrations.vllm_connector",
+    "kv_connector_module_path": "lmcache_client.integrations.vllm.connector",
     "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute",
 }

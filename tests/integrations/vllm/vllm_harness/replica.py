@@ -50,7 +50,7 @@ _SCHEDULER_CONNECTORS: list[Any] = []
 def _track_scheduler_connectors() -> None:
     """Remember each scheduler-side connector built in this process (they are
     otherwise buried in the engine core)."""
-    from lmcache_client.integrations import vllm_connector
+    from lmcache_client.integrations.vllm import connector as vllm_connector
 
     original = vllm_connector.LMCacheServerConnectorV1.__init__
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..keys import ChunkTokens
-from .vllm_compat import KVConnectorMetadata
+from ...keys import ChunkTokens
+from .compat import KVConnectorMetadata
 
 
 @dataclasses.dataclass

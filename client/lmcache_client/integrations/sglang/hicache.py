@@ -5,7 +5,7 @@ Load it with::
     python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "lmcache-server",
-            "module_path": "lmcache_client.integrations.sglang_hicache",
+            "module_path": "lmcache_client.integrations.sglang.hicache",
             "class_name": "LMCacheServerHiCacheStorage",
             "address": "tcp://127.0.0.1:65432", "timeout_s": 2.0}'
 
@@ -57,14 +57,14 @@ import time
 from collections import deque
 from typing import Any
 
-from ..client import DEFAULT_ADDRESS, CacheClient
-from ..curve import CurveKeys
-from ..errors import ClientError
-from ..memtune import tune_malloc
-from ..namespace import Namespace, canonical_dtype
-from ..tensors import tensor_bytes
-from .layout import ChunkLayout
-from .transfer import ChunkTransfer
+from ...client import DEFAULT_ADDRESS, CacheClient
+from ...curve import CurveKeys
+from ...errors import ClientError
+from ...memtune import tune_malloc
+from ...namespace import Namespace, canonical_dtype
+from ...tensors import tensor_bytes
+from ..layout import ChunkLayout
+from ..transfer import ChunkTransfer
 
 logger = logging.getLogger(__name__)
 

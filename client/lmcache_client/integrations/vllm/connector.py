@@ -4,7 +4,7 @@ Load it with::
 
     python -m vllm.entrypoints.openai.api_server --model MODEL --kv-transfer-config \\
         '{"kv_connector": "LMCacheServerConnectorV1",
-          "kv_connector_module_path": "lmcache_client.integrations.vllm_connector",
+          "kv_connector_module_path": "lmcache_client.integrations.vllm.connector",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
           "kv_connector_extra_config": {"address": "tcp://127.0.0.1:65432"}}'
 
@@ -33,8 +33,8 @@ recompute`` vLLM recomputes those blocks, with vLLM's default ``fail`` it
 fails the request, so the connector warns at start when it sees ``fail``.
 
 The class is a thin shim: the scheduler role runs a
-:class:`~.vllm_scheduler.SchedulerSide`, the worker role a
-:class:`~.vllm_worker.WorkerSide`; each owns one blocking client.  Under
+:class:`~.scheduler.SchedulerSide`, the worker role a
+:class:`~.worker.WorkerSide`; each owns one blocking client.  Under
 tensor parallelism each rank stores its own shard (namespace
 ``tp<rank>of<size>``) and the scheduler's lookup answers for the smallest
 hit over all ranks.
@@ -50,17 +50,17 @@ import logging
 import os
 from typing import Any
 
-from ..client import DEFAULT_ADDRESS, CacheClient
-from ..memtune import tune_malloc
-from ..namespace import canonical_dtype
-from .layout import ChunkLayout
-from .transfer import ChunkTransfer
-from .vllm_compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, tp_rank
-from .vllm_events import ConnectorEvents
-from .vllm_meta import LMCacheServerConnectorMetadata
-from .vllm_scheduler import SchedulerSide
-from .vllm_stats import LMCacheServerConnectorStats, prom_metrics_class
-from .vllm_worker import WorkerSide
+from ...client import DEFAULT_ADDRESS, CacheClient
+from ...memtune import tune_malloc
+from ...namespace import canonical_dtype
+from ..layout import ChunkLayout
+from ..transfer import ChunkTransfer
+from .compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, tp_rank
+from .events import ConnectorEvents
+from .meta import LMCacheServerConnectorMetadata
+from .scheduler import SchedulerSide
+from .stats import LMCacheServerConnectorStats, prom_metrics_class
+from .worker import WorkerSide
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class ConnectorSettings:
         if not 0 <= settings.backoff_s <= settings.max_backoff_s:
             raise ValueError("kv_connector_extra_config needs 0 <= backoff_s <= max_backoff_s")
         if settings.codec:
-            from ..codec.spec import CodecSpec
+            from ...codec.spec import CodecSpec
 
             try:
                 CodecSpec.parse(settings.codec)
@@ -384,6 +384,6 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         return False, None
 
     def take_events(self) -> list[Any]:
-        """KV events of blocks this replica can load from the daemon (vllm_events.py)."""
+        """KV events of blocks this replica can load from the daemon (vllm/events.py)."""
         events = self._scheduler().events if self.scheduler is not None else None
         return events.take() if events is not None else []

@@ -42,11 +42,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..keys import ROOT_KEY, ChunkTokens, chunk_keys, pack_tokens, salted_root, tail_key
-from .transfer import ChunkTransfer
-from .vllm_compat import first_group, resumed
-from .vllm_events import ConnectorEvents
-from .vllm_meta import LMCacheServerConnectorMetadata, LoadRequest, SaveRequest
+from ...keys import ROOT_KEY, ChunkTokens, chunk_keys, pack_tokens, salted_root, tail_key
+from ..transfer import ChunkTransfer
+from .compat import first_group, resumed
+from .events import ConnectorEvents
+from .meta import LMCacheServerConnectorMetadata, LoadRequest, SaveRequest
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class SchedulerSide:
         self._waiting: dict[str, _Wait] = {}
         self._requests: dict[str, Any] = {}  # vLLM's Request objects, for their block hashes (events)
         self.events: ConnectorEvents | None = None
-        """Set when vLLM publishes KV events: blocks stored to / loaded from the daemon (vllm_events.py)."""
+        """Set when vLLM publishes KV events: blocks stored to / loaded from the daemon (vllm/events.py)."""
         self._idle = False
         """The last step scheduled nothing (so a wait may sleep: no decode is held up)."""
         self.stats = {

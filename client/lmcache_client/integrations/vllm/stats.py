@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .vllm_compat import KVConnectorPromMetrics, KVConnectorStats
+from .compat import KVConnectorPromMetrics, KVConnectorStats
 
 COUNTERS = {
     "lookups": "Prompts looked up in lmcache-server",

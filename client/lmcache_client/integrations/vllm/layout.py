@@ -9,7 +9,7 @@ block belongs to the attention backend.  :func:`discover` reads, from vLLM:
   with several cache groups, packed or quantized-with-scales content);
 - each layer's attention module and backend (``static_forward_context``),
   and probes the backend's own cache write, ``impl.do_kv_cache_update``, on a
-  scratch block shaped like the real ones (:func:`.paged.probe_block_layout`);
+  scratch block shaped like the real ones (:func:`..blocklayout.probe_block_layout`);
 - the layers in model order.
 
 Anything it cannot read with certainty stops vLLM at start with one message
@@ -24,8 +24,9 @@ import dataclasses
 import logging
 from typing import Any
 
-from .layout import ChunkLayout
-from .paged import BlockLayout, LayoutError, PagedCopier, probe_block_layout
+from ..blocklayout import BlockLayout, LayoutError, probe_block_layout
+from ..layout import ChunkLayout
+from ..paged import PagedCopier
 
 logger = logging.getLogger(__name__)
 

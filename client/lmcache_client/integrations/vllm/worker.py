@@ -1,8 +1,8 @@
 """Worker side of the vLLM connector: chunks in and out of the paged KV cache.
 
 At ``register_kv_caches`` the layout of vLLM's caches is read from vLLM
-(:func:`.vllm_layout.discover`).  Then, per engine step, with the step's
-:class:`~.vllm_meta.LMCacheServerConnectorMetadata`:
+(:func:`.layout.discover`).  Then, per engine step, with the step's
+:class:`~.meta.LMCacheServerConnectorMetadata`:
 
 - :meth:`WorkerSide.load` (``start_load_kv``, before the forward pass)
   scatters each load's chunks into the request's blocks for every layer,
@@ -29,11 +29,11 @@ import logging
 import time
 from typing import Any
 
-from .layout import ChunkLayout
-from .paged import Slots, blocks_covering, token_slots
-from .transfer import ChunkTransfer
-from .vllm_layout import EngineLayout, discover
-from .vllm_meta import LoadRequest, SaveRequest
+from ..layout import ChunkLayout
+from ..paged import Slots, blocks_covering, token_slots
+from ..transfer import ChunkTransfer
+from .layout import EngineLayout, discover
+from .meta import LoadRequest, SaveRequest
 
 logger = logging.getLogger(__name__)
 

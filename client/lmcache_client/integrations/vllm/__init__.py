@@ -1,0 +1,37 @@
+"""The vLLM V1 KV connector: lmcache-server as vLLM's prefix KV cache.
+
+- ``connector``: :class:`LMCacheServerConnectorV1`, the class vLLM loads
+  (``kv_connector_module_path: lmcache_client.integrations.vllm.connector``),
+  a thin shim over the two sides, and :class:`ConnectorSettings`;
+- ``scheduler``: the scheduler side (what to load and store, per step);
+- ``worker``: the worker side (chunks in and out of the paged KV cache);
+- ``layout``: the KV cache layout of a running vLLM, read from vLLM itself;
+- ``meta``: what the scheduler side tells its workers once per step;
+- ``stats`` and ``events``: the connector's counters and KV events in vLLM's own;
+- ``compat``: what the connector takes from vLLM (imported there and only
+  there), with stand-ins when vLLM is absent.
+
+It builds on the shared pieces one floor down (``..transfer``, ``..paged``,
+``..layout``, ``..coded``).  Importing this package imports neither vLLM nor
+torch: the names below load :mod:`.connector` on first use.
+
+Primitives: :class:`LMCacheServerConnectorV1`, :class:`ConnectorSettings`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .connector import ConnectorSettings, LMCacheServerConnectorV1
+
+__all__ = ["ConnectorSettings", "LMCacheServerConnectorV1"]
+
+
+def __getattr__(name: str) -> Any:
+    """The connector's names on first use (the connector imports vLLM where it is installed)."""
+    if name in __all__:
+        from . import connector
+
+        return getattr(connector, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
