@@ -321,3 +321,13 @@ def test_only_the_kv_pool_is_registered(replicas: Any) -> None:
         r.backend.register_mem_host_pool_v2(MHAHostPool(32), "mamba")
     with pytest.raises(ValueError, match="decode context parallelism"):
         LMCacheServerHiCacheStorage(storage_config(dcp_size=2, is_mla_model=True), {})
+
+
+def test_the_old_module_path_still_loads_the_backend() -> None:
+    """SGLang configs written before the move name ``integrations.sglang_hicache``."""
+    import importlib
+
+    import lmcache_client.integrations.sglang as room
+
+    old = importlib.import_module("lmcache_client.integrations.sglang_hicache")
+    assert old.LMCacheServerHiCacheStorage is LMCacheServerHiCacheStorage is room.LMCacheServerHiCacheStorage

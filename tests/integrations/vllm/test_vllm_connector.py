@@ -412,3 +412,13 @@ def test_consumer_does_not_wait_while_the_daemon_is_down(engines: Callable[..., 
     consumer.scheduler.client.timeout_s = 0.3
     run = consumer.prefill("c", list(range(40)))  # would hang for 600 s if it waited
     assert run["external"] == 0 and run["computed"] == list(range(40))
+
+
+def test_the_old_module_path_still_loads_the_connector() -> None:
+    """Engine configs written before the move name ``integrations.vllm_connector``."""
+    import importlib
+
+    import lmcache_client.integrations.vllm as room
+
+    old = importlib.import_module("lmcache_client.integrations.vllm_connector")
+    assert old.LMCacheServerConnectorV1 is LMCacheServerConnectorV1 is room.LMCacheServerConnectorV1
