@@ -243,6 +243,9 @@ def test_every_stored_put_reaches_redis_across_kill_and_restart(daemon_factory, 
         load.more(200)
         for _ in range(2):
             durable_redis.stop()  # SIGKILL, under load
+            # Wait until the daemon saw the outage: a restart inside the writer's
+            # per-command retries would otherwise hide it, and the log counts below vary.
+            wait_for(lambda: remote(c)["up"] is False, timeout_s=60)
             load.more(100)  # puts go on while Redis is gone
             durable_redis.start()  # same port, same AOF
             wait_for(lambda: remote(c)["up"] is True, timeout_s=60)
