@@ -212,7 +212,7 @@ def test_compose_wiring() -> None:
         doc = (REPO / "docs" / "integrations.md").read_text()
         assert command[command.index("--kv-transfer-config") + 1] in doc
         # The connector itself accepts that config, its address from the environment.
-        from lmcache_client.integrations.vllm.connector import ADDRESS_ENV, ConnectorSettings
+        from lmcache_client.integrations.vllm.settings import ADDRESS_ENV, ConnectorSettings
 
         assert vllm["environment"][ADDRESS_ENV] == "tcp://lmcache-server:65432"
         old_env = os.environ.get(ADDRESS_ENV)

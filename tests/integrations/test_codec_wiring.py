@@ -310,7 +310,7 @@ def test_sglang_backend_with_a_codec(daemons: dict[str, Daemon], mode: str, capl
 def test_an_engine_side_codec_overrides_the_daemons(daemons: dict[str, Daemon]) -> None:
     """The vLLM connector's ``codec`` extra config: this transfer's own codec, whatever
     the daemon announces, in that codec's namespace."""
-    from lmcache_client.integrations.vllm.connector import ConnectorSettings
+    from lmcache_client.integrations.vllm.settings import ConnectorSettings
 
     assert ConnectorSettings.from_extra_config({"codec": "int8:group=64"}).codec == "int8:group=64"
     with pytest.raises(ValueError, match="codec='int8:group=7'"):

@@ -675,7 +675,7 @@ def test_compose_curve_override_is_valid_and_wired() -> None:
     import json
     import shutil
 
-    from lmcache_client.integrations.vllm.connector import ConnectorSettings
+    from lmcache_client.integrations.vllm.settings import ConnectorSettings
 
     repo = Path(__file__).resolve().parents[2]
     compose = shutil.which("docker-compose")

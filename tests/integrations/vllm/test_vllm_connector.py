@@ -112,15 +112,15 @@ def test_never_reports_the_whole_prompt(engines: Callable[..., Engine]) -> None:
     prompt = list(range(100, 132))  # exactly 4 chunks of 8
     a.prefill("a", prompt)
     request = Request("b", prompt)
-    assert b.scheduler.get_num_new_matched_tokens(request, 0) == (31, False)
-    assert b.scheduler.get_num_new_matched_tokens(request, 28) == (3, False)
-    assert b.scheduler.get_num_new_matched_tokens(request, 31) == (0, False)  # vLLM's own cache has it
-    assert b.scheduler.get_num_new_matched_tokens(Request("c", prompt[:8]), 0) == (7, False)
+    assert b.ask(request, 0) == 31
+    assert b.ask(request, 28) == 3
+    assert b.ask(request, 31) == 0  # vLLM's own cache has it
+    assert b.ask(Request("c", prompt[:8]), 0) == 7
     run = b.prefill("b2", prompt)
     assert run["computed"] == [31]
     for layer in range(LAYERS):
         assert torch.equal(b.rows(run["blocks"], 0, 32, layer), expected_rows(prompt, 0, 32, layer, torch.float16))
-    assert b.scheduler.get_num_new_matched_tokens(Request("d", []), 0) == (0, False)
+    assert b.ask(Request("d", []), 0) == 0
 
 
 def test_load_beyond_vllms_own_prefix_hit_leaves_its_blocks_alone(engines: Callable[..., Engine]) -> None:
@@ -129,7 +129,7 @@ def test_load_beyond_vllms_own_prefix_hit_leaves_its_blocks_alone(engines: Calla
     a.prefill("a", prompt)
     run = b.prefill("b", prompt, local_hit=16)  # vLLM already holds 16 tokens (4 blocks)
     assert run["external"] == 40 - 16
-    [load] = run["metas"][0].loads
+    [load] = run["loads"]
     assert (load.start_token, load.end_token, load.first_chunk) == (16, 40, 2)
     local = run["blocks"][:4]
     for layer in range(LAYERS):
@@ -138,20 +138,26 @@ def test_load_beyond_vllms_own_prefix_hit_leaves_its_blocks_alone(engines: Calla
         assert torch.equal(b.rows(run["blocks"], 16, 41, layer), expected_rows(prompt, 16, 41, layer, torch.float16))
 
 
-def test_failed_load_reports_blocks_and_writes_no_garbage(engines: Callable[..., Engine], address: str) -> None:
-    a, b = engines(), engines()
+@pytest.mark.parametrize("async_transfers", [True, False], ids=["async", "sync"])
+def test_failed_load_reports_blocks_and_writes_no_garbage(
+    engines: Callable[..., Engine], address: str, async_transfers: bool
+) -> None:
+    a, b = engines(), engines(async_transfers=async_transfers)
     prompt = list(range(300, 345))  # 5 full chunks + 5
     a.prefill("a", prompt)
     request = Request("b", prompt)
-    external, _ = b.scheduler.get_num_new_matched_tokens(request, 0)
+    external = b.ask(request, 0)
     assert external == 40
     namespace = b.worker.worker.transfer.namespace  # type: ignore[union-attr]
     with CacheClient(address, fail_open=False) as client:  # chunk 3 is evicted after the lookup
         assert client.delete(chunk_keys(prompt, 8)[3:4], namespace=namespace) == [True]
     blocks = b.alloc(len(prompt))
-    b.scheduler.update_state_after_alloc(request, SimpleNamespace(), external)
-    out = SchedulerOutput([NewRequestData("b", prompt, (blocks,), external)], num_scheduled_tokens={"b": 5})
-    b.step(out, [])
+    b.scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (blocks,)), external)
+    if async_transfers:  # the load runs while the request waits; its errors come with its completion
+        b.until(lambda: "b" in b.finished_recving, "load of b")
+    else:
+        out = SchedulerOutput([NewRequestData("b", prompt, (blocks,), external)], num_scheduled_tokens={"b": 5})
+        b.step(out, [])
     assert b.load_errors == set(blocks[6:10]), "the blocks of tokens 24..39 must be recomputed"
     for layer in range(LAYERS):
         assert torch.equal(b.rows(blocks, 0, 24, layer), expected_rows(prompt, 0, 24, layer, torch.float16))
@@ -163,7 +169,8 @@ def test_daemon_down_is_a_miss_not_an_error(engines: Callable[..., Engine], daem
     engine = engines(address=daemon.address)
     daemon.kill()
     for side in (engine.scheduler, engine.worker):
-        side.client.timeout_s = 0.3
+        for client in [side.client] + [lane.transfer.client for lane in side.lanes]:
+            client.timeout_s = 0.3
     run = engine.prefill("x", list(range(40)))
     assert run["external"] == 0 and run["computed"] == list(range(40))
 
@@ -179,7 +186,7 @@ def test_resumed_request_replaces_its_blocks(engines: Callable[..., Engine]) -> 
     prompt = list(range(500, 532))
     blocks = engine.alloc(32)
     sched = engine.scheduler
-    sched.get_num_new_matched_tokens(Request("r", prompt), 0)
+    assert engine.ask(Request("r", prompt), 0) == 0
     sched.update_state_after_alloc(Request("r", prompt), SimpleNamespace(), 0)
     meta = sched.build_connector_meta(
         SchedulerOutput([NewRequestData("r", prompt, (blocks,), 0)], num_scheduled_tokens={"r": 10})
@@ -302,7 +309,11 @@ def test_tp_lookup_answers_the_smallest_hit_over_ranks(address: str) -> None:
         with CacheClient(address, fail_open=False) as c:
             c.put(keys[:5], [b"x" * 64] * 5, namespace=side.transfers[0].namespace)  # rank 0 holds 5
             c.put(keys[:3], [b"x" * 64] * 3, namespace=side.transfers[1].namespace)  # rank 1 only 3
-        assert scheduler.get_num_new_matched_tokens(Request("r", prompt), 0) == (24, False)
+        request = Request("r", prompt)
+        answer = (None, False)
+        while answer[0] is None:  # asynchronous lookups: vLLM asks again each step
+            answer = scheduler.get_num_new_matched_tokens(request, 0)
+        assert answer == (24, True)
     finally:
         scheduler.shutdown()
 
@@ -315,9 +326,9 @@ def test_lora_and_cache_salt_requests_get_keys_of_their_own(engines: Callable[..
     salted = SimpleNamespace(request_id="s", prompt_token_ids=prompt, cache_salt="tenant-7")
     lora = SimpleNamespace(request_id="l", prompt_token_ids=prompt, lora_request=SimpleNamespace(lora_name="sql"))
     image = SimpleNamespace(request_id="m", prompt_token_ids=prompt, mm_features=[object()])
-    assert b.scheduler.get_num_new_matched_tokens(plain, 0) == (40, False)
+    assert b.ask(plain, 0) == 40
     for request in (salted, lora, image):
-        assert b.scheduler.get_num_new_matched_tokens(request, 0) == (0, False), request
+        assert b.ask(request, 0) == 0, request
 
 
 def test_sleep_mode_touches_no_cache_until_restored(engines: Callable[..., Engine]) -> None:
@@ -347,7 +358,7 @@ def test_consumer_computes_only_the_last_token_of_a_producers_prompt(engines: Ca
     [save] = made["metas"][0].saves
     assert (len(save.keys), save.tail_start, save.tail_tokens) == (5, 40, 5)
     assert producer.worker.worker is not None and producer.worker.worker.stats.stored_chunks == 6
-    assert producer.scheduler.get_num_new_matched_tokens(Request("p2", prompt), 0) == (0, False)  # never loads
+    assert producer.ask(Request("p2", prompt), 0) == 0  # never loads
     run = consumer.prefill("c", prompt)
     assert run["external"] == 44 and run["computed"] == [44]
     assert not consumer.load_errors
@@ -362,12 +373,12 @@ def test_a_tail_is_never_read_as_a_chunk_of_another_prompt(engines: Callable[...
     prompt = list(range(400, 445))  # 5 chunks of 8 and a tail of 5
     producer.prefill("p", prompt)
     longer = prompt + [7, 7, 7]  # its 6th chunk starts with the same 5 tokens: a full chunk, another key
-    assert reader.scheduler.get_num_new_matched_tokens(Request("l", longer), 0) == (40, False)
+    assert reader.ask(Request("l", longer), 0) == 40
     other_tail = prompt[:-1] + [999]  # same full chunks, another last token
-    assert reader.scheduler.get_num_new_matched_tokens(Request("o", other_tail), 0) == (40, False)
+    assert reader.ask(Request("o", other_tail), 0) == 40
     shorter = prompt[:-1]  # a tail of 4: another length, another key
-    assert reader.scheduler.get_num_new_matched_tokens(Request("s", shorter), 0) == (40, False)
-    assert reader.scheduler.get_num_new_matched_tokens(Request("x", prompt), 0) == (44, False)
+    assert reader.ask(Request("s", shorter), 0) == 40
+    assert reader.ask(Request("x", prompt), 0) == 44
 
 
 def test_consumer_waits_for_the_producer_then_loads(engines: Callable[..., Engine]) -> None:
@@ -396,7 +407,7 @@ def test_consumer_computes_what_never_arrives(engines: Callable[..., Engine]) ->
     stats = consumer.scheduler.get_kv_connector_stats()
     assert stats is not None and stats.data["load_wait_expired"] == 1
     no_wait = SimpleNamespace(request_id="n", prompt_token_ids=prompt, kv_transfer_params={"lmcache_load_wait_s": 0})
-    assert consumer.scheduler.get_num_new_matched_tokens(no_wait, 0) == (16, False)  # a proxy's say
+    assert consumer.ask(no_wait, 0) == 16  # a proxy's say
 
 
 def test_pd_settings_are_validated() -> None:

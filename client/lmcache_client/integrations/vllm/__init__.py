@@ -2,9 +2,13 @@
 
 - ``connector``: :class:`LMCacheServerConnectorV1`, the class vLLM loads
   (``kv_connector_module_path: lmcache_client.integrations.vllm.connector``),
-  a thin shim over the two sides, and :class:`ConnectorSettings`;
-- ``scheduler``: the scheduler side (what to load and store, per step);
-- ``worker``: the worker side (chunks in and out of the paged KV cache);
+  a thin shim over the two sides;
+- ``settings``: :class:`ConnectorSettings`, ``kv_connector_extra_config`` validated;
+- ``scheduler``: the scheduler side (what to load and store, per step), and
+  ``lookups``: its asynchronous lookups;
+- ``worker``: the worker side (chunks in and out of the paged KV cache), and
+  ``transfers``: its asynchronous loads and saves;
+- ``lanes``: the threads that talk to the daemon off vLLM's threads;
 - ``layout``: the KV cache layout of a running vLLM, read from vLLM itself;
 - ``meta``: what the scheduler side tells its workers once per step;
 - ``stats`` and ``events``: the connector's counters and KV events in vLLM's own;
@@ -23,13 +27,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .connector import ConnectorSettings, LMCacheServerConnectorV1
+    from .connector import LMCacheServerConnectorV1
+    from .settings import ConnectorSettings
 
 __all__ = ["ConnectorSettings", "LMCacheServerConnectorV1"]
 
 
 def __getattr__(name: str) -> Any:
     """The connector's names on first use (the connector imports vLLM where it is installed)."""
+    if name == "ConnectorSettings":
+        from . import settings
+
+        return settings.ConnectorSettings
     if name in __all__:
         from . import connector
 

@@ -45,98 +45,26 @@ Primitives: :class:`LMCacheServerConnectorV1`, :class:`ConnectorSettings`,
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from typing import Any
 
-from ...client import DEFAULT_ADDRESS, CacheClient
+from ...client import CacheClient
 from ...memtune import tune_malloc
 from ...namespace import canonical_dtype
 from ..layout import ChunkLayout
 from ..transfer import ChunkTransfer
 from .compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, tp_rank
 from .events import ConnectorEvents
+from .lanes import Lane
+from .lookups import LookupService
 from .meta import LMCacheServerConnectorMetadata
 from .scheduler import SchedulerSide
+from .settings import CONSUMER_WAIT_S, ROLES, ConnectorSettings
 from .stats import LMCacheServerConnectorStats, prom_metrics_class
+from .transfers import TransferEngine
 from .worker import WorkerSide
 
 logger = logging.getLogger(__name__)
-
-ROLES = ("kv_both", "kv_producer", "kv_consumer")
-CONSUMER_WAIT_S = 5.0
-"""How long a ``kv_consumer`` waits for a producer's chunks unless ``load_wait_s`` says."""
-ADDRESS_ENV = "LMCACHE_SERVER_ADDRESS"
-"""Where the daemon is when ``kv_connector_extra_config`` does not say (one
-command line for every replica; compose sets it per service)."""
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        return value.strip().lower() in ("true", "1", "yes", "on")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ValueError(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class ConnectorSettings:
-    """``kv_connector_extra_config``, validated once at start."""
-
-    address: str = DEFAULT_ADDRESS
-    timeout_s: float = 2.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    chunk_size: int = 256
-    model_id: str = ""
-    tenant: str = ""
-    malloc_tuning: bool = True
-    copy_threads: int = 2
-    store_tails: bool = False
-    load_wait_s: float = -1.0
-    """-1: the role's default (:data:`CONSUMER_WAIT_S` for ``kv_consumer``, else 0)."""
-    server_public_key: str = ""
-    client_secret_key: str = ""
-    codec: str = ""
-    """A KV codec spec (``"int8:group=64"``, ``"none"``) instead of the one the daemon
-    announces in hello; empty: the daemon's (docs/codec.md)."""
-
-    @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
-        """Validate ``extra``; ``address`` defaults to ``$LMCACHE_SERVER_ADDRESS``, then
-        ``tcp://127.0.0.1:65432``."""
-        extra = dict(extra or {})
-        if "address" not in extra and os.environ.get(ADDRESS_ENV):
-            extra["address"] = os.environ[ADDRESS_ENV]
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(fields)}")
-        values: dict[str, Any] = {}
-        for name, value in extra.items():
-            kind = type(getattr(cls(), name))
-            try:
-                values[name] = _bool(value) if kind is bool else kind(value)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"kv_connector_extra_config {name}={value!r}: expected {kind.__name__}") from err
-        settings = cls(**values)
-        if settings.timeout_s <= 0 or settings.chunk_size <= 0 or settings.copy_threads <= 0:
-            raise ValueError("kv_connector_extra_config timeout_s, chunk_size and copy_threads must be positive")
-        if "load_wait_s" in extra and settings.load_wait_s < 0:
-            raise ValueError("kv_connector_extra_config load_wait_s must be >= 0")
-        if not 0 <= settings.backoff_s <= settings.max_backoff_s:
-            raise ValueError("kv_connector_extra_config needs 0 <= backoff_s <= max_backoff_s")
-        if settings.codec:
-            from ...codec.spec import CodecSpec
-
-            try:
-                CodecSpec.parse(settings.codec)
-            except ValueError as err:
-                raise ValueError(f"kv_connector_extra_config codec={settings.codec!r}: {err}") from None
-        return settings
 
 
 def layout_from_vllm_config(vllm_config: Any, chunk_size: int) -> ChunkLayout:
@@ -204,29 +132,21 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         is_scheduler = getattr(role, "name", str(role)) == "SCHEDULER"
         if self.settings.malloc_tuning and not is_scheduler:
             tune_malloc()
-        self.client = CacheClient(
-            self.settings.address,
-            timeout_s=self.settings.timeout_s,
-            copy_threads=self.settings.copy_threads,
-            backoff_s=self.settings.backoff_s,
-            max_backoff_s=self.settings.max_backoff_s,
-            server_public_key=self.settings.server_public_key or None,
-            client_secret_key=self.settings.client_secret_key or None,
-        )
+        self.client = self._new_client()
         self._reported = {"daemon_failures": 0, "short_circuited": 0}
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self.transfers: TransferEngine | None = None
+        """The worker's asynchronous loads and saves (None: synchronous mode or scheduler)."""
+        self.lanes: list[Lane] = []
+        """Threads talking to the daemon off vLLM's thread (asynchronous mode)."""
+        is_async = self.settings.async_transfers
+
+        def namespace_of(rank: int) -> Any:
+            return self.layout.namespace(model_id, tp_rank=rank, tp_size=tp_size, tenant=self.settings.tenant)
+
         if is_scheduler:
-            transfers = [
-                ChunkTransfer(
-                    self.client,
-                    self.layout.namespace(model_id, tp_rank=r, tp_size=tp_size, tenant=self.settings.tenant),
-                    self.layout.nbytes,
-                    codec_layout=self.layout,  # the daemon's kv_codec, as the worker (same namespace)
-                    codec=self.settings.codec or None,
-                )
-                for r in range(tp_size)
-            ]
+            transfers = [self._transfer(self.client, namespace_of(r)) for r in range(tp_size)]
             wait_s = self.settings.load_wait_s
             if wait_s < 0:
                 wait_s = CONSUMER_WAIT_S if self.kv_role == "kv_consumer" else 0.0
@@ -237,6 +157,9 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                 save=self.kv_role != "kv_consumer",
                 store_tails=self.settings.store_tails or self.kv_role == "kv_producer",
                 load_wait_s=wait_s,
+                lookups=self._lookups([namespace_of(r) for r in range(tp_size)]) if is_async else None,
+                async_load=is_async,
+                async_save=is_async,
             )
             self.scheduler.events = _connector_events(vllm_config, self.settings.chunk_size)
             namespace: str = transfers[0].namespace
@@ -248,15 +171,17 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                     policy,
                 )
         else:
-            transfer = ChunkTransfer(
-                self.client,
-                self.layout.namespace(model_id, tp_rank=tp_rank(), tp_size=tp_size, tenant=self.settings.tenant),
-                self.layout.nbytes,
-                codec_layout=self.layout,  # encodes with the codec the daemon announces (docs/codec.md)
-                codec=self.settings.codec or None,
-            )
+            transfer = self._transfer(self.client, namespace_of(tp_rank()))
             namespace = transfer.namespace
             self.worker = WorkerSide(transfer, self.layout, copy_threads=self.settings.copy_threads)
+            if is_async:
+                self.transfers = TransferEngine(
+                    self.worker,
+                    self._lane("lmcache-load", namespace_of(tp_rank())),
+                    self._lane("lmcache-save", namespace_of(tp_rank())),
+                    load_deadline_s=self.settings.load_deadline_ms / 1000,
+                    max_queued_saves=self.settings.max_queued_saves,
+                )
         logger.info(
             "lmcache-server connector (%s, %s) at %s, namespace %s",
             role,
@@ -264,6 +189,37 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
             self.settings.address,
             namespace,
         )
+
+    def _new_client(self) -> CacheClient:
+        s = self.settings
+        return CacheClient(
+            s.address,
+            timeout_s=s.timeout_s,
+            copy_threads=s.copy_threads,
+            backoff_s=s.backoff_s,
+            max_backoff_s=s.max_backoff_s,
+            server_public_key=s.server_public_key or None,
+            client_secret_key=s.client_secret_key or None,
+        )
+
+    def _transfer(self, client: CacheClient, namespace: Any) -> ChunkTransfer:
+        return ChunkTransfer(
+            client,
+            namespace,
+            self.layout.nbytes,
+            codec_layout=self.layout,  # encodes with the codec the daemon announces (docs/codec.md)
+            codec=self.settings.codec or None,
+        )
+
+    def _lane(self, name: str, namespace: Any) -> Lane:
+        """A thread with a client of its own (a client is not thread-safe)."""
+        lane = Lane(name, self._transfer(self._new_client(), namespace))
+        self.lanes.append(lane)
+        return lane
+
+    def _lookups(self, namespaces: list[Any]) -> LookupService:
+        lanes = [self._lane(f"lmcache-lookup-{rank}", ns) for rank, ns in enumerate(namespaces)]
+        return LookupService(lanes)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -297,15 +253,29 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
     def unregister_kv_caches(self) -> None:
         """vLLM 0.33 sleep mode: the KV caches go away until ``restore_kv_caches``;
         nothing is loaded or stored meanwhile (vLLM schedules nothing then)."""
+        if self.transfers is not None:  # nothing may touch the caches once they are unmapped
+            self.transfers.load_lane.drain(self.settings.timeout_s * 4)
+            self.transfers.flush_saves(self.settings.timeout_s * 4)
         self._worker().asleep = True
 
     def restore_kv_caches(self) -> None:
         """vLLM 0.33 wake-up: the same cache tensors are back (vLLM remaps their memory)."""
         self._worker().asleep = False
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Preempted requests' blocks are handed out in this step: the saves reading
+        them finish before the forward pass may overwrite them."""
+        meta = kv_connector_metadata
+        if self.transfers is not None and isinstance(meta, LMCacheServerConnectorMetadata) and meta.preempted:
+            self.transfers.flush_saves(self.settings.timeout_s * 4)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._meta()
-        if meta is not None and meta.loads:
+        if meta is None or not meta.loads:
+            return
+        if self.transfers is not None:
+            self.transfers.load(meta.loads, meta.load_deadlines)
+        else:
             self._worker().load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -316,11 +286,23 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         meta = self._meta()
-        if meta is not None and meta.saves:
+        if meta is None or not meta.saves:
+            return
+        if self.transfers is not None:
+            self.transfers.save(meta.saves)  # only submits: the lane stores them
+        else:
             self._worker().save(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # nothing is asynchronous past a step
+        """Asynchronous loads done (``finished_recving``) and requests whose blocks
+        vLLM held for their saves, now done (``finished_sending``)."""
+        if self.transfers is None:
+            return None, None  # synchronous: nothing outlives a step
+        meta = self._meta()
+        sending, recving = self.transfers.finished(
+            meta.delayed if meta is not None else (), idle=meta.idle if meta is not None else False
+        )
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().take_failed_blocks() if self.worker is not None else set()
@@ -350,18 +332,28 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         return None if metrics is None else metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        for lane in self.lanes:
+            lane.close()
         if self.worker is not None and self.worker.engine is not None:
             self.worker.engine.copier.close()
         self.client.close()
 
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens to load beyond vLLM's own hit; None (ask again next step) while a
-        consumer waits for a producer's chunks."""
-        return self._scheduler().num_new_matched_tokens(request, num_computed_tokens), False
+        """Tokens to load beyond vLLM's own hit, and whether the load is asynchronous;
+        None (ask again next step) while the lookup is out or a consumer waits for a
+        producer's chunks."""
+        scheduler = self._scheduler()
+        n = scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        return n, bool(n) and scheduler.async_load
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler().after_alloc(request.request_id, num_external_tokens)
+        self._scheduler().after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' reports of the last step: asynchronous loads that finished."""
+        if self.scheduler is not None:
+            self.scheduler.loads_finished(set(getattr(connector_output, "finished_recving", None) or ()))
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         """The load's tokens by the daemon tier holding them (vLLM's cache-hit-source metrics)."""
@@ -380,8 +372,8 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         return self._scheduler().build_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler().forget(request.request_id)
-        return False, None
+        """True (vLLM holds the blocks) while the request's asynchronous saves run."""
+        return self._scheduler().finished(request.request_id), None
 
     def take_events(self) -> list[Any]:
         """KV events of blocks this replica can load from the daemon (vllm/events.py)."""

@@ -59,3 +59,13 @@ class SaveRequest:
 class LMCacheServerConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadRequest] = dataclasses.field(default_factory=list)
     saves: list[SaveRequest] = dataclasses.field(default_factory=list)
+    delayed: list[str] = dataclasses.field(default_factory=list)
+    """Requests whose blocks the scheduler holds until the workers report their
+    asynchronous saves done (``finished_sending``)."""
+    preempted: list[str] = dataclasses.field(default_factory=list)
+    """Requests preempted in this step: their blocks are handed out again, so the
+    saves reading them must finish before the forward pass."""
+    idle: bool = False
+    """The step computes nothing (a worker may wait a little for a load to finish)."""
+    load_deadlines: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per-request load deadlines in seconds (``kv_transfer_params``), overriding the setting."""

@@ -2,26 +2,23 @@
 
 vLLM calls, for a waiting request:
 
-1. ``get_num_new_matched_tokens(request, num_computed_tokens)``: the daemon is
-   asked how many leading chunks of the prompt it holds, and the prompt's
-   partial last chunk (its *tail*, stored under a key naming the exact prompt:
-   :func:`~lmcache_client.keys.tail_key`); everything up to the last prompt
-   token can be loaded, the last token is always computed so the request gets
-   logits.  Under tensor parallelism every rank's namespace is asked and the
-   smallest answer counts.  The answer is the hit beyond vLLM's own prefix
-   cache (``num_computed_tokens``, block aligned).  A consumer that waits for a
-   producer (``load_wait_s``) answers None ("ask again") until the whole prompt
-   is there or the deadline passes, then takes what is there.  Calls have no
-   effect beyond remembering the latest answer, so vLLM may repeat them.
+1. ``get_num_new_matched_tokens(request, num_computed_tokens)``: how many
+   tokens the daemon can add (:class:`~.matching.Matcher`, this class's base);
+   with asynchronous loads (the default) the request then waits in vLLM's
+   ``WAITING_FOR_REMOTE_KVS`` while the workers load it.
 2. ``update_state_after_alloc(request, blocks, num_external_tokens)``: vLLM
-   allocated blocks for ``num_external_tokens`` tokens; they become a load.
+   allocated blocks for ``num_external_tokens`` tokens; they become a load,
+   sent with the next metadata when asynchronous (``update_connector_output``
+   tells when the workers are done), else with the request's first schedule.
 3. ``build_connector_meta(scheduler_output)``: loads of newly scheduled
    requests, and a save of every full prompt chunk that becomes computed in
    this step (and of the tail, once the whole prompt is computed, where tails
    are stored: a ``kv_producer``, or ``store_tails``); a request tracker follows
    each request's blocks across chunked prefill and preemption.
-4. ``request_finished``: the tracker goes; saves happen at the end of the
-   step that computed them, so blocks are never held past the request.
+4. ``request_finished``: the tracker goes.  Synchronous saves happen at the
+   end of the step that computed them; asynchronous ones run after it, so a
+   request with saves answers ``delay_free`` and its blocks are freed when the
+   workers report its saves done (``meta.delayed``, ``finished_sending``).
 
 Requests whose KV depends on more than their tokens get keys of their own:
 a LoRA adapter's name and a ``cache_salt`` are folded into the key chain's
@@ -37,36 +34,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from ...keys import ROOT_KEY, ChunkTokens, chunk_keys, pack_tokens, salted_root, tail_key
+from ...keys import ROOT_KEY, ChunkTokens, pack_tokens
 from ..transfer import ChunkTransfer
 from .compat import first_group, resumed
 from .events import ConnectorEvents
+from .lookups import LookupService
+from .matching import Matcher, key_root
 from .meta import LMCacheServerConnectorMetadata, LoadRequest, SaveRequest
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Hit:
-    local_tokens: int
-    """Tokens vLLM had computed (its own prefix cache) when asked."""
-    hit_chunks: int
-    """Leading chunks the daemon holds, the tail counting as the chunk after the full ones."""
-    tiers: list[str] = dataclasses.field(default_factory=list)
-    """The daemon tier of each hit chunk (the first rank's)."""
-
-
-@dataclasses.dataclass
-class _Wait:
-    first: float
-    """When the request was first found incomplete (monotonic seconds)."""
-    last: float
-    """When the daemon was last asked."""
 
 
 @dataclasses.dataclass
@@ -86,30 +65,12 @@ class _Tracker:
     """The prompt's token ids, for KV events (None: a salted chain, not announced)."""
 
 
-def key_root(request: Any) -> bytes | None:
-    """The key chain root of ``request``'s KV; None when its KV cannot be named by
-    its tokens (multimodal inputs, prompt embeddings)."""
-    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
-        return None
-    parts: list[str] = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append("lora=" + str(getattr(lora, "lora_name", None) or getattr(lora, "name", "")))
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        parts.append("salt=" + str(salt))
-    return salted_root(*parts)
-
-
-class SchedulerSide:
+class SchedulerSide(Matcher):
     """Per-request bookkeeping of the scheduler process (single-threaded, as vLLM's scheduler).
 
     ``transfers`` has one entry per tensor-parallel rank (the rank's namespace);
-    saves and loads are the workers' business, the scheduler only looks up."""
-
-    POLL_S = 0.01
-    """While a request waits for a producer, the daemon is asked at most this often;
-    and when the engine has nothing else to run, each ask sleeps this long first."""
+    saves and loads are the workers' business, the scheduler only looks up
+    (:class:`~.matching.Matcher`) and tells them what to move."""
 
     def __init__(
         self,
@@ -120,160 +81,95 @@ class SchedulerSide:
         save: bool = True,
         store_tails: bool = False,
         load_wait_s: float = 0.0,
+        lookups: LookupService | None = None,
+        async_load: bool = False,
+        async_save: bool = False,
     ):
-        self.transfers = list(transfers)
-        self.chunk_size = chunk_size
-        self.load_enabled = load
+        super().__init__(transfers, chunk_size, load=load, load_wait_s=load_wait_s, lookups=lookups)
         self.save_enabled = save
         self.store_tails = store_tails
-        self.load_wait_s = load_wait_s
-        self._hits: dict[str, _Hit] = {}
-        self._roots: dict[str, bytes | None] = {}
+        self.async_load = async_load
+        """Loads run while the request waits in WAITING_FOR_REMOTE_KVS (:mod:`.transfers`)."""
+        self.async_save = async_save
+        """Saves run after the step; a finished request's blocks wait for them."""
+        self._async_loads: list[LoadRequest] = []
+        """Loads emitted by ``update_state_after_alloc``, for the next metadata."""
+        self._loading: set[str] = set()
+        """Requests whose asynchronous load the workers have not reported finished."""
+        self._saving: set[str] = set()
+        """Requests with asynchronous saves emitted (their blocks wait for them at the end)."""
+        self._parked: set[str] = set()
+        """Requests given an asynchronous load and not scheduled since.  One asked again
+        lost its whole load (vLLM recomputes from the first failed block, which may be
+        the first): it is computed, not loaded again, or a chunk that fails every time
+        would park it forever."""
+        self._delayed: list[str] = []
+        """Requests answered ``delay_free`` since the last metadata: the workers report them."""
         self._loads: dict[str, tuple[int, int]] = {}
         self._trackers: dict[str, _Tracker] = {}
-        self._waiting: dict[str, _Wait] = {}
-        self._requests: dict[str, Any] = {}  # vLLM's Request objects, for their block hashes (events)
         self.events: ConnectorEvents | None = None
         """Set when vLLM publishes KV events: blocks stored to / loaded from the daemon (vllm/events.py)."""
-        self._idle = False
-        """The last step scheduled nothing (so a wait may sleep: no decode is held up)."""
-        self.stats = {
-            "lookups": 0,
-            "lookup_hit_tokens": 0,
-            "lookup_s": 0.0,
-            "load_waits": 0,
-            "load_wait_s": 0.0,
-            "load_wait_expired": 0,
-        }
-
-    @property
-    def transfer(self) -> ChunkTransfer:
-        return self.transfers[0]
-
-    def take_stats(self) -> dict[str, float]:
-        data = dict(self.stats)
-        self.stats = {name: 0 for name in self.stats}
-        return data
-
-    # -- get_num_new_matched_tokens -------------------------------------------------
-    def lookup(self, keys: list[bytes]) -> list[str]:
-        """The tiers of the leading chunks every rank's namespace holds (the first rank's tiers)."""
-        tiers = self.transfers[0].lookup_tiers(keys)
-        for transfer in self.transfers[1:]:
-            if not tiers:
-                break
-            tiers = tiers[: transfer.lookup(keys[: len(tiers)])]
-        return tiers
-
-    def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
-        """Tokens of the request's load per daemon tier (of the chunks it covers)."""
-        hit = self._hits.get(req_id)
-        if hit is None or num_external_tokens <= 0:
-            return {}
-        sources: dict[str, int] = {}
-        start, end = hit.local_tokens, hit.local_tokens + num_external_tokens
-        for i, tier in enumerate(hit.tiers):
-            lo, hi = max(start, i * self.chunk_size), min(end, (i + 1) * self.chunk_size)
-            if hi > lo:
-                sources[tier] = sources.get(tier, 0) + hi - lo
-        return sources
-
-    def prompt_keys(self, prompt: Sequence[int], root: bytes) -> tuple[list[bytes], bytes | None]:
-        """Keys of every full chunk of ``prompt`` and of its tail (None unless the
-        prompt ends in a partial chunk of two or more tokens: a one-token tail
-        holds only the last token, which is always computed)."""
-        keys = chunk_keys(prompt, self.chunk_size, root)
-        start = len(keys) * self.chunk_size
-        if len(prompt) - start < 2:
-            return keys, None
-        return keys, tail_key(keys[-1] if keys else root, prompt[start:])
-
-    def _daemon_down(self) -> bool:
-        """Whether the daemon is down (its client's circuit breaker is open)."""
-        return any(bool(t.client.fail_open_stats.get("down")) for t in self.transfers)
-
-    def _wait_s(self, request: Any) -> float:
-        """How long this request waits for a producer: ``load_wait_s``, or the
-        request's ``kv_transfer_params["lmcache_load_wait_s"]`` (a proxy's say),
-        never more than ``load_wait_s``: the request comes from an end user, and
-        an unbounded wait would hold the engine's scheduler slot forever."""
-        params = getattr(request, "kv_transfer_params", None)
-        if isinstance(params, dict) and "lmcache_load_wait_s" in params:
-            try:
-                asked = float(params["lmcache_load_wait_s"])
-            except (TypeError, ValueError):
-                asked = math.nan
-            if math.isnan(asked):
-                logger.warning(
-                    "request %s: ignoring lmcache_load_wait_s=%r", request.request_id, params["lmcache_load_wait_s"]
-                )
-            else:
-                return min(max(0.0, asked), self.load_wait_s)
-        return self.load_wait_s
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
-        req_id = request.request_id
-        prompt = request.prompt_token_ids
-        root = key_root(request)
-        self._roots[req_id] = root
-        if self.events is not None:
-            self._requests[req_id] = request
-        if not prompt or root is None or not self.load_enabled:
+        if request.request_id in self._parked:
+            self._parked.discard(request.request_id)
+            self.stats["load_retries_refused"] += 1
             return 0
-        n = len(prompt)
-        full, tail = self.prompt_keys(prompt, root)
-        best = n - 1 if tail is not None else min(n - 1, len(full) * self.chunk_size)
-        if best <= num_computed_tokens:
-            return 0  # vLLM's own cache already holds every token the daemon could add
-        keys = full + [tail] if tail is not None else full
-        wait_s = self._wait_s(request)
-        now = time.monotonic()
-        waiting = self._waiting.get(req_id)
-        if waiting is not None and self._idle:
-            # vLLM's engine loop spins while a request is deferred; with nothing else to
-            # run it would take whole cores from the producer it is waiting for.
-            time.sleep(self.POLL_S)
-            now = time.monotonic()
-        elif waiting is not None and now - waiting.last < self.POLL_S:
-            return None
-        started = time.perf_counter()
-        tiers = self.lookup(keys)
-        self.stats["lookups"] += 1
-        self.stats["lookup_s"] += time.perf_counter() - started
-        daemon_down = self._daemon_down()  # nothing will arrive: do not wait
-        if len(tiers) < len(keys) and wait_s > 0 and not daemon_down:
-            if waiting is None:
-                self.stats["load_waits"] += 1
-                waiting = self._waiting[req_id] = _Wait(now, now)
-            if now - waiting.first < wait_s:
-                waiting.last = now
-                return None
-            self.stats["load_wait_expired"] += 1
-            logger.warning(
-                "request %s: %d of %d chunks arrived in %.1f s (load_wait_s); computing the rest",
-                req_id,
-                len(tiers),
-                len(keys),
-                wait_s,
-            )
-        if waiting is not None:
-            self.stats["load_wait_s"] += now - waiting.first
-            del self._waiting[req_id]
-        self._hits[req_id] = _Hit(num_computed_tokens, len(tiers), tiers)
-        covered = n if len(tiers) > len(full) else len(tiers) * self.chunk_size
-        return max(0, min(covered, n - 1) - num_computed_tokens)
+        return super().num_new_matched_tokens(request, num_computed_tokens)
 
     # -- update_state_after_alloc ---------------------------------------------------
-    def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        if self.lookups is not None:
+            self.lookups.forget(req_id)  # used: a later ask (after a preemption) looks up anew
         hit = self._hits.get(req_id)
-        if hit is not None and num_external_tokens > 0:
-            self._loads[req_id] = (hit.local_tokens, hit.local_tokens + num_external_tokens)
-            self.stats["lookup_hit_tokens"] += num_external_tokens
+        if hit is None or num_external_tokens <= 0:
+            return
+        self._loads[req_id] = (hit.local_tokens, hit.local_tokens + num_external_tokens)
+        self.stats["lookup_hit_tokens"] += num_external_tokens
+        if not self.async_load:
+            return
+        # The request waits in WAITING_FOR_REMOTE_KVS: its load goes out with the next
+        # metadata, into the blocks allocated now (from its first token on).
+        root = self._roots.get(req_id)
+        prompt = list(request.prompt_token_ids or [])
+        if root is None:  # pragma: no cover - a hit implies a root
+            return
+        full, tail = self.prompt_keys(prompt, root)
+        tracker = self._trackers.get(req_id) or _Tracker(
+            full, len(prompt), [], 0, tail, False, len(full) * self.chunk_size, prompt if root == ROOT_KEY else None
+        )
+        loads = LMCacheServerConnectorMetadata()
+        block_ids, tracker.block_ids = tracker.block_ids, first_group(blocks.get_block_ids())
+        self._emit_load(loads, req_id, tracker)
+        if req_id in self._trackers:
+            tracker.block_ids = block_ids  # the resumed request's blocks come with its next schedule
+        self._async_loads.extend(loads.loads)
+        self._loading.add(req_id)
+        self._parked.add(req_id)
+
+    def loads_finished(self, req_ids: set[str]) -> None:
+        """The workers report these requests' asynchronous loads done (``update_connector_output``)."""
+        self._loading.difference_update(req_ids)
+
+    def finished(self, req_id: str) -> bool:
+        """``request_finished``: forget the request; True when its blocks must wait
+        for its asynchronous saves (the workers then report it in ``finished_sending``)."""
+        self.forget(req_id)
+        delay = self.async_save and req_id in self._saving and req_id not in self._loading
+        self._saving.discard(req_id)
+        if delay:
+            self._delayed.append(req_id)
+        return delay
 
     # -- build_connector_meta -------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> LMCacheServerConnectorMetadata:
         meta = LMCacheServerConnectorMetadata()
         self._idle = not scheduler_output.num_scheduled_tokens
+        meta.idle = self._idle
+        meta.loads, self._async_loads = self._async_loads, []
+        meta.delayed, self._delayed = self._delayed, []
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id in scheduler_output.finished_req_ids:
             self.forget(req_id)
         for new in scheduler_output.scheduled_new_reqs:
@@ -295,6 +191,7 @@ class SchedulerSide:
                 prompt if root == ROOT_KEY else None,
             )
             self._trackers[new.req_id] = tracker
+            self._parked.discard(new.req_id)
             self._emit_load(meta, new.req_id, tracker)
             computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._emit_save(meta, new.req_id, tracker, computed)
@@ -304,6 +201,7 @@ class SchedulerSide:
             if running is None:
                 continue
             tracker = running
+            self._parked.discard(req_id)
             new_blocks = first_group(cached.new_block_ids[i]) if cached.new_block_ids[i] is not None else []
             if resumed(cached, i, req_id):
                 tracker.block_ids = new_blocks
@@ -369,6 +267,8 @@ class SchedulerSide:
             )
         )
         self._announce(req_id, tracker, first, ready)
+        if self.async_save:
+            self._saving.add(req_id)
         tracker.stored_chunks = max(first, ready)
         tracker.tail_stored = tracker.tail_stored or with_tail
 
@@ -390,9 +290,12 @@ class SchedulerSide:
 
     # -- request_finished -----------------------------------------------------------
     def forget(self, req_id: str) -> None:
+        self._parked.discard(req_id)
         self._hits.pop(req_id, None)
         self._roots.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._trackers.pop(req_id, None)
         self._waiting.pop(req_id, None)
         self._requests.pop(req_id, None)
+        if self.lookups is not None:
+            self.lookups.forget(req_id)

@@ -15,6 +15,9 @@ are plain counters (sums over the interval):
 | ``loaded_tokens`` / ``load_failed_tokens`` | worker | tokens loaded / that had to be recomputed |
 | ``loaded_bytes`` / ``load_s`` | worker | payload bytes read and seconds spent loading |
 | ``stored_chunks`` / ``stored_bytes`` / ``store_s`` | worker | chunks (a tail is one) stored or found, bytes, seconds |
+| ``load_retries_refused`` | scheduler | requests computed because their asynchronous load failed from its first block |
+| ``load_deadline_missed`` | worker | loads that used only what arrived by ``load_deadline_ms`` |
+| ``saves_dropped`` | worker | saves not made because ``max_queued_saves`` were queued (a slow daemon) |
 | ``daemon_failures`` / ``short_circuited`` | both | calls finding the daemon down / misses from the breaker |
 
 In Prometheus they appear as ``vllm:lmcache_server_<counter>_total`` with
@@ -44,6 +47,9 @@ COUNTERS = {
     "stored_chunks": "Chunks stored in lmcache-server (or found there already)",
     "stored_bytes": "Payload bytes stored in lmcache-server",
     "store_s": "Seconds workers spent storing KV in lmcache-server",
+    "load_retries_refused": "Requests computed in full because their asynchronous load failed from its first block",
+    "load_deadline_missed": "Loads that used only the chunks that arrived by their deadline (load_deadline_ms)",
+    "saves_dropped": "Saves not made because max_queued_saves saves were queued (a slow daemon)",
     "daemon_failures": "lmcache-server calls that found the daemon down, slow or draining",
     "short_circuited": "lmcache-server calls answered as misses by the open circuit breaker",
 }

@@ -55,6 +55,9 @@ class WorkerStats:
     stored_chunks: int = 0
     stored_bytes: int = 0
     store_s: float = 0.0
+    load_deadline_missed: int = 0
+    saves_dropped: int = 0
+    """Saves not made because too many were queued (asynchronous mode: a slow daemon)."""
 
     def take(self) -> dict[str, float]:
         """The counters since the last take (vLLM's per-step stats); they restart at zero."""
@@ -66,6 +69,17 @@ class WorkerStats:
     def add_to(self, totals: dict[str, float]) -> None:
         for name, value in dataclasses.asdict(self).items():
             totals[name] = totals.get(name, 0) + value
+
+
+@dataclasses.dataclass
+class LoadResult:
+    """What one load did: tokens up to ``end`` are in the KV cache."""
+
+    end: int
+    nbytes: int = 0
+    seconds: float = 0.0
+    late: bool = False
+    """The deadline passed before every chunk arrived; the rest is recomputed."""
 
 
 class WorkerSide:
@@ -115,36 +129,51 @@ class WorkerSide:
 
     # -- start_load_kv ---------------------------------------------------------------
     def load(self, loads: list[LoadRequest]) -> None:
+        """Load every request of the step now (the synchronous mode; asynchronous
+        loads go through :mod:`.transfers`, which calls :meth:`load_one` on a lane)."""
         if self.asleep:  # pragma: no cover - vLLM schedules nothing while asleep
             for request in loads:
-                self._failed.update(
-                    blocks_covering(
-                        request.block_ids, request.start_token, request.end_token, self._engine().block_size
-                    )
-                )
+                self.finish_load(request, LoadResult(request.start_token))
             return
         for request in loads:
-            started = time.perf_counter()
-            try:
-                loaded_end = self._load_one(request)
-            except Exception:  # a bug or a device error: recompute, do not crash the engine
-                logger.exception("loading KV for request %s failed", request.req_id)
-                loaded_end = request.start_token
-            self.stats.load_s += time.perf_counter() - started
-            self.stats.loaded_tokens += loaded_end - request.start_token
-            if loaded_end < request.end_token:
-                failed = blocks_covering(request.block_ids, loaded_end, request.end_token, self._engine().block_size)
-                self._failed.update(failed)
-                self.stats.load_failed_tokens += request.end_token - loaded_end
-                logger.warning(
-                    "request %s: %d of %d tokens loaded; %d blocks to recompute",
-                    request.req_id,
-                    loaded_end - request.start_token,
-                    request.end_token - request.start_token,
-                    len(failed),
-                )
+            self.finish_load(request, self.load_one(request, self.transfer))
 
-    def _load_one(self, request: LoadRequest) -> int:
+    def load_one(self, request: LoadRequest, transfer: ChunkTransfer, deadline: float | None = None) -> LoadResult:
+        """Scatter what can be loaded of ``request`` through ``transfer``; never raises.
+        ``deadline`` (monotonic seconds): chunks that arrive later are not used."""
+        started = time.perf_counter()
+        result = LoadResult(request.start_token)
+        try:
+            result.end = self._load_one(request, transfer, result, deadline)
+        except Exception:  # a bug or a device error: recompute, do not crash the engine
+            logger.exception("loading KV for request %s failed", request.req_id)
+            result.end = request.start_token
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def finish_load(self, request: LoadRequest, result: LoadResult) -> None:
+        """Count a finished load; the blocks it did not fill are reported as failed."""
+        self.stats.load_s += result.seconds
+        self.stats.loaded_bytes += result.nbytes
+        self.stats.loaded_tokens += result.end - request.start_token
+        if result.late:
+            self.stats.load_deadline_missed += 1
+        if result.end < request.end_token:
+            failed = blocks_covering(request.block_ids, result.end, request.end_token, self._engine().block_size)
+            self._failed.update(failed)
+            self.stats.load_failed_tokens += request.end_token - result.end
+            logger.warning(
+                "request %s: %d of %d tokens loaded%s; %d blocks to recompute",
+                request.req_id,
+                result.end - request.start_token,
+                request.end_token - request.start_token,
+                " by its deadline" if result.late else "",
+                len(failed),
+            )
+
+    def _load_one(
+        self, request: LoadRequest, transfer: ChunkTransfer, result: LoadResult, deadline: float | None
+    ) -> int:
         """Scatter what can be loaded; returns the end of the tokens written."""
         engine = self._engine()
         chunk = self.layout.chunk_size
@@ -152,17 +181,23 @@ class WorkerSide:
         slots = token_slots(
             request.block_ids, request.start_token, request.end_token, engine.block_size, engine.block_tokens
         )
+        used = [0]  # leading chunks scattered before the deadline
 
         def scatter(i: int, view: memoryview) -> None:
+            if deadline is not None and (result.late or time.monotonic() > deadline):
+                result.late = True
+                return
             c0 = base + i * chunk
             lo, hi = max(c0, request.start_token), min(c0 + chunk, request.end_token)
             part = slice(lo - request.start_token, hi - request.start_token)
             engine.copier.scatter(Slots(slots.blocks[part], slots.offsets[part]), self._payload(view, lo - c0, hi - c0))
-            self.stats.loaded_bytes += view.nbytes
+            result.nbytes += view.nbytes
+            used[0] = i + 1
 
-        loaded = self.transfer.get_prefix_with(request.keys, scatter) if request.keys else 0
+        loaded = transfer.get_prefix_with(request.keys, scatter) if request.keys else 0
+        loaded = min(loaded, used[0])
         covered = base + loaded * chunk
-        if request.tail_key is not None and loaded == len(request.keys):
+        if request.tail_key is not None and loaded == len(request.keys) and not result.late:
             t0, n = covered, request.tail_tokens
             lo, hi = max(t0, request.start_token), min(t0 + n, request.end_token)
 
@@ -170,9 +205,9 @@ class WorkerSide:
                 part = slice(lo - request.start_token, hi - request.start_token)
                 payload = self._payload(view, lo - t0, hi - t0, tokens=n)
                 engine.copier.scatter(Slots(slots.blocks[part], slots.offsets[part]), payload)
-                self.stats.loaded_bytes += view.nbytes
+                result.nbytes += view.nbytes
 
-            if hi > lo and self.transfer.get_one_with(request.tail_key, self.tail_bytes(n), scatter_tail):
+            if hi > lo and transfer.get_one_with(request.tail_key, self.tail_bytes(n), scatter_tail):
                 covered = t0 + n
         if engine.copier.device.type == "cuda":
             _torch().cuda.current_stream().synchronize()
@@ -188,39 +223,50 @@ class WorkerSide:
 
     # -- wait_for_save ---------------------------------------------------------------
     def save(self, saves: list[SaveRequest]) -> int:
-        """Gather and store every save of the step; returns chunks stored."""
-        engine = self._engine()
-        chunk = self.layout.chunk_size
-        stored = 0
+        """Gather and store every save of the step now (the synchronous mode); returns
+        chunks stored."""
         if self.asleep:  # pragma: no cover - vLLM schedules nothing while asleep
             return 0
+        stored = 0
         for request in saves:
-            started = time.perf_counter()
-            start = request.first_chunk * chunk
-            try:
-                slots = token_slots(
-                    request.block_ids, start, start + len(request.keys) * chunk, engine.block_size, engine.block_tokens
-                )
-
-                def gather(i: int, view: memoryview, slots: Slots = slots) -> None:
-                    part = slice(i * chunk, (i + 1) * chunk)
-                    engine.copier.gather(Slots(slots.blocks[part], slots.offsets[part]), self._payload(view))
-
-                done = self.transfer.put_with(request.keys, gather, request.tokens) if request.keys else 0
-                if request.tail_key is not None and done == len(request.keys):
-                    done += self._save_tail(request)
-            except Exception:  # a failed save is a future miss, never an engine failure
-                logger.exception("saving KV chunks of request %s failed", request.req_id)
-                continue
+            done, seconds = self.save_one(request, self.transfer)
+            self.finish_save(request, done, seconds)
             stored += done
-            self.stats.stored_chunks += done
-            self.stats.stored_bytes += min(done, len(request.keys)) * self.layout.nbytes
-            if done > len(request.keys):
-                self.stats.stored_bytes += self.tail_bytes(request.tail_tokens)
-            self.stats.store_s += time.perf_counter() - started
         return stored
 
-    def _save_tail(self, request: SaveRequest) -> int:
+    def save_one(self, request: SaveRequest, transfer: ChunkTransfer) -> tuple[int, float]:
+        """Gather and store ``request`` through ``transfer``; (chunks stored, seconds).
+        Never raises: a failed save is a future miss, never an engine failure."""
+        engine = self._engine()
+        chunk = self.layout.chunk_size
+        started = time.perf_counter()
+        start = request.first_chunk * chunk
+        try:
+            slots = token_slots(
+                request.block_ids, start, start + len(request.keys) * chunk, engine.block_size, engine.block_tokens
+            )
+
+            def gather(i: int, view: memoryview) -> None:
+                part = slice(i * chunk, (i + 1) * chunk)
+                engine.copier.gather(Slots(slots.blocks[part], slots.offsets[part]), self._payload(view))
+
+            done = transfer.put_with(request.keys, gather, request.tokens) if request.keys else 0
+            if request.tail_key is not None and done == len(request.keys):
+                done += self._save_tail(request, transfer)
+        except Exception:
+            logger.exception("saving KV chunks of request %s failed", request.req_id)
+            done = 0
+        return done, time.perf_counter() - started
+
+    def finish_save(self, request: SaveRequest, done: int, seconds: float) -> None:
+        """Count a finished save."""
+        self.stats.stored_chunks += done
+        self.stats.stored_bytes += min(done, len(request.keys)) * self.layout.nbytes
+        if done > len(request.keys):
+            self.stats.stored_bytes += self.tail_bytes(request.tail_tokens)
+        self.stats.store_s += seconds
+
+    def _save_tail(self, request: SaveRequest, transfer: ChunkTransfer) -> int:
         """Gather and store a request's tail; 1 when it is stored."""
         engine = self._engine()
         n = request.tail_tokens
@@ -232,4 +278,4 @@ class WorkerSide:
             engine.copier.gather(slots, self._payload(view, tokens=n))
 
         assert request.tail_key is not None
-        return int(self.transfer.put_one_with(request.tail_key, self.tail_bytes(n), gather))
+        return int(transfer.put_one_with(request.tail_key, self.tail_bytes(n), gather))

@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import pickle
 import random
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -151,6 +152,11 @@ class Engine:
         self.free = random.Random(0).sample(range(num_blocks), num_blocks)  # scattered block ids
         self.load_errors: set[int] = set()
         self.computed_tokens: list[int] = []
+        self.log: list[LMCacheServerConnectorMetadata] = []
+        """The metadata of every step."""
+        self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.is_async = self.scheduler.settings.async_transfers
 
     def alloc(self, n_tokens: int) -> list[int]:
         n = -(-n_tokens // self.block_size)
@@ -163,6 +169,7 @@ class Engine:
         """One engine step: metadata to the worker (pickled, as between processes), load,
         the forward pass writing KV of ``work`` (prompt, blocks, start, end) layer by layer, save."""
         meta = self.scheduler.build_connector_meta(output)
+        self.log.append(meta)
         self.worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
         self.worker.start_load_kv(SimpleNamespace())
         for layer, (name, kv_layer) in enumerate(self.kv.items()):
@@ -183,19 +190,46 @@ class Engine:
                     self.computed_tokens.extend(range(start, end))
             self.worker.save_kv_layer(name, kv_layer, attn_metadata=None)
         self.worker.wait_for_save()
+        sending, recving = self.worker.get_finished(set(output.finished_req_ids))
+        self.finished_sending |= sending or set()
+        self.finished_recving |= recving or set()
         self.load_errors |= self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
+        self.scheduler.update_connector_output(SimpleNamespace(finished_recving=recving, finished_sending=sending))
         return meta
+
+    def until(self, done: Any, what: str, finished: set[str] | None = None, timeout_s: float = 60.0) -> int:
+        """Empty engine steps (vLLM keeps stepping while transfers run) until ``done()``;
+        returns the steps taken."""
+        deadline = time.monotonic() + timeout_s
+        steps = 0
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not done after {steps} engine steps ({timeout_s} s)")
+            self.step(SchedulerOutput(finished_req_ids=set(finished or ())), [])
+            finished = None
+            steps += 1
+        return steps
 
     def prefill(
         self, req_id: str, prompt: list[int], *, local_hit: int = 0, step_tokens: int = 10_000
     ) -> dict[str, Any]:
         """Schedule a prompt: lookup, allocation, then chunked-prefill steps until computed."""
         request = Request(req_id, prompt)
-        external, is_async = self.scheduler.get_num_new_matched_tokens(request, local_hit)
-        assert is_async is False
+        asked: list[Any] = []
+
+        def answered() -> bool:  # vLLM asks again on every step while the answer is None
+            asked.append(self.scheduler.get_num_new_matched_tokens(request, local_hit))
+            return asked[-1][0] is not None
+
+        log_start = len(self.log)
+        self.until(answered, f"lookup of {req_id}")
+        external, is_async = asked[-1]
+        assert is_async is (self.is_async and external > 0)
         blocks = self.alloc(len(prompt))
-        self.scheduler.update_state_after_alloc(request, SimpleNamespace(), external)
+        self.scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (blocks,)), external)
+        if is_async:  # the request waits in WAITING_FOR_REMOTE_KVS until a worker reports its load
+            self.until(lambda: req_id in self.finished_recving, f"load of {req_id}")
         computed = local_hit + external
         self.computed_tokens = []
         metas = []
@@ -215,8 +249,40 @@ class Engine:
         # One decode step: never saved (prompt chunks only).
         cached = CachedRequestData([req_id], set(), [None], [computed])
         metas.append(self.step(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={req_id: 1}), []))
-        assert self.scheduler.request_finished(request, blocks) == (False, None)
-        return {"external": external, "blocks": blocks, "metas": metas, "computed": list(self.computed_tokens)}
+        delay, params = self.scheduler.request_finished(request, blocks)
+        assert params is None and delay is (self.is_async and bool(self.saved(metas)))
+        if delay:  # vLLM holds the blocks until every worker reports the saves done
+            self.until(lambda: req_id in self.finished_sending, f"saves of {req_id}", finished={req_id})
+        loads = [load for meta in self.log[log_start:] for load in meta.loads]
+        return {
+            "external": external,
+            "blocks": blocks,
+            "metas": metas,
+            "loads": loads,
+            "computed": list(self.computed_tokens),
+        }
+
+    def ask(self, request: Any, local_hit: int = 0, timeout_s: float = 60.0) -> int | None:
+        """``get_num_new_matched_tokens`` as vLLM's scheduler sees it over steps: while an
+        asynchronous lookup is out the answer is None and vLLM asks again; returns the
+        tokens to load, or None when the connector defers the request for another reason
+        (a consumer waiting for a producer).  Checks the load is asynchronous iff it should be."""
+        side = self.scheduler.scheduler
+        assert side is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            n, is_async = self.scheduler.get_num_new_matched_tokens(request, local_hit)
+            if n is not None:
+                assert is_async is (self.is_async and n > 0)
+                return int(n)
+            if side.lookups is None or not side.lookups.asked(request.request_id):
+                return None
+            assert time.monotonic() < deadline, f"lookup of {request.request_id} never answered"
+            time.sleep(0.001)
+
+    @staticmethod
+    def saved(metas: list[LMCacheServerConnectorMetadata]) -> int:
+        return sum(len(meta.saves) for meta in metas)
 
     def rows(self, blocks: list[int], start: int, end: int, layer: int) -> Any:
         kv_layer = list(self.kv.values())[layer]

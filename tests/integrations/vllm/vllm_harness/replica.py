@@ -78,6 +78,22 @@ def _counters() -> dict[str, Any]:
     return out
 
 
+def settle(llm: Any, timeout_s: float = 120) -> None:
+    """Step the engine until the connector's asynchronous loads and saves are done and
+    reported (vLLM keeps stepping for them; an offline ``generate`` returns before),
+    so the counters read next are the prompt's."""
+    worker, _ = _connectors()
+    transfers = getattr(worker, "transfers", None)
+    if transfers is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while transfers.in_flight != (0, 0) or transfers.save_lane.pending or transfers.load_lane.pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"transfers still in flight after {timeout_s} s: {transfers.in_flight}")
+        llm.llm_engine.step()
+        time.sleep(0.001)
+
+
 def _wait_for(path: Path, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -112,6 +128,7 @@ def run_one(entry: dict[str, Any], spec_dir: Path) -> dict[str, Any]:
         for i, tokens in enumerate(entry["prompts"]):
             t0 = time.monotonic()
             [out] = llm.generate([TokensPrompt(prompt_token_ids=list(tokens))], params, use_tqdm=False)
+            settle(llm)
             result["prompts"].append(
                 {
                     "tokens": list(out.outputs[0].token_ids),

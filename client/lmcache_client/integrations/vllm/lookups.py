@@ -1,0 +1,101 @@
+"""Asynchronous lookups for the scheduler connector: vLLM's scheduler never waits on the daemon.
+
+``get_num_new_matched_tokens`` asks :meth:`LookupService.ask` and answers
+vLLM ``None`` ("ask again next step") until the answer is in; the answer is
+kept per request, so a request that waits for blocks is not asked again
+every step.  Under tensor parallelism each rank's namespace is asked on a
+lane of its own, all at once, and the shortest answer counts.  With
+``prefetch`` the daemon also promotes the hit chunks it holds on disk or in
+Redis into memory while the request waits for its load.
+
+Primitives: :class:`LookupService`, :class:`Answer`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .lanes import Lane
+
+
+@dataclasses.dataclass
+class Answer:
+    """Which leading keys every rank's namespace holds."""
+
+    tiers: list[str]
+    """The daemon tier of each leading key held by every rank (the first rank's tier)."""
+    daemon_down: bool
+    """A rank's client found the daemon down: nothing more will arrive soon."""
+    seconds: float
+    """From the ask to the last rank's answer."""
+    counted: bool = False
+    """Already counted in the scheduler's stats (an answer may be read on several steps)."""
+
+
+def _ask(transfer: Any, keys: Sequence[bytes], prefetch: bool) -> tuple[list[str], bool]:
+    tiers = transfer.lookup_tiers(keys, prefetch=prefetch) if prefetch else transfer.lookup_tiers(keys)
+    return list(tiers), bool(transfer.client.fail_open_stats.get("down"))
+
+
+@dataclasses.dataclass
+class _Asked:
+    futures: list[concurrent.futures.Future[tuple[list[str], bool]]]
+    at: float
+    answer: Answer | None = None
+
+
+class LookupService:
+    """One lane per tensor-parallel rank; answers kept per request until forgotten."""
+
+    def __init__(self, lanes: Sequence[Lane], *, prefetch: bool = False):
+        if not lanes:
+            raise ValueError("a lookup service needs one lane per rank")
+        self.lanes = list(lanes)
+        self.prefetch = prefetch
+        self._asked: dict[str, _Asked] = {}
+
+    def ask(self, req_id: str, keys: Sequence[bytes]) -> None:
+        """Send the lookup of ``keys`` for ``req_id`` unless one is out or answered."""
+        if req_id in self._asked:
+            return
+        keys = list(keys)
+        prefetch = self.prefetch
+
+        def job(transfer: Any) -> tuple[list[str], bool]:
+            return _ask(transfer, keys, prefetch)
+
+        no_answer: tuple[list[str], bool] = ([], False)
+        futures = [lane.submit(job, no_answer) for lane in self.lanes]
+        self._asked[req_id] = _Asked(futures, time.perf_counter())
+
+    def asked(self, req_id: str) -> bool:
+        return req_id in self._asked
+
+    def answer(self, req_id: str, wait_s: float = 0.0) -> Answer | None:
+        """The answer for ``req_id`` when every rank has answered (waiting up to ``wait_s``)."""
+        asked = self._asked.get(req_id)
+        if asked is None:
+            return None
+        if asked.answer is None:
+            if wait_s > 0:
+                concurrent.futures.wait(asked.futures, timeout=wait_s)
+            if not all(f.done() for f in asked.futures):
+                return None
+            results = [f.result() for f in asked.futures]
+            tiers = results[0][0]
+            for rank_tiers, _ in results[1:]:
+                tiers = tiers[: len(rank_tiers)]
+            asked.answer = Answer(tiers, any(down for _, down in results), time.perf_counter() - asked.at)
+        return asked.answer
+
+    def forget(self, req_id: str) -> None:
+        """Drop the request's answer: the next ask sends a new lookup."""
+        self._asked.pop(req_id, None)
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()

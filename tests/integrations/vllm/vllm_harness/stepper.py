@@ -1,0 +1,142 @@
+"""Step-by-step offline vLLM for the asynchronous-connector tests (runs in vLLM's own venv).
+
+``python -m tests.integrations.vllm.vllm_harness.stepper SPEC.json OUT.json`` builds one
+``vllm.LLM`` (engine core in this process), then:
+
+1. ``warm``: generates each warm prompt (its chunks go to the daemon) and waits
+   until the connector's saves are done;
+2. ``decode`` starts and decodes; once it has a token, ``load`` is added: its
+   chunks are in the daemon (not in vLLM's own prefix cache, which is off), so
+   the connector loads them;
+3. the engine is stepped until both finish.
+
+The load is *gated*: the connector's ``WorkerSide.load_one`` waits for a gate
+before it reads anything, like a load through a slow link.  The gate opens
+once ``decode`` has produced ``hold_tokens`` tokens while the load was in
+flight, or after ``gate_timeout_s`` (a synchronous load holds the whole step,
+so nothing is produced meanwhile).  With ``kill_daemon_pid`` the daemon is
+SIGKILLed while the gate is closed (the load then fails and is recomputed).
+
+OUT holds each request's tokens, ``decode_tokens_during_load`` (tokens of
+``decode`` produced in steps that ended with the load in flight) and the
+connector's counters.  Tests compare the tokens with plain vLLM's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from .replica import _connectors, _counters, _track_scheduler_connectors, settle  # noqa: E402
+
+
+class Gate:
+    """Holds every load at its start until opened; tells whether one is in flight."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.opened = threading.Event()
+        self.in_flight = 0
+        self.held = 0
+
+    def install(self) -> None:
+        from lmcache_client.integrations.vllm.worker import WorkerSide
+
+        original = WorkerSide.load_one
+        gate = self
+
+        def load_one(side: Any, request: Any, transfer: Any, deadline: float | None = None) -> Any:
+            gate.in_flight += 1
+            gate.held += 1
+            try:
+                gate.opened.wait(gate.timeout_s)
+                return original(side, request, transfer, deadline)
+            finally:
+                gate.in_flight -= 1
+
+        WorkerSide.load_one = load_one  # type: ignore[method-assign]
+
+
+def main(argv: list[str]) -> int:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(argv[0]).read_text())
+    out_path = Path(argv[1])
+    _track_scheduler_connectors()
+    gate = Gate(spec.get("gate_timeout_s", 3.0))
+    kwargs: dict[str, Any] = {
+        "model": spec["model"],
+        "dtype": spec.get("dtype", "float32"),
+        "max_model_len": spec.get("max_model_len", 4096),
+        "enforce_eager": True,
+        "distributed_executor_backend": "uni",
+        "enable_prefix_caching": False,
+        "seed": 0,
+    }
+    if spec.get("connector"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+    llm = LLM(**kwargs)
+    engine = llm.llm_engine
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    for tokens in spec.get("warm", []):
+        llm.generate([TokensPrompt(prompt_token_ids=tokens)], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+        settle(llm)
+    gate.install()
+    engine.add_request(
+        "decode",
+        TokensPrompt(prompt_token_ids=spec["decode"]),
+        SamplingParams(**greedy, max_tokens=spec["decode_max_tokens"]),
+    )
+    tokens: dict[str, list[int]] = {"decode": [], "load": []}
+    during = 0
+    added = False
+    deadline = time.monotonic() + 600
+    while engine.has_unfinished_requests() or not added:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the requests did not finish")
+        before = len(tokens["decode"])
+        for output in engine.step():
+            tokens[output.request_id] = list(output.outputs[0].token_ids)
+        if gate.in_flight and not gate.opened.is_set():
+            during += len(tokens["decode"]) - before
+            if during >= spec.get("hold_tokens", 3):
+                if spec.get("kill_daemon_pid"):
+                    os.kill(spec["kill_daemon_pid"], signal.SIGKILL)
+                gate.opened.set()
+        if not added and tokens["decode"]:
+            engine.add_request(
+                "load",
+                TokensPrompt(prompt_token_ids=spec["load"]),
+                SamplingParams(**greedy, max_tokens=spec["load_max_tokens"]),
+            )
+            added = True
+        if not engine.has_unfinished_requests() and added:
+            break
+    gate.opened.set()
+    settle(llm)
+    worker, scheduler = _connectors()
+    result = {
+        "tokens": tokens,
+        "decode_tokens_during_load": during,
+        "loads_gated": gate.held,
+        "counters": _counters(),
+        "scheduler_stats": dict(scheduler.scheduler.stats) if scheduler is not None else {},
+    }
+    out_path.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
