@@ -14,7 +14,7 @@ connector inside real vLLM.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,33 +46,6 @@ from .vllm_harness.engine import (  # noqa: E402
     expected_rows,
     vllm_config,
 )
-
-
-@pytest.fixture(scope="module")
-def shared_daemon(module_daemon_factory: Callable[..., Daemon]) -> Daemon:
-    return module_daemon_factory()
-
-
-@pytest.fixture
-def address(shared_daemon: Daemon) -> str:
-    return shared_daemon.address
-
-
-@pytest.fixture
-def engines(address: str, request: pytest.FixtureRequest) -> Iterator[Callable[..., Engine]]:
-    """Engines on the module's daemon, in a tenant of the test's own."""
-    made: list[Engine] = []
-    tenant = "".join(c if c.isalnum() else "-" for c in request.node.name)
-
-    def make(**kwargs: Any) -> Engine:
-        kwargs.setdefault("address", address)
-        made.append(Engine(tenant=tenant, **kwargs))
-        return made[-1]
-
-    yield make
-    for engine in made:
-        engine.scheduler.shutdown()
-        engine.worker.shutdown()
 
 
 # -- scheduler + worker through the connector ----------------------------------------------------

@@ -160,6 +160,9 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                 lookups=self._lookups([namespace_of(r) for r in range(tp_size)]) if is_async else None,
                 async_load=is_async,
                 async_save=is_async,
+                save_decode_cache=self.settings.save_decode_cache,
+                max_store_tokens=self.settings.max_store_tokens,
+                load_deadline_ms=self.settings.load_deadline_ms,
             )
             self.scheduler.events = _connector_events(vllm_config, self.settings.chunk_size)
             namespace: str = transfers[0].namespace
@@ -254,8 +257,8 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         """vLLM 0.33 sleep mode: the KV caches go away until ``restore_kv_caches``;
         nothing is loaded or stored meanwhile (vLLM schedules nothing then)."""
         if self.transfers is not None:  # nothing may touch the caches once they are unmapped
-            self.transfers.load_lane.drain(self.settings.timeout_s * 4)
-            self.transfers.flush_saves(self.settings.timeout_s * 4)
+            self.transfers.load_lane.drain()
+            self.transfers.flush_saves()
         self._worker().asleep = True
 
     def restore_kv_caches(self) -> None:
@@ -267,7 +270,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         them finish before the forward pass may overwrite them."""
         meta = kv_connector_metadata
         if self.transfers is not None and isinstance(meta, LMCacheServerConnectorMetadata) and meta.preempted:
-            self.transfers.flush_saves(self.settings.timeout_s * 4)
+            self.transfers.flush_saves(meta.preempted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._meta()
@@ -309,10 +312,12 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_kv_connector_stats(self) -> LMCacheServerConnectorStats | None:
         data = self.worker.take_stats() if self.worker is not None else self._scheduler().take_stats()
-        fail = self.client.fail_open_stats
-        data["daemon_failures"] = fail["failures"] - self._reported["daemon_failures"]
-        data["short_circuited"] = fail["short_circuited"] - self._reported["short_circuited"]
-        self._reported = {"daemon_failures": fail["failures"], "short_circuited": fail["short_circuited"]}
+        clients = [self.client] + [lane.transfer.client for lane in self.lanes]  # each has its own breaker
+        failures = sum(int(c.fail_open_stats["failures"]) for c in clients)
+        short = sum(int(c.fail_open_stats["short_circuited"]) for c in clients)
+        data["daemon_failures"] = failures - self._reported["daemon_failures"]
+        data["short_circuited"] = short - self._reported["short_circuited"]
+        self._reported = {"daemon_failures": failures, "short_circuited": short}
         stats = LMCacheServerConnectorStats(data=data)
         return None if stats.is_empty() else stats
 

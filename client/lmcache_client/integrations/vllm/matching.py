@@ -38,6 +38,7 @@ from typing import Any
 from ...keys import chunk_keys, salted_root, tail_key
 from ..transfer import ChunkTransfer
 from .lookups import LookupService
+from .params import RequestParams, request_params
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,10 @@ class _Wait:
     """When the daemon was last asked."""
 
 
-def key_root(request: Any) -> bytes | None:
+def key_root(request: Any, tags: Sequence[str] = ()) -> bytes | None:
     """The key chain root of ``request``'s KV; None when its KV cannot be named by
-    its tokens (multimodal inputs, prompt embeddings)."""
+    its tokens (multimodal inputs, prompt embeddings).  ``tags``: the request's
+    ``lmcache_tags``, folded in like a ``cache_salt``."""
     if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
         return None
     parts: list[str] = []
@@ -72,6 +74,8 @@ def key_root(request: Any) -> bytes | None:
     salt = getattr(request, "cache_salt", None)
     if salt:
         parts.append("salt=" + str(salt))
+    if tags:
+        parts.append("tags=" + "\x1f".join(tags))
     return salted_root(*parts)
 
 
@@ -94,8 +98,15 @@ class Matcher:
         load: bool = True,
         load_wait_s: float = 0.0,
         lookups: LookupService | None = None,
+        max_store_tokens: int = 0,
+        load_deadline_ms: float = 0.0,
     ):
         self.transfers = list(transfers)
+        self.max_store_tokens = max_store_tokens
+        """The operator's cap on a request's ``lmcache_max_store_tokens`` (0: none)."""
+        self.load_deadline_ms = load_deadline_ms
+        """The operator's cap on a request's ``lmcache_load_deadline_ms`` (0: none)."""
+        self._params: dict[str, RequestParams] = {}
         self.chunk_size = chunk_size
         self.load_enabled = load
         self.load_wait_s = load_wait_s
@@ -187,11 +198,13 @@ class Matcher:
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         req_id = request.request_id
         prompt = request.prompt_token_ids
-        root = key_root(request)
+        params = self._params[req_id] = request_params(
+            request, max_store_tokens=self.max_store_tokens, load_deadline_ms=self.load_deadline_ms
+        )
+        root = key_root(request, params.tags)
         self._roots[req_id] = root
-        if self.events is not None:
-            self._requests[req_id] = request
-        if not prompt or root is None or not self.load_enabled:
+        self._requests[req_id] = request  # its block hashes (events) and its generated tokens (save_decode_cache)
+        if not prompt or root is None or not self.load_enabled or params.skip_load:
             return 0
         n = len(prompt)
         full, tail = self.prompt_keys(prompt, root)

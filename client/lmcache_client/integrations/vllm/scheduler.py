@@ -37,13 +37,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ...keys import ROOT_KEY, ChunkTokens, pack_tokens
+from ...keys import ROOT_KEY, ChunkTokens, chunk_keys, pack_tokens
 from ..transfer import ChunkTransfer
 from .compat import first_group, resumed
 from .events import ConnectorEvents
 from .lookups import LookupService
 from .matching import Matcher, key_root
 from .meta import LMCacheServerConnectorMetadata, LoadRequest, SaveRequest
+from .params import DEFAULT
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class _Tracker:
     keys: list[bytes]
-    """Keys of every full chunk of the prompt."""
+    """Keys of every full chunk of the prompt (and, with ``save_decode_cache``, of the
+    generated tokens' full chunks computed so far)."""
     prompt_len: int
     block_ids: list[int]
     stored_chunks: int
@@ -84,8 +86,23 @@ class SchedulerSide(Matcher):
         lookups: LookupService | None = None,
         async_load: bool = False,
         async_save: bool = False,
+        save_decode_cache: bool = False,
+        max_store_tokens: int = 0,
+        load_deadline_ms: float = 0.0,
     ):
-        super().__init__(transfers, chunk_size, load=load, load_wait_s=load_wait_s, lookups=lookups)
+        super().__init__(
+            transfers,
+            chunk_size,
+            load=load,
+            load_wait_s=load_wait_s,
+            lookups=lookups,
+            max_store_tokens=max_store_tokens,
+            load_deadline_ms=load_deadline_ms,
+        )
+        self.save_decode_cache = save_decode_cache
+        """Also store the full chunks of generated tokens (per request: ``lmcache_save_decode_cache``)."""
+        self._deadlines: dict[str, float] = {}
+        """Per-request load deadlines (seconds) for the next metadata."""
         self.save_enabled = save
         self.store_tails = store_tails
         self.async_load = async_load
@@ -145,6 +162,9 @@ class SchedulerSide(Matcher):
         if req_id in self._trackers:
             tracker.block_ids = block_ids  # the resumed request's blocks come with its next schedule
         self._async_loads.extend(loads.loads)
+        deadline = self._params.get(req_id, DEFAULT).load_deadline_s
+        if deadline is not None:
+            self._deadlines[req_id] = deadline
         self._loading.add(req_id)
         self._parked.add(req_id)
 
@@ -169,6 +189,7 @@ class SchedulerSide(Matcher):
         meta.idle = self._idle
         meta.loads, self._async_loads = self._async_loads, []
         meta.delayed, self._delayed = self._delayed, []
+        meta.load_deadlines, self._deadlines = self._deadlines, {}
         meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id in scheduler_output.finished_req_ids:
             self.forget(req_id)
@@ -207,8 +228,9 @@ class SchedulerSide(Matcher):
                 tracker.block_ids = new_blocks
                 hit = self._hits.pop(req_id, None)
                 if hit is not None:
-                    tracker.stored_chunks = max(tracker.stored_chunks, min(hit.hit_chunks, len(tracker.keys)))
-                    tracker.tail_stored = tracker.tail_stored or hit.hit_chunks > len(tracker.keys)
+                    n_prompt = tracker.tail_start // self.chunk_size  # the prompt's full chunks
+                    tracker.stored_chunks = max(tracker.stored_chunks, min(hit.hit_chunks, n_prompt))
+                    tracker.tail_stored = tracker.tail_stored or hit.hit_chunks > n_prompt
             else:
                 tracker.block_ids.extend(new_blocks)
             self._emit_load(meta, req_id, tracker)
@@ -242,14 +264,22 @@ class SchedulerSide(Matcher):
         tracker.tail_stored = tracker.tail_stored or with_tail
 
     def _emit_save(self, meta: LMCacheServerConnectorMetadata, req_id: str, tracker: _Tracker, computed: int) -> None:
-        if not self.save_enabled:
+        params = self._params.get(req_id, DEFAULT)
+        if not self.save_enabled or params.skip_save:
             return
-        ready = min(computed, tracker.prompt_len) // self.chunk_size
+        limit = tracker.prompt_len
+        decode = self.save_decode_cache if params.save_decode_cache is None else params.save_decode_cache
+        if decode and computed > tracker.prompt_len:
+            limit = self._extend_keys(req_id, tracker, computed)
+        if params.max_store_tokens is not None:
+            limit = min(limit, params.max_store_tokens)
+        ready = min(computed, limit) // self.chunk_size
         with_tail = (
             self.store_tails
             and tracker.tail_key is not None
             and not tracker.tail_stored
             and computed >= tracker.prompt_len
+            and tracker.prompt_len <= limit
         )
         if ready <= tracker.stored_chunks and not with_tail:
             return
@@ -272,6 +302,22 @@ class SchedulerSide(Matcher):
         tracker.stored_chunks = max(first, ready)
         tracker.tail_stored = tracker.tail_stored or with_tail
 
+    def _extend_keys(self, req_id: str, tracker: _Tracker, computed: int) -> int:
+        """Keys of the full chunks of generated tokens computed by now (``save_decode_cache``);
+        returns how many tokens have keys."""
+        request, root = self._requests.get(req_id), self._roots.get(req_id)
+        tokens = list(getattr(request, "all_token_ids", None) or [])
+        if root is None or not tokens:
+            return tracker.prompt_len
+        c = self.chunk_size
+        end = min(computed, len(tokens)) // c * c  # a draft token's KV is not final: never past the known tokens
+        have = len(tracker.keys) * c
+        if end > have:
+            tracker.keys.extend(chunk_keys(tokens[have:end], c, tracker.keys[-1] if tracker.keys else root))
+            if tracker.prompt is not None:
+                tracker.prompt = tokens[: max(end, len(tracker.prompt))]
+        return max(tracker.prompt_len, len(tracker.keys) * c)
+
     def _announce(self, req_id: str, tracker: _Tracker, first: int, end: int) -> None:
         """KV events for full chunks ``first .. end - 1`` (stored or loaded), when vLLM publishes them."""
         request = self._requests.get(req_id)
@@ -291,6 +337,8 @@ class SchedulerSide(Matcher):
     # -- request_finished -----------------------------------------------------------
     def forget(self, req_id: str) -> None:
         self._parked.discard(req_id)
+        self._params.pop(req_id, None)
+        self._deadlines.pop(req_id, None)
         self._hits.pop(req_id, None)
         self._roots.pop(req_id, None)
         self._loads.pop(req_id, None)

@@ -59,6 +59,11 @@ class ConnectorSettings:
     (0: no deadline; asynchronous loads only)."""
     max_queued_saves: int = 256
     """Saves a worker queues at most; more are dropped (counted) while the daemon is slow."""
+    save_decode_cache: bool = False
+    """Also store the full chunks of generated tokens (a later turn of the conversation
+    reuses them); per request: ``lmcache_save_decode_cache``."""
+    max_store_tokens: int = 0
+    """The most tokens of a request a ``lmcache_max_store_tokens`` may ask to store (0: no cap)."""
     codec: str = ""
     """A KV codec spec (``"int8:group=64"``, ``"none"``) instead of the one the daemon
     announces in hello; empty: the daemon's (docs/codec.md)."""
@@ -84,8 +89,10 @@ class ConnectorSettings:
         settings = cls(**values)
         if settings.timeout_s <= 0 or settings.chunk_size <= 0 or settings.copy_threads <= 0:
             raise ValueError("kv_connector_extra_config timeout_s, chunk_size and copy_threads must be positive")
-        if settings.load_deadline_ms < 0 or settings.max_queued_saves <= 0:
-            raise ValueError("kv_connector_extra_config needs load_deadline_ms >= 0 and max_queued_saves > 0")
+        if settings.load_deadline_ms < 0 or settings.max_queued_saves <= 0 or settings.max_store_tokens < 0:
+            raise ValueError(
+                "kv_connector_extra_config needs load_deadline_ms >= 0, max_queued_saves > 0 and max_store_tokens >= 0"
+            )
         if "load_wait_s" in extra and settings.load_wait_s < 0:
             raise ValueError("kv_connector_extra_config load_wait_s must be >= 0")
         if not 0 <= settings.backoff_s <= settings.max_backoff_s:

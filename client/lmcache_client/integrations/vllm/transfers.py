@@ -117,13 +117,23 @@ class TransferEngine:
             future = self.save_lane.submit(job, (0, 0.0), inference=inference)
             self._saves.setdefault(request.req_id, []).append((request, future))
 
-    def flush_saves(self, timeout_s: float | None = None) -> bool:
-        """Wait until every save queued so far is done (a preemption is about to hand
-        out the blocks they read); False if ``timeout_s`` passed first."""
-        done = self.save_lane.drain(timeout_s)
-        if not done:
-            logger.warning("saves still running after %.1f s; the forward pass may overwrite their blocks", timeout_s)
-        return done
+    def flush_saves(self, req_ids: Iterable[str] | None = None) -> None:
+        """Wait until the saves of ``req_ids`` (None: every save) queued so far are done:
+        their blocks are about to be handed out again.  No timeout: each daemon call
+        is bounded by the client's ``timeout_s`` and a daemon that is down fails fast
+        (the breaker), while a save still reading a block the forward pass rewrites
+        would store wrong bytes."""
+        started = time.monotonic()
+        if req_ids is None:
+            self.save_lane.drain()
+        else:
+            futures = [f for req_id in req_ids for _, f in self._saves.get(req_id, ())]
+            if not futures:
+                return
+            concurrent.futures.wait(futures)
+        waited = time.monotonic() - started
+        if waited > 1.0:
+            logger.warning("waited %.1f s for saves before their blocks were handed out again", waited)
 
     # -- get_finished --------------------------------------------------------------------
     def finished(self, delayed: Iterable[str] = (), *, idle: bool = False) -> tuple[set[str], set[str]]:

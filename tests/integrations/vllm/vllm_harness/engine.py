@@ -66,6 +66,11 @@ class Role(enum.Enum):
 class Request:  # vllm.v1.request.Request, the attributes connectors read
     request_id: str
     prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None = None
+    all_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.all_token_ids or list(self.prompt_token_ids)
 
 
 @dataclasses.dataclass
@@ -90,6 +95,7 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData = dataclasses.field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     finished_req_ids: set[str] = dataclasses.field(default_factory=set)
+    preempted_req_ids: set[str] | None = None
 
 
 def vllm_config(address: str, dtype: Any, block_size: int, **extra: Any) -> Any:
@@ -170,7 +176,9 @@ class Engine:
         the forward pass writing KV of ``work`` (prompt, blocks, start, end) layer by layer, save."""
         meta = self.scheduler.build_connector_meta(output)
         self.log.append(meta)
-        self.worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
+        bound = pickle.loads(pickle.dumps(meta))
+        self.worker.handle_preemptions(bound)  # vLLM calls it before the forward pass
+        self.worker.bind_connector_metadata(bound)
         self.worker.start_load_kv(SimpleNamespace())
         for layer, (name, kv_layer) in enumerate(self.kv.items()):
             self.worker.wait_for_layer_load(name)
@@ -212,10 +220,18 @@ class Engine:
         return steps
 
     def prefill(
-        self, req_id: str, prompt: list[int], *, local_hit: int = 0, step_tokens: int = 10_000
+        self,
+        req_id: str,
+        prompt: list[int],
+        *,
+        local_hit: int = 0,
+        step_tokens: int = 10_000,
+        params: dict[str, Any] | None = None,
+        decode: list[int] | None = None,
     ) -> dict[str, Any]:
-        """Schedule a prompt: lookup, allocation, then chunked-prefill steps until computed."""
-        request = Request(req_id, prompt)
+        """Schedule a prompt: lookup, allocation, then chunked-prefill steps until computed,
+        then decode steps (one, or one per token of ``decode``: the tokens it generates)."""
+        request = Request(req_id, prompt, params)
         asked: list[Any] = []
 
         def answered() -> bool:  # vLLM asks again on every step while the answer is None
@@ -246,9 +262,26 @@ class Engine:
             metas.append(self.step(out, [(prompt, blocks, computed, computed + n)]))
             computed += n
             first = False
-        # One decode step: never saved (prompt chunks only).
-        cached = CachedRequestData([req_id], set(), [None], [computed])
-        metas.append(self.step(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={req_id: 1}), []))
+        # Decode steps: saved only with save_decode_cache (prompt chunks by default).
+        tokens = list(prompt)
+        for token in decode or [None]:
+            if token is not None:  # the token sampled last step is computed in this one
+                tokens.append(token)
+                request.all_token_ids.append(token)
+                if len(tokens) > len(blocks) * self.block_size:
+                    more = self.alloc(self.block_size)
+                    blocks.extend(more)
+                    new_ids: tuple[list[int], ...] | None = (more,)
+                else:
+                    new_ids = None
+            else:
+                new_ids = None
+            cached = CachedRequestData([req_id], set(), [new_ids], [computed])
+            work = [(tokens, blocks, computed, computed + 1)] if token is not None else []
+            metas.append(
+                self.step(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={req_id: 1}), work)
+            )
+            computed += 1 if token is not None else 0
         delay, params = self.scheduler.request_finished(request, blocks)
         assert params is None and delay is (self.is_async and bool(self.saved(metas)))
         if delay:  # vLLM holds the blocks until every worker reports the saves done

@@ -14,7 +14,8 @@ cover the multi-process engine.
 A run entry: ``name``, ``model`` (checkpoint dir), ``dtype``, ``prompts``
 (lists of token ids), ``max_tokens``, ``prefix_caching`` (bool),
 ``connector`` (None for plain vLLM, else the kv-transfer-config dict),
-optional ``max_model_len``, ``block_size``, ``pause_before`` (a file to wait
+optional ``max_model_len``, ``block_size``, ``kv_transfer_params`` (every
+request's, the per-request control), ``pause_before`` (a file to wait
 for before the run starts, and ``pause_after_prompt`` an index after which
 ``SPEC_DIR/<name>.paused`` is written and ``<name>.resume`` awaited: the test
 kills or restarts the daemon in between).
@@ -123,7 +124,10 @@ def run_one(entry: dict[str, Any], spec_dir: Path) -> dict[str, Any]:
     started = time.monotonic()
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"name": entry["name"], "startup_s": time.monotonic() - started, "prompts": []}
-    params = SamplingParams(temperature=0.0, max_tokens=entry.get("max_tokens", 8), ignore_eos=True)
+    extra_args = {"kv_transfer_params": entry["kv_transfer_params"]} if entry.get("kv_transfer_params") else None
+    params = SamplingParams(
+        temperature=0.0, max_tokens=entry.get("max_tokens", 8), ignore_eos=True, extra_args=extra_args
+    )
     try:
         for i, tokens in enumerate(entry["prompts"]):
             t0 = time.monotonic()

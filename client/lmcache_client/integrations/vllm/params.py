@@ -1,0 +1,125 @@
+"""Per-request control of the vLLM connector: ``kv_transfer_params``, read and validated.
+
+A client sets them per request (OpenAI server: ``"kv_transfer_params": {...}``
+in the request body; offline: ``SamplingParams(extra_args={"kv_transfer_params":
+{...}})``).  Every name starts with ``lmcache_``; other names belong to other
+connectors and are left alone.  A value of the wrong type or range is logged
+and ignored: the request runs as if it had not been set, never fails.  The
+operator's settings cap what a request may ask.
+
+- ``lmcache_skip_load`` (bool): nothing is loaded for this request (it is computed);
+- ``lmcache_skip_save`` (bool): nothing of this request is stored;
+- ``lmcache_max_store_tokens`` (int >= 0): store only the chunks within its first
+  N tokens (capped by the ``max_store_tokens`` setting);
+- ``lmcache_load_deadline_ms`` (number > 0): the deadline of its load
+  (asynchronous loads; never later than the ``load_deadline_ms`` setting when
+  that is set);
+- ``lmcache_tags`` (str or list of str): folded into the key chain like
+  ``cache_salt``: only requests with the same tags share chunks;
+- ``lmcache_save_decode_cache`` (bool): also store the full chunks of generated
+  tokens (default: the ``save_decode_cache`` setting);
+- ``lmcache_load_wait_s`` (number >= 0): a consumer's wait for a producer
+  (capped by ``load_wait_s``; docs/integrations.md).
+
+Primitives: :class:`RequestParams`, :func:`request_params`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "lmcache_"
+KNOWN = (
+    "lmcache_skip_load",
+    "lmcache_skip_save",
+    "lmcache_max_store_tokens",
+    "lmcache_load_deadline_ms",
+    "lmcache_tags",
+    "lmcache_save_decode_cache",
+    "lmcache_load_wait_s",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """What one request asked for, after validation and the operator's caps."""
+
+    skip_load: bool = False
+    skip_save: bool = False
+    max_store_tokens: int | None = None
+    """None: no limit beyond the prompt (and decode tokens with ``save_decode_cache``)."""
+    load_deadline_s: float | None = None
+    """None: the ``load_deadline_ms`` setting."""
+    tags: tuple[str, ...] = ()
+    save_decode_cache: bool | None = None
+    """None: the ``save_decode_cache`` setting."""
+
+
+DEFAULT = RequestParams()
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError("expected true or false")
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("expected a whole number >= 0")
+    return value
+
+
+def _millis(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value <= 0:
+        raise ValueError("expected a number > 0")
+    return float(value)
+
+
+def _tags(value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(t, str) and t for t in items) or len(items) > 16:
+        raise ValueError("expected a non-empty string or a list of at most 16 of them")
+    return tuple(sorted(set(items)))
+
+
+def request_params(request: Any, *, max_store_tokens: int = 0, load_deadline_ms: float = 0.0) -> RequestParams:
+    """The request's ``lmcache_*`` parameters, validated; a bad value is logged and ignored.
+    ``max_store_tokens`` / ``load_deadline_ms``: the operator's caps (0: none)."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or not any(isinstance(k, str) and k.startswith(PREFIX) for k in params):
+        return DEFAULT
+    values: dict[str, Any] = {}
+    readers = {
+        "lmcache_skip_load": ("skip_load", _flag),
+        "lmcache_skip_save": ("skip_save", _flag),
+        "lmcache_max_store_tokens": ("max_store_tokens", _count),
+        "lmcache_load_deadline_ms": ("load_deadline_s", _millis),
+        "lmcache_tags": ("tags", _tags),
+        "lmcache_save_decode_cache": ("save_decode_cache", _flag),
+    }
+    req_id = getattr(request, "request_id", "?")
+    for name, value in params.items():
+        if not isinstance(name, str) or not name.startswith(PREFIX):
+            continue
+        if name not in KNOWN:
+            logger.warning("request %s: ignoring unknown kv_transfer_params %s (known: %s)", req_id, name, KNOWN)
+            continue
+        if name not in readers:
+            continue  # lmcache_load_wait_s: read where the wait is decided (matching.py)
+        field, read = readers[name]
+        try:
+            values[field] = read(value)
+        except ValueError as err:
+            logger.warning("request %s: ignoring kv_transfer_params %s=%r: %s", req_id, name, value, err)
+    if "max_store_tokens" in values and max_store_tokens > 0:
+        values["max_store_tokens"] = min(values["max_store_tokens"], max_store_tokens)
+    if "load_deadline_s" in values:
+        asked = values["load_deadline_s"]
+        values["load_deadline_s"] = (min(asked, load_deadline_ms) if load_deadline_ms > 0 else asked) / 1000
+    return RequestParams(**values)

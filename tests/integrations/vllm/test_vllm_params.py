@@ -1,0 +1,155 @@
+"""Per-request control (``kv_transfer_params``) and ``save_decode_cache``, through the
+stand-in engine (vllm_harness/engine.py) on a real daemon, asynchronous transfers on."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lmcache_client.integrations.vllm.meta import LMCacheServerConnectorMetadata  # noqa: E402
+from lmcache_client.integrations.vllm.params import RequestParams, request_params  # noqa: E402
+from lmcache_client.integrations.vllm.settings import ConnectorSettings  # noqa: E402
+from lmcache_client.integrations.vllm.worker import WorkerSide  # noqa: E402
+
+from .vllm_harness.engine import (  # noqa: E402
+    LAYERS,
+    Engine,
+    NewRequestData,
+    Request,
+    SchedulerOutput,
+    expected_rows,
+)
+
+PROMPT = list(range(1000, 1041))  # 5 full chunks of 8 + 1
+
+
+def saved_keys(run: dict[str, object]) -> int:
+    return sum(len(save.keys) for meta in run["metas"] for save in meta.saves)  # type: ignore[attr-defined]
+
+
+def test_skip_load_computes_what_the_daemon_holds(engines: Callable[..., Engine]) -> None:
+    a, b = engines(), engines()
+    a.prefill("a", PROMPT)
+    assert b.ask(Request("b", PROMPT)) == 40
+    assert b.ask(Request("c", PROMPT, {"lmcache_skip_load": True})) == 0
+
+
+def test_skip_save_stores_nothing(engines: Callable[..., Engine]) -> None:
+    a, b = engines(), engines()
+    run = a.prefill("a", PROMPT, params={"lmcache_skip_save": True})
+    assert saved_keys(run) == 0 and b.ask(Request("b", PROMPT)) == 0
+
+
+def test_max_store_tokens_stores_a_prefix_capped_by_the_operator(engines: Callable[..., Engine]) -> None:
+    a, b = engines(), engines()
+    run = a.prefill("a", PROMPT, params={"lmcache_max_store_tokens": 20})
+    assert saved_keys(run) == 2 and b.ask(Request("b", PROMPT)) == 16
+    capped = engines(max_store_tokens=8, tenant="capped")
+    run = capped.prefill("c", PROMPT, params={"lmcache_max_store_tokens": 30})
+    assert saved_keys(run) == 1
+
+
+def test_tags_keep_chunks_apart(engines: Callable[..., Engine]) -> None:
+    a, b = engines(), engines()
+    a.prefill("a", PROMPT, params={"lmcache_tags": ["team-x", "v2"]})
+    assert b.ask(Request("untagged", PROMPT)) == 0
+    assert b.ask(Request("other", PROMPT, {"lmcache_tags": "team-y"})) == 0
+    assert b.ask(Request("same", PROMPT, {"lmcache_tags": ["v2", "team-x", "v2"]})) == 40  # a set: order, repeats
+
+
+def test_bad_values_are_ignored_with_a_warning(
+    engines: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = engines(), engines()
+    a.prefill("a", PROMPT)
+    bad = {"lmcache_skip_load": "yes", "lmcache_max_store_tokens": -1, "lmcache_tags": [""], "lmcache_nope": 1}
+    with caplog.at_level(logging.WARNING, logger="lmcache_client.integrations.vllm.params"):
+        assert b.ask(Request("b", PROMPT, bad)) == 40
+    text = caplog.text
+    for name in ("lmcache_skip_load", "lmcache_max_store_tokens", "lmcache_tags", "lmcache_nope"):
+        assert name in text
+    assert request_params(SimpleNamespace(kv_transfer_params={"other_connector": 1})) == RequestParams()
+
+
+def test_load_deadline_is_capped_by_the_operator() -> None:
+    def ask(value: object, cap: float) -> float | None:
+        request = SimpleNamespace(request_id="r", kv_transfer_params={"lmcache_load_deadline_ms": value})
+        return request_params(request, load_deadline_ms=cap).load_deadline_s
+
+    assert ask(250, 0) == 0.25 and ask(250, 100) == 0.1 and ask(50, 100) == 0.05
+    assert ask(0, 100) is None and ask(float("nan"), 0) is None and ask(True, 0) is None  # ignored: the setting
+
+
+def test_load_deadline_reaches_the_worker(engines: Callable[..., Engine]) -> None:
+    a, b = engines(), engines()
+    a.prefill("a", PROMPT)
+    run = b.prefill("b", PROMPT, params={"lmcache_load_deadline_ms": 30_000})
+    assert [m.load_deadlines for m in b.log if m.load_deadlines] == [{"b": 30.0}]
+    assert run["external"] == 40 and not b.load_errors
+
+
+def test_save_decode_cache_stores_the_generated_tokens_chunks(engines: Callable[..., Engine]) -> None:
+    """A later turn whose prompt is this prompt plus the generated text loads both."""
+    prompt, generated = list(range(2000, 2020)), list(range(3000, 3014))  # 20 + 14 = 34 tokens: 4 full chunks
+    a, b = engines(save_decode_cache=True), engines()
+    a.prefill("a", prompt, decode=generated)
+    turn2 = prompt + generated + [7, 7, 7]
+    run = b.prefill("b", turn2)
+    assert run["external"] == 32
+    for layer in range(LAYERS):
+        assert torch.equal(b.rows(run["blocks"], 0, 32, layer), expected_rows(turn2, 0, 32, layer, torch.float16))
+    # Without the setting, or with the request saying no, only the prompt's 2 full chunks are stored.
+    c, e = engines(tenant="no-setting"), engines(tenant="no-setting")
+    c.prefill("c", prompt, decode=generated)
+    assert e.ask(Request("e", turn2)) == 16
+    d, f = engines(tenant="said-no", save_decode_cache=True), engines(tenant="said-no")
+    d.prefill("d", prompt, decode=generated, params={"lmcache_save_decode_cache": False})
+    assert f.ask(Request("f", turn2)) == 16
+
+
+def test_new_settings_are_validated() -> None:
+    assert ConnectorSettings.from_extra_config({"save_decode_cache": "true"}).save_decode_cache is True
+    for bad in ({"max_store_tokens": -1}, {"load_deadline_ms": -5}, {"max_queued_saves": 0}):
+        with pytest.raises(ValueError, match="kv_connector_extra_config"):
+            ConnectorSettings.from_extra_config(bad)
+
+
+def test_a_preemption_waits_for_the_saves_reading_its_blocks(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM hands a preempted request's blocks out in the same step: handle_preemptions
+    (before the forward pass) returns only once the saves reading them are done."""
+    gate, entered = threading.Event(), threading.Event()
+    original = WorkerSide.save_one
+
+    def held_save(self: WorkerSide, request: object, transfer: object) -> tuple[int, float]:
+        entered.set()
+        gate.wait(30)
+        return original(self, request, transfer)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(WorkerSide, "save_one", held_save)
+    engine = engines()
+    prompt = list(range(4000, 4020))
+    blocks = engine.alloc(20)
+    request = Request("p", prompt)
+    assert engine.ask(request) == 0
+    engine.scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (blocks,)), 0)
+    out = SchedulerOutput([NewRequestData("p", prompt, (blocks,), 0)], num_scheduled_tokens={"p": 20})
+    engine.step(out, [(prompt, blocks, 0, 20)])  # the save of 2 chunks is queued, held at the gate
+    assert entered.wait(30)
+    done = threading.Event()
+    other = LMCacheServerConnectorMetadata(preempted=["other"])
+    engine.worker.handle_preemptions(other)  # no save of that request: returns at once
+    preempt = LMCacheServerConnectorMetadata(preempted=["p"])
+    thread = threading.Thread(target=lambda: (engine.worker.handle_preemptions(preempt), done.set()))
+    thread.start()
+    assert not done.wait(0.3), "handle_preemptions returned while a save still read the blocks"
+    gate.set()
+    assert done.wait(30)
+    thread.join()
