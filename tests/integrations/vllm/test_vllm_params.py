@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from lmcache_client.integrations.vllm.costgate import CostGate  # noqa: E402
 from lmcache_client.integrations.vllm.meta import LMCacheServerConnectorMetadata  # noqa: E402
 from lmcache_client.integrations.vllm.params import RequestParams, request_params  # noqa: E402
 from lmcache_client.integrations.vllm.settings import ConnectorSettings  # noqa: E402
@@ -153,3 +154,35 @@ def test_a_preemption_waits_for_the_saves_reading_its_blocks(
     gate.set()
     assert done.wait(30)
     thread.join()
+
+
+def test_cost_gate_learns_both_rates_and_skips_slow_loads() -> None:
+    now = [0.0]
+    gate = CostGate(margin=1.0, clock=lambda: now[0])
+    for _ in range(3):  # 1000 prefill tokens per 0.1 s step: 10k tokens/s
+        gate.saw_step(1000)
+        now[0] += 0.1
+        gate.saw_step(1)  # a decode step: not a prefill sample
+        now[0] += 0.01
+    assert gate.pays(500), "not ready: the load rate is still unknown"
+    for _ in range(3):
+        gate.saw_load(1000, 0.5)  # 2k tokens/s: five times slower than computing
+    assert gate.ready and gate.prefill_rate == pytest.approx(10_000) and gate.load_rate == pytest.approx(2000)
+    assert not gate.pays(500)
+    assert CostGate(margin=10.0).pays(500)  # not ready
+    lenient = CostGate(margin=6.0, clock=lambda: now[0])
+    lenient.load_rate, lenient.prefill_rate = 2000.0, 10_000.0
+    lenient._load_samples = lenient._prefill_samples = 3
+    assert lenient.pays(500)
+
+
+def test_cost_gate_skips_the_load_and_counts_it(engines: Callable[..., Engine]) -> None:
+    a, b = engines(), engines(cost_gate=True)
+    a.prefill("a", PROMPT)
+    side = b.scheduler.scheduler
+    assert side is not None and side.cost_gate is not None
+    assert b.ask(Request("fast", PROMPT)) == 40  # no rates yet: loads run
+    side.cost_gate.load_rate, side.cost_gate.prefill_rate = 1_000.0, 50_000.0
+    side.cost_gate._load_samples = side.cost_gate._prefill_samples = 3
+    assert b.ask(Request("slow", PROMPT)) == 0
+    assert side.stats["loads_skipped_by_cost"] == 1

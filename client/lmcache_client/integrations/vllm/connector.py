@@ -54,6 +54,7 @@ from ...namespace import canonical_dtype
 from ..layout import ChunkLayout
 from ..transfer import ChunkTransfer
 from .compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, tp_rank
+from .costgate import CostGate
 from .events import ConnectorEvents
 from .lanes import Lane
 from .lookups import LookupService
@@ -163,6 +164,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                 save_decode_cache=self.settings.save_decode_cache,
                 max_store_tokens=self.settings.max_store_tokens,
                 load_deadline_ms=self.settings.load_deadline_ms,
+                cost_gate=CostGate(self.settings.cost_gate_margin) if self.settings.cost_gate else None,
             )
             self.scheduler.events = _connector_events(vllm_config, self.settings.chunk_size)
             namespace: str = transfers[0].namespace
@@ -359,6 +361,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         """The workers' reports of the last step: asynchronous loads that finished."""
         if self.scheduler is not None:
             self.scheduler.loads_finished(set(getattr(connector_output, "finished_recving", None) or ()))
+            self.scheduler.saw_output(getattr(connector_output, "kv_connector_stats", None))
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         """The load's tokens by the daemon tier holding them (vLLM's cache-hit-source metrics)."""

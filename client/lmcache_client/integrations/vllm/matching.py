@@ -128,6 +128,7 @@ class Matcher:
             "load_wait_s": 0.0,
             "load_wait_expired": 0,
             "load_retries_refused": 0,
+            "loads_skipped_by_cost": 0,
         }
 
     @property

@@ -40,6 +40,7 @@ from typing import Any
 from ...keys import ROOT_KEY, ChunkTokens, chunk_keys, pack_tokens
 from ..transfer import ChunkTransfer
 from .compat import first_group, resumed
+from .costgate import CostGate
 from .events import ConnectorEvents
 from .lookups import LookupService
 from .matching import Matcher, key_root
@@ -89,6 +90,7 @@ class SchedulerSide(Matcher):
         save_decode_cache: bool = False,
         max_store_tokens: int = 0,
         load_deadline_ms: float = 0.0,
+        cost_gate: CostGate | None = None,
     ):
         super().__init__(
             transfers,
@@ -101,6 +103,8 @@ class SchedulerSide(Matcher):
         )
         self.save_decode_cache = save_decode_cache
         """Also store the full chunks of generated tokens (per request: ``lmcache_save_decode_cache``)."""
+        self.cost_gate = cost_gate
+        """Skips loads slower than computing them (:mod:`.costgate`); None: every load runs."""
         self._deadlines: dict[str, float] = {}
         """Per-request load deadlines (seconds) for the next metadata."""
         self.save_enabled = save
@@ -132,7 +136,17 @@ class SchedulerSide(Matcher):
             self._parked.discard(request.request_id)
             self.stats["load_retries_refused"] += 1
             return 0
-        return super().num_new_matched_tokens(request, num_computed_tokens)
+        n = super().num_new_matched_tokens(request, num_computed_tokens)
+        if n and self.cost_gate is not None and not self.cost_gate.pays(n):
+            self.stats["loads_skipped_by_cost"] += 1
+            return 0
+        return n
+
+    def saw_output(self, stats: Any) -> None:
+        """The workers' stats of a step (``update_connector_output``): the load rate."""
+        data = getattr(stats, "data", None)
+        if self.cost_gate is not None and isinstance(data, dict):
+            self.cost_gate.saw_load(float(data.get("loaded_tokens", 0)), float(data.get("load_s", 0.0)))
 
     # -- update_state_after_alloc ---------------------------------------------------
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -187,6 +201,8 @@ class SchedulerSide(Matcher):
         meta = LMCacheServerConnectorMetadata()
         self._idle = not scheduler_output.num_scheduled_tokens
         meta.idle = self._idle
+        if self.cost_gate is not None:
+            self.cost_gate.saw_step(sum(scheduler_output.num_scheduled_tokens.values()))
         meta.loads, self._async_loads = self._async_loads, []
         meta.delayed, self._delayed = self._delayed, []
         meta.load_deadlines, self._deadlines = self._deadlines, {}

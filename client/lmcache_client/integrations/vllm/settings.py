@@ -59,6 +59,10 @@ class ConnectorSettings:
     (0: no deadline; asynchronous loads only)."""
     max_queued_saves: int = 256
     """Saves a worker queues at most; more are dropped (counted) while the daemon is slow."""
+    cost_gate: bool = False
+    """Skip loads that the rates seen so far say are slower than computing (:mod:`.costgate`)."""
+    cost_gate_margin: float = 1.0
+    """A load runs while its expected time is at most this many times the compute time."""
     save_decode_cache: bool = False
     """Also store the full chunks of generated tokens (a later turn of the conversation
     reuses them); per request: ``lmcache_save_decode_cache``."""
@@ -89,6 +93,8 @@ class ConnectorSettings:
         settings = cls(**values)
         if settings.timeout_s <= 0 or settings.chunk_size <= 0 or settings.copy_threads <= 0:
             raise ValueError("kv_connector_extra_config timeout_s, chunk_size and copy_threads must be positive")
+        if settings.cost_gate_margin <= 0:
+            raise ValueError("kv_connector_extra_config cost_gate_margin must be positive")
         if settings.load_deadline_ms < 0 or settings.max_queued_saves <= 0 or settings.max_store_tokens < 0:
             raise ValueError(
                 "kv_connector_extra_config needs load_deadline_ms >= 0, max_queued_saves > 0 and max_store_tokens >= 0"

@@ -16,6 +16,7 @@ are plain counters (sums over the interval):
 | ``loaded_bytes`` / ``load_s`` | worker | payload bytes read and seconds spent loading |
 | ``stored_chunks`` / ``stored_bytes`` / ``store_s`` | worker | chunks (a tail is one) stored or found, bytes, seconds |
 | ``load_retries_refused`` | scheduler | requests computed because their asynchronous load failed from its first block |
+| ``loads_skipped_by_cost`` | scheduler | loads skipped because loading was slower than computing (``cost_gate``) |
 | ``load_deadline_missed`` | worker | loads that used only what arrived by ``load_deadline_ms`` |
 | ``saves_dropped`` | worker | saves not made because ``max_queued_saves`` were queued (a slow daemon) |
 | ``daemon_failures`` / ``short_circuited`` | both | calls finding the daemon down / misses from the breaker |
@@ -48,6 +49,7 @@ COUNTERS = {
     "stored_bytes": "Payload bytes stored in lmcache-server",
     "store_s": "Seconds workers spent storing KV in lmcache-server",
     "load_retries_refused": "Requests computed in full because their asynchronous load failed from its first block",
+    "loads_skipped_by_cost": "Loads skipped because lmcache-server loaded slower than the engine computes (cost_gate)",
     "load_deadline_missed": "Loads that used only the chunks that arrived by their deadline (load_deadline_ms)",
     "saves_dropped": "Saves not made because max_queued_saves saves were queued (a slow daemon)",
     "daemon_failures": "lmcache-server calls that found the daemon down, slow or draining",
