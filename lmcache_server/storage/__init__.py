@@ -10,7 +10,8 @@ Rooms (each subpackage's docstring says what it owns):
 - ``memory/``: the pool, its allocator, the memory tier and warm restarts;
 - ``disk/``: the disk tier; ``remote/``: the Redis tier;
 - the tiered store that ties the tiers together (``tiered``, with its puts in
-  ``tieredputs`` and its lookups in ``tieredlookup``), with its batched reads
+  ``tieredputs``, its lookups in ``tieredlookup`` and its promotions and
+  prefetches in ``tieredpromote``), with its batched reads
   (``batchread``) and the fills of reserved chunks (``filling``).
 
 Layering, each floor importing only those below it, never a sibling:

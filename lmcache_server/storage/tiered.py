@@ -28,11 +28,13 @@ Batching, promotion, spill and lookup semantics are written here once, not in
 each tier.  This module holds :class:`TieredStore`'s composition, reads and
 promotion, spill, removals, stats and lifecycle; it builds on
 :class:`.tieredputs.TieredPuts` (the two-phase put, its variants, the uplink to
-Redis) and :class:`.tieredlookup.TieredLookup` (lookup and exists).
+Redis), :class:`.tieredlookup.TieredLookup` (lookup and exists) and
+:class:`.tieredpromote.TieredPromotion` (the copies into memory that reads and
+prefetches share, and the prefetch of a lookup's lower-tier chunks).
 
 Primitives: ``get_many``, ``prepare_puts``, ``put_many``, ``reserve``, ``commit``, ``abort``,
-``stage``, ``bind``, ``lookup``, ``exists``, ``delete``, ``clear``, ``pin``, ``unpin``, ``stats``,
-``flush``, ``close``.
+``stage``, ``bind``, ``lookup``, ``exists``, ``prefetch_sizes``, ``prefetch``, ``delete``, ``clear``,
+``pin``, ``unpin``, ``stats``, ``flush``, ``close``.
 """
 
 from __future__ import annotations
@@ -47,16 +49,17 @@ from ..supervisor import Supervisor
 from .base import Chunk, ChunkKey, Residency, Tier
 from .batchread import read_batch
 from .disk import DiskTier
-from .filling import Filling, fill_reservation
-from .memory import MemoryTier, Reservation
+from .filling import Filling
+from .memory import MemoryTier
 from .offload import Offload
 from .remote import RedisTier
 from .tieredlookup import LookupCounters, TieredLookup
+from .tieredpromote import TieredPromotion
 from .tieredputs import ROOM_WAIT_S as ROOM_WAIT_S  # re-exported: server/shm.py reads it
 from .tieredputs import TieredPuts
 
 
-class TieredStore(TieredPuts, TieredLookup):
+class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
     def __init__(
         self,
         memory: MemoryTier,
@@ -120,19 +123,8 @@ class TieredStore(TieredPuts, TieredLookup):
         """Copy a lower-tier hit into the pool (off the loop) and serve the pool copy,
         leased like any memory hit (zero-copy and shared-memory replies need it
         there); the hit as read when there is no room."""
-        reservation = self.memory.prepare_store(key, chunk.nbytes)
-        if not isinstance(reservation, Reservation):
-            promoted = self.memory.lease(key) if reservation is PutStatus.EXISTS else None
-        else:
-
-            async def fill() -> bool:
-                await self.offload.copy(reservation.view, chunk.data)
-                return True
-
-            promoted = None
-            if await fill_reservation(self.memory, reservation, fill()) is PutStatus.STORED:
-                self.promotions[tier] += 1
-                promoted = self.memory.lease(key)
+        status = await self.fill_from(tier, key, chunk)
+        promoted = self.memory.lease(key) if status in (PutStatus.STORED, PutStatus.EXISTS) else None
         if promoted is None:
             return chunk
         chunk.release()
@@ -141,19 +133,10 @@ class TieredStore(TieredPuts, TieredLookup):
     async def promote_from_disk(self, disk: DiskTier, key: ChunkKey) -> Chunk | None:
         """Read a disk chunk straight into reserved pool memory (one copy, then a
         zero-copy send); None if it is not on disk or there is no room."""
-        size = disk.payload_size(key)
-        if size is None:
-            return None
-        reservation = self.memory.prepare_store(key, size)
-        if not isinstance(reservation, Reservation):
-            return self.memory.lease(key) if reservation is PutStatus.EXISTS else None
-
-        async def fill() -> bool:
-            return await disk.get(key, reservation.view) is not None
-
-        if await fill_reservation(self.memory, reservation, fill()) is PutStatus.STORED:
-            self.promotions[disk.name] += 1
-        return self.memory.lease(key)
+        status = await self.fill_from_disk(disk, key)
+        if status is not None and status not in (PutStatus.STORED, PutStatus.EXISTS):
+            return None  # no room
+        return self.memory.lease(key)  # None: not on disk, or its read failed
 
     async def delete(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
         out = []

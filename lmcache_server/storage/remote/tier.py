@@ -43,8 +43,8 @@ in :mod:`.carryover` (:class:`.carryover.RedisCarryover`).  :class:`RedisTier`
 builds on the last two (both on the link) and holds the state, the lifecycle,
 the reads and the removals.
 
-Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``requeue``, ``exists_many``, ``delete``,
-``clear``, ``flush``, ``stats``, ``close``.
+Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``requeue``, ``exists_many``, ``value_sizes``,
+``delete``, ``clear``, ``flush``, ``stats``, ``close``.
 """
 
 from __future__ import annotations
@@ -193,6 +193,33 @@ class RedisTier(RedisCarryover, RedisWriter):
             logger.warning("Redis uplink: EXISTS answered %.80r; treated as misses", found)
             return [False] * len(keys)
         return [bool(n) for n in found]
+
+    async def value_sizes(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """The size in bytes of each key's record (payload plus its header; 0: not
+        stored), in one round trip (STRLEN); all 0 while the uplink is down or when
+        the round trip fails.  A prefetch sizes its budget with it."""
+        if not keys or not self.up:
+            return [0] * len(keys)
+        hidden = [self.queue.removing(k) for k in keys] if self.queue.pending_removals else [False] * len(keys)
+        asked = [k for k, h in zip(keys, hidden) if not h]  # removed here, not yet in Redis: a miss
+        if not asked:
+            return [0] * len(keys)
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key in asked:
+                    pipe.strlen(self.redis_key(key))
+                found = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.timeout_s)
+        except Exception as err:
+            self.counters.read_errors += 1
+            self._failed("strlen", err)
+            return [0] * len(keys)
+        if not isinstance(found, list) or len(found) != len(asked):
+            self.counters.read_errors += 1
+            logger.warning("Redis uplink: STRLEN answered %.80r; treated as misses", found)
+            return [0] * len(keys)
+        # An error Redis answers for one key (a value of another type): a miss.
+        sizes = iter(n if isinstance(n, int) and n > 0 else 0 for n in found)
+        return [0 if h else next(sizes) for h in hidden]
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return await self.exists_many(keys)
