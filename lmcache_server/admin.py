@@ -5,7 +5,7 @@ Commands:
 - ``ping``: one round trip; prints the latency.
 - ``health``: ping + hello (version, tiers) + the daemon's ``/readyz``; exit 1
   unless it answers and is ready (for scripts and probes).
-- ``stats``: tiers, lookups and the in-flight budget as a table (``--json``:
+- ``stats``: tiers, lookups, prefetches and the in-flight budget as a table (``--json``:
   the raw ``stats`` reply); ``--namespace NS`` adds that namespace's counts.
 - ``namespaces``: every namespace with its chunks and bytes per tier.
 - ``clear``: drop one namespace's chunks (``--namespace NS``) or every chunk
@@ -138,6 +138,13 @@ def format_stats(stats: dict[str, Any], address: str) -> str:
         f"in flight: {human_bytes(server.get('inflight_bytes', 0))} "
         f"of {human_bytes(server.get('max_inflight_bytes', 0))}",
     ]
+    prefetch = stats.get("prefetch")
+    if prefetch is not None:  # lookups with prefetch: true (docs/protocol.md 5.5)
+        lines.append(
+            f"prefetch: {prefetch.get('prefetches', 0)} started, {prefetch.get('prefetched_chunks', 0)} chunks "
+            f"({human_bytes(prefetch.get('prefetched_bytes', 0))}) promoted into memory, "
+            f"{prefetch.get('declined', 0)} declined"
+        )
     if "policy" in memory:
         policy = f"memory policy: {memory['policy']}"
         if "head_rule" in memory:  # cache_policy adaptive

@@ -26,12 +26,20 @@ from lmcache_client.memtune import tune_malloc
 
 from .config import ConfigError, ServerConfig, disk_path
 from .events import Announcer, EventPublisher, EventSettings
-from .metrics import EventsCollector, ServerMetrics, ShmCollector, StoreCollector, TaskFailureCollector
+from .metrics import (
+    EventsCollector,
+    PrefetchCollector,
+    ServerMetrics,
+    ShmCollector,
+    StoreCollector,
+    TaskFailureCollector,
+)
 from .security import Security
 from .server.admission import ByteBudget
 from .server.handlers import Handlers
 from .server.http import HttpEndpoint
 from .server.monitor import ConnectionMonitor
+from .server.prefetch import Prefetcher
 from .server.shm import ShmLeases
 from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
@@ -142,6 +150,8 @@ class App:
         metrics = ServerMetrics(self.registry)
         self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))
         self.registry.register(TaskFailureCollector(supervisor.failures))
+        prefetcher = Prefetcher(store, budget, supervisor)  # lookups with prefetch: true
+        self.registry.register(PrefetchCollector(prefetcher.stats))
         context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
         events = _events(c, context)
         if events is not None:
@@ -152,14 +162,15 @@ class App:
             shm.take_over(*warm_leases)
         if shm.enabled:
             self.registry.register(ShmCollector(shm.stats))
-        server = ZmqServer(c, Handlers(store, c, budget, shm), budget, metrics, context, security, supervisor)
+        handlers = Handlers(store, c, budget, shm, prefetcher)
+        server = ZmqServer(c, handlers, budget, metrics, context, security, supervisor)
         sweeper = supervisor.spawn("shm_sweeper", shm.run) if shm.enabled else None
         http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready)
         monitor = ConnectionMonitor(metrics)
         summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
         return _Daemon(
             security, warm, pool, supervisor, offload, memory, store, metrics, context, events, shm, server,
-            sweeper, http, monitor, summary,
+            sweeper, http, monitor, summary, prefetcher,
         )  # fmt: skip
 
     async def _serve(self, d: _Daemon) -> None:
@@ -197,6 +208,7 @@ class App:
             logger.info("drained cleanly")
         else:
             logger.warning("drain timed out; cancelled the rest")
+        await d.prefetcher.close()  # optional work: cancelled, not waited for
         if not await d.store.flush(max(0.0, deadline - time.monotonic())):
             logger.warning("drain timed out before every spill reached the disk")
 
@@ -220,6 +232,7 @@ class App:
         else:
             d.shm.close()
         await d.http.close()
+        await d.prefetcher.close()  # (when the drain did not run) no promotion into a closing store
         await d.store.close()
         if d.events is not None:
             if d.replay is not None:
@@ -256,6 +269,7 @@ class _Daemon:
     http: HttpEndpoint
     monitor: ConnectionMonitor
     summary: SummaryLog
+    prefetcher: Prefetcher
     replay: asyncio.Task[None] | None = None
 
 

@@ -5,8 +5,9 @@ updated by the server; connection counts, updated by the socket monitor;
 build info and process metrics) and :class:`StoreCollector` (tier gauges and
 counters read from the store at scrape time, so they can never drift from it),
 :class:`TaskFailureCollector` (failures of supervised background tasks and of
-requests that hit a bug), and :func:`counter_value` (a counter's current total,
-for the summary log).
+requests that hit a bug), :class:`PrefetchCollector` (lookups with prefetch,
+server/prefetch.py), and :func:`counter_value` (a counter's current total, for
+the summary log).
 
 Every family is listed in docs/operations.md; deploy/prometheus/rules.yml and
 deploy/grafana/lmcache.json use them (tests check that they name only these).
@@ -288,12 +289,36 @@ class TaskFailureCollector(Collector):
         metric = CounterMetricFamily(
             "lmcache_background_task_failures",
             "Unexpected failures by task (disk_writer, redis_writer, redis_reconnect, reply_sweeper, shm_sweeper, "
-            "put_fill, redis_OP, dispatch, 'request OP'); a failed loop is restarted.",
+            "put_fill, prefetch, redis_OP, dispatch, 'request OP'); a failed loop is restarted.",
             labels=["task"],
         )
         for task, count in sorted(self.failures.items()):
             metric.add_metric([task], float(count))
         yield metric
+
+
+class PrefetchCollector(Collector):
+    """Exports the prefetcher's counters (server/prefetch.py) at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats()
+        families = [
+            ("lmcache_prefetches", "Prefetches started (lookups with prefetch: true whose chunks were on disk or "
+             "in Redis).", "prefetches"),
+            ("lmcache_prefetched_chunks", "Chunks prefetches promoted into memory.", "prefetched_chunks"),
+            ("lmcache_prefetched_bytes", "Payload bytes prefetches promoted into memory.", "prefetched_bytes"),
+            ("lmcache_prefetches_declined",
+             "Prefetches not started or stopped short: no room in the in-flight byte budget, or too many running.",
+             "declined"),
+        ]  # fmt: skip
+        for name, doc, field in families:
+            yield CounterMetricFamily(name, doc, value=float(s[field]))
+        yield GaugeMetricFamily(
+            "lmcache_prefetch_held_bytes", "Bytes of the in-flight budget prefetches hold now.", value=s["held_bytes"]
+        )
 
 
 class EventsCollector(Collector):

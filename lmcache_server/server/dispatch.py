@@ -151,6 +151,10 @@ class RequestDispatch(ReplySender):
         False: it was not answered, run it as a task."""
         try:
             outcome = self.handlers.lookup_now(request)
+        except ProtocolError as err:  # a bad field (prefetch): its error reply, as from a task
+            _release(owners, 0)
+            self._reply_error(envelope, request.id, err.code, err.message, request.op.value, started)
+            return True
         except BaseException:
             _release(owners, 0)
             raise

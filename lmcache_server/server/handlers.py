@@ -7,6 +7,8 @@ them.  Refusals are raised as ProtocolError and become one error reply.
 The shared-memory ops (a get under a read lease, alloc, commit, bind,
 release) are in shmhandlers.py, which :class:`Handlers` builds on; what a
 handler returns, :class:`Outcome`, is in outcome.py (importable from here).
+A lookup with ``prefetch: true`` starts its prefetch once its reply is sent
+(prefetch.py).
 
 Primitives: :class:`Handlers` (``handle``) and :class:`Outcome`.
 """
@@ -23,6 +25,7 @@ from ..config import ServerConfig
 from ..storage import TieredStore
 from .admission import ByteBudget
 from .outcome import Outcome
+from .prefetch import Prefetcher, prefetch_flag
 from .shm import ShmLeases
 from .shmhandlers import STAGED_SHARE, ShmHandlers
 from .tokens import parse_tokens
@@ -31,10 +34,19 @@ __all__ = ["STAGED_SHARE", "Handlers", "Outcome"]
 
 
 class Handlers(ShmHandlers):
-    def __init__(self, store: TieredStore, config: ServerConfig, budget: ByteBudget, shm: ShmLeases | None = None):
+    def __init__(
+        self,
+        store: TieredStore,
+        config: ServerConfig,
+        budget: ByteBudget,
+        shm: ShmLeases | None = None,
+        prefetcher: Prefetcher | None = None,
+    ):
         self.store = store
         self.config = config
         self.budget = budget
+        self.prefetcher = prefetcher if prefetcher is not None else Prefetcher(store, budget)
+        """Promotes the lower-tier hits of lookups with ``prefetch: true`` (prefetch.py)."""
         self.shm = shm if shm is not None and shm.enabled else None
         pool = store.memory.allocator.capacity
         self.shm_reserve_cap = min(max(config.max_message_size, pool // 4), pool // 2)
@@ -89,6 +101,8 @@ class Handlers(ShmHandlers):
                 else None,
                 # the KV codec clients encode with (kv_codec / remote_serde; docs/codec.md); None: raw chunks
                 "codec": c.codec.to_dict() if c.codec is not None else None,
+                # lookup takes ``prefetch: true`` (docs/protocol.md 5.5)
+                "prefetch": True,
             }
         )
 
@@ -126,14 +140,30 @@ class Handlers(ShmHandlers):
         return Outcome({"found": [c is not None for c in chunks]}, hits, total, trimmed=trimmed)
 
     async def lookup(self, request: Request) -> Outcome:
+        prefetch = prefetch_flag(request)
         hits, tiers = await self.store.lookup(self._ns(request), request.keys)
-        return Outcome({"hits": hits, "tiers": tiers})
+        return self._looked_up(request, hits, tiers, prefetch)
 
     def lookup_now(self, request: Request) -> Outcome | None:
         """A lookup answered in the receive loop, without a task (None: it must
         wait for Redis; use :meth:`handle`)."""
+        prefetch = prefetch_flag(request)
         found = self.store.lookup_now(self._ns(request), request.keys)
-        return None if found is None else Outcome({"hits": found[0], "tiers": found[1]})
+        return None if found is None else self._looked_up(request, *found, prefetch)
+
+    def _looked_up(self, request: Request, hits: int, tiers: list[str | None], prefetch: bool) -> Outcome:
+        outcome = Outcome({"hits": hits, "tiers": tiers})
+        memory = self.store.memory.name
+        if prefetch and any(t != memory for t in tiers[:hits]):
+            # After the reply: the engine learns what is cached first, then the lower
+            # tiers' chunks move up while its request is parked.
+            namespace, keys, found = self._ns(request), request.keys[:hits], tiers[:hits]
+
+            def start() -> None:
+                self.prefetcher.start(namespace, keys, found)
+
+            outcome.after_reply = start
+        return outcome
 
     async def exists(self, request: Request) -> Outcome:
         return Outcome({"exists": await self.store.exists(self._ns(request), request.keys)})
@@ -161,6 +191,7 @@ class Handlers(ShmHandlers):
             "max_inflight_bytes": self.budget.max_bytes,
             "chunk_size": self.config.chunk_size,
         }
+        stats["prefetch"] = self.prefetcher.stats()
         if self.shm is not None:
             stats["shm"] = self.shm.stats()
         return Outcome({"stats": stats})
