@@ -118,13 +118,17 @@ def get(namespace: str, keys: Sequence[bytes]) -> Call[list[Any | None]]:
     return Call(Op.GET, parse, namespace, keys, miss=lambda: [None] * n)
 
 
-def lookup(namespace: str, keys: Sequence[bytes]) -> Call[LookupResult]:
+def lookup(namespace: str, keys: Sequence[bytes], *, prefetch: bool = False) -> Call[LookupResult]:
+    """``prefetch``: the daemon also promotes the leading hits it holds on disk or in
+    Redis into memory after replying (docs/protocol.md 5.5); servers older than the
+    flag ignore it."""
     n = len(keys)
     return Call(
         Op.LOOKUP,
         lambda r, _: LookupResult(int(_field(r, "hits")), list(_field(r, "tiers"))),
         namespace,
         keys,
+        fields={"prefetch": True} if prefetch else {},
         miss=lambda: LookupResult(0, [None] * n),
     )
 

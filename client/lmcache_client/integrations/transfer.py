@@ -52,12 +52,13 @@ class ChunkTransfer(TransferRoute):
     ``codec``: a codec spec (``"int8:group=64"``, ``"none"``) that overrides the
     daemon's announcement (an engine-side setting; ValueError if invalid)."""
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
+    def lookup(self, keys: Sequence[bytes], *, prefetch: bool = False) -> int:
         """How many leading ``keys`` the daemon holds (0 when it cannot be asked)."""
-        return len(self.lookup_tiers(keys))
+        return len(self.lookup_tiers(keys, prefetch=prefetch))
 
-    def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
-        """The tier holding each of the leading ``keys`` the daemon holds."""
+    def lookup_tiers(self, keys: Sequence[bytes], *, prefetch: bool = False) -> list[str]:
+        """The tier holding each of the leading ``keys`` the daemon holds.  ``prefetch``:
+        the daemon then promotes those on disk or in Redis into memory (docs/protocol.md 5.5)."""
         namespace, _ = self._route()
         tiers: list[str] = []
         if namespace is None:
@@ -65,7 +66,7 @@ class ChunkTransfer(TransferRoute):
         for start in range(0, len(keys), self.batch_keys):
             batch = keys[start : start + self.batch_keys]
             try:
-                result = self.client.lookup(batch, namespace=namespace)
+                result = self.client.lookup(batch, namespace=namespace, prefetch=prefetch)
             except ClientError as err:
                 self._failed("lookup", err)
                 return tiers
