@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 CHUNK = 256  # two CPU blocks of 128 tokens
 HOLD = 3
+DEADLINE_MS = 2000
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -95,13 +96,24 @@ def runs(
         "gate_timeout_s": 120,
     }
     out["killed"] = run_stepper(vllm_python, spec, work, "killed")
+    daemon = module_daemon_factory(max_local_cpu_size="1GiB")
+    extra = {"chunk_size": CHUNK, "tenant": "deadline", "load_deadline_ms": DEADLINE_MS}
+    spec = {
+        **base,
+        "warm": [LOAD],
+        "connector": connector(daemon.address, **extra),
+        "hold_tokens": 0,  # the gate opens at once: the deadline is what limits this load
+        "slow_scatter_after": 1,  # the 2nd chunk is written after the deadline passed, the 3rd is late
+        "slow_scatter_s": 2 * DEADLINE_MS / 1000,
+    }
+    out["deadline"] = run_stepper(vllm_python, spec, work, "deadline")
     return out
 
 
 def test_outputs_equal_plain_vllm_async_and_sync(runs: dict[str, Any]) -> None:
     reference = runs["plain"]["tokens"]
     assert len(reference["decode"]) == 48 and len(reference["load"]) == 6
-    for mode in ("async", "sync", "killed"):
+    for mode in ("async", "sync", "killed", "deadline"):
         assert runs[mode]["tokens"] == reference, mode
 
 
@@ -123,3 +135,12 @@ def test_daemon_killed_mid_load_the_request_is_recomputed(runs: dict[str, Any]) 
     worker = killed["counters"]["worker"]
     assert killed["loads_gated"] == 1
     assert worker["loaded_tokens"] == 0 and worker["load_failed_tokens"] == len(LOAD) // CHUNK * CHUNK
+
+
+def test_a_load_past_its_deadline_uses_what_arrived_in_time(runs: dict[str, Any]) -> None:
+    """The second chunk is written as the deadline passes, so the third is late: the first
+    512 tokens are loaded, the rest recomputed, and the output is plain vLLM's."""
+    worker = runs["deadline"]["counters"]["worker"]
+    loadable = len(LOAD) // CHUNK * CHUNK
+    assert (worker["loaded_tokens"], worker["load_failed_tokens"]) == (2 * CHUNK, loadable - 2 * CHUNK)
+    assert worker["load_deadline_missed"] == 1

@@ -4,20 +4,25 @@ stand-in engine (vllm_harness/engine.py) on a real daemon, asynchronous transfer
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from lmcache_client import PutStatus, chunk_keys  # noqa: E402
 from lmcache_client.integrations.vllm.costgate import CostGate  # noqa: E402
 from lmcache_client.integrations.vllm.meta import LMCacheServerConnectorMetadata  # noqa: E402
 from lmcache_client.integrations.vllm.params import RequestParams, request_params  # noqa: E402
 from lmcache_client.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from lmcache_client.integrations.vllm.worker import WorkerSide  # noqa: E402
+from lmcache_client.protocol import KEY_BYTES  # noqa: E402
 
+from ...conftest import disk_stats, wait_for  # noqa: E402
 from .vllm_harness.engine import (  # noqa: E402
     LAYERS,
     Engine,
@@ -186,3 +191,42 @@ def test_cost_gate_skips_the_load_and_counts_it(engines: Callable[..., Engine]) 
     side.cost_gate._load_samples = side.cost_gate._prefill_samples = 3
     assert b.ask(Request("slow", PROMPT)) == 0
     assert side.stats["loads_skipped_by_cost"] == 1
+
+
+def test_prefetch_makes_a_disk_hit_a_memory_hit_at_load_time(disk_daemon: Any) -> None:
+    """The lookup of a request whose chunks only the disk holds carries ``prefetch``: the
+    daemon promotes them while the request waits, and its load is a memory hit."""
+    daemon = disk_daemon(cache_policy="lru")
+    a = Engine(daemon.address, "prefetch")
+    try:
+        a.prefill("a", PROMPT)  # 5 chunks of 1 KiB into memory; pushed out to disk below
+        with daemon.client() as c:
+            for _ in range(18):
+                assert c.put([os.urandom(KEY_BYTES)], [os.urandom(512 * 1024)]) == [PutStatus.STORED]
+            wait_for(lambda: disk_stats(c)["queued_spills"] == 0)
+    finally:
+        a.scheduler.shutdown()
+        a.worker.shutdown()
+    assert daemon.stop() == 0
+    daemon.start()  # memory starts empty (no warm restart in tests); the disk index is rebuilt
+    b = Engine(daemon.address, "prefetch")
+    try:
+        namespace = b.worker.worker.transfer.namespace  # type: ignore[union-attr]
+        keys = chunk_keys(PROMPT, 8)
+        with daemon.client() as c:
+            assert c.lookup(keys, namespace=namespace).tiers == ["disk"] * 5
+            request = Request("b", PROMPT)
+            assert b.ask(request) == 40  # the lookup with prefetch
+            wait_for(lambda: c.lookup(keys, namespace=namespace).tiers == ["memory"] * 5)
+            disk_hits, memory_hits = disk_stats(c)["hits"], c.stats()["tiers"]["memory"]["hits"]
+            blocks = b.alloc(len(PROMPT))
+            b.scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (blocks,)), 40)
+            b.until(lambda: "b" in b.finished_recving, "load of b")
+            assert not b.load_errors
+            assert disk_stats(c)["hits"] == disk_hits
+            assert c.stats()["tiers"]["memory"]["hits"] == memory_hits + 5
+        for layer in range(LAYERS):
+            assert torch.equal(b.rows(blocks, 0, 40, layer), expected_rows(PROMPT, 0, 40, layer, torch.float16))
+    finally:
+        b.scheduler.shutdown()
+        b.worker.shutdown()

@@ -224,7 +224,8 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _lookups(self, namespaces: list[Any]) -> LookupService:
         lanes = [self._lane(f"lmcache-lookup-{rank}", ns) for rank, ns in enumerate(namespaces)]
-        return LookupService(lanes)
+        # A prefetch readies a load; a producer never loads.
+        return LookupService(lanes, prefetch=self.settings.prefetch and self.kv_role != "kv_producer")
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -37,7 +37,7 @@ class Answer:
 
 
 def _ask(transfer: Any, keys: Sequence[bytes], prefetch: bool) -> tuple[list[str], bool]:
-    tiers = transfer.lookup_tiers(keys, prefetch=prefetch) if prefetch else transfer.lookup_tiers(keys)
+    tiers = transfer.lookup_tiers(keys, prefetch=prefetch)
     return list(tiers), bool(transfer.client.fail_open_stats.get("down"))
 
 

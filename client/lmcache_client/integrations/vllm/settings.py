@@ -59,6 +59,9 @@ class ConnectorSettings:
     (0: no deadline; asynchronous loads only)."""
     max_queued_saves: int = 256
     """Saves a worker queues at most; more are dropped (counted) while the daemon is slow."""
+    prefetch: bool = True
+    """Lookups for asynchronous loads ask the daemon to promote the hit chunks it holds
+    on disk or in Redis into memory while the request waits for its load."""
     cost_gate: bool = False
     """Skip loads that the rates seen so far say are slower than computing (:mod:`.costgate`)."""
     cost_gate_margin: float = 1.0

@@ -16,10 +16,14 @@ once ``decode`` has produced ``hold_tokens`` tokens while the load was in
 flight, or after ``gate_timeout_s`` (a synchronous load holds the whole step,
 so nothing is produced meanwhile).  With ``kill_daemon_pid`` the daemon is
 SIGKILLed while the gate is closed (the load then fails and is recomputed).
+With ``slow_scatter_after`` N, each chunk a load writes after the first N
+waits ``slow_scatter_s`` (a load that misses its deadline part way).
 
 OUT holds each request's tokens, ``decode_tokens_during_load`` (tokens of
 ``decode`` produced in steps that ended with the load in flight) and the
-connector's counters.  Tests compare the tokens with plain vLLM's.
+connector's counters.  Tests compare the tokens with plain vLLM's.  The
+``batch`` scenario (:func:`run_batch`) runs prompts together on a small KV
+cache instead, to force preemptions while saves are in flight.
 """
 
 from __future__ import annotations
@@ -67,6 +71,68 @@ class Gate:
         WorkerSide.load_one = load_one  # type: ignore[method-assign]
 
 
+def slow_scatters(after: int, seconds: float) -> None:
+    """Every chunk a load scatters after the first ``after`` waits ``seconds`` first (a
+    load slower than its deadline: the chunks that came in time are used)."""
+    from lmcache_client.integrations.paged import PagedCopier
+
+    original = PagedCopier.scatter
+    count = [0]
+
+    def scatter(copier: Any, slots: Any, src: Any) -> None:
+        count[0] += 1
+        if count[0] > after:
+            time.sleep(seconds)
+        original(copier, slots, src)
+
+    PagedCopier.scatter = scatter  # type: ignore[method-assign]
+
+
+def run_batch(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """``batch``: every prompt at once on a KV cache too small for them all, so vLLM
+    preempts; with ``slow_save_s`` each save waits that long first, so saves are in
+    flight when a preemption hands their blocks out.  Counts the preemptions the
+    connector saw (``handle_preemptions``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from lmcache_client.integrations.vllm.connector import LMCacheServerConnectorV1
+    from lmcache_client.integrations.vllm.worker import WorkerSide
+
+    seen = {"preempted": 0, "saves_in_flight_at_preemption": 0}
+    original_handle = LMCacheServerConnectorV1.handle_preemptions
+    original_save = WorkerSide.save_one
+
+    def handle_preemptions(connector: Any, meta: Any) -> None:
+        preempted = list(getattr(meta, "preempted", []) or [])
+        if preempted and connector.transfers is not None:
+            seen["preempted"] += len(preempted)
+            seen["saves_in_flight_at_preemption"] += sum(
+                1 for req_id in preempted for _, f in connector.transfers._saves.get(req_id, ()) if not f.done()
+            )
+        original_handle(connector, meta)
+
+    def save_one(side: Any, request: Any, transfer: Any) -> Any:
+        time.sleep(spec.get("slow_save_s", 0.0))
+        return original_save(side, request, transfer)
+
+    LMCacheServerConnectorV1.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
+    WorkerSide.save_one = save_one  # type: ignore[method-assign]
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=spec["max_tokens"])
+    for i, prompt in enumerate(spec["prompts"]):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), params)
+    tokens: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 600
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the batch did not finish")
+        for output in engine.step():
+            tokens[output.request_id] = list(output.outputs[0].token_ids)
+    settle(llm)
+    return {"tokens": [tokens[str(i)] for i in range(len(spec["prompts"]))], **seen, "counters": _counters()}
+
+
 def main(argv: list[str]) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -87,13 +153,20 @@ def main(argv: list[str]) -> int:
     }
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+    if spec.get("num_blocks"):
+        kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
     llm = LLM(**kwargs)
+    if spec.get("scenario") == "batch":
+        out_path.write_text(json.dumps(run_batch(llm, spec)))
+        return 0
     engine = llm.llm_engine
     greedy = {"temperature": 0.0, "ignore_eos": True}
     for tokens in spec.get("warm", []):
         llm.generate([TokensPrompt(prompt_token_ids=tokens)], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
         settle(llm)
     gate.install()
+    if spec.get("slow_scatter_after") is not None:
+        slow_scatters(spec["slow_scatter_after"], spec["slow_scatter_s"])
     engine.add_request(
         "decode",
         TokensPrompt(prompt_token_ids=spec["decode"]),
