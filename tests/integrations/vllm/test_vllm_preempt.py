@@ -2,9 +2,9 @@
 
 Four requests share a KV cache of 10 blocks (1280 tokens) that holds two of
 them: vLLM preempts, and a preempted request's blocks go to another one in
-the same step.  Every save waits 50 ms before it reads anything, so saves are
-still queued when their request is preempted; ``handle_preemptions`` must
-hold the forward pass until they are done.  The outputs must equal plain
+the same step.  No save reads anything before the first preemption, so the
+preempted request's saves are still queued when vLLM hands its blocks out;
+``handle_preemptions`` must hold the forward pass until they are done.  The outputs must equal plain
 vLLM's on the same small cache, and a fresh replica that loads every prompt
 from the daemon must answer exactly as plain vLLM: a save that read a block
 already handed to another request would have stored another request's KV.
@@ -59,7 +59,9 @@ def preempted(
     conn = connector(daemon.address, chunk_size=CHUNK, tenant="preempt")
     out: dict[str, Any] = {
         "plain": run_stepper(vllm_python, {**base, "connector": None}, work, "plain"),
-        "ours": run_stepper(vllm_python, {**base, "connector": conn, "slow_save_s": 0.05}, work, "ours"),
+        "ours": run_stepper(
+            vllm_python, {**base, "connector": conn, "hold_saves_until_preemption": True}, work, "ours"
+        ),
     }
     single = {"model": str(models["llama"]), "dtype": "float32", "prompts": PROMPTS, "prefix_caching": False}
     out["reload"] = run_replica(

@@ -90,9 +90,10 @@ def slow_scatters(after: int, seconds: float) -> None:
 
 def run_batch(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """``batch``: every prompt at once on a KV cache too small for them all, so vLLM
-    preempts; with ``slow_save_s`` each save waits that long first, so saves are in
-    flight when a preemption hands their blocks out.  Counts the preemptions the
-    connector saw (``handle_preemptions``)."""
+    preempts; with ``hold_saves_until_preemption`` no save reads anything before the
+    first preemption, so the preempted request's saves are certainly in flight when
+    vLLM hands its blocks out.  Counts the preemptions the connector saw and the
+    saves still in flight for them (``handle_preemptions``)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -103,6 +104,10 @@ def run_batch(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
     original_handle = LMCacheServerConnectorV1.handle_preemptions
     original_save = WorkerSide.save_one
 
+    held = threading.Event()
+    if not spec.get("hold_saves_until_preemption"):
+        held.set()
+
     def handle_preemptions(connector: Any, meta: Any) -> None:
         preempted = list(getattr(meta, "preempted", []) or [])
         if preempted and connector.transfers is not None:
@@ -110,10 +115,11 @@ def run_batch(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
             seen["saves_in_flight_at_preemption"] += sum(
                 1 for req_id in preempted for _, f in connector.transfers._saves.get(req_id, ()) if not f.done()
             )
+            held.set()  # the saves go on; the connector must wait for them before the forward pass
         original_handle(connector, meta)
 
     def save_one(side: Any, request: Any, transfer: Any) -> Any:
-        time.sleep(spec.get("slow_save_s", 0.0))
+        held.wait(120)
         return original_save(side, request, transfer)
 
     LMCacheServerConnectorV1.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
