@@ -270,7 +270,7 @@ def test_connector_subclasses_the_base_in_use() -> None:
 
 def test_tp_lookup_answers_the_smallest_hit_over_ranks(address: str) -> None:
     """Under tensor parallelism every rank stores its own shard; a chunk is reusable only
-    where every rank holds it (two namespaces here: TP 2 does not run on this machine)."""
+    where every rank holds it (two namespaces, in-process; test_vllm_tp.py runs TP 2 in vLLM)."""
     config = vllm_config(address, torch.float16, 4, chunk_size=8, tenant="tp-test")
     config.parallel_config.tensor_parallel_size = 2
     scheduler = LMCacheServerConnectorV1(config, Role.SCHEDULER)
