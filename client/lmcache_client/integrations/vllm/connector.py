@@ -254,7 +254,10 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._worker().register(kv_caches, self._vllm_config, self._kv_cache_config)
+        engine = self._worker().register(kv_caches, self._vllm_config, self._kv_cache_config)
+        if engine.copier.device.type == "cuda":  # each lane maps the pool on its own: page-lock each mapping
+            for lane in self.lanes:
+                lane.transfer.client.pin_shared_pool()
 
     def unregister_kv_caches(self) -> None:
         """vLLM 0.33 sleep mode: the KV caches go away until ``restore_kv_caches``;

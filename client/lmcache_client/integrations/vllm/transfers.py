@@ -42,6 +42,28 @@ from .worker import LoadResult, WorkerSide
 logger = logging.getLogger(__name__)
 
 
+def _stream_event(worker: WorkerSide) -> Any:
+    """On a CUDA cache: an event recorded on the submitting thread's current stream (vLLM's
+    compute), which a lane's copies wait for; None on a CPU cache."""
+    engine = worker.engine
+    if engine is None or engine.copier.device.type != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+def _after(event: Any) -> None:
+    """Order the lane thread's stream after ``event`` (the forward pass that wrote, or will
+    next read, the blocks)."""
+    if event is not None:
+        import torch
+
+        torch.cuda.current_stream().wait_event(event)
+
+
 def _inference_enabled() -> bool:
     try:
         import torch
@@ -88,13 +110,17 @@ class TransferEngine:
         """Queue ``loads``; ``deadlines``: per-request seconds that override the default."""
         inference = _inference_enabled()
         worker = self.worker
+        event = _stream_event(worker)
         for request in loads:
             limit = (deadlines or {}).get(request.req_id, self.load_deadline_s)
             deadline = time.monotonic() + limit if limit > 0 else None
 
-            def job(transfer: Any, request: LoadRequest = request, deadline: float | None = deadline) -> LoadResult:
+            def job(
+                transfer: Any, request: LoadRequest = request, deadline: float | None = deadline, event: Any = event
+            ) -> LoadResult:
                 if worker.asleep:  # sleep mode: the caches are unmapped, nothing may touch them
                     return LoadResult(request.start_token)
+                _after(event)
                 return worker.load_one(request, transfer, deadline)
 
             future = self.load_lane.submit(job, LoadResult(request.start_token), inference=inference)
@@ -104,14 +130,16 @@ class TransferEngine:
     def save(self, saves: Iterable[SaveRequest]) -> None:
         inference = _inference_enabled()
         worker = self.worker
+        event = _stream_event(worker)
         for request in saves:
             if self.save_lane.pending >= self.max_queued_saves:
                 worker.stats.saves_dropped += 1
                 continue
 
-            def job(transfer: Any, request: SaveRequest = request) -> tuple[int, float]:
+            def job(transfer: Any, request: SaveRequest = request, event: Any = event) -> tuple[int, float]:
                 if worker.asleep:  # pragma: no cover - vLLM schedules nothing while asleep
                     return 0, 0.0
+                _after(event)  # the forward pass that wrote these blocks comes first
                 return worker.save_one(request, transfer)
 
             future = self.save_lane.submit(job, (0, 0.0), inference=inference)
