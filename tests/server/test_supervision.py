@@ -73,11 +73,15 @@ def test_supervisor_restarts_a_failing_loop_and_counts_each_failure(caplog: pyte
 
 
 # -- a "Redis" that answers nonsense -------------------------------------------------------------
+HELLO_MAP = b"%3\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$5\r\n7.0.0\r\n$5\r\nproto\r\n:3\r\n"
+
+
 class NonsenseRedis:
     """Speaks RESP on a free port: PING is PONG, SET and the handshake are OK, GET
     answers an integer and EXISTS a null (types no Redis would send)."""
 
-    def __init__(self) -> None:
+    def __init__(self, garbled_hello: bool = False) -> None:
+        self.garbled_hello = garbled_hello
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen()
@@ -106,9 +110,11 @@ class NonsenseRedis:
                     args.append(reader.read(size + 2)[:-2])
                 name = args[0].upper()
                 self.commands.append(name)
-                # GET: an integer where a value (or null) belongs.
-                reply = {b"PING": b"+PONG\r\n", b"GET": b":1\r\n", b"EXISTS": b"_\r\n"}.get(name, b"+OK\r\n")
-                conn.sendall(reply)
+                # GET: an integer where a value (or null) belongs.  HELLO (redis-py >= 8.2 opens
+                # with it): a RESP3 map, or with garbled_hello an OK where the map belongs.
+                hello = b"+OK\r\n" if self.garbled_hello else HELLO_MAP
+                reply = {b"PING": b"+PONG\r\n", b"GET": b":1\r\n", b"EXISTS": b"_\r\n", b"HELLO": hello}
+                conn.sendall(reply.get(name, b"+OK\r\n"))
         except (OSError, ValueError):
             return
         finally:
@@ -142,6 +148,23 @@ def test_nonsense_from_redis_is_a_miss_and_leaks_no_lease(daemon_factory: Callab
     assert b"GET" in nonsense_redis.commands and b"EXISTS" in nonsense_redis.commands
     assert daemon.proc is not None and daemon.proc.poll() is None
     assert "INTERNAL" not in metrics(daemon)
+
+
+def test_a_garbled_redis_handshake_is_an_outage_not_a_crash(daemon_factory: Callable[..., Daemon]) -> None:
+    """A server that answers redis-py's HELLO with OK (redis-py 8.2 raised AttributeError
+    on it, and the daemon died at start): the uplink is down, the daemon serves."""
+    server = NonsenseRedis(garbled_hello=True)
+    try:
+        daemon = daemon_factory(remote_url=server.url, remote_timeout_s=0.5)
+        key = os.urandom(KEY_BYTES)
+        with daemon.client(shared_memory=False) as c:
+            assert c.put([key], [b"x" * 1000]) == [PutStatus.STORED]
+            assert bytes(c.get([key])[0]) == b"x" * 1000
+            assert c.get([os.urandom(KEY_BYTES)]) == [None]
+        assert daemon.proc is not None and daemon.proc.poll() is None
+        assert "INTERNAL" not in metrics(daemon)
+    finally:
+        server.close()
 
 
 # -- the spill directory under the daemon's feet -----------------------------------------------------

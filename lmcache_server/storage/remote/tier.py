@@ -134,8 +134,8 @@ class RedisTier(RedisCarryover, RedisWriter):
             await asyncio.wait_for(self._client.ping(), self.timeout_s)
             self.up = True
             logger.info("Redis uplink %s connected", redact(self.url))
-        except ERRORS as err:
-            self._mark_down(err)
+        except Exception as err:  # a client library surprised by the handshake too: down, never a failed start
+            self._failed("connect", err)
         self._tasks.append(self._supervisor.spawn("redis_writer", self._write_loop))
 
     async def flush(self, timeout_s: float) -> bool:
