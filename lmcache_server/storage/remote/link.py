@@ -137,7 +137,7 @@ class RedisLink:
         """Probe until Redis answers (redis-py's Retry: exponential backoff with jitter, no limit)."""
         await self._drop_connections()
         # Any error is retried: a server that garbles its handshake is down, not a dead probe.
-        probe = Retry(ExponentialWithJitterBackoff(cap=self.max_backoff_s, base=0.1), -1, (Exception,))  # type: ignore[arg-type]
+        probe = Retry(ExponentialWithJitterBackoff(cap=self.max_backoff_s, base=0.1), -1, (Exception,))
 
         async def ping() -> None:
             await asyncio.wait_for(self._client.ping(), self.timeout_s)
