@@ -13,9 +13,6 @@ same output and vLLM frees every block (the engine finishes).
 
 from __future__ import annotations
 
-import json
-import random
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,7 @@ from typing import Any
 import pytest
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import ROOT, connector, models, vllm_env, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import connector, models, run_harness, tokens, vllm_python  # noqa: F401
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -32,29 +29,11 @@ HOLD = 3
 DEADLINE_MS = 2000
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1024) for _ in range(n)]
-
-
 DECODE, LOAD = tokens(40, 11), tokens(1100, 12)
 
 
 def run_stepper(vllm_python: Path, spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:  # noqa: F811
-    spec_path, out, log = workdir / f"{name}.spec.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    with log.open("w") as handle:
-        proc = subprocess.run(
-            [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.stepper", str(spec_path), str(out)],
-            cwd=ROOT,
-            env=vllm_env(),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            timeout=900,
-        )
-    if proc.returncode != 0:
-        pytest.fail(f"stepper {name} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
-    result: dict[str, Any] = json.loads(out.read_text())
+    result: dict[str, Any] = run_harness(vllm_python, "stepper", spec, workdir, name)
     return result
 
 

@@ -10,7 +10,6 @@ prompt *and* answer, and its output is plain vLLM's.  The same turn with
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,16 +17,11 @@ from typing import Any
 import pytest
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import connector, models, run_replica, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import connector, models, run_replica, tokens, vllm_python  # noqa: F401
 
 pytestmark = pytest.mark.timeout(1800)
 
 CHUNK = 16
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1024) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ already handed to another request would have stored another request's KV.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,16 +20,11 @@ import pytest
 
 from ...conftest import Daemon
 from .test_vllm_async import run_stepper
-from .vllm_harness.fixtures import connector, loadable, models, run_replica, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import connector, loadable, models, run_replica, tokens, vllm_python  # noqa: F401
 
 pytestmark = pytest.mark.timeout(1800)
 
 CHUNK = 128
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1024) for _ in range(n)]
 
 
 PROMPTS = [tokens(500, 40 + i) for i in range(4)]

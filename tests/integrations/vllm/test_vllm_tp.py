@@ -9,9 +9,7 @@ plain vLLM's at TP 2.
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.integrations.layout import ChunkLayout
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import ROOT, connector, models, vllm_env, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import connector, models, run_harness, vllm_python  # noqa: F401
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -31,20 +29,7 @@ PROMPT = [random.Random(5).randrange(3, 1000) for _ in range(600)]
 
 
 def run_tp(vllm_python: Path, spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:  # noqa: F811
-    spec_path, out, log = workdir / f"{name}.spec.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    with log.open("w") as handle:
-        proc = subprocess.run(
-            [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.tp", str(spec_path), str(out)],
-            cwd=ROOT,
-            env=vllm_env(),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            timeout=900,
-        )
-    if proc.returncode != 0:
-        pytest.fail(f"TP 2 replica {name} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
-    result: dict[str, Any] = json.loads(out.read_text())
+    result: dict[str, Any] = run_harness(vllm_python, "tp", spec, workdir, name)
     return result
 
 

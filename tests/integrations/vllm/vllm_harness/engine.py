@@ -183,17 +183,7 @@ class Engine:
         for layer, (name, kv_layer) in enumerate(self.kv.items()):
             self.worker.wait_for_layer_load(name)
             for prompt, blocks, start, end in work:
-                if end > start:
-                    rows = torch.stack([kv_value(prompt[p], p, layer) for p in range(start, end)], dim=1).to(
-                        kv_layer.dtype
-                    )
-                    slots = torch.tensor(
-                        [
-                            blocks[p // self.block_size] * self.block_size + p % self.block_size
-                            for p in range(start, end)
-                        ]
-                    )
-                    cpu_write(rows[0], rows[1], kv_layer, slots)
+                self.write(kv_layer, layer, prompt, blocks, start, end)
                 if layer == 0:
                     self.computed_tokens.extend(range(start, end))
             self.worker.save_kv_layer(name, kv_layer, attn_metadata=None)
@@ -205,6 +195,16 @@ class Engine:
         self.worker.clear_connector_metadata()
         self.scheduler.update_connector_output(SimpleNamespace(finished_recving=recving, finished_sending=sending))
         return meta
+
+    def write(self, kv_layer: Any, layer: int, prompt: list[int], blocks: list[int], start: int, end: int) -> None:
+        """What the model writes for tokens ``start .. end - 1`` of ``prompt`` into ``kv_layer``."""
+        if end <= start:
+            return
+        rows = torch.stack([kv_value(prompt[p], p, layer) for p in range(start, end)], dim=1).to(kv_layer.dtype)
+        slots = torch.tensor(
+            [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+        )
+        cpu_write(rows[0], rows[1], kv_layer, slots)
 
     def until(self, done: Any, what: str, finished: set[str] | None = None, timeout_s: float = 60.0) -> int:
         """Empty engine steps (vLLM keeps stepping while transfers run) until ``done()``;
@@ -228,6 +228,7 @@ class Engine:
         step_tokens: int = 10_000,
         params: dict[str, Any] | None = None,
         decode: list[int] | None = None,
+        fill_local: bool = False,
     ) -> dict[str, Any]:
         """Schedule a prompt: lookup, allocation, then chunked-prefill steps until computed,
         then decode steps (one, or one per token of ``decode``: the tokens it generates)."""
@@ -243,6 +244,9 @@ class Engine:
         external, is_async = asked[-1]
         assert is_async is (self.is_async and external > 0)
         blocks = self.alloc(len(prompt))
+        if fill_local:  # vLLM's own prefix cache holds the first local_hit tokens' KV
+            for layer, kv_layer in enumerate(self.kv.values()):
+                self.write(kv_layer, layer, prompt, blocks, 0, local_hit)
         self.scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (blocks,)), external)
         if is_async:  # the request waits in WAITING_FOR_REMOTE_KVS until a worker reports its load
             self.until(lambda: req_id in self.finished_recving, f"load of {req_id}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -85,13 +86,14 @@ def connector(address: str, **extra: Any) -> dict[str, Any]:
     return {**CONNECTOR, "kv_connector_extra_config": {"address": address, **extra}}
 
 
-def run_replica(vllm_python: Path, runs: list[dict[str, Any]], workdir: Path, name: str) -> list[dict[str, Any]]:
-    """Run ``runs`` in one fresh offline-vLLM process (tests/integrations/vllm/vllm_harness/replica.py)."""
-    spec, out, log = workdir / f"{name}.spec.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
-    spec.write_text(json.dumps({"runs": runs}))
+def run_harness(vllm_python: Path, module: str, spec: Any, workdir: Path, name: str) -> Any:
+    """Run ``python -m tests.integrations.vllm.vllm_harness.<module> SPEC OUT`` in vLLM's venv;
+    its JSON output (the log, tail shown, when it fails)."""
+    spec_path, out, log = workdir / f"{name}.spec.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
     with log.open("w") as handle:
         proc = subprocess.run(
-            [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.replica", str(spec), str(out)],
+            [str(vllm_python), "-m", f"tests.integrations.vllm.vllm_harness.{module}", str(spec_path), str(out)],
             cwd=ROOT,
             env=vllm_env(),
             stdout=handle,
@@ -99,9 +101,20 @@ def run_replica(vllm_python: Path, runs: list[dict[str, Any]], workdir: Path, na
             timeout=1200,
         )
     if proc.returncode != 0:
-        pytest.fail(f"vLLM replica {name} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
-    results: list[dict[str, Any]] = json.loads(out.read_text())["runs"]
+        pytest.fail(f"vLLM {module} {name} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def run_replica(vllm_python: Path, runs: list[dict[str, Any]], workdir: Path, name: str) -> list[dict[str, Any]]:
+    """Run ``runs`` in one fresh offline-vLLM process (tests/integrations/vllm/vllm_harness/replica.py)."""
+    results: list[dict[str, Any]] = run_harness(vllm_python, "replica", {"runs": runs}, workdir, name)["runs"]
     return results
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """``n`` reproducible token ids of the test models' vocabulary."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(n)]
 
 
 class Server:
