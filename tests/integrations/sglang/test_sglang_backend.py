@@ -314,11 +314,11 @@ def test_pipeline_stages_and_context_parallel_ranks_get_their_own_namespace(repl
     assert stage1.backend.batch_exists(keys) == 0 and cp1.backend.batch_exists(keys) == 0, "other layers, same hashes"
 
 
-def test_only_the_kv_pool_is_registered(replicas: Any) -> None:
+def test_side_pools_other_than_mamba_and_swa_are_refused(replicas: Any) -> None:
     r = replicas()
     r.backend.register_mem_host_pool_v2(r.pool, "kv")
-    with pytest.raises(ValueError, match="stores only the KV pool, not SGLang's mamba pool"):
-        r.backend.register_mem_host_pool_v2(MHAHostPool(32), "mamba")
+    with pytest.raises(ValueError, match="stores only the KV, Mamba and SWA pools, not SGLang's indexer pool"):
+        r.backend.register_mem_host_pool_v2(MHAHostPool(32), "indexer")
     with pytest.raises(ValueError, match="decode context parallelism"):
         LMCacheServerHiCacheStorage(storage_config(dcp_size=2, is_mla_model=True), {})
 

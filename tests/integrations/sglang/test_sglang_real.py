@@ -127,18 +127,18 @@ def test_backend_is_a_real_subclass_of_sglangs_hicache_storage(runs: dict[str, A
     assert c["subclass"] and c["ours_abstract"] == [], "instantiable: no abstract method left"
     assert c["base_abstract"] == ["batch_get", "batch_set", "exists", "get", "set"]
     assert c["base_public"] == BASE_PUBLIC, "SGLang's base changed: check the backend against the new methods"
-    # what SGLang's controller calls for a plain model is ours; the *_v2 sidecar
-    # calls are not (a host pool group with sidecars is refused, see below)
+    # what SGLang's controller calls is ours: the plain model's calls and the *_v2
+    # calls of hybrid models (test_sglang_hybrid.py)
     assert c["overridden"] == {
         "register_mem_pool_host": True,
         "register_mem_host_pool_v2": True,
         "on_host_pools_registered": False,
         "batch_exists": True,
-        "batch_exists_v2": False,
+        "batch_exists_v2": True,
         "batch_get_v1": True,
         "batch_set_v1": True,
-        "batch_get_v2": False,
-        "batch_set_v2": False,
+        "batch_get_v2": True,
+        "batch_set_v2": True,
         "clear": True,
         "get_stats": True,
     }
@@ -229,7 +229,7 @@ def test_storage_metrics_are_sglangs_storage_metrics(runs: dict[str, Any]) -> No
 
 def test_what_cannot_work_is_refused_at_start(runs: dict[str, Any]) -> None:
     r = runs["a"]["refusals"]
-    assert "stores only the KV pool, not SGLang's draft pool" in r["sidecar_pool"]
+    assert "stores only the KV, Mamba and SWA pools, not SGLang's draft pool" in r["sidecar_pool"]
     assert r["asymmetric_pool"] == "AsymmetricMHATokenToKVPoolHost"
     assert r["asymmetric"].startswith(
         "ValueError: lmcache-server HiCache storage needs SGLang's flat host pages, "

@@ -36,16 +36,18 @@ cachegen) needs the ``(layers, 2, tokens, heads, dim)`` layout, which no
 SGLang host layout is, so it is refused with one log line and pages are
 stored raw (in the raw namespace).
 
-Only the KV pool is stored: a host pool group with other pools (Mamba, SWA,
-DSA indexer or draft sidecars, which SGLang moves with the ``*_v2`` calls)
-is refused when SGLang registers it, as are host pools without SGLang's
-flat-page interface and decode context parallelism (DCP).
+Hybrid models: the Mamba and SWA pools of a host pool group are stored too,
+each in a namespace of its own, through SGLang's ``batch_exists_v2`` /
+``batch_get_v2`` / ``batch_set_v2`` (:mod:`.pools`); other side pools (DSA
+indexer, DeepSeek V4, draft sidecars) are refused when SGLang registers them,
+as are host pools without SGLang's flat-page interface and decode context
+parallelism (DCP).
 
 Primitives: :class:`LMCacheServerHiCacheStorage` (the generic page interface
 ``get``, ``batch_get``, ``set``, ``batch_set``, ``exists``, ``batch_exists``;
 the zero-copy interface ``batch_get_v1`` and ``batch_set_v1``, which SGLang
-uses with ``"interface_v1": 1``; ``clear``, ``get_stats``, ``close``) and
-:func:`page_key`.
+uses with ``"interface_v1": 1``; the v2 calls of hybrid models;
+``clear``, ``get_stats``, ``close``) and :func:`page_key`.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ import hashlib
 import logging
 import threading
 import time
-from collections import deque
 from typing import Any
 
 from ...client import DEFAULT_ADDRESS, CacheClient
@@ -65,6 +66,8 @@ from ...namespace import Namespace, canonical_dtype
 from ...tensors import tensor_bytes
 from ..layout import ChunkLayout
 from ..transfer import ChunkTransfer
+from .pools import SidePool, SidePools
+from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
@@ -81,36 +84,11 @@ _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 _OUR_KEYS = ("address", "timeout_s", "tenant", "model_id", "server_public_key", "client_secret_key", "malloc_tuning")
 _KV_POOL = "kv"
 """SGLang's ``PoolName.KV``: the one host pool this backend stores."""
-MAX_STATS_SAMPLES = 4096
-"""Per-transfer samples kept for ``get_stats`` between two reads (oldest dropped)."""
 
 
 def page_key(page_hash: str) -> bytes:
     """The daemon key of one SGLang page hash."""
     return hashlib.sha256(PAGE_KEY_DOMAIN + page_hash.encode()).digest()
-
-
-class _TransferStats:
-    """Pages and GB/s per prefetch and backup call, drained by ``get_stats``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._samples: dict[str, deque[tuple[int, float]]] = {
-            op: deque(maxlen=MAX_STATS_SAMPLES) for op in ("prefetch", "backup")
-        }
-
-    def add(self, op: str, pages: int, page_bytes: int, started: float) -> None:
-        elapsed_s = time.perf_counter() - started
-        gb_per_s = pages * page_bytes / elapsed_s / 1e9 if elapsed_s > 0 else 0.0
-        with self._lock:
-            self._samples[op].append((pages, gb_per_s))
-
-    def take(self) -> dict[str, list[tuple[int, float]]]:
-        with self._lock:
-            out = {op: list(samples) for op, samples in self._samples.items()}
-            for samples in self._samples.values():
-                samples.clear()
-        return out
 
 
 def _page_over(view: memoryview, dtype: Any, shape: Any) -> Any:
@@ -172,7 +150,9 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             )
             if int(size) > 1
         ]
-        self.stats = _TransferStats() if storage_config.enable_storage_metrics else None
+        self.stats = TransferStats() if storage_config.enable_storage_metrics else None
+        self._engine_tp = (int(storage_config.tp_rank), int(storage_config.tp_size))  # Mamba state: per rank
+        self.side_pools = SidePools(page_key)
         self.namespace: str | None = None
         """The raw pages' namespace; with a lossless codec pages go to its own (``codec=...``)."""
         self._namespace: Namespace | None = None
@@ -221,14 +201,13 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         logger.info("lmcache-server HiCache storage at %s, namespace %s", self.address, self.namespace)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Each pool of SGLang's host pool group: the KV pool only; others are refused."""
-        if str(host_pool_name) != _KV_POOL:
-            raise ValueError(
-                f"lmcache-server HiCache storage stores only the KV pool, not SGLang's "
-                f"{host_pool_name!s} pool ({type(host_pool).__name__}): hybrid models "
-                "(Mamba, SWA, DSA indexer, draft sidecars) are not supported"
-            )
-        # The KV pool is the one register_mem_pool_host gave: nothing more to keep.
+        """Each pool of SGLang's host pool group: KV (the one register_mem_pool_host
+        gave), Mamba and SWA, each in its own namespace; others are refused."""
+        if str(host_pool_name) == _KV_POOL:
+            return
+        if self._namespace is None:
+            raise RuntimeError("register_mem_pool_host was not called")
+        self.side_pools.add(SidePool.register(str(host_pool_name), host_pool, self._namespace, *self._engine_tp))
 
     def _transfer(self) -> ChunkTransfer:
         """This thread's client, wrapped for batched, size-checked page transfers."""
@@ -300,6 +279,24 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._record("prefetch", loaded, started)
         return [True] * loaded + [False] * (len(keys) - loaded)
 
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Hybrid models: each transfer's pages into its host pool (KV as ``batch_get_v1``);
+        per pool, True per page loaded."""
+        results: dict[str, list[bool]] = {}
+        for t in transfers:
+            name = str(t.name)
+            if name == _KV_POOL:
+                results[name] = self.batch_get_v1(list(t.keys or ()), t.host_indices)
+            else:
+                results[name] = self.side_pools.get(self._transfer().client, t)
+        return results
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """Hybrid models: the longest prefix of ``keys`` every pool can restore, with
+        SGLang's hit policies (``PoolTransferResult``)."""
+        kv_pages = self.batch_exists(keys)
+        return self.side_pools.exists(self._transfer().client, keys, kv_pages, list(pool_transfers or ()))
+
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
@@ -344,6 +341,18 @@ class LMCacheServerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         stored = self._transfer().put_with([page_key(k) for k in keys], gather) if keys else 0
         self._record("backup", stored, started)
         return [stored == len(keys)] * len(keys)
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Hybrid models: each transfer's pages from its host pool (KV as ``batch_set_v1``);
+        per pool, True per page stored (now or before)."""
+        results: dict[str, list[bool]] = {}
+        for t in transfers:
+            name = str(t.name)
+            if name == _KV_POOL:
+                results[name] = self.batch_set_v1(list(t.keys or ()), t.host_indices)
+            else:
+                results[name] = self.side_pools.set(self._transfer().client, t)
+        return results
 
     def _page_starts(self, keys: list[str], host_indices: Any) -> list[int]:
         """The first host slot of each key's page."""
