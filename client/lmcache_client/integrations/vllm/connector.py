@@ -37,7 +37,8 @@ The class is a thin shim: the scheduler role runs a
 :class:`~.worker.WorkerSide`; each owns one blocking client.  Under
 tensor parallelism each rank stores its own shard (namespace
 ``tp<rank>of<size>``) and the scheduler's lookup answers for the smallest
-hit over all ranks.
+hit over all ranks; MLA models store their latent once per node (namespace
+``tp0of1``, layout ``L1TC``): rank 0 stores, every rank loads (:mod:`.mla`).
 
 Primitives: :class:`LMCacheServerConnectorV1`, :class:`ConnectorSettings`,
 :func:`layout_from_vllm_config`.
@@ -51,7 +52,7 @@ from typing import Any
 from ...client import CacheClient
 from ...memtune import tune_malloc
 from ...namespace import canonical_dtype
-from ..layout import ChunkLayout
+from ..layout import ChunkLayout, MLAChunkLayout
 from ..transfer import ChunkTransfer
 from .compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, tp_rank
 from .costgate import CostGate
@@ -74,6 +75,10 @@ def layout_from_vllm_config(vllm_config: Any, chunk_size: int) -> ChunkLayout:
     parallel_config = vllm_config.parallel_config
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     dtype = canonical_dtype(model_config.dtype) if cache_dtype == "auto" else _fp8_dtype(cache_dtype)
+    if getattr(model_config, "use_mla", False):  # one latent per token and layer, the same on every rank
+        return MLAChunkLayout.of(
+            model_config.get_num_layers(parallel_config), model_config.get_head_size(), chunk_size, dtype
+        )
     return ChunkLayout(
         num_layers=model_config.get_num_layers(parallel_config),
         num_kv_heads=model_config.get_num_kv_heads(parallel_config),
@@ -130,6 +135,8 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         self.layout = layout_from_vllm_config(vllm_config, self.settings.chunk_size)
         model_id = self.settings.model_id or str(vllm_config.model_config.model)
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        # MLA: one copy per node, one namespace for all ranks (rank 0 stores, every rank loads)
+        shards = 1 if isinstance(self.layout, MLAChunkLayout) else tp_size
         is_scheduler = getattr(role, "name", str(role)) == "SCHEDULER"
         if self.settings.malloc_tuning and not is_scheduler:
             tune_malloc()
@@ -147,7 +154,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
             return self.layout.namespace(model_id, tp_rank=rank, tp_size=tp_size, tenant=self.settings.tenant)
 
         if is_scheduler:
-            transfers = [self._transfer(self.client, namespace_of(r)) for r in range(tp_size)]
+            transfers = [self._transfer(self.client, namespace_of(r)) for r in range(shards)]
             wait_s = self.settings.load_wait_s
             if wait_s < 0:
                 wait_s = CONSUMER_WAIT_S if self.kv_role == "kv_consumer" else 0.0
@@ -158,7 +165,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                 save=self.kv_role != "kv_consumer",
                 store_tails=self.settings.store_tails or self.kv_role == "kv_producer",
                 load_wait_s=wait_s,
-                lookups=self._lookups([namespace_of(r) for r in range(tp_size)]) if is_async else None,
+                lookups=self._lookups([namespace_of(r) for r in range(shards)]) if is_async else None,
                 async_load=is_async,
                 async_save=is_async,
                 save_decode_cache=self.settings.save_decode_cache,
@@ -179,6 +186,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
             transfer = self._transfer(self.client, namespace_of(tp_rank()))
             namespace = transfer.namespace
             self.worker = WorkerSide(transfer, self.layout, copy_threads=self.settings.copy_threads)
+            self.worker.stores = shards == tp_size or tp_rank() == 0
             if is_async:
                 self.transfers = TransferEngine(
                     self.worker,

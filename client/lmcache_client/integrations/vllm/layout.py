@@ -7,6 +7,7 @@ block belongs to the attention backend.  :func:`discover` reads, from vLLM:
 - the KV cache spec of the (single) cache group: block size, KV heads, head
   size, dtype; models it cannot serve are refused here (MLA, hybrid models
   with several cache groups, packed or quantized-with-scales content);
+  MLA latent caches go to :func:`.mla.discover_mla`;
 - each layer's attention module and backend (``static_forward_context``),
   and probes the backend's own cache write, ``impl.do_kv_cache_update``, on a
   scratch block shaped like the real ones (:func:`..blocklayout.probe_block_layout`);
@@ -25,7 +26,7 @@ import logging
 from typing import Any
 
 from ..blocklayout import BlockLayout, LayoutError, probe_block_layout
-from ..layout import ChunkLayout
+from ..layout import ChunkLayout, MLAChunkLayout
 from ..paged import PagedCopier
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,10 @@ def discover(
         backend = str(attention.attn_backend.get_name())
     shape = tuple(first.shape)
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if isinstance(chunk, MLAChunkLayout) or any("MLA" in type(g.kv_cache_spec).__name__ for g in groups):
+        from .mla import discover_mla  # MLA latents: their own probe and copier
+
+        return discover_mla(kv_caches, vllm_config, kv_cache_config, chunk, copy_threads=copy_threads)
     if len(groups) > 1:
         raise _refuse(backend, shape, f"the model has {len(groups)} KV cache groups (hybrid attention)")
     spec = groups[0].kv_cache_spec if groups else None

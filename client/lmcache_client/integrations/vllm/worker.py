@@ -92,6 +92,8 @@ class WorkerSide:
         self.engine: EngineLayout | None = None
         self.stats = WorkerStats()
         self.asleep = False
+        self.stores = True
+        """False on the ranks that load but never store (MLA: rank 0 stores for all)."""
         """vLLM's sleep mode: the caches are unmapped, nothing may touch them."""
         self.totals: dict[str, float] = {}
         """Every counter since start (``stats`` restarts whenever vLLM takes it)."""
@@ -237,6 +239,8 @@ class WorkerSide:
     def save_one(self, request: SaveRequest, transfer: ChunkTransfer) -> tuple[int, float]:
         """Gather and store ``request`` through ``transfer``; (chunks stored, seconds).
         Never raises: a failed save is a future miss, never an engine failure."""
+        if not self.stores:
+            return 0, 0.0
         engine = self._engine()
         chunk = self.layout.chunk_size
         started = time.perf_counter()
