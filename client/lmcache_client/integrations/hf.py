@@ -15,8 +15,9 @@ KV cache).  For a prompt it:
    default, separate so a caller can return the first token before storing).
 
 Payloads use the shared layout of :mod:`.layout`: GQA caches keep their
-``num_key_value_heads``; fp32, fp16 and bf16 models work (the namespace holds
-the dtype).  Batch size is 1.  ``model_id`` must name the *weights*: two
+``num_key_value_heads``; MLA models (DeepSeek V2/V3) store their cached
+latent (:mod:`.hf_mla`), the same chunks as vLLM's connector; fp32, fp16 and
+bf16 models work (the namespace holds the dtype).  Batch size is 1.  ``model_id`` must name the *weights*: two
 models stored under one id would read each other's KV.  Chunks are encoded
 with the KV codec the daemon announces in ``hello`` (``kv_codec``; none by
 default), under that codec's namespace: no code changes for the user.
@@ -36,7 +37,8 @@ from typing import Any
 from ..client import CacheClient
 from ..keys import chunk_keys, chunk_tokens
 from ..tensors import tensor_bytes
-from .layout import ChunkLayout
+from .hf_mla import mla_cache_from, mla_layout, mla_stage
+from .layout import ChunkLayout, MLAChunkLayout
 from .transfer import DEFAULT_MAX_BATCH_BYTES, ChunkTransfer
 
 
@@ -122,7 +124,10 @@ class CachedPrefill:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.model = model
-        self.layout = ChunkLayout(config.num_hidden_layers, kv_heads, head_dim, chunk_size, str(model.dtype))
+        self.config = config
+        # MLA models (DeepSeek V2/V3) cache a latent per token: the chunks vLLM's connector stores
+        mla = mla_layout(config, chunk_size, str(model.dtype))
+        self.layout = mla or ChunkLayout(config.num_hidden_layers, kv_heads, head_dim, chunk_size, str(model.dtype))
         self.namespace = self.layout.namespace(model_id, tenant=tenant)
         # codec_layout: chunks are encoded with the codec the daemon announces (docs/codec.md)
         self.transfer = ChunkTransfer(
@@ -191,6 +196,8 @@ class CachedPrefill:
             return cache
         layers, _, chunk, heads, dim = self.layout.shape
         staging = staging.to(self.model.device)
+        if isinstance(self.layout, MLAChunkLayout):
+            return mla_cache_from(staging, self.layout, self.config)
         for layer in range(layers):
             # (chunks, tokens, heads, dim) -> (1, heads, chunks * tokens, dim)
             k, v = (staging[:, layer, kv].permute(2, 0, 1, 3).reshape(1, heads, n * chunk, dim) for kv in (0, 1))
@@ -210,11 +217,14 @@ class CachedPrefill:
         m = last - first
         staging = torch.empty((m, *self.layout.shape), dtype=self.model.dtype)
         start, end = first * chunk, last * chunk
-        for layer, (k, v) in enumerate(_layer_kv(result.cache, layers)):
-            for kv, states in enumerate((k, v)):
-                # (1, heads, tokens, dim) -> (chunks, tokens per chunk, heads, dim)
-                part = states[0, :, start:end].reshape(heads, m, chunk, dim).permute(1, 2, 0, 3)
-                staging[:, layer, kv].copy_(part)
+        if isinstance(self.layout, MLAChunkLayout):
+            mla_stage(result.cache, self.layout, self.config, staging, start)
+        else:
+            for layer, (k, v) in enumerate(_layer_kv(result.cache, layers)):
+                for kv, states in enumerate((k, v)):
+                    # (1, heads, tokens, dim) -> (chunks, tokens per chunk, heads, dim)
+                    part = states[0, :, start:end].reshape(heads, m, chunk, dim).permute(1, 2, 0, 3)
+                    staging[:, layer, kv].copy_(part)
         result.saved_chunks = self.transfer.put(
             result.keys[first:last],
             [tensor_bytes(staging[i]) for i in range(m)],
