@@ -105,6 +105,11 @@ class SchedulerSide(Matcher):
         """Also store the full chunks of generated tokens (per request: ``lmcache_save_decode_cache``)."""
         self.cost_gate = cost_gate
         """Skips loads slower than computing them (:mod:`.costgate`); None: every load runs."""
+        self.stats.update(loads_cut_by_cost=0, load_tokens_skipped_by_cost=0)
+        self._load_mix: dict[str, dict[str, int]] = {}
+        """The tokens of each request's load by the tier its lookup named (for the cost gate)."""
+        self._measured: list[str] = []
+        """Requests whose loads the next workers' stats cover (for the cost gate)."""
         self._deadlines: dict[str, float] = {}
         """Per-request load deadlines (seconds) for the next metadata."""
         self.save_enabled = save
@@ -137,16 +142,39 @@ class SchedulerSide(Matcher):
             self.stats["load_retries_refused"] += 1
             return 0
         n = super().num_new_matched_tokens(request, num_computed_tokens)
-        if n and self.cost_gate is not None and not self.cost_gate.pays(n):
-            self.stats["loads_skipped_by_cost"] += 1
-            return 0
+        if n and self.cost_gate is not None:
+            keep = self.cost_gate.plan(self._pieces(request.request_id, n))
+            if keep < n:
+                self.stats["loads_skipped_by_cost" if keep == 0 else "loads_cut_by_cost"] += 1
+                self.stats["load_tokens_skipped_by_cost"] += n - keep
+                return keep
         return n
+
+    def _pieces(self, req_id: str, n: int) -> list[tuple[str | None, int]]:
+        """The load of ``n`` tokens as (tier, tokens) per chunk, in order (the cost gate's input)."""
+        hit = self._hits.get(req_id)
+        if hit is None or not hit.tiers:
+            return [(None, n)]
+        start, end = hit.local_tokens, hit.local_tokens + n
+        pieces: list[tuple[str | None, int]] = []
+        for i, tier in enumerate(hit.tiers):
+            lo, hi = max(start, i * self.chunk_size), min(end, (i + 1) * self.chunk_size)
+            if hi > lo:
+                pieces.append((tier, hi - lo))
+        return pieces
 
     def saw_output(self, stats: Any) -> None:
         """The workers' stats of a step (``update_connector_output``): the load rate."""
         data = getattr(stats, "data", None)
-        if self.cost_gate is not None and isinstance(data, dict):
-            self.cost_gate.saw_load(float(data.get("loaded_tokens", 0)), float(data.get("load_s", 0.0)))
+        measured, self._measured = self._measured, []
+        if self.cost_gate is None:
+            return
+        mix: dict[str, float] = {}
+        for req_id in measured:
+            for tier, n in self._load_mix.pop(req_id, {}).items():
+                mix[tier] = mix.get(tier, 0) + n
+        if isinstance(data, dict):
+            self.cost_gate.saw_load(float(data.get("loaded_tokens", 0)), float(data.get("load_s", 0.0)), mix)
 
     # -- update_state_after_alloc ---------------------------------------------------
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -158,6 +186,8 @@ class SchedulerSide(Matcher):
             return
         self._loads[req_id] = (hit.local_tokens, hit.local_tokens + num_external_tokens)
         self.stats["lookup_hit_tokens"] += num_external_tokens
+        if self.cost_gate is not None:
+            self._load_mix[req_id] = self.hit_sources(req_id, num_external_tokens)
         if not self.async_load:
             return
         # The request waits in WAITING_FOR_REMOTE_KVS: its load goes out with the next
@@ -185,6 +215,8 @@ class SchedulerSide(Matcher):
     def loads_finished(self, req_ids: set[str]) -> None:
         """The workers report these requests' asynchronous loads done (``update_connector_output``)."""
         self._loading.difference_update(req_ids)
+        if self.async_load:
+            self._measured.extend(req_ids)
 
     def finished(self, req_id: str) -> bool:
         """``request_finished``: forget the request; True when its blocks must wait
@@ -252,6 +284,8 @@ class SchedulerSide(Matcher):
             self._emit_load(meta, req_id, tracker)
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._emit_save(meta, req_id, tracker, computed)
+        if not self.async_load:
+            self._measured = [load.req_id for load in meta.loads]  # loaded within this step
         return meta
 
     def _emit_load(self, meta: LMCacheServerConnectorMetadata, req_id: str, tracker: _Tracker) -> None:
@@ -361,5 +395,7 @@ class SchedulerSide(Matcher):
         self._trackers.pop(req_id, None)
         self._waiting.pop(req_id, None)
         self._requests.pop(req_id, None)
+        if req_id not in self._measured:  # else the step's stats, read after vLLM frees it, use it
+            self._load_mix.pop(req_id, None)
         if self.lookups is not None:
             self.lookups.forget(req_id)

@@ -17,8 +17,11 @@ are plain counters (sums over the interval):
 | ``stored_chunks`` / ``stored_bytes`` / ``store_s`` | worker | chunks (a tail is one) stored or found, bytes, seconds |
 | ``load_retries_refused`` | scheduler | requests computed because their asynchronous load failed from its first block |
 | ``loads_skipped_by_cost`` | scheduler | loads skipped because loading was slower than computing (``cost_gate``) |
+| ``loads_cut_by_cost`` | scheduler | loads cut short: their slower-tier rest computed instead (``cost_gate``) |
+| ``load_tokens_skipped_by_cost`` | scheduler | tokens computed instead of loaded by those two (``cost_gate``) |
 | ``load_deadline_missed`` | worker | loads that used only what arrived by ``load_deadline_ms`` |
 | ``saves_dropped`` | worker | saves not made because ``max_queued_saves`` were queued (a slow daemon) |
+| ``saves_out_of_window`` | scheduler | requests whose saves stopped (a sliding window freed a chunk's blocks) |
 | ``daemon_failures`` / ``short_circuited`` | both | calls finding the daemon down / misses from the breaker |
 
 In Prometheus they appear as ``vllm:lmcache_server_<counter>_total`` with
@@ -50,8 +53,11 @@ COUNTERS = {
     "store_s": "Seconds workers spent storing KV in lmcache-server",
     "load_retries_refused": "Requests computed in full because their asynchronous load failed from its first block",
     "loads_skipped_by_cost": "Loads skipped because lmcache-server loaded slower than the engine computes (cost_gate)",
+    "loads_cut_by_cost": "Loads whose slower-tier rest was computed instead of loaded (cost_gate)",
+    "load_tokens_skipped_by_cost": "Tokens computed instead of loaded because loading them was slower (cost_gate)",
     "load_deadline_missed": "Loads that used only the chunks that arrived by their deadline (load_deadline_ms)",
     "saves_dropped": "Saves not made because max_queued_saves saves were queued (a slow daemon)",
+    "saves_out_of_window": "Requests whose saves stopped because a sliding-window group freed a chunk's blocks first",
     "daemon_failures": "lmcache-server calls that found the daemon down, slow or draining",
     "short_circuited": "lmcache-server calls answered as misses by the open circuit breaker",
 }
