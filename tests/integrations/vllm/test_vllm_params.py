@@ -278,3 +278,28 @@ def test_random_orders_of_async_transfers_never_write_a_wrong_byte(
                     engine.rows(run["blocks"], lo, hi, layer), expected_rows(prompt, lo, hi, layer, torch.float16)
                 )
         engine.free.extend(run["blocks"])  # vLLM reuses freed blocks: stale bytes must never pass as loaded
+
+
+def test_ttl_and_retention_are_refused_and_the_request_not_stored(
+    engines: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The daemon keeps no per-chunk TTL or retention class: a request asking for one
+    still loads, but nothing of it is stored (never kept longer than asked)."""
+
+    def read(params: dict[str, object]) -> RequestParams:
+        return request_params(SimpleNamespace(request_id="r", kv_transfer_params=params))
+
+    with caplog.at_level(logging.WARNING, logger="lmcache_client.integrations.vllm.params"):
+        assert read({"lmcache_ttl_s": 60}).skip_save
+        assert read({"lmcache_skip_save": False, "lmcache_retention": "short"}).skip_save
+        assert read({"lmcache_retention": "short", "lmcache_skip_save": False}).skip_save
+        assert "refused" in caplog.text and "no per-chunk TTL" in caplog.text
+        caplog.clear()
+        assert read({"lmcache_ttl_s": -1, "lmcache_retention": ""}) == RequestParams()  # bad values: ignored
+        assert "ignoring kv_transfer_params lmcache_ttl_s" in caplog.text and "refused" not in caplog.text
+    a, b = engines(), engines()
+    a.prefill("a", PROMPT)
+    run = b.prefill("b", PROMPT + [7] * 16, params={"lmcache_ttl_s": 30})
+    assert run["external"] == 40 and saved_keys(run) == 0
+    other = b.prefill("c", PROMPT + [8] * 16)
+    assert saved_keys(other) > 0

@@ -20,6 +20,11 @@ operator's settings cap what a request may ask.
   tokens (default: the ``save_decode_cache`` setting);
 - ``lmcache_load_wait_s`` (number >= 0): a consumer's wait for a producer
   (capped by ``load_wait_s``; docs/integrations.md).
+- ``lmcache_ttl_s`` (number > 0) and ``lmcache_retention`` (a non-empty
+  string): refused.  The daemon keeps no per-chunk TTL or retention class, so
+  it cannot promise to drop (or keep) the request's chunks on time; a request
+  that asks is not stored at all (its load still runs) and a warning says
+  why.  A bad value is ignored like any other.
 
 Primitives: :class:`RequestParams`, :func:`request_params`.
 """
@@ -42,7 +47,12 @@ KNOWN = (
     "lmcache_tags",
     "lmcache_save_decode_cache",
     "lmcache_load_wait_s",
+    "lmcache_ttl_s",
+    "lmcache_retention",
 )
+REFUSED = ("lmcache_ttl_s", "lmcache_retention")
+"""Known, validated, and not acted on: the daemon has no per-chunk TTL or retention
+class.  A request with a valid one is not stored (never kept longer than asked)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +98,12 @@ def _tags(value: Any) -> tuple[str, ...]:
     return tuple(sorted(set(items)))
 
 
+def _retention(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a non-empty string")
+    return value
+
+
 def request_params(request: Any, *, max_store_tokens: int = 0, load_deadline_ms: float = 0.0) -> RequestParams:
     """The request's ``lmcache_*`` parameters, validated; a bad value is logged and ignored.
     ``max_store_tokens`` / ``load_deadline_ms``: the operator's caps (0: none)."""
@@ -102,8 +118,11 @@ def request_params(request: Any, *, max_store_tokens: int = 0, load_deadline_ms:
         "lmcache_load_deadline_ms": ("load_deadline_s", _millis),
         "lmcache_tags": ("tags", _tags),
         "lmcache_save_decode_cache": ("save_decode_cache", _flag),
+        "lmcache_ttl_s": ("skip_save", _millis),
+        "lmcache_retention": ("skip_save", _retention),
     }
     req_id = getattr(request, "request_id", "?")
+    refused = False
     for name, value in params.items():
         if not isinstance(name, str) or not name.startswith(PREFIX):
             continue
@@ -114,9 +133,23 @@ def request_params(request: Any, *, max_store_tokens: int = 0, load_deadline_ms:
             continue  # lmcache_load_wait_s: read where the wait is decided (matching.py)
         field, read = readers[name]
         try:
-            values[field] = read(value)
+            read_value = read(value)
         except ValueError as err:
             logger.warning("request %s: ignoring kv_transfer_params %s=%r: %s", req_id, name, value, err)
+            continue
+        if name not in REFUSED:
+            values[field] = read_value
+        else:
+            refused = True
+            logger.warning(
+                "request %s: kv_transfer_params %s=%r refused: lmcache-server keeps no per-chunk TTL or "
+                "retention class; nothing of this request is stored (its load still runs)",
+                req_id,
+                name,
+                value,
+            )
+    if refused:  # never kept longer than asked: not kept at all
+        values["skip_save"] = True
     if "max_store_tokens" in values and max_store_tokens > 0:
         values["max_store_tokens"] = min(values["max_store_tokens"], max_store_tokens)
     if "load_deadline_s" in values:
