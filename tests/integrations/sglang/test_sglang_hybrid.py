@@ -33,9 +33,11 @@ def hybrid(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     daemon = module_daemon_factory()
+    gone = module_daemon_factory()
+    gone.kill()
     work = tmp_path_factory.mktemp("sglang-hybrid")
     spec, out, log = work / "spec.json", work / "out.json", work / "hybrid.log"
-    spec.write_text(json.dumps({"address": daemon.address}))
+    spec.write_text(json.dumps({"address": daemon.address, "dead": gone.address}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     with log.open("w") as handle:
         proc = subprocess.run(
@@ -101,3 +103,16 @@ def test_other_side_pools_are_refused(hybrid: dict[str, Any]) -> None:
         "ValueError: lmcache-server HiCache storage stores only the KV, Mamba and SWA pools, not SGLang's "
         "indexer pool (MHATokenToKVPoolHost): DSA indexer, DeepSeek V4 and draft sidecars are not supported"
     )
+
+
+def test_a_side_page_of_another_size_is_not_loaded(hybrid: dict[str, Any]) -> None:
+    r = hybrid["wrong_size"]
+    assert r["put"] == [0]
+    assert r["loaded"] == {"mamba": [False]} and r["untouched"]
+
+
+def test_a_dead_daemon_is_a_miss_for_every_pool(hybrid: dict[str, Any]) -> None:
+    r = hybrid["dead"]
+    assert r["set"] == {"kv": [False] * 4, "swa": [False, False], "mamba": [False, False]}
+    assert r["exists"] == [0, {}]
+    assert r["get"] == {"swa": [False, False], "mamba": [False, False]}

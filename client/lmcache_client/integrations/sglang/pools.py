@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...errors import ClientError
 from ...namespace import Namespace, canonical_dtype
+from ..transfer import ChunkTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +119,16 @@ def restorable_prefixes(present: Sequence[bool], policy: str, trailing: int, kv_
 
 
 class SidePools:
-    """The registered side pools and the v2 calls on them, over one thread's client."""
+    """The registered side pools and the v2 calls on them, over the calling thread's client.
+
+    Reads and writes go through :class:`~..transfer.ChunkTransfer` (batches the daemon
+    accepts, whole pages of the pool's size only, a failure is a miss); SGLang counts
+    the leading pages of each pool, so a transfer stops at the first page missing."""
 
     def __init__(self, key_of: Callable[[str], bytes]):
         self.pools: dict[str, SidePool] = {}
         self._key = key_of  # SGLang page hash -> daemon key, the KV pages' rule
+        self._local = threading.local()
 
     def add(self, pool: SidePool) -> None:
         self.pools[pool.name] = pool
@@ -129,6 +137,13 @@ class SidePools:
         if name not in self.pools:
             raise ValueError(f"SGLang's {name} pool was not registered with lmcache-server HiCache storage")
         return self.pools[name]
+
+    def _transfer(self, client: Any, pool: SidePool) -> ChunkTransfer:
+        made: dict[tuple[int, str], ChunkTransfer] = self._local.__dict__.setdefault("transfers", {})
+        key = (id(client), pool.name)
+        if key not in made:
+            made[key] = ChunkTransfer(client, pool.namespace, pool.page_bytes)
+        return made[key]
 
     def exists(self, client: Any, keys: Sequence[str], kv_pages: int, transfers: Sequence[Any]) -> Any:
         """``batch_exists_v2``'s answer given the leading KV hits (SGLang's ``PoolTransferResult``)."""
@@ -140,7 +155,11 @@ class SidePools:
             if not restorable:
                 break
             pool = self._pool(str(transfer.name))
-            present = client.exists([self._key(k) for k in keys[:kv_pages]], namespace=pool.namespace)
+            try:
+                present = client.exists([self._key(k) for k in keys[:kv_pages]], namespace=pool.namespace)
+            except ClientError as err:  # a daemon that fails is a miss
+                logger.warning("lmcache exists in the %s pool failed (%s)", pool.name, err)
+                present = [False] * kv_pages
             policy = str(getattr(transfer.hit_policy, "value", transfer.hit_policy))
             ok = restorable_prefixes(present, policy, len(transfer.keys or ()), kv_pages)
             if ok:
@@ -149,22 +168,31 @@ class SidePools:
         return PoolTransferResult(max(restorable, default=0), hits, sorted(restorable))
 
     def get(self, client: Any, transfer: Any) -> list[bool]:
-        """Load one transfer's pages into its host pool; True per page loaded (in order)."""
-        pool = self._pool(str(transfer.name))
-        keys = list(transfer.keys or ())
-        slots = pool.slots(keys, transfer.host_indices)
-        views = client.get([self._key(k) for k in keys], namespace=pool.namespace) if keys else []
-        return [view is not None and pool.write(slot, view) for slot, view in zip(slots, views, strict=True)]
-
-    def set(self, client: Any, transfer: Any) -> list[bool]:
-        """Store one transfer's pages from its host pool; True per page stored (now or before)."""
-        from ...protocol.codes import PutStatus
-
+        """Load one transfer's pages into its host pool; True for the leading pages loaded."""
         pool = self._pool(str(transfer.name))
         keys = list(transfer.keys or ())
         slots = pool.slots(keys, transfer.host_indices)
         if not keys:
             return []
-        payloads = [memoryview(pool.read(slot).numpy()) for slot in slots]
-        statuses = client.put([self._key(k) for k in keys], payloads, namespace=pool.namespace)
-        return [s in (PutStatus.STORED, PutStatus.EXISTS) for s in statuses]
+
+        def use(i: int, view: memoryview) -> None:
+            pool.write(slots[i], view)
+
+        loaded = self._transfer(client, pool).get_prefix_with([self._key(k) for k in keys], use)
+        return [True] * loaded + [False] * (len(keys) - loaded)
+
+    def set(self, client: Any, transfer: Any) -> list[bool]:
+        """Store one transfer's pages from its host pool; True per page stored (now or before)."""
+        pool = self._pool(str(transfer.name))
+        keys = list(transfer.keys or ())
+        slots = pool.slots(keys, transfer.host_indices)
+        if not keys:
+            return []
+
+        def fill(i: int, view: memoryview) -> None:
+            import torch
+
+            torch.frombuffer(view, dtype=torch.uint8).copy_(pool.read(slots[i]))
+
+        stored = self._transfer(client, pool).put_with([self._key(k) for k in keys], fill)
+        return [True] * stored + [False] * (len(keys) - stored)

@@ -194,10 +194,42 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             },
             "refused_pool": error_of(lambda: b.backend.register_mem_host_pool_v2(b.kv, PoolName.INDEXER)),
             "mla_tp": mla_tp(spec["address"], a),
+            "wrong_size": wrong_size(b, client, side["mamba"].namespace),
+            "dead": dead(spec["dead"], hashes),
         }
     finally:
         a.close()
         b.close()
+
+
+def wrong_size(replica: HybridReplica, client: Any, namespace: Any) -> dict[str, Any]:
+    """A state of another size under a Mamba key is not loaded; the slot keeps its bytes."""
+    from lmcache_client.integrations.sglang.hicache import page_key
+
+    hashes = get_storage_hash_str(tokens(23, 1), None, page_size=PAGE)
+    put = client.put([page_key(hashes[0])], [b"x" * 100], namespace=namespace)
+    slots = replica.slots("mamba", 1)
+    before = digest(replica.mamba, int(slots[0]))
+    got = replica.backend.batch_get_v2(
+        [PoolTransfer(name=PoolName.MAMBA, host_indices=slots, keys=hashes, hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    )
+    return {"put": [int(x) for x in put], "loaded": got, "untouched": digest(replica.mamba, int(slots[0])) == before}
+
+
+def dead(address: str, hashes: list[str]) -> dict[str, Any]:
+    """Against a daemon that is gone every v2 call is a miss, never an error in SGLang's threads."""
+    r = HybridReplica(extra(address, "hybrid-dead", timeout_s=0.5))
+    try:
+        slots = {"kv": r.slots("kv", 4), "swa": r.slots("swa", 2), "mamba": r.slots("mamba", 2)}
+        queries = [PoolTransfer(name=PoolName.MAMBA, keys=hashes[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        hit = r.backend.batch_exists_v2(hashes, queries)
+        return {
+            "set": r.backend.batch_set_v2(r.transfers(hashes, slots)),
+            "exists": [hit.kv_hit_pages, dict(hit.extra_pool_hit_pages)],
+            "get": r.backend.batch_get_v2(r.transfers(hashes, slots)[1:]),
+        }
+    finally:
+        r.close()
 
 
 def mla_tp(address: str, replica: HybridReplica) -> dict[str, Any]:
