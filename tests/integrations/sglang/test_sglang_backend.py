@@ -331,3 +331,20 @@ def test_the_old_module_path_still_loads_the_backend() -> None:
 
     old = importlib.import_module("lmcache_client.integrations.sglang_hicache")
     assert old.LMCacheServerHiCacheStorage is LMCacheServerHiCacheStorage is room.LMCacheServerHiCacheStorage
+
+
+def test_side_pool_hit_policies() -> None:
+    """SGLang's all_pages and trailing_pages over which of the KV prefix's pages a side pool
+    holds (the usable prefix lengths, in pages); other policies are refused."""
+    from lmcache_client.integrations.sglang.pools import restorable_prefixes
+
+    held = [True, False, True, True, False, True]
+    assert restorable_prefixes(held, "all_pages", 0, 6) == {1}
+    assert restorable_prefixes([True] * 3, "all_pages", 0, 3) == {1, 2, 3}
+    assert restorable_prefixes(held, "trailing_pages", 1, 6) == {1, 3, 4, 6}  # a state at the end of each
+    # the last two pages of a prefix (a one-page prefix has only one)
+    assert restorable_prefixes(held, "trailing_pages", 2, 6) == {1, 4}
+    assert restorable_prefixes(held, "trailing_pages", 0, 6) == {1, 3, 4, 6}  # at least the last page
+    assert restorable_prefixes(held, "trailing_pages", 1, 2) == {1}  # only the KV prefix counts
+    with pytest.raises(ValueError, match="hit policy 'block_groups' is not supported"):
+        restorable_prefixes(held, "block_groups", 1, 6)
