@@ -8,6 +8,8 @@ stand-in config and request objects.
 
 Primitives: ``HAVE_VLLM``, ``KVConnectorBase_V1``, ``KVConnectorMetadata``,
 ``KVConnectorStats``, ``KVConnectorPromMetrics`` (None without vLLM),
+``SupportsHMA`` (vLLM's hybrid-allocator marker), ``KVConnectorTransferResults`` (None
+where vLLM has no per-request load failures),
 ``BASE_TAKES_KV_CACHE_CONFIG``, :func:`tp_rank`, :func:`first_group`,
 :func:`resumed`.
 """
@@ -25,6 +27,8 @@ __all__ = [
     "KVConnectorMetadata",
     "KVConnectorPromMetrics",
     "KVConnectorStats",
+    "KVConnectorTransferResults",
+    "SupportsHMA",
     "first_group",
     "resumed",
     "tp_rank",
@@ -84,6 +88,20 @@ except ImportError:
 
         def to_dict(self) -> dict[str, Any]:
             return self.data
+
+
+try:  # pragma: no cover - exercised only where vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Local stand-in for vLLM's marker of connectors that serve several KV cache groups."""
+
+
+try:  # pragma: no cover - exercised only where vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:
+    KVConnectorTransferResults = None
 
 
 BASE_TAKES_KV_CACHE_CONFIG = "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters

@@ -54,9 +54,10 @@ from ...memtune import tune_malloc
 from ...namespace import canonical_dtype
 from ..layout import ChunkLayout, MLAChunkLayout
 from ..transfer import ChunkTransfer
-from .compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, tp_rank
+from .compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, KVConnectorTransferResults, SupportsHMA, tp_rank
 from .costgate import CostGate
 from .events import ConnectorEvents
+from .groups import SLIDING, check_groups, group_infos
 from .lanes import Lane
 from .lookups import LookupService
 from .meta import LMCacheServerConnectorMetadata
@@ -117,8 +118,9 @@ def _log_through_vllm() -> None:
         ours.propagate = False
 
 
-class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
-    """``KVConnectorBase_V1`` subclass; vLLM builds one per role and process."""
+class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """``KVConnectorBase_V1`` subclass; vLLM builds one per role and process.  It declares
+    ``SupportsHMA``: sliding-window models keep vLLM's hybrid KV cache manager (:mod:`.groups`)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         if BASE_TAKES_KV_CACHE_CONFIG:
@@ -133,6 +135,14 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         if self.kv_role not in ROLES:
             raise ValueError(f"kv_role {self.kv_role!r}: expected one of {', '.join(ROLES)}")
         self.layout = layout_from_vllm_config(vllm_config, self.settings.chunk_size)
+        check_groups(kv_cache_config)  # a group kind it does not understand stops vLLM here
+        self.groups = group_infos(kv_cache_config) if kv_cache_config is not None else []
+        if len(self.groups) > 1 and not self.settings.async_transfers:
+            raise ValueError(
+                f"lmcache-server connector: the model has {len(self.groups)} KV cache groups "
+                f"({', '.join(g.kind for g in self.groups)}); vLLM takes their load failures only per request, "
+                "from asynchronous loads: set async_transfers to true (the default)"
+            )
         model_id = self.settings.model_id or str(vllm_config.model_config.model)
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         # MLA: one copy per node, one namespace for all ranks (rank 0 stores, every rank loads)
@@ -174,6 +184,7 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
                 cost_gate=CostGate(self.settings.cost_gate_margin) if self.settings.cost_gate else None,
             )
             self.scheduler.events = _connector_events(vllm_config, self.settings.chunk_size)
+            self.scheduler.groups = self.groups if len(self.groups) > 1 else []
             namespace: str = transfers[0].namespace
             policy = str(getattr(transfer_config, "kv_load_failure_policy", "recompute"))
             if policy != "recompute" and self.kv_role != "kv_producer":
@@ -283,7 +294,11 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         """Preempted requests' blocks are handed out in this step: the saves reading
         them finish before the forward pass may overwrite them."""
         meta = kv_connector_metadata
-        if self.transfers is not None and isinstance(meta, LMCacheServerConnectorMetadata) and meta.preempted:
+        if self.transfers is not None and any(g.kind == SLIDING for g in self.groups):
+            # This step's scheduling may have handed out blocks a sliding window left
+            # behind, which saves of the last step may still read (groups.py).
+            self.transfers.flush_saves()
+        elif self.transfers is not None and isinstance(meta, LMCacheServerConnectorMetadata) and meta.preempted:
             self.transfers.flush_saves(meta.preempted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -321,8 +336,23 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
         )
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``get_finished`` plus, with several KV cache groups, the requests whose load
+        failed (``failed_recving``: vLLM recomputes them; block-level errors it refuses there)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed_requests() if self.worker is not None else set()
+        if KVConnectorTransferResults is None:  # pragma: no cover - vLLM without per-request failures
+            return sending, recving
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().take_failed_blocks() if self.worker is not None else set()
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """A load fills every KV cache group (a sliding-window group: the blocks of its window)."""
+        return tuple(range(max(1, len(self.groups))))
 
     def get_kv_connector_stats(self) -> LMCacheServerConnectorStats | None:
         data = self.worker.take_stats() if self.worker is not None else self._scheduler().take_stats()
@@ -394,6 +424,13 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """True (vLLM holds the blocks) while the request's asynchronous saves run."""
         return self._scheduler().finished(request.request_id), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with every group's blocks (``SupportsHMA``): vLLM holds all
+        of them while the request's asynchronous saves run."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> list[Any]:
         """KV events of blocks this replica can load from the daemon (vllm/events.py)."""

@@ -28,6 +28,7 @@ from typing import Any
 from ..blocklayout import BlockLayout, LayoutError, probe_block_layout
 from ..layout import ChunkLayout, MLAChunkLayout
 from ..paged import PagedCopier
+from .groups import GroupCopier, group_infos
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,14 @@ class EngineLayout:
     block: BlockLayout
     copier: PagedCopier
     layer_names: list[str]
+    groups: list[GroupCopier] | None = None
+    """With several KV cache groups (vLLM's hybrid manager): each group's copier, in
+    vLLM's group order (``copier`` is then the first group's)."""
 
     def describe(self) -> str:
+        kinds = f", groups {'+'.join(g.info.kind for g in self.groups)}" if self.groups else ""
         return (
-            f"{self.backend}, {len(self.layer_names)} layers, blocks of {self.block_size} tokens"
+            f"{self.backend}, {len(self.layer_names)} layers{kinds}, blocks of {self.block_size} tokens"
             f"{'' if self.block_tokens == self.block_size else f' (kernel blocks of {self.block_tokens})'}, "
             f"{self.block.description}"
         )
@@ -153,8 +158,8 @@ def discover(
         from .mla import discover_mla  # MLA latents: their own probe and copier
 
         return discover_mla(kv_caches, vllm_config, kv_cache_config, chunk, copy_threads=copy_threads)
-    if len(groups) > 1:
-        raise _refuse(backend, shape, f"the model has {len(groups)} KV cache groups (hybrid attention)")
+    if len(groups) > 1:  # vLLM's hybrid manager: one copier per group (.groups)
+        return _discover_groups(kv_caches, vllm_config, kv_cache_config, chunk, copy_threads=copy_threads)
     spec = groups[0].kv_cache_spec if groups else None
     if spec is not None:
         _check_spec(spec, backend, shape)
@@ -221,3 +226,34 @@ def discover(
     if not block.affine:
         logger.warning("vLLM's %s KV layout is not affine; copies go through a position table (slower)", backend)
     return layout
+
+
+def _discover_groups(
+    kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any, chunk: ChunkLayout, *, copy_threads: int
+) -> EngineLayout:
+    """Several KV cache groups (full attention and sliding window): each group's layers are
+    read and probed like a model of their own; the payload keeps every layer in model order."""
+    import types
+
+    names = _ordered(kv_caches)
+    if len(names) != chunk.num_layers:
+        raise UnsupportedLayout(
+            f"lmcache-server connector: {len(names)} KV cache layers, the model config says {chunk.num_layers}"
+        )
+    row = {name: i for i, name in enumerate(names)}
+    copiers: list[GroupCopier] = []
+    parts: list[EngineLayout] = []
+    for info, group in zip(group_infos(kv_cache_config), kv_cache_config.kv_cache_groups):
+        layers = {n: kv_caches[n] for n in group.layer_names}
+        single = types.SimpleNamespace(kv_cache_groups=[group])
+        part = discover(
+            layers, vllm_config, single, dataclasses.replace(chunk, num_layers=len(layers)), copy_threads=copy_threads
+        )
+        if part.block_size != info.block_size:  # pragma: no cover - vLLM gives every group one block size
+            raise UnsupportedLayout(f"lmcache-server connector: group block sizes differ ({info.block_size})")
+        parts.append(part)
+        copiers.append(GroupCopier(info, [row[n] for n in part.layer_names], part.copier))
+    if len({(p.block_size, p.block_tokens) for p in parts}) != 1:
+        raise UnsupportedLayout("lmcache-server connector: KV cache groups with different block sizes")
+    first = parts[0]
+    return EngineLayout(first.backend, first.block_size, first.block_tokens, first.block, first.copier, names, copiers)

@@ -129,6 +129,7 @@ class Matcher:
             "load_wait_expired": 0,
             "load_retries_refused": 0,
             "loads_skipped_by_cost": 0,
+            "saves_out_of_window": 0,
         }
 
     @property

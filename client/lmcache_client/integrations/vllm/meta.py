@@ -34,6 +34,9 @@ class LoadRequest:
     """The request's blocks, from its first token on."""
     tail_key: bytes | None = None
     tail_tokens: int = 0
+    group_block_ids: list[list[int]] | None = None
+    """Several KV cache groups (:mod:`.groups`): each group's blocks (``block_ids`` is the
+    first's); a sliding-window group's null blocks are never written."""
 
 
 @dataclasses.dataclass
@@ -53,6 +56,8 @@ class SaveRequest:
     tokens: list[ChunkTokens] | None = None
     """Each full chunk's parent key and token ids, for a daemon that publishes KV
     events (None for requests whose keys start from a salted root)."""
+    group_block_ids: list[list[int]] | None = None
+    """Several KV cache groups: each group's blocks (``block_ids`` is the first's)."""
 
 
 @dataclasses.dataclass

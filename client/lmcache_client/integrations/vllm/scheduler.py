@@ -39,9 +39,10 @@ from typing import Any
 
 from ...keys import ROOT_KEY, ChunkTokens, chunk_keys, pack_tokens
 from ..transfer import ChunkTransfer
-from .compat import first_group, resumed
+from .compat import resumed
 from .costgate import CostGate
 from .events import ConnectorEvents
+from .groups import GroupInfo, savable, split_groups
 from .lookups import LookupService
 from .matching import Matcher, key_root
 from .meta import LMCacheServerConnectorMetadata, LoadRequest, SaveRequest
@@ -66,6 +67,26 @@ class _Tracker:
     """First token of the tail (the end of the last full chunk)."""
     prompt: list[int] | None = None
     """The prompt's token ids, for KV events (None: a salted chain, not announced)."""
+    group_ids: list[list[int]] | None = None
+    """Several KV cache groups: each group's blocks (``block_ids`` is the first's)."""
+    unsavable: bool = False
+    """A sliding-window group lost a chunk's blocks before it was stored: no more saves."""
+
+    def set_blocks(self, block_ids: Any, extend: bool = False) -> None:
+        """Take vLLM's block ids (a tuple of per-group lists) as the blocks or, with
+        ``extend``, as new blocks appended to them."""
+        groups = split_groups(block_ids)
+        if not extend or self.group_ids is None:
+            self.group_ids = [[] for _ in groups] if len(groups) > 1 else None
+            if not extend:
+                self.block_ids = []
+        self.block_ids.extend(groups[0] if groups else [])
+        if self.group_ids is not None:
+            for have, new in zip(self.group_ids, groups):
+                have.extend(new)
+
+    def groups_copy(self) -> list[list[int]] | None:
+        return [list(ids) for ids in self.group_ids] if self.group_ids is not None else None
 
 
 class SchedulerSide(Matcher):
@@ -135,6 +156,8 @@ class SchedulerSide(Matcher):
         self._trackers: dict[str, _Tracker] = {}
         self.events: ConnectorEvents | None = None
         """Set when vLLM publishes KV events: blocks stored to / loaded from the daemon (vllm/events.py)."""
+        self.groups: list[GroupInfo] = []
+        """vLLM's KV cache groups when there are several (:mod:`.groups`); empty: one."""
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         if request.request_id in self._parked:
@@ -201,10 +224,11 @@ class SchedulerSide(Matcher):
             full, len(prompt), [], 0, tail, False, len(full) * self.chunk_size, prompt if root == ROOT_KEY else None
         )
         loads = LMCacheServerConnectorMetadata()
-        block_ids, tracker.block_ids = tracker.block_ids, first_group(blocks.get_block_ids())
+        block_ids, group_ids = tracker.block_ids, tracker.group_ids
+        tracker.set_blocks(blocks.get_block_ids())
         self._emit_load(loads, req_id, tracker)
-        if req_id in self._trackers:
-            tracker.block_ids = block_ids  # the resumed request's blocks come with its next schedule
+        if req_id in self._trackers:  # the resumed request's blocks come with its next schedule
+            tracker.block_ids, tracker.group_ids = block_ids, group_ids
         self._async_loads.extend(loads.loads)
         deadline = self._params.get(req_id, DEFAULT).load_deadline_s
         if deadline is not None:
@@ -252,18 +276,19 @@ class SchedulerSide(Matcher):
             tracker = _Tracker(
                 full,
                 len(prompt),
-                first_group(new.block_ids),
+                [],
                 min(hit_chunks, len(full)),
                 tail,
                 hit_chunks > len(full),
                 len(full) * self.chunk_size,
                 prompt if root == ROOT_KEY else None,
             )
+            tracker.set_blocks(new.block_ids)
             self._trackers[new.req_id] = tracker
             self._parked.discard(new.req_id)
             self._emit_load(meta, new.req_id, tracker)
             computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            self._emit_save(meta, new.req_id, tracker, computed)
+            self._emit_save(meta, new.req_id, tracker, computed, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             running = self._trackers.get(req_id)
@@ -271,19 +296,19 @@ class SchedulerSide(Matcher):
                 continue
             tracker = running
             self._parked.discard(req_id)
-            new_blocks = first_group(cached.new_block_ids[i]) if cached.new_block_ids[i] is not None else []
+            new_blocks = cached.new_block_ids[i] if cached.new_block_ids[i] is not None else []
             if resumed(cached, i, req_id):
-                tracker.block_ids = new_blocks
+                tracker.set_blocks(new_blocks)
                 hit = self._hits.pop(req_id, None)
                 if hit is not None:
                     n_prompt = tracker.tail_start // self.chunk_size  # the prompt's full chunks
                     tracker.stored_chunks = max(tracker.stored_chunks, min(hit.hit_chunks, n_prompt))
                     tracker.tail_stored = tracker.tail_stored or hit.hit_chunks > n_prompt
             else:
-                tracker.block_ids.extend(new_blocks)
+                tracker.set_blocks(new_blocks, extend=True)
             self._emit_load(meta, req_id, tracker)
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._emit_save(meta, req_id, tracker, computed)
+            self._emit_save(meta, req_id, tracker, computed, cached.num_computed_tokens[i])
         if not self.async_load:
             self._measured = [load.req_id for load in meta.loads]  # loaded within this step
         return meta
@@ -307,15 +332,19 @@ class SchedulerSide(Matcher):
                 list(tracker.block_ids),
                 tracker.tail_key if with_tail else None,
                 tracker.prompt_len - tracker.tail_start if with_tail else 0,
+                tracker.groups_copy(),
             )
         )
         self._announce(req_id, tracker, first, last)
         tracker.stored_chunks = max(tracker.stored_chunks, last)
         tracker.tail_stored = tracker.tail_stored or with_tail
 
-    def _emit_save(self, meta: LMCacheServerConnectorMetadata, req_id: str, tracker: _Tracker, computed: int) -> None:
+    def _emit_save(
+        self, meta: LMCacheServerConnectorMetadata, req_id: str, tracker: _Tracker, computed: int, before: int = 0
+    ) -> None:
+        """Save what ``computed`` tokens complete; ``before``: tokens computed when the step began."""
         params = self._params.get(req_id, DEFAULT)
-        if not self.save_enabled or params.skip_save:
+        if not self.save_enabled or params.skip_save or tracker.unsavable:
             return
         limit = tracker.prompt_len
         decode = self.save_decode_cache if params.save_decode_cache is None else params.save_decode_cache
@@ -334,6 +363,12 @@ class SchedulerSide(Matcher):
         if ready <= tracker.stored_chunks and not with_tail:
             return
         first = tracker.stored_chunks
+        if self.groups and not savable(self.groups, first * self.chunk_size, before):
+            # A sliding-window group freed blocks of this chunk already: never store
+            # what is not there; later chunks would be past a gap (groups.py).
+            tracker.unsavable = True
+            self.stats["saves_out_of_window"] += 1
+            return
         meta.saves.append(
             SaveRequest(
                 req_id,
@@ -344,6 +379,7 @@ class SchedulerSide(Matcher):
                 tracker.tail_start,
                 tracker.prompt_len - tracker.tail_start if with_tail else 0,
                 self._chunk_tokens(tracker, first, ready),
+                tracker.groups_copy(),
             )
         )
         self._announce(req_id, tracker, first, ready)
@@ -398,4 +434,4 @@ class SchedulerSide(Matcher):
         if req_id not in self._measured:  # else the step's stats, read after vLLM frees it, use it
             self._load_mix.pop(req_id, None)
         if self.lookups is not None:
-            self.lookups.forget(req_id)
+            self.lookups.abandon(req_id)  # ended before its load: its prefetches are cancelled

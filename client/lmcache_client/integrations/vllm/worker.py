@@ -32,6 +32,7 @@ from typing import Any
 from ..layout import ChunkLayout
 from ..paged import Slots, blocks_covering, token_slots
 from ..transfer import ChunkTransfer
+from .groups import GroupSlots, group_slots
 from .layout import EngineLayout, discover
 from .meta import LoadRequest, SaveRequest
 
@@ -98,6 +99,8 @@ class WorkerSide:
         self.totals: dict[str, float] = {}
         """Every counter since start (``stats`` restarts whenever vLLM takes it)."""
         self._failed: set[int] = set()
+        self._failed_requests: set[str] = set()
+        """Several KV cache groups: failed loads are reported per request (``failed_recving``)."""
 
     # -- register_kv_caches ---------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
@@ -162,7 +165,10 @@ class WorkerSide:
             self.stats.load_deadline_missed += 1
         if result.end < request.end_token:
             failed = blocks_covering(request.block_ids, result.end, request.end_token, self._engine().block_size)
-            self._failed.update(failed)
+            if self._engine().groups:  # vLLM 0.32 takes only per-request failures with several groups
+                self._failed_requests.add(request.req_id)
+            else:
+                self._failed.update(failed)
             self.stats.load_failed_tokens += request.end_token - result.end
             logger.warning(
                 "request %s: %d of %d tokens loaded%s; %d blocks to recompute",
@@ -180,9 +186,7 @@ class WorkerSide:
         engine = self._engine()
         chunk = self.layout.chunk_size
         base = request.first_chunk * chunk
-        slots = token_slots(
-            request.block_ids, request.start_token, request.end_token, engine.block_size, engine.block_tokens
-        )
+        slots = self._slots(request.block_ids, request.group_block_ids, request.start_token, request.end_token)
         used = [0]  # leading chunks scattered before the deadline
 
         def scatter(i: int, view: memoryview) -> None:
@@ -192,7 +196,7 @@ class WorkerSide:
             c0 = base + i * chunk
             lo, hi = max(c0, request.start_token), min(c0 + chunk, request.end_token)
             part = slice(lo - request.start_token, hi - request.start_token)
-            engine.copier.scatter(Slots(slots.blocks[part], slots.offsets[part]), self._payload(view, lo - c0, hi - c0))
+            self._scatter(_part(slots, part), self._payload(view, lo - c0, hi - c0))
             result.nbytes += view.nbytes
             used[0] = i + 1
 
@@ -206,7 +210,7 @@ class WorkerSide:
             def scatter_tail(_: int, view: memoryview) -> None:
                 part = slice(lo - request.start_token, hi - request.start_token)
                 payload = self._payload(view, lo - t0, hi - t0, tokens=n)
-                engine.copier.scatter(Slots(slots.blocks[part], slots.offsets[part]), payload)
+                self._scatter(_part(slots, part), payload)
                 result.nbytes += view.nbytes
 
             if hi > lo and transfer.get_one_with(request.tail_key, self.tail_bytes(n), scatter_tail):
@@ -222,6 +226,32 @@ class WorkerSide:
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed in part or whole (several KV cache groups only)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
+    def _slots(self, block_ids: list[int], group_block_ids: Any, start: int, end: int) -> Slots | GroupSlots:
+        """Where tokens ``[start, end)`` sit: one group's slots, or each group's (:mod:`.groups`)."""
+        engine = self._engine()
+        if engine.groups:
+            if group_block_ids is None:
+                raise ValueError("several KV cache groups, but the request carries one group's blocks")
+            return group_slots(engine.groups, group_block_ids, start, end, engine.block_size, engine.block_tokens)
+        return token_slots(block_ids, start, end, engine.block_size, engine.block_tokens)
+
+    def _scatter(self, slots: Slots | GroupSlots, payload: Any) -> None:
+        if isinstance(slots, GroupSlots):
+            slots.scatter(payload)
+        else:
+            self._engine().copier.scatter(slots, payload)
+
+    def _gather(self, slots: Slots | GroupSlots, payload: Any) -> None:
+        if isinstance(slots, GroupSlots):
+            slots.gather(payload)
+        else:
+            self._engine().copier.gather(slots, payload)
 
     # -- wait_for_save ---------------------------------------------------------------
     def save(self, saves: list[SaveRequest]) -> int:
@@ -241,18 +271,19 @@ class WorkerSide:
         Never raises: a failed save is a future miss, never an engine failure."""
         if not self.stores:
             return 0, 0.0
-        engine = self._engine()
         chunk = self.layout.chunk_size
         started = time.perf_counter()
         start = request.first_chunk * chunk
         try:
-            slots = token_slots(
-                request.block_ids, start, start + len(request.keys) * chunk, engine.block_size, engine.block_tokens
-            )
+            end = start + len(request.keys) * chunk
+            slots = self._slots(request.block_ids, request.group_block_ids, start, end)
+            if isinstance(slots, GroupSlots) and not slots.complete():  # never store what is not there
+                logger.warning("request %s: a sliding window freed blocks of its chunks, not stored", request.req_id)
+                return 0, time.perf_counter() - started
 
             def gather(i: int, view: memoryview) -> None:
                 part = slice(i * chunk, (i + 1) * chunk)
-                engine.copier.gather(Slots(slots.blocks[part], slots.offsets[part]), self._payload(view))
+                self._gather(_part(slots, part), self._payload(view))
 
             done = transfer.put_with(request.keys, gather, request.tokens) if request.keys else 0
             if request.tail_key is not None and done == len(request.keys):
@@ -272,14 +303,20 @@ class WorkerSide:
 
     def _save_tail(self, request: SaveRequest, transfer: ChunkTransfer) -> int:
         """Gather and store a request's tail; 1 when it is stored."""
-        engine = self._engine()
         n = request.tail_tokens
-        slots = token_slots(
-            request.block_ids, request.tail_start, request.tail_start + n, engine.block_size, engine.block_tokens
-        )
+        slots = self._slots(request.block_ids, request.group_block_ids, request.tail_start, request.tail_start + n)
+        if isinstance(slots, GroupSlots) and not slots.complete():
+            return 0
 
         def gather(_: int, view: memoryview) -> None:
-            engine.copier.gather(slots, self._payload(view, tokens=n))
+            self._gather(slots, self._payload(view, tokens=n))
 
         assert request.tail_key is not None
         return int(transfer.put_one_with(request.tail_key, self.tail_bytes(n), gather))
+
+
+def _part(slots: Slots | GroupSlots, part: slice) -> Slots | GroupSlots:
+    """Tokens ``part`` of a range's slots."""
+    if isinstance(slots, GroupSlots):
+        return slots[part]
+    return Slots(slots.blocks[part], slots.offsets[part])

@@ -46,6 +46,7 @@ ARCHS: dict[str, dict[str, Any]] = {
     "gemma2": {
         "architectures": ["Gemma2ForCausalLM"],
         "model_type": "gemma2",
+        "initializer_range": 0.02,  # tied embeddings: larger ones echo the last prompt token
         "tie_word_embeddings": True,
         "hidden_size": 128,
         "intermediate_size": 256,
@@ -62,6 +63,7 @@ ARCHS: dict[str, dict[str, Any]] = {
     "gemma3": {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
+        "initializer_range": 0.02,  # tied embeddings: larger ones echo the last prompt token
         "tie_word_embeddings": True,
         "hidden_size": 128,
         "intermediate_size": 256,
@@ -142,7 +144,7 @@ def build(out: Path, arch: str, vocab: int = 1024, **overrides: Any) -> Path:
     fields.update(
         vocab_size=vocab,
         max_position_embeddings=8192,
-        initializer_range=0.1,  # larger than the default so greedy decoding does not just repeat
+        initializer_range=fields.get("initializer_range", 0.1),  # > default: greedy decoding does not just repeat
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=fields.get("tie_word_embeddings", False),  # Gemma ties them (vLLM has no lm_head)

