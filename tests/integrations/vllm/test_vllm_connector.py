@@ -214,16 +214,12 @@ def _layers(*shape: int) -> dict[str, Any]:
         (_layers(4, HEADS + 1, 16, 2 * HEAD_DIM), None, "expected 2 KV heads"),
         ({"model.layers.0.self_attn.attn": torch.zeros(4, HEADS, 16, 2 * HEAD_DIM)}, None, "1 KV cache layers"),
         (_layers(4, HEADS, 16, 2 * HEAD_DIM), "MLAAttentionSpec", "only standard attention"),
-        (_layers(4, HEADS, 16, 2 * HEAD_DIM), "two groups", "2 KV cache groups"),
     ],
 )
 def test_layouts_it_cannot_read_are_refused_at_start(address: str, caches: Any, spec: Any, message: str) -> None:
     config = vllm_config(address, torch.bfloat16, 16)
     kv_cache_config = None
-    if spec == "two groups":
-        group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16, num_kv_heads=HEADS, head_size=HEAD_DIM))
-        kv_cache_config = SimpleNamespace(kv_cache_groups=[group, group])
-    elif spec is not None:
+    if spec is not None:  # several groups: test_vllm_groups.py
         kind = type(spec, (), {"block_size": 16, "num_kv_heads": HEADS, "head_size": HEAD_DIM})
         kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=kind())])
     connector = LMCacheServerConnectorV1(config, Role.WORKER, kv_cache_config=kv_cache_config)
