@@ -122,8 +122,8 @@ def test_real_vllm_keeps_gdn_states_of_exactly_their_prefix(vllm_python: Path, t
     connector: the layout reads vLLM's own KV cache config and caches, and the states
     vLLM's prefix cache keeps are what the key promises: the state after ``n`` tokens
     is byte-identical whenever the first ``n`` tokens are (recomputed after a prefix
-    cache reset, other tokens after ``n``), differs when a token before ``n`` does,
-    and exists only where a step ended on a block boundary."""
+    cache reset, other tokens after ``n``, in one prefill step or two), differs when a
+    token before ``n`` does, and exists only where a step ended on a block boundary."""
     build = subprocess.run(
         [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.models", str(tmp_path), "qwen3_next"],
         cwd=ROOT,
@@ -147,5 +147,9 @@ def test_real_vllm_keeps_gdn_states_of_exactly_their_prefix(vllm_python: Path, t
     # one prefill step of two blocks: vLLM keeps the state after two, none after one
     changed_late = runs["changed_before_two_blocks"]
     assert changed_late[0] == 0 and set(changed_late[1]) == {"2304"} and changed_late[1]["2304"] != two
+    # computed in one prefill step of two blocks, the state after two is the same bytes
+    # as from the state after one plus a second step: how a replica splits its prefill
+    # does not change what it stores
+    assert runs["p_two_blocks_one_step"] == (0, {"2304": two})
     changed_early = runs["changed_before_one_block"]
     assert changed_early[0] == 0 and set(changed_early[1]) == {"1152"} and changed_early[1]["1152"] != one

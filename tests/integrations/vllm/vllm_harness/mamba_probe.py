@@ -90,6 +90,8 @@ def main(spec_path: str, out_path: str) -> int:
     run("changed_before_two_blocks", changed(2 * bs - 2)[: 2 * bs + 100])
     llm.reset_prefix_cache()
     run("changed_before_one_block", changed(bs - 2)[: bs + 100])
+    llm.reset_prefix_cache()
+    run("p_two_blocks_one_step", p[: 2 * bs + 100])  # the same state, computed in one prefill step
     result = {
         "block_size": bs,
         "groups": [g.group_id for g in layout.groups],
