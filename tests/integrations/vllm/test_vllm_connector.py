@@ -213,7 +213,6 @@ def _layers(*shape: int) -> dict[str, Any]:
         (_layers(2, 4, 16, HEADS, HEAD_DIM), None, "4-D"),  # the pre-0.32 five-dimensional layout
         (_layers(4, HEADS + 1, 16, 2 * HEAD_DIM), None, "expected 2 KV heads"),
         ({"model.layers.0.self_attn.attn": torch.zeros(4, HEADS, 16, 2 * HEAD_DIM)}, None, "1 KV cache layers"),
-        (_layers(4, HEADS, 16, 2 * HEAD_DIM), "MLAAttentionSpec", "only standard attention"),
     ],
 )
 def test_layouts_it_cannot_read_are_refused_at_start(address: str, caches: Any, spec: Any, message: str) -> None:

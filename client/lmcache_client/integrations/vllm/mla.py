@@ -73,9 +73,11 @@ class MLACopier(PagedCopier):
 
 
 def _check_mla_spec(spec: Any, groups: int, backend: str, shape: Any) -> None:
-    kind = type(spec).__name__
     if groups > 1:
         raise _refuse(backend, shape, f"the MLA model has {groups} KV cache groups (an indexer or hybrid cache)")
+    if spec is None:  # a vLLM that passes no kv_cache_config: the model config and the probe decide
+        return
+    kind = type(spec).__name__
     if kind != "MLAAttentionSpec":
         raise _refuse(backend, shape, f"its KV cache spec is {kind}; only plain MLAAttentionSpec latents are supported")
     cache_dtype = str(getattr(spec, "cache_dtype_str", None) or "auto")
@@ -144,7 +146,7 @@ def discover_mla(
     spec = groups[0].kv_cache_spec if groups else None
     _check_mla_spec(spec, len(groups), backend, shape)
     if not isinstance(chunk, MLAChunkLayout):
-        raise _refuse(backend, shape, "an MLA cache, but the connector's chunk layout is not MLAChunkLayout")
+        raise _refuse(backend, shape, "an MLA latent cache, but vLLM's model config does not say use_mla")
     for name in names:
         layer = context.get(name)
         if getattr(layer, "indexer", None) is not None or getattr(layer, "hisparse_cache", None) is not None:

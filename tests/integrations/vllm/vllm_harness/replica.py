@@ -14,7 +14,7 @@ cover the multi-process engine.
 A run entry: ``name``, ``model`` (checkpoint dir), ``dtype``, ``prompts``
 (lists of token ids), ``max_tokens``, ``prefix_caching`` (bool),
 ``connector`` (None for plain vLLM, else the kv-transfer-config dict),
-optional ``max_model_len``, ``block_size``, ``hma`` (True/False: vLLM's hybrid
+optional ``max_model_len``, ``block_size``, ``compilation_config``, ``hma`` (True/False: vLLM's hybrid
 KV cache manager on/off; absent: vLLM decides), ``kv_transfer_params`` (every
 request's, the per-request control), ``pause_before`` (a file to wait
 for before the run starts, and ``pause_after_prompt`` an index after which

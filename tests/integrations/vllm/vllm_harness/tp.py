@@ -5,7 +5,8 @@
 rank), vLLM's own prefix cache off, answers ``SPEC["prompt"]`` twice.  With the
 connector the second answer is loaded from the daemon: each rank its own
 shard, the asynchronous load finished once both ranks report it.  OUT holds
-each answer's tokens and ``num_cached_tokens``.
+each answer's tokens and ``num_cached_tokens``.  Optional ``SPEC["compilation_config"]``
+is passed to ``vllm.LLM``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main(argv: list[str]) -> int:
         "enable_prefix_caching": False,
         "seed": 0,
     }
+    if spec.get("compilation_config"):
+        kwargs["compilation_config"] = spec["compilation_config"]
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
     llm = LLM(**kwargs)
