@@ -313,6 +313,9 @@ class PrefetchCollector(Collector):
             ("lmcache_prefetches_declined",
              "Prefetches not started or stopped short: no room in the in-flight byte budget, or too many running.",
              "declined"),
+            ("lmcache_prefetches_cancelled",
+             "Prefetches cancelled: every lookup that joined them sent cancel_prefetch (its request ended first).",
+             "cancelled"),
         ]  # fmt: skip
         for name, doc, field in families:
             yield CounterMetricFamily(name, doc, value=float(s[field]))

@@ -333,10 +333,17 @@ class AsyncCacheClient:
         return await self._over_shm(lambda pool: shm.get_flow(pool, ns, keys, out), frames, lambda: [False] * len(keys))
 
     async def lookup(
-        self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None, prefetch: bool = False
+        self,
+        keys: Sequence[bytes],
+        *,
+        namespace: Namespace | str | None = None,
+        prefetch: bool = False,
+        cancel_prefetch: bool = False,
     ) -> LookupResult:
         """As :meth:`.client.CacheClient.lookup`."""
-        return await self._run(calls.lookup(self._ns(namespace), keys, prefetch=prefetch))
+        return await self._run(
+            calls.lookup(self._ns(namespace), keys, prefetch=prefetch, cancel_prefetch=cancel_prefetch)
+        )
 
     async def lookup_tokens(self, tokens: Sequence[int], *, namespace: Namespace | str | None = None) -> int:
         if self.chunk_size is None:

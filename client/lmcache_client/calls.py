@@ -118,17 +118,22 @@ def get(namespace: str, keys: Sequence[bytes]) -> Call[list[Any | None]]:
     return Call(Op.GET, parse, namespace, keys, miss=lambda: [None] * n)
 
 
-def lookup(namespace: str, keys: Sequence[bytes], *, prefetch: bool = False) -> Call[LookupResult]:
+def lookup(
+    namespace: str, keys: Sequence[bytes], *, prefetch: bool = False, cancel_prefetch: bool = False
+) -> Call[LookupResult]:
     """``prefetch``: the daemon also promotes the leading hits it holds on disk or in
-    Redis into memory after replying (docs/protocol.md 5.5); servers older than the
-    flag ignore it."""
+    Redis into memory after replying (docs/protocol.md 5.5); ``cancel_prefetch``: it
+    gives up the prefetches an earlier lookup of these keys joined (the request ended
+    before its load).  Servers older than the flags ignore them."""
+    if prefetch and cancel_prefetch:
+        raise ValueError("a lookup either prefetches or cancels prefetches, not both")
     n = len(keys)
     return Call(
         Op.LOOKUP,
         lambda r, _: LookupResult(int(_field(r, "hits")), list(_field(r, "tiers"))),
         namespace,
         keys,
-        fields={"prefetch": True} if prefetch else {},
+        fields={"prefetch": True} if prefetch else {"cancel_prefetch": True} if cancel_prefetch else {},
         miss=lambda: LookupResult(0, [None] * n),
     )
 

@@ -172,12 +172,19 @@ class CacheClient(SharedMemoryPath):
         )
 
     def lookup(
-        self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None, prefetch: bool = False
+        self,
+        keys: Sequence[bytes],
+        *,
+        namespace: Namespace | str | None = None,
+        prefetch: bool = False,
+        cancel_prefetch: bool = False,
     ) -> LookupResult:
         """How many leading keys are cached, and the tier holding each key (as found now).
         ``prefetch``: the daemon then promotes the leading hits it holds on disk or in
-        Redis into memory in the background, so a get that follows is a memory hit."""
-        return self._run(calls.lookup(self._ns(namespace), keys, prefetch=prefetch))
+        Redis into memory in the background, so a get that follows is a memory hit.
+        ``cancel_prefetch``: it gives up the prefetches that lookups of these keys
+        started or joined (the request they were for ended first)."""
+        return self._run(calls.lookup(self._ns(namespace), keys, prefetch=prefetch, cancel_prefetch=cancel_prefetch))
 
     def lookup_tokens(self, tokens: Sequence[int], *, namespace: Namespace | str | None = None) -> int:
         """Number of leading tokens whose KV chunks are cached (a multiple of chunk_size)."""

@@ -8,7 +8,7 @@ The shared-memory ops (a get under a read lease, alloc, commit, bind,
 release) are in shmhandlers.py, which :class:`Handlers` builds on; what a
 handler returns, :class:`Outcome`, is in outcome.py (importable from here).
 A lookup with ``prefetch: true`` starts its prefetch once its reply is sent
-(prefetch.py).
+(prefetch.py); one with ``cancel_prefetch: true`` gives up the prefetches of its keys.
 
 Primitives: :class:`Handlers` (``handle``) and :class:`Outcome`.
 """
@@ -25,7 +25,7 @@ from ..config import ServerConfig
 from ..storage import TieredStore
 from .admission import ByteBudget
 from .outcome import Outcome
-from .prefetch import Prefetcher, prefetch_flag
+from .prefetch import Prefetcher, cancel_flag, prefetch_flag
 from .shm import ShmLeases
 from .shmhandlers import STAGED_SHARE, ShmHandlers
 from .tokens import parse_tokens
@@ -103,6 +103,8 @@ class Handlers(ShmHandlers):
                 "codec": c.codec.to_dict() if c.codec is not None else None,
                 # lookup takes ``prefetch: true`` (docs/protocol.md 5.5)
                 "prefetch": True,
+                # ... and ``cancel_prefetch: true`` (a request given up before its load)
+                "prefetch_cancel": True,
             }
         )
 
@@ -140,13 +142,20 @@ class Handlers(ShmHandlers):
         return Outcome({"found": [c is not None for c in chunks]}, hits, total, trimmed=trimmed)
 
     async def lookup(self, request: Request) -> Outcome:
+        self._cancel(request)
         prefetch = prefetch_flag(request)
         hits, tiers = await self.store.lookup(self._ns(request), request.keys)
         return self._looked_up(request, hits, tiers, prefetch)
 
+    def _cancel(self, request: Request) -> None:
+        """``cancel_prefetch: true``: give up the prefetches of the lookup's keys."""
+        if cancel_flag(request):
+            self.prefetcher.cancel(self._ns(request), request.keys)
+
     def lookup_now(self, request: Request) -> Outcome | None:
         """A lookup answered in the receive loop, without a task (None: it must
         wait for Redis; use :meth:`handle`)."""
+        self._cancel(request)
         prefetch = prefetch_flag(request)
         found = self.store.lookup_now(self._ns(request), request.keys)
         return None if found is None else self._looked_up(request, *found, prefetch)

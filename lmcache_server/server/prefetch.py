@@ -20,12 +20,24 @@ Bounds (optional work never crowds out requests):
 - shutdown: :meth:`Prefetcher.close` cancels them (a promotion gives its room
   back once its copy thread is done).
 
+Cancelled with the request: a ``lookup`` with ``cancel_prefetch: true`` (an
+engine whose parked request finished or was aborted before its load) gives
+up the prefetches that lookups of its keys joined.  Several requests may share
+a prefix, so a prefetch counts its *owners*: the lookup that started it and
+each later lookup with ``prefetch: true`` whose keys it holds.  A cancel takes
+one owner from each running prefetch holding any of its keys; one left with
+none is cancelled (counted in ``cancelled``): it stops reading, gives its
+budget back as the cancel reaches it and its room once its copy thread is done, and what it
+promoted before stays promoted.  A cancel matching no running prefetch does
+nothing.
+
 Access: a prefetch reads only the namespace its lookup was allowed to read
 (a lookup needs ``ro`` on its namespace, §2.6); promotions obey the memory
-tier's policy and tenant quotas like any other.
+tier's policy and tenant quotas like any other.  A cancel is a lookup too.
 
-Primitives: :class:`Prefetcher` (``start``, ``close``, ``stats``),
-:func:`prefetch_flag` (the request's flag, validated), ``MAX_PREFETCHES``.
+Primitives: :class:`Prefetcher` (``start``, ``cancel``, ``close``, ``stats``),
+:func:`prefetch_flag` and :func:`cancel_flag` (the request's flags, validated),
+``MAX_PREFETCHES``.
 """
 
 from __future__ import annotations
@@ -48,13 +60,26 @@ MAX_PREFETCHES = 64
 """Prefetches running at once; a lookup past it is declined."""
 
 
+def _flag(request: Request, name: str) -> bool:
+    value = request.fields.get(name)
+    if value is None or type(value) is bool:
+        return bool(value)
+    raise ProtocolError(ErrorCode.BAD_REQUEST, f"'{name}' must be true or false, not {value!r:.40}", request.id)
+
+
 def prefetch_flag(request: Request) -> bool:
     """The lookup's ``prefetch`` field: absent or nil is False; anything but a bool
     is refused (BAD_REQUEST), as ``all: 1`` is for clear."""
-    value = request.fields.get("prefetch")
-    if value is None or type(value) is bool:
-        return bool(value)
-    raise ProtocolError(ErrorCode.BAD_REQUEST, f"'prefetch' must be true or false, not {value!r:.40}", request.id)
+    return _flag(request, "prefetch")
+
+
+def cancel_flag(request: Request) -> bool:
+    """The lookup's ``cancel_prefetch`` field, validated like ``prefetch``; both true
+    in one lookup is refused (BAD_REQUEST)."""
+    cancel = _flag(request, "cancel_prefetch")
+    if cancel and prefetch_flag(request):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "'prefetch' and 'cancel_prefetch' in one lookup", request.id)
+    return cancel
 
 
 @dataclasses.dataclass
@@ -67,6 +92,16 @@ class PrefetchCounters:
     """Their payload bytes."""
     declined: int = 0
     """Prefetches not started, or stopped short: the budget had no room for the next chunk, or too many ran."""
+    cancelled: int = 0
+    """Prefetches cancelled because every lookup that joined them cancelled (``cancel_prefetch``)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Prefetch:
+    keys: list[ChunkKey]
+    owners: int = 1
+    """Lookups that joined it and have not cancelled."""
+    task: asyncio.Task[None] | None = None
 
 
 class Prefetcher:
@@ -84,7 +119,8 @@ class Prefetcher:
         self.counters = PrefetchCounters()
         self.held_bytes = 0
         """Bytes of the budget prefetches hold now."""
-        self._running: set[ChunkKey] = set()
+        self._running: dict[ChunkKey, _Prefetch] = {}
+        """The prefetch holding each key being prefetched."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -93,24 +129,55 @@ class Prefetcher:
         tier holds, in the background; returns at once."""
         memory = self.store.memory.name
         keys: list[ChunkKey] = []
+        joined: dict[int, _Prefetch] = {}
         for digest, tier in zip(digests, tiers):
             if tier is None:
                 break  # only a leading run of hits is of use to the engine
             key = ChunkKey(namespace, digest)
-            if tier != memory and key not in self._running:
-                self._running.add(key)
+            running = self._running.get(key)
+            if running is not None:
+                joined[id(running)] = running
+            elif tier != memory:
                 keys.append(key)
+        for running in joined.values():  # this lookup's request shares them: one more owner
+            running.owners += 1
         if not keys:
             return
         if self._closed or len(self._tasks) >= self.max_running:
-            self._running.difference_update(keys)
             self.counters.declined += not self._closed
             return
-        task = asyncio.get_running_loop().create_task(self._run(keys), name="lmcache:prefetch")
+        prefetch = _Prefetch(keys)
+        for key in keys:
+            self._running[key] = prefetch
+        task = prefetch.task = asyncio.get_running_loop().create_task(self._run(prefetch), name="lmcache:prefetch")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, keys: list[ChunkKey]) -> None:
+    def cancel(self, namespace: str, digests: Sequence[bytes]) -> int:
+        """A lookup of ``digests`` gives up its prefetches: one owner less for each running
+        prefetch holding any of them; those left with none are cancelled.  Returns how many."""
+        hit: dict[int, _Prefetch] = {}
+        for digest in digests:
+            running = self._running.get(ChunkKey(namespace, digest))
+            if running is not None:
+                hit[id(running)] = running
+        cancelled = 0
+        for prefetch in hit.values():
+            prefetch.owners -= 1
+            if prefetch.owners <= 0 and prefetch.task is not None and not prefetch.task.done():
+                prefetch.task.cancel()
+                self._release(prefetch)  # its keys are free for a new prefetch at once
+                cancelled += 1
+        self.counters.cancelled += cancelled
+        return cancelled
+
+    def _release(self, prefetch: _Prefetch) -> None:
+        for key in prefetch.keys:
+            if self._running.get(key) is prefetch:
+                del self._running[key]
+
+    async def _run(self, prefetch: _Prefetch) -> None:
+        keys = prefetch.keys
         try:
             pending = list((await self.store.prefetch_sizes(keys)).items())
             started = False
@@ -139,7 +206,7 @@ class Prefetcher:
         except Exception as err:  # a bug: counted and logged; the lookup was answered already
             self.supervisor.failed("prefetch", err)
         finally:
-            self._running.difference_update(keys)
+            self._release(prefetch)
 
     def _window(self, pending: list[tuple[ChunkKey, int]]) -> tuple[list[ChunkKey], int]:
         """The leading chunks of ``pending`` the budget has room for now, and their bytes."""
@@ -161,6 +228,7 @@ class Prefetcher:
             "prefetched_chunks": c.chunks,
             "prefetched_bytes": c.bytes,
             "declined": c.declined,
+            "cancelled": c.cancelled,
             "running": len(self._tasks),
             "held_bytes": self.held_bytes,
         }

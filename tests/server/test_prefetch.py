@@ -21,12 +21,14 @@ import pytest
 import zmq
 
 from lmcache_client import PutStatus
+from lmcache_client.calls import lookup as calls_lookup
 from lmcache_client.protocol import KEY_BYTES, PROTOCOL_VERSION, ErrorCode
 from lmcache_server.server.admission import ByteBudget
 from lmcache_server.server.prefetch import Prefetcher
 from lmcache_server.storage import ChunkKey, TieredStore
 
 from ..conftest import NAMESPACE, Daemon, RedisServer, disk_stats, wait_for
+from ..storage._slowlink import SlowLink
 from ..storage.test_tiered_leases import SlowDisk, memory_tier
 from .test_metrics import sample, scrape
 
@@ -95,6 +97,7 @@ def test_lookup_with_prefetch_moves_the_leading_disk_hits_into_memory(disk_daemo
             "prefetched_chunks": 2,
             "prefetched_bytes": 2 * MiB,
             "declined": 0,
+            "cancelled": 0,
             "running": 0,
             "held_bytes": 0,
         }
@@ -281,6 +284,88 @@ def test_close_cancels_running_prefetches_and_gives_everything_back() -> None:
         # The reads' room goes back once their threads are done; nothing became visible.
         await _until(lambda: memory.allocator.allocated_bytes == 0)
         assert memory.chunks == 0 and prefetcher.counters.chunks == 0
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+# -- cancelled with the request (cancel_prefetch) --------------------------------------------
+@pytest.mark.parametrize(
+    "fields", [{"cancel_prefetch": 1}, {"cancel_prefetch": "yes"}, {"prefetch": True, "cancel_prefetch": True}]
+)
+def test_a_bad_cancel_prefetch_is_refused_and_the_daemon_keeps_serving(
+    plain_daemon: Daemon, fields: dict[str, Any]
+) -> None:
+    key = os.urandom(KEY_BYTES)
+    reply = raw_lookup(plain_daemon, [key], **fields)
+    assert (reply["ok"], reply["name"], reply["id"]) == (False, "BAD_REQUEST", 77)
+    assert "cancel_prefetch" in reply["message"]
+    with plain_daemon.client() as c:
+        assert c.lookup([key], cancel_prefetch=True).hit_chunks == 0  # nothing running: nothing cancelled
+        assert prefetch_stats(c)["cancelled"] == 0
+        assert c.hello()["prefetch_cancel"] is True
+    with pytest.raises(ValueError, match="not both"):
+        calls_lookup("ns", [key], prefetch=True, cancel_prefetch=True)
+
+
+def test_a_prefetch_is_cancelled_when_its_request_gives_it_up(
+    daemon_factory: Callable[..., Daemon], redis_server: RedisServer
+) -> None:
+    """Redis behind a slow link (128 KiB/s towards the daemon): a prefetch of 2 chunks of
+    256 KiB runs for seconds; the cancel stops it, gives its budget back, promotes
+    nothing, and the daemon still serves the chunks right."""
+    keys = [os.urandom(KEY_BYTES) for _ in range(2)]
+    data = [os.urandom(256 * KiB) for _ in keys]
+    daemon = daemon_factory(remote_url=redis_server.url)
+    with daemon.client() as c:
+        for k, d in zip(keys, data):
+            assert c.put([k], [d]) == [PutStatus.STORED]
+        wait_for(lambda: (r := c.stats()["tiers"]["redis"])["stores"] >= 2 and r["queued_writes"] == 0)
+    assert daemon.stop() == 0
+    link = SlowLink(redis_server.port, down_rate=128 * KiB)
+    slow = daemon_factory(remote_url=f"redis://127.0.0.1:{link.port}", remote_timeout_s=60)
+    try:
+        with slow.client() as c:
+            wait_for(lambda: c.stats()["tiers"]["redis"]["up"])
+            assert c.lookup(keys, prefetch=True).tiers == ["redis"] * 2
+            wait_for(lambda: prefetch_stats(c)["held_bytes"] > 0)  # reading through the link
+            assert c.lookup(keys, cancel_prefetch=True).tiers == ["redis"] * 2
+            stats = dict(wait_for(lambda: (s := prefetch_stats(c))["running"] == 0 and s))
+            assert (stats["cancelled"], stats["held_bytes"], stats["prefetched_chunks"]) == (1, 0, 0)
+            assert c.stats()["server"]["inflight_bytes"] == 0
+            assert c.lookup(keys).tiers == ["redis"] * 2  # nothing was promoted
+            assert sample(scrape(slow.metrics_port), "lmcache_prefetches_cancelled_total") == 1
+            assert [bytes(g) for g in c.get(keys)] == data  # still served right, through the link
+    finally:
+        link.close()
+
+
+def test_a_prefetch_shared_by_two_requests_runs_until_both_cancel() -> None:
+    async def scenario() -> None:
+        memory = memory_tier()
+        disk = SlowDisk(MiB)
+        store = TieredStore(memory, disk)  # type: ignore[arg-type]
+        budget = ByteBudget(64 * MiB)
+        prefetcher = Prefetcher(store, budget)
+        keys = [os.urandom(32) for _ in range(3)]
+        prefetcher.start(NS, keys, ["disk"] * 3)  # request a
+        prefetcher.start(NS, keys[:2], ["disk"] * 2)  # request b shares a's prefix: joins
+        await asyncio.get_running_loop().run_in_executor(None, disk.started.wait, 30)
+        assert prefetcher.cancel(NS, [os.urandom(32)]) == 0  # nothing of it runs
+        assert prefetcher.cancel(NS, keys) == 0  # a gives up; b still wants it
+        assert prefetcher.stats()["running"] == 1 and budget.in_use == 3 * MiB
+        assert prefetcher.cancel(NS, keys[:2]) == 1  # b too: cancelled
+        await _until(lambda: not prefetcher.stats()["running"])
+        assert budget.in_use == prefetcher.held_bytes == 0 and prefetcher.counters.cancelled == 1
+        assert prefetcher.cancel(NS, keys) == 0  # gone: a late cancel does nothing
+        disk.go.set()
+        await _until(lambda: memory.allocator.allocated_bytes == 0)
+        assert memory.chunks == 0 and prefetcher.counters.chunks == 0
+        # The keys are free again: a new lookup starts a new prefetch of them.
+        prefetcher.start(NS, keys, ["disk"] * 3)
+        await _until(lambda: not prefetcher.stats()["running"])
+        assert prefetcher.counters.chunks == 3 and prefetcher.counters.prefetches == 2
+        await prefetcher.close()
         await store.close()
 
     asyncio.run(scenario())

@@ -75,6 +75,20 @@ class ChunkTransfer(TransferRoute):
                 break
         return tiers
 
+    def cancel_prefetch(self, keys: Sequence[bytes], hits: int) -> None:
+        """Give up the prefetches a :meth:`lookup_tiers` of ``keys`` with ``prefetch`` joined
+        (it answered ``hits`` leading hits): the same batches, each a lookup with
+        ``cancel_prefetch`` (docs/protocol.md 5.5).  Failures are counted, never raised."""
+        namespace, _ = self._route()
+        if namespace is None:
+            return
+        for start in range(0, min(len(keys), hits + 1), self.batch_keys):
+            try:
+                self.client.lookup(keys[start : start + self.batch_keys], namespace=namespace, cancel_prefetch=True)
+            except ClientError as err:
+                self._failed("lookup", err)
+                return
+
     def get_prefix(self, keys: Sequence[bytes]) -> list[Any]:
         """Payloads (read-only buffers) of the leading ``keys`` that are stored with the
         right size; stops at the first miss, failure or wrong-sized payload."""

@@ -6,7 +6,10 @@ kept per request, so a request that waits for blocks is not asked again
 every step.  Under tensor parallelism each rank's namespace is asked on a
 lane of its own, all at once, and the shortest answer counts.  With
 ``prefetch`` the daemon also promotes the hit chunks it holds on disk or in
-Redis into memory while the request waits for its load.
+Redis into memory while the request waits for its load, and a request that
+ends before its load (finished or aborted while its lookup was out or while
+it waited for blocks) gives those prefetches up (:meth:`LookupService.abandon`:
+a lookup with ``cancel_prefetch`` on each rank's lane, after its lookup).
 
 Primitives: :class:`LookupService`, :class:`Answer`.
 """
@@ -45,6 +48,8 @@ def _ask(transfer: Any, keys: Sequence[bytes], prefetch: bool) -> tuple[list[str
 class _Asked:
     futures: list[concurrent.futures.Future[tuple[list[str], bool]]]
     at: float
+    keys: list[bytes]
+    prefetch: bool
     answer: Answer | None = None
 
 
@@ -57,6 +62,8 @@ class LookupService:
         self.lanes = list(lanes)
         self.prefetch = prefetch
         self._asked: dict[str, _Asked] = {}
+        self.cancelled_prefetches = 0
+        """Cancels sent (one per rank) for requests that ended before their load."""
 
     def ask(self, req_id: str, keys: Sequence[bytes]) -> None:
         """Send the lookup of ``keys`` for ``req_id`` unless one is out or answered."""
@@ -70,7 +77,7 @@ class LookupService:
 
         no_answer: tuple[list[str], bool] = ([], False)
         futures = [lane.submit(job, no_answer) for lane in self.lanes]
-        self._asked[req_id] = _Asked(futures, time.perf_counter())
+        self._asked[req_id] = _Asked(futures, time.perf_counter(), keys, prefetch)
 
     def asked(self, req_id: str) -> bool:
         return req_id in self._asked
@@ -95,6 +102,24 @@ class LookupService:
     def forget(self, req_id: str) -> None:
         """Drop the request's answer: the next ask sends a new lookup."""
         self._asked.pop(req_id, None)
+
+    def abandon(self, req_id: str) -> None:
+        """The request ended before its load: forget it, and where its lookup asked the
+        daemon to prefetch chunks of a lower tier, cancel those prefetches (on each rank's
+        lane, after its lookup; counted in ``cancelled_prefetches``)."""
+        asked = self._asked.pop(req_id, None)
+        if asked is None or not asked.prefetch:
+            return
+        keys = asked.keys
+        for lane, future in zip(self.lanes, asked.futures):
+
+            def job(transfer: Any, future: concurrent.futures.Future[tuple[list[str], bool]] = future) -> None:
+                tiers = future.result()[0]  # done: the lane ran the lookup first
+                if any(tier != "memory" for tier in tiers):  # else the daemon started no prefetch
+                    self.cancelled_prefetches += 1
+                    transfer.cancel_prefetch(keys, len(tiers))
+
+            lane.submit(job, None)
 
     def close(self) -> None:
         for lane in self.lanes:
