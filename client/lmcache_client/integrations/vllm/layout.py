@@ -5,9 +5,9 @@ shape ``(blocks, heads, block_tokens, content)``; what sits where inside a
 block belongs to the attention backend.  :func:`discover` reads, from vLLM:
 
 - the KV cache spec of the (single) cache group: block size, KV heads, head
-  size, dtype; models it cannot serve are refused here (MLA, hybrid models
-  with several cache groups, packed or quantized-with-scales content);
-  MLA latent caches go to :func:`.mla.discover_mla`;
+  size, dtype; models it cannot serve are refused here (packed or
+  quantized-with-scales content); several cache groups go to
+  ``_discover_groups``, MLA latent caches to :func:`.mla.discover_mla`;
 - each layer's attention module and backend (``static_forward_context``),
   and probes the backend's own cache write, ``impl.do_kv_cache_update``, on a
   scratch block shaped like the real ones (:func:`..blocklayout.probe_block_layout`);
