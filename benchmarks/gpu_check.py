@@ -24,7 +24,16 @@ What it does, in one run:
 
    and checks every byte that came back (device -> pool -> device round trip).
 
-Each row: ``{"path", "direction": "h2d"|"d2h", "size_bytes", "gib_per_s"}``;
+4. the paged-copy section (``benchmarks/_batched.py``): a load and a save of
+   ``--paged-chunks`` chunks of ``--paged-chunk-tokens`` tokens into a synthetic
+   FlashAttention-shaped cache of ``--paged-layers`` layers, chunk by chunk
+   (today's worker path) and batched (``integrations/batched.py``: one copier
+   call for the batch on a side stream, completion by an event); prints both
+   times and their ratio and checks the bytes.  ``--paged-device cpu`` runs
+   only this section, on the CPU (a smoke run of the same code).
+
+Each row: ``{"path", "direction": "h2d"|"d2h", "size_bytes", "gib_per_s"}``
+(paged rows: ``chunks``, ``chunk_tokens``, ``layers``, ``ms`` instead of ``size_bytes``);
 the summary prints shm/pinned ratios (a page-locked pool should come within a
 few percent of torch's pinned memory).  Without a GPU (or without CUDA in
 torch) it says why, writes ``{"available": false, "reason": ...}`` when asked
@@ -44,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _batched import measure_paged  # noqa: E402
 from _harness import MIB, raise_on_sigterm, wait_until, workspace  # noqa: E402
 
 NAMESPACE = "gpu-check"
@@ -187,7 +197,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="chunks per request (default 8)")
     p.add_argument("--reps", type=int, default=9, help="timed repetitions (default 9)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the rows (or the reason there are none) as JSON")
+    p.add_argument("--paged-layers", type=int, default=32, help="paged section: layers (default 32)")
+    p.add_argument("--paged-chunks", type=int, default=16, help="paged section: chunks per batch (default 16)")
+    p.add_argument("--paged-chunk-tokens", type=int, default=256, help="paged section: tokens per chunk (default 256)")
+    p.add_argument("--paged-device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: run only the paged section, on the CPU (default cuda: the whole check)")  # fmt: skip
     a = p.parse_args(argv)
+    paged = (a.paged_layers, a.paged_chunks, a.paged_chunk_tokens, a.reps)
+    if a.paged_device == "cpu":
+        rows = measure_paged("cpu", *paged)
+        if a.json is not None:
+            a.json.write_text(json.dumps({"available": True, "device": "cpu", "rows": rows}, indent=1) + "\n")
+        return 0
     reason = gpu_unavailable_reason()
     if reason is not None:
         print(f"gpu_check: nothing to measure here: {reason}.  Run it on a host with a CUDA GPU.")
@@ -197,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_on_sigterm()
     sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
     rows, notes = run(sizes, a.batch, a.reps)
+    rows += measure_paged("cuda", *paged)
     for note in notes:
         print(f"note: {note}")
     if a.json is not None:

@@ -118,3 +118,32 @@ def test_bad_parts_are_refused_before_anything_is_copied() -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         BatchedCopies(copier, max_tokens=0)
     assert copies.scatter([]).done() and copies.launches == 0
+
+
+def test_gpu_check_runs_its_paged_section_on_cpu(tmp_path: Any) -> None:
+    """benchmarks/gpu_check.py --paged-device cpu: the batched-vs-per-chunk section on CPU
+    tensors (its byte checks included) exits 0 with both paths' rows."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    out = tmp_path / "paged.json"
+    args = ["--paged-device", "cpu", "--paged-layers", "2", "--paged-chunks", "3", "--paged-chunk-tokens", "32"]
+    done = subprocess.run(
+        [sys.executable, str(script), *args, "--reps", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["available"] and result["device"] == "cpu"
+    assert sorted((r["path"], r["direction"]) for r in result["rows"]) == [
+        ("paged-batched", "d2h"),
+        ("paged-batched", "h2d"),
+        ("paged-per-chunk", "d2h"),
+        ("paged-per-chunk", "h2d"),
+    ]
+    assert "batched" in done.stdout and "per-chunk" in done.stdout
