@@ -24,7 +24,8 @@ from .shmpool import SharedPool, _check_tensor, _flat_bytes
 logger = logging.getLogger("lmcache_client.shm")  # the logger these lines always had
 
 UseFn = Callable[[int, memoryview], None]
-"""``use(i, view)``: consume hit ``i`` from ``view`` (its bytes; do not keep the view)."""
+"""``use(i, view)``: consume hit ``i`` from ``view`` (its bytes; do not keep the view past
+the call, or, where ``use`` has a ``flush()``, past that: :func:`flush_use`)."""
 
 
 def _hit_span(pool: SharedPool, loc: Any) -> tuple[int, int] | None:
@@ -136,6 +137,7 @@ def use_flow(
                 continue
             use(i, memoryview(view))
             used[i] = True
+        flush_use(use)
     except BaseException:
         if grant.lease is not None:
             yield Tell(calls.release([grant.lease]))
@@ -158,4 +160,14 @@ def use_frames(bufs: Sequence[Any], use: UseFn, *, nbytes: int | None = None, pr
             continue
         use(i, memoryview(buf))
         used[i] = True
+    flush_use(use)
     return used
+
+
+def flush_use(use: UseFn) -> None:
+    """Call ``use.flush()`` where ``use`` has one: after its last call and before the
+    views are released (a lease, or the reply's frames), so a ``use`` may defer reading
+    the views it was given (a batch of copies) until then."""
+    flush = getattr(use, "flush", None)
+    if flush is not None:
+        flush()

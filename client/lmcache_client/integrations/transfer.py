@@ -33,6 +33,7 @@ from ..errors import ClientError
 from ..keys import ChunkTokens
 from ..protocol import PutStatus
 from ..shm import FillFn, UseFn, copy_frame
+from ..shmget import flush_use
 from .coded import CodedChunks
 from .transferroute import DEFAULT_MAX_BATCH_BYTES as DEFAULT_MAX_BATCH_BYTES  # re-exported: callers import it here
 from .transferroute import DEFAULT_MAX_BATCH_KEYS as DEFAULT_MAX_BATCH_KEYS
@@ -156,7 +157,10 @@ class ChunkTransfer(TransferRoute):
     def get_prefix_with(self, keys: Sequence[bytes], use: UseFn) -> int:
         """Call ``use(i, view)`` for the leading hits of ``keys`` (``view``: the chunk's
         ``chunk_bytes`` bytes, valid only during the call); returns how many leading
-        keys were used.  A miss, a chunk of the wrong size or a failure ends the run."""
+        keys were used.  A miss, a chunk of the wrong size or a failure ends the run.
+        Where ``use`` has a ``flush()``, the views stay valid until it is called: once
+        per batch of keys, before their leases are released (raw chunks; a decoded
+        chunk lives in scratch memory, so ``flush()`` follows each use)."""
         namespace, coded = self._route()
         if namespace is None:
             return 0
@@ -167,6 +171,7 @@ class ChunkTransfer(TransferRoute):
                 if raw is None:
                     return False
                 use(i, raw)
+                flush_use(use)  # raw is scratch memory: used now
                 return True
 
             return self._decode_prefix(keys, namespace, coded, decoded)
@@ -176,6 +181,9 @@ class ChunkTransfer(TransferRoute):
 
             def shifted(i: int, view: memoryview, at: int = start) -> None:
                 use(at + i, view)
+
+            if hasattr(use, "flush"):
+                shifted.flush = use.flush  # type: ignore[attr-defined]
 
             try:
                 used = self.client.get_with(batch, shifted, nbytes=self.chunk_bytes, prefix=True, namespace=namespace)

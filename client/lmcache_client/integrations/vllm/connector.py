@@ -196,7 +196,9 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         else:
             transfer = self._transfer(self.client, namespace_of(tp_rank()))
             namespace = transfer.namespace
-            self.worker = WorkerSide(transfer, self.layout, copy_threads=self.settings.copy_threads)
+            self.worker = WorkerSide(
+                transfer, self.layout, copy_threads=self.settings.copy_threads, batch_copies=self.settings.batch_copies
+            )
             self.worker.stores = shards == tp_size or tp_rank() == 0
             if is_async:
                 self.transfers = TransferEngine(

@@ -62,6 +62,10 @@ class ConnectorSettings:
     prefetch: bool = True
     """Lookups for asynchronous loads ask the daemon to promote the hit chunks it holds
     on disk or in Redis into memory while the request waits for its load."""
+    batch_copies: str = "auto"
+    """A load's chunks go into the cache as one batch per daemon round trip
+    (:mod:`..batched`: on CUDA a side stream and events); ``auto``: on a CUDA cache
+    only (on a CPU the chunk-by-chunk copies are faster), ``on`` / ``off``."""
     cost_gate: bool = False
     """Skip loads that the rates seen so far say are slower than computing (:mod:`.costgate`)."""
     cost_gate_margin: float = 1.0
@@ -96,6 +100,8 @@ class ConnectorSettings:
         settings = cls(**values)
         if settings.timeout_s <= 0 or settings.chunk_size <= 0 or settings.copy_threads <= 0:
             raise ValueError("kv_connector_extra_config timeout_s, chunk_size and copy_threads must be positive")
+        if settings.batch_copies not in ("auto", "on", "off"):
+            raise ValueError(f"kv_connector_extra_config batch_copies={settings.batch_copies!r}: auto, on or off")
         if settings.cost_gate_margin <= 0:
             raise ValueError("kv_connector_extra_config cost_gate_margin must be positive")
         if settings.load_deadline_ms < 0 or settings.max_queued_saves <= 0 or settings.max_store_tokens < 0:

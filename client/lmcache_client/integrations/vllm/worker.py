@@ -29,6 +29,7 @@ import logging
 import time
 from typing import Any
 
+from ..batched import BatchedCopies, Part
 from ..layout import ChunkLayout
 from ..paged import Slots, blocks_covering, token_slots
 from ..transfer import ChunkTransfer
@@ -86,10 +87,15 @@ class LoadResult:
 class WorkerSide:
     """One worker (one TP rank); its namespace comes with ``transfers[0]``."""
 
-    def __init__(self, transfer: ChunkTransfer, layout: ChunkLayout, *, copy_threads: int = 2):
+    def __init__(
+        self, transfer: ChunkTransfer, layout: ChunkLayout, *, copy_threads: int = 2, batch_copies: str = "auto"
+    ):
         self.transfer = transfer
         self.layout = layout
         self.copy_threads = copy_threads
+        self.batch_copies = batch_copies
+        self.batched: BatchedCopies | None = None
+        """Loads copy each daemon batch of chunks in one go (``batch_copies``; :mod:`..batched`)."""
         self.engine: EngineLayout | None = None
         self.stats = WorkerStats()
         self.asleep = False
@@ -108,6 +114,9 @@ class WorkerSide:
         self.engine = discover(kv_caches, vllm_config, kv_cache_config, self.layout, copy_threads=self.copy_threads)
         if self.engine.copier.device.type == "cuda" and self.transfer.client.pin_shared_pool():
             logger.info("daemon's shared pool page-locked for CUDA copies")
+        cuda = self.engine.copier.device.type == "cuda"
+        if self.batch_copies == "on" or (self.batch_copies == "auto" and cuda):
+            self.batched = BatchedCopies(self.engine.copier)
         logger.info("lmcache-server connector: vLLM KV layout %s", self.engine.describe())
         return self.engine
 
@@ -188,6 +197,9 @@ class WorkerSide:
         base = request.first_chunk * chunk
         slots = self._slots(request.block_ids, request.group_block_ids, request.start_token, request.end_token)
         used = [0]  # leading chunks scattered before the deadline
+        batched = self.batched if isinstance(slots, Slots) else None  # several groups: chunk by chunk
+        pending: list[Part] = []
+        tail = False
 
         def scatter(i: int, view: memoryview) -> None:
             if deadline is not None and (result.late or time.monotonic() > deadline):
@@ -196,9 +208,25 @@ class WorkerSide:
             c0 = base + i * chunk
             lo, hi = max(c0, request.start_token), min(c0 + chunk, request.end_token)
             part = slice(lo - request.start_token, hi - request.start_token)
-            self._scatter(_part(slots, part), self._payload(view, lo - c0, hi - c0))
+            target, payload = _part(slots, part), self._payload(view, lo - c0, hi - c0)
+            if batched is not None and isinstance(target, Slots):
+                pending.append(Part(target, payload))  # copied at flush, while the views are leased
+            else:
+                self._scatter(target, payload)
             result.nbytes += view.nbytes
             used[0] = i + 1
+
+        if batched is not None:
+            copies = batched
+
+            def flush() -> None:
+                """The daemon batch's chunks in one go (get_prefix_with calls it before their
+                leases end); on CUDA this waits for the batch's event, on the lane's thread."""
+                if pending:
+                    copies.scatter(pending).wait()
+                    pending.clear()
+
+            scatter.flush = flush  # type: ignore[attr-defined]
 
         loaded = transfer.get_prefix_with(request.keys, scatter) if request.keys else 0
         loaded = min(loaded, used[0])
@@ -215,7 +243,8 @@ class WorkerSide:
 
             if hi > lo and transfer.get_one_with(request.tail_key, self.tail_bytes(n), scatter_tail):
                 covered = t0 + n
-        if engine.copier.device.type == "cuda":
+                tail = True  # copied chunk by chunk on this thread's stream
+        if engine.copier.device.type == "cuda" and (batched is None or tail):  # else each batch's event was waited
             _torch().cuda.current_stream().synchronize()
         return max(request.start_token, min(request.end_token, covered))
 
