@@ -162,3 +162,33 @@ def test_group_slots_refuse_a_block_table_per_group_mismatch() -> None:
     groups = [GroupCopier(GroupInfo(FULL, BLOCK, ("l0",)), [0], _copier(_caches(1)))]
     with pytest.raises(ValueError, match="2 block lists for 1 KV cache groups"):
         group_slots(groups, [[1], [2]], 0, 4, BLOCK, BLOCK)
+
+
+def test_the_scheduler_sends_every_groups_blocks_and_stops_saving_past_the_window() -> None:
+    """A request prefilled in two steps of 640 tokens with chunks of 384 and a 128-token
+    window: the first step's save carries both groups' blocks; chunk 1 is completed by
+    the second step, after vLLM freed the window's blocks below token 512, so it and every
+    later chunk are not saved (``saves_out_of_window``); blocks appended later extend each
+    group's list."""
+    from lmcache_client.integrations.vllm.scheduler import SchedulerSide
+
+    from .vllm_harness.engine import CachedRequestData, NewRequestData, SchedulerOutput
+    from .vllm_harness.fixtures import tokens
+
+    side = SchedulerSide([], 384)
+    side.groups = [GroupInfo(SLIDING, 128, ("l0",), sliding_window=128), GroupInfo(FULL, 128, ("l1",))]
+    prompt = tokens(1300, 5)
+    swa, full = list(range(10, 15)), list(range(20, 25))
+    first = side.build_meta(
+        SchedulerOutput([NewRequestData("r", prompt, (swa, full), 0)], num_scheduled_tokens={"r": 640})
+    )
+    [save] = first.saves
+    assert (save.first_chunk, len(save.keys)) == (0, 1)
+    assert save.group_block_ids == [swa, full] and save.block_ids == swa
+    cached = CachedRequestData(["r"], set(), [([15, 16, 17, 18, 19], [25, 26, 27, 28, 29])], [640])
+    second = side.build_meta(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={"r": 640}))
+    assert second.saves == [] and side.stats["saves_out_of_window"] == 1
+    assert side._trackers["r"].group_ids == [swa + [15, 16, 17, 18, 19], full + [25, 26, 27, 28, 29]]
+    cached = CachedRequestData(["r"], set(), [([30], [31])], [1280])
+    assert side.build_meta(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={"r": 20})).saves == []
+    assert side.stats["saves_out_of_window"] == 1  # counted once per request

@@ -79,6 +79,18 @@ def _entry(arch: str, mode: str, models: dict[str, Path], address: str, tenant: 
     }
 
 
+SPLIT_CHUNK, SPLIT_STEP = 384, 640
+"""gpt-oss's 128-token window, prefill in steps of 640 tokens, chunks of 384: chunk 0 is
+computed in the first step, chunk 1 (tokens 384..767) is completed by the second, which
+begins after vLLM freed the window's blocks below token 512 (groups.py, "Saves")."""
+
+
+def _split_entry(models: dict[str, Path], address: str) -> dict[str, Any]:
+    entry = _entry("gpt_oss", "hma-on", models, address, tenant="split")
+    entry["connector"]["kv_connector_extra_config"]["chunk_size"] = SPLIT_CHUNK
+    return {**entry, "prompts": [tokens(1300, 31)], "max_num_batched_tokens": SPLIT_STEP}
+
+
 @pytest.fixture(scope="module")
 def matrix(
     module_daemon_factory: Callable[..., Daemon],
@@ -89,6 +101,7 @@ def matrix(
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
     work = tmp_path_factory.mktemp("vllm-hybrid")
     runs = [_entry(arch, mode, hybrid_models, daemon.address) for arch, mode in RUNS]
+    runs.append(_split_entry(hybrid_models, daemon.address))
     plain = [{**run, "name": run["name"] + "/plain", "connector": None} for run in runs]
     a = run_replica(vllm_python, plain + runs, work, "replica-a")
     # B's load of p3 fails half way (a chunk of the wrong size): with several groups vLLM
@@ -162,3 +175,17 @@ def test_the_hybrid_manager_on_serves_chunks_stored_with_it_off(matrix: dict[str
     assert cross["kv_cache"]["hma"] is True
     assert cross["prompts"][0]["counters"]["worker"]["loaded_tokens"] == loadable(len(prompts()[0]), CHUNK)
     assert cross["prompts"][0]["counters"]["worker"]["stored_chunks"] == 0
+
+
+def test_a_chunk_whose_window_vllm_freed_is_never_stored(matrix: dict[str, Any]) -> None:
+    """Prefill split over steps: A stores chunk 0 and stops at chunk 1, whose first block the
+    sliding window freed before the chunk was complete (storing it would read a block
+    vLLM may have handed out); B loads chunk 0 only and answers as vLLM does."""
+    name = "gpt_oss/hma-on/split"
+    plain, a, b = matrix["plain"][name], matrix["a"][name], matrix["b"][name]
+    reference = [p["tokens"] for p in plain["prompts"]]
+    assert [p["tokens"] for p in a["prompts"]] == reference
+    assert [p["tokens"] for p in b["prompts"]] == reference
+    assert a["prompts"][0]["counters"]["worker"]["stored_chunks"] == 1
+    assert b["prompts"][0]["counters"]["worker"]["loaded_tokens"] == SPLIT_CHUNK
+    assert b["prompts"][0]["num_cached_tokens"] == SPLIT_CHUNK

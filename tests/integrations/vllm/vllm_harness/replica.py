@@ -134,6 +134,8 @@ def run_one(entry: dict[str, Any], spec_dir: Path) -> dict[str, Any]:
     }
     if entry.get("block_size"):
         kwargs["block_size"] = entry["block_size"]
+    if entry.get("max_num_batched_tokens"):  # a prompt longer than this is prefilled over several steps
+        kwargs["max_num_batched_tokens"] = entry["max_num_batched_tokens"]
     if entry.get("compilation_config"):
         kwargs["compilation_config"] = entry["compilation_config"]
     if entry.get("connector"):
