@@ -10,7 +10,8 @@ connector is the only prefix reuse there is.
   chunks; fp32 and bf16, chunks of 64 and 200 tokens (vLLM's MLA blocks are 16).
 - The latent vLLM stored is what HF transformers caches for the same prompt
   (transformers 5 caches the latent too: ``kv_c_normed`` as keys, the rotated
-  ``k_pe`` as values), and the HF adapter serves a prompt from vLLM's chunks.
+  ``k_pe`` as values); the HF adapter serves a prompt from vLLM's chunks, and
+  vLLM one from the HF adapter's, each with its own engine's answer.
 - Tensor parallelism 2: the answers equal plain vLLM's at TP 2, the second
   one loaded, and the daemon holds ONE copy (namespace ``tp0of1``, one chunk
   per key), not one per rank.
@@ -56,6 +57,10 @@ def prompts() -> list[list[int]]:
     return [p1, p2]
 
 
+HF_PROMPT = tokens(330, 15)
+"""Stored by the HF adapter (fp32 config) between A and B; B loads it."""
+
+
 def namespace(name: str) -> str:
     _, dtype, chunk = next(c for c in CONFIGS if c[0] == name)
     return MLAChunkLayout.of(LAYERS, LATENT, chunk, dtype).namespace(MODEL_ID, tenant=name).wire()
@@ -93,17 +98,42 @@ def replicas(
             "prefix_caching": False,
             "compilation_config": NATIVE_ROPE,
         }
-        plain.append({**base, "name": f"{name}/plain", "connector": None})
+        plain.append({**base, "name": f"{name}/plain", "connector": None, "prompts": [*prompts(), HF_PROMPT]})
         extra = {"chunk_size": chunk, "model_id": MODEL_ID, "tenant": name}
         ours.append({**base, "name": name, "connector": connector(daemon.address, **extra)})
     a = run_replica(vllm_python, plain + ours, work, "mla-a")
+    hf_saved = _hf_stores(daemon.address, mla_model)
+    ours[0]["prompts"] = [*prompts(), HF_PROMPT]  # B's fp32 run also asks for what the HF adapter stored
     b = run_replica(vllm_python, ours, work, "mla-b")
     return {
         "daemon": daemon,
+        "hf_saved": hf_saved,
         "plain": {r["name"].split("/")[0]: r for r in a[: len(CONFIGS)]},
         "a": {r["name"]: r for r in a[len(CONFIGS) :]},
         "b": {r["name"]: r for r in b},
     }
+
+
+def _hf_stores(address: str, model_dir: Path) -> int:
+    """The HF adapter computes and stores HF_PROMPT in the fp32 config's namespace; chunks stored."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from lmcache_client.integrations.hf import CachedPrefill
+
+    name, _, chunk = CONFIGS[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with CacheClient(address, timeout_s=10.0, fail_open=False) as c:
+        result = CachedPrefill(model, c, model_id=MODEL_ID, chunk_size=chunk, tenant=name).prefill(HF_PROMPT)
+    return result.saved_chunks
+
+
+def test_vllm_serves_a_prompt_from_the_hf_adapters_latents(replicas: dict[str, Any]) -> None:
+    name, _, chunk = CONFIGS[0]
+    assert replicas["hf_saved"] == len(HF_PROMPT) // chunk
+    served = replicas["b"][name]["prompts"][2]
+    assert served["num_cached_tokens"] == loadable(len(HF_PROMPT), chunk), "B loads the chunks HF stored"
+    assert served["tokens"] == replicas["plain"][name]["prompts"][2]["tokens"]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c[0] for c in CONFIGS])
@@ -111,10 +141,10 @@ def test_replica_b_serves_replica_as_latents_with_vllms_own_output(replicas: dic
     name, _, chunk = config
     plain, a, b = replicas["plain"][name], replicas["a"][name], replicas["b"][name]
     p1, p2 = prompts()
-    reference = [p["tokens"] for p in plain["prompts"]]
+    reference = [p["tokens"] for p in plain["prompts"][:2]]  # the third: HF_PROMPT's
     assert reference[0] != reference[1], "the test model should answer each prompt differently"
     assert [p["tokens"] for p in a["prompts"]] == reference, "A (storing) differs from vLLM without the connector"
-    assert [p["tokens"] for p in b["prompts"]] == reference, "B (loading) differs from vLLM without the connector"
+    assert [p["tokens"] for p in b["prompts"][:2]] == reference, "B (loading) differs from vLLM without the connector"
     assert a["prompts"][0]["counters"]["worker"]["stored_chunks"] == len(p1) // chunk
     assert a["prompts"][0]["num_cached_tokens"] == 0
     first = b["prompts"][0]
