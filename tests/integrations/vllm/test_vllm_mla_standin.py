@@ -12,6 +12,7 @@ runs the connector inside real vLLM.
 from __future__ import annotations
 
 import random
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,7 +26,7 @@ from lmcache_client.integrations.paged import token_slots  # noqa: E402
 from lmcache_client.integrations.vllm import connector as connector_module  # noqa: E402
 from lmcache_client.integrations.vllm.connector import LMCacheServerConnectorV1, layout_from_vllm_config  # noqa: E402
 from lmcache_client.integrations.vllm.layout import UnsupportedLayout, discover  # noqa: E402
-from lmcache_client.integrations.vllm.meta import SaveRequest  # noqa: E402
+from lmcache_client.integrations.vllm.meta import LMCacheServerConnectorMetadata, SaveRequest  # noqa: E402
 
 from .vllm_harness.engine import Role  # noqa: E402
 
@@ -104,7 +105,7 @@ def vllm_config(address: str, dtype: Any = torch.float32, tp_size: int = 1, impl
         kv_transfer_config=SimpleNamespace(
             kv_connector="LMCacheServerConnectorV1",
             kv_role="kv_both",
-            kv_connector_extra_config={"address": address, "timeout_s": 5.0, "async_transfers": False, **extra},
+            kv_connector_extra_config={"address": address, "timeout_s": 5.0, "async_transfers": False} | extra,
         ),
     )
 
@@ -241,3 +242,40 @@ def test_an_mla_cache_under_a_model_config_without_mla_is_refused(address: str) 
             connector.register_kv_caches(caches())
     finally:
         connector.shutdown()
+
+
+def test_async_saves_every_rank_reports_finished_and_only_rank_zero_stores(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM frees a request's blocks once EVERY rank lists it in ``finished_sending``:
+    the rank that stores nothing must report it too (asynchronous transfers)."""
+    tenant = f"mla-async-{random.randrange(1 << 30)}"
+    prompt = [random.Random(4).randrange(1000) for _ in range(64)]
+    keys = chunk_keys(prompt, 32)
+    meta = LMCacheServerConnectorMetadata(saves=[SaveRequest("r", keys, 0, [1, 3, 4, 6])], delayed=["r"])
+    finished = {}
+    for rank in (1, 0):
+        monkeypatch.setattr(connector_module, "tp_rank", lambda rank=rank: rank)
+        config = vllm_config(address, tp_size=2, tenant=tenant, chunk_size=32, async_transfers=True)
+        conn = LMCacheServerConnectorV1(config, Role.WORKER)
+        try:
+            assert conn.transfers is not None, "asynchronous mode"
+            conn.register_kv_caches(caches())
+            conn.bind_connector_metadata(meta)
+            conn.wait_for_save()
+            sending: set[str] = set()
+            for _ in range(500):  # the save lane answers within a few steps
+                done, _ = conn.get_finished(set())
+                sending |= done or set()
+                if sending:
+                    break
+                time.sleep(0.01)
+            finished[rank] = sending
+            conn.clear_connector_metadata()
+            wire = conn.worker.transfer.namespace  # type: ignore[union-attr]
+            with CacheClient(address, fail_open=False) as c:
+                hits = c.lookup(keys, namespace=wire).hit_chunks
+            assert hits == (0 if rank == 1 else 2), f"rank {rank}"
+        finally:
+            conn.shutdown()
+    assert finished == {0: {"r"}, 1: {"r"}}
