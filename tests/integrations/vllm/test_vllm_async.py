@@ -86,6 +86,10 @@ def runs(
         "slow_scatter_s": 2 * DEADLINE_MS / 1000,
     }
     out["deadline"] = run_stepper(vllm_python, spec, work, "deadline")
+    daemon = module_daemon_factory(max_local_cpu_size="1GiB")
+    extra = {"chunk_size": CHUNK, "tenant": "gate", "cost_gate": True}
+    spec = {**base, "warm": [LOAD], "connector": connector(daemon.address, **extra), "hold_tokens": 0}
+    out["cost_gate"] = run_stepper(vllm_python, spec, work, "cost_gate")
     return out
 
 
@@ -123,3 +127,15 @@ def test_a_load_past_its_deadline_uses_what_arrived_in_time(runs: dict[str, Any]
     loadable = len(LOAD) // CHUNK * CHUNK
     assert (worker["loaded_tokens"], worker["load_failed_tokens"]) == (2 * CHUNK, loadable - 2 * CHUNK)
     assert worker["load_deadline_missed"] == 1
+
+
+def test_the_cost_gate_learns_from_vllms_steps_and_the_workers_stats(runs: dict[str, Any]) -> None:
+    """cost_gate on: the prefill rate comes from vLLM's own steps, the memory tier's load
+    rate from the workers' stats of the step that reported the load finished (its tier
+    mix from the lookup); one load is too few samples to skip anything, so the output is
+    plain vLLM's."""
+    run = runs["cost_gate"]
+    assert run["tokens"] == runs["plain"]["tokens"]
+    gate = run["cost_gate"]
+    assert gate["prefill_rate"] and gate["prefill_rate"] > 0
+    assert gate["tier_samples"].get("memory", 0) >= 1 and gate["tier_cost"]["memory"] > 0
