@@ -213,10 +213,10 @@ def main(argv: list[str]) -> int:
         "counters": _counters(),
         "scheduler_stats": dict(scheduler.scheduler.stats) if scheduler is not None else {},
     }
-    gate = scheduler.scheduler.cost_gate if scheduler is not None else None
-    if gate is not None:  # what the cost gate learned from vLLM's steps and the workers' stats
-        result["cost_gate"] = {"prefill_rate": gate.prefill_rate, "tier_cost": gate.tier_cost,
-                               "tier_samples": gate.tier_samples}  # fmt: skip
+    costs = scheduler.scheduler.cost_gate if scheduler is not None else None
+    if costs is not None:  # what the cost gate learned from vLLM's steps and the workers' stats
+        result["cost_gate"] = {"prefill_rate": costs.prefill_rate, "tier_cost": costs.tier_cost,
+                               "tier_samples": costs.tier_samples}  # fmt: skip
     out_path.write_text(json.dumps(result))
     return 0
 
