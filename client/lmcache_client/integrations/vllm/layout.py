@@ -25,41 +25,16 @@ import dataclasses
 import logging
 from typing import Any
 
-from ..blocklayout import BlockLayout, LayoutError, probe_block_layout
+from ..blocklayout import LayoutError, probe_block_layout
 from ..layout import ChunkLayout, MLAChunkLayout
 from ..paged import PagedCopier
+from .enginelayout import EngineLayout, UnsupportedLayout, _ordered, _refuse
 from .groups import GroupCopier, group_infos
+from .mla import discover_mla
+
+__all__ = ["EngineLayout", "UnsupportedLayout", "discover"]
 
 logger = logging.getLogger(__name__)
-
-
-class UnsupportedLayout(ValueError):
-    """vLLM's KV caches are in a layout this connector does not read."""
-
-
-@dataclasses.dataclass
-class EngineLayout:
-    """What the worker needs to move chunks in and out of vLLM's caches."""
-
-    backend: str
-    block_size: int
-    """Tokens per scheduler block (the block ids vLLM's scheduler hands out)."""
-    block_tokens: int
-    """Tokens per kernel block (the layer tensors' third dimension)."""
-    block: BlockLayout
-    copier: PagedCopier
-    layer_names: list[str]
-    groups: list[GroupCopier] | None = None
-    """With several KV cache groups (vLLM's hybrid manager): each group's copier, in
-    vLLM's group order (``copier`` is then the first group's)."""
-
-    def describe(self) -> str:
-        kinds = f", groups {'+'.join(g.info.kind for g in self.groups)}" if self.groups else ""
-        return (
-            f"{self.backend}, {len(self.layer_names)} layers{kinds}, blocks of {self.block_size} tokens"
-            f"{'' if self.block_tokens == self.block_size else f' (kernel blocks of {self.block_tokens})'}, "
-            f"{self.block.description}"
-        )
 
 
 class _UnitScales:
@@ -75,25 +50,6 @@ class _UnitScales:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._layer, name)
-
-
-def _refuse(backend: str, shape: Any, reason: str) -> UnsupportedLayout:
-    return UnsupportedLayout(
-        f"lmcache-server connector cannot use vLLM's KV cache (attention backend {backend}, "
-        f"per-layer shape {tuple(shape)}): {reason}"
-    )
-
-
-def _ordered(kv_caches: dict[str, Any]) -> list[str]:
-    names = list(kv_caches)
-    try:
-        from vllm.model_executor.models.utils import extract_layer_index
-    except ImportError:  # pragma: no cover - vLLM without the helper: keep vLLM's order
-        return names
-    try:
-        return sorted(names, key=extract_layer_index)
-    except (AssertionError, ValueError):
-        return names
 
 
 def _check_spec(spec: Any, backend: str, shape: Any) -> None:
@@ -155,8 +111,6 @@ def discover(
     shape = tuple(first.shape)
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if isinstance(chunk, MLAChunkLayout) or any("MLA" in type(g.kv_cache_spec).__name__ for g in groups):
-        from .mla import discover_mla  # MLA latents: their own probe and copier
-
         return discover_mla(kv_caches, vllm_config, kv_cache_config, chunk, copy_threads=copy_threads)
     if len(groups) > 1:  # vLLM's hybrid manager: one copier per group (.groups)
         return _discover_groups(kv_caches, vllm_config, kv_cache_config, chunk, copy_threads=copy_threads)

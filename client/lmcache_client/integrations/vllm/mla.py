@@ -34,7 +34,7 @@ from typing import Any
 from ..blocklayout import LayoutError, probe_block_layout
 from ..layout import ChunkLayout, MLAChunkLayout
 from ..paged import PagedCopier, Slots
-from .layout import EngineLayout, UnsupportedLayout, _ordered, _refuse
+from .enginelayout import EngineLayout, UnsupportedLayout, _ordered, _refuse
 
 logger = logging.getLogger(__name__)
 
