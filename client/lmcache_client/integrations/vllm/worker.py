@@ -16,6 +16,11 @@ At ``register_kv_caches`` the layout of vLLM's caches is read from vLLM
   before the step ends, so blocks are not reused yet) gathers each save's
   chunks of every layer straight into reserved pool slots and commits them.
 
+With several KV cache groups (vLLM's hybrid manager, sliding-window models)
+each group's layers move through their own copier and block table, a
+sliding-window group's null blocks are never touched, and failed loads are
+reported per request (:meth:`WorkerSide.take_failed_requests`; :mod:`.groups`).
+
 Loads and saves complete within the step.  :class:`WorkerStats` counts what
 moved, for vLLM's own connector metrics.
 
