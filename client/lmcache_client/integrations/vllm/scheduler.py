@@ -32,7 +32,6 @@ Primitive: :class:`SchedulerSide`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -42,51 +41,14 @@ from ..transfer import ChunkTransfer
 from .compat import resumed
 from .costgate import CostGate
 from .events import ConnectorEvents
-from .groups import GroupInfo, savable, split_groups
+from .groups import GroupInfo, savable
 from .lookups import LookupService
 from .matching import Matcher, key_root
 from .meta import LMCacheServerConnectorMetadata, LoadRequest, SaveRequest
 from .params import DEFAULT
+from .tracker import Tracker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Tracker:
-    keys: list[bytes]
-    """Keys of every full chunk of the prompt (and, with ``save_decode_cache``, of the
-    generated tokens' full chunks computed so far)."""
-    prompt_len: int
-    block_ids: list[int]
-    stored_chunks: int
-    """Leading full chunks the daemon holds already (found by lookup or saved)."""
-    tail_key: bytes | None = None
-    """Key of the prompt's partial last chunk (None: no tail of 2+ tokens)."""
-    tail_stored: bool = False
-    tail_start: int = 0
-    """First token of the tail (the end of the last full chunk)."""
-    prompt: list[int] | None = None
-    """The prompt's token ids, for KV events (None: a salted chain, not announced)."""
-    group_ids: list[list[int]] | None = None
-    """Several KV cache groups: each group's blocks (``block_ids`` is the first's)."""
-    unsavable: bool = False
-    """A sliding-window group lost a chunk's blocks before it was stored: no more saves."""
-
-    def set_blocks(self, block_ids: Any, extend: bool = False) -> None:
-        """Take vLLM's block ids (a tuple of per-group lists) as the blocks or, with
-        ``extend``, as new blocks appended to them."""
-        groups = split_groups(block_ids)
-        if not extend or self.group_ids is None:
-            self.group_ids = [[] for _ in groups] if len(groups) > 1 else None
-            if not extend:
-                self.block_ids = []
-        self.block_ids.extend(groups[0] if groups else [])
-        if self.group_ids is not None:
-            for have, new in zip(self.group_ids, groups):
-                have.extend(new)
-
-    def groups_copy(self) -> list[list[int]] | None:
-        return [list(ids) for ids in self.group_ids] if self.group_ids is not None else None
 
 
 class SchedulerSide(Matcher):
@@ -153,7 +115,7 @@ class SchedulerSide(Matcher):
         self._delayed: list[str] = []
         """Requests answered ``delay_free`` since the last metadata: the workers report them."""
         self._loads: dict[str, tuple[int, int]] = {}
-        self._trackers: dict[str, _Tracker] = {}
+        self._trackers: dict[str, Tracker] = {}
         self.events: ConnectorEvents | None = None
         """Set when vLLM publishes KV events: blocks stored to / loaded from the daemon (vllm/events.py)."""
         self.groups: list[GroupInfo] = []
@@ -220,7 +182,7 @@ class SchedulerSide(Matcher):
         if root is None:  # pragma: no cover - a hit implies a root
             return
         full, tail = self.prompt_keys(prompt, root)
-        tracker = self._trackers.get(req_id) or _Tracker(
+        tracker = self._trackers.get(req_id) or Tracker(
             full, len(prompt), [], 0, tail, False, len(full) * self.chunk_size, prompt if root == ROOT_KEY else None
         )
         loads = LMCacheServerConnectorMetadata()
@@ -273,7 +235,7 @@ class SchedulerSide(Matcher):
             hit = self._hits.pop(new.req_id, None)
             full, tail = self.prompt_keys(prompt, root)
             hit_chunks = hit.hit_chunks if hit else 0
-            tracker = _Tracker(
+            tracker = Tracker(
                 full,
                 len(prompt),
                 [],
@@ -313,7 +275,7 @@ class SchedulerSide(Matcher):
             self._measured = [load.req_id for load in meta.loads]  # loaded within this step
         return meta
 
-    def _emit_load(self, meta: LMCacheServerConnectorMetadata, req_id: str, tracker: _Tracker) -> None:
+    def _emit_load(self, meta: LMCacheServerConnectorMetadata, req_id: str, tracker: Tracker) -> None:
         span = self._loads.pop(req_id, None)
         if span is None:
             return
@@ -340,7 +302,7 @@ class SchedulerSide(Matcher):
         tracker.tail_stored = tracker.tail_stored or with_tail
 
     def _emit_save(
-        self, meta: LMCacheServerConnectorMetadata, req_id: str, tracker: _Tracker, computed: int, before: int = 0
+        self, meta: LMCacheServerConnectorMetadata, req_id: str, tracker: Tracker, computed: int, before: int = 0
     ) -> None:
         """Save what ``computed`` tokens complete; ``before``: tokens computed when the step began."""
         params = self._params.get(req_id, DEFAULT)
@@ -388,7 +350,7 @@ class SchedulerSide(Matcher):
         tracker.stored_chunks = max(first, ready)
         tracker.tail_stored = tracker.tail_stored or with_tail
 
-    def _extend_keys(self, req_id: str, tracker: _Tracker, computed: int) -> int:
+    def _extend_keys(self, req_id: str, tracker: Tracker, computed: int) -> int:
         """Keys of the full chunks of generated tokens computed by now (``save_decode_cache``);
         returns how many tokens have keys."""
         request, root = self._requests.get(req_id), self._roots.get(req_id)
@@ -404,13 +366,13 @@ class SchedulerSide(Matcher):
                 tracker.prompt = tokens[: max(end, len(tracker.prompt))]
         return max(tracker.prompt_len, len(tracker.keys) * c)
 
-    def _announce(self, req_id: str, tracker: _Tracker, first: int, end: int) -> None:
+    def _announce(self, req_id: str, tracker: Tracker, first: int, end: int) -> None:
         """KV events for full chunks ``first .. end - 1`` (stored or loaded), when vLLM publishes them."""
         request = self._requests.get(req_id)
         if self.events is not None and request is not None and tracker.prompt is not None and end > first:
             self.events.chunks(request, first, end, tracker.prompt)
 
-    def _chunk_tokens(self, tracker: _Tracker, first: int, end: int) -> list[ChunkTokens] | None:
+    def _chunk_tokens(self, tracker: Tracker, first: int, end: int) -> list[ChunkTokens] | None:
         """Parent key and token ids of full chunks ``first .. end - 1`` (KV events)."""
         if tracker.prompt is None or end <= first:
             return None
