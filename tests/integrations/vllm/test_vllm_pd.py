@@ -130,10 +130,11 @@ def test_handoff_output_equals_a_single_instance_and_the_decoder_computes_one_to
     assert proxy.prefill_failures == 0
 
 
-def test_a_consumer_request_ahead_of_its_producer_waits_then_loads(pd: dict[str, Any]) -> None:
+def ahead_of_producer(pd: dict[str, Any], prompt: list[int]) -> tuple[list[list[str]], dict[str, float]]:
+    """Send ``prompt`` to the consumer first, then (once it is looking the prompt up
+    again and again, every 10 ms: waiting) to the producer: the consumer's answers
+    and its counters before."""
     producer, consumer = pd["producer"], pd["consumer"]
-    prompt = prompt_tokens(900, seed=34)
-    answer = reference(pd, prompt)
     before = counters(consumer)
     got: list[list[str]] = []
     early = threading.Thread(target=lambda: got.append(complete(consumer.url, pd["model"], prompt)))
@@ -141,16 +142,31 @@ def test_a_consumer_request_ahead_of_its_producer_waits_then_loads(pd: dict[str,
         looked = daemon.stats()["lookups"]
         early.start()
         try:
-            # The consumer looks the prompt up again and again (every 10 ms): it is waiting.
             wait_for(lambda: daemon.stats()["lookups"] >= looked + 3, 60)
             complete(producer.url, pd["model"], prompt, n=1)  # the prefill arrives late
         finally:
             early.join(600)
-    assert got == [answer]
+    return got, before
+
+
+def test_a_consumer_request_ahead_of_its_producer_waits_then_loads(pd: dict[str, Any]) -> None:
+    """The consumer's wait is a bound on wall-clock time (``load_wait_s``): on a
+    machine busy enough that the producer's prefill outlasts it, the wait expires and
+    the consumer computes, which is the right answer but not this test's case.  Such
+    an attempt is checked for its answer and repeated with a fresh prompt (three at most)."""
+    consumer = pd["consumer"]
+    for attempt in range(3):
+        prompt = prompt_tokens(900, seed=34 + 100 * attempt)
+        answer = reference(pd, prompt)
+        got, before = ahead_of_producer(pd, prompt)
+        assert got == [answer]
+        after = counters(consumer)
+        assert after["load_waits"] - before.get("load_waits", 0) == 1
+        if after.get("load_wait_expired", 0) == before.get("load_wait_expired", 0):
+            break  # the producer came within the wait: the case under test
+    else:
+        pytest.fail(f"the producer's prefill outlasted the consumer's {LOAD_WAIT_S} s wait three times")
     assert delta(counter(consumer, "loaded_tokens"), before.get("loaded_tokens", 0), len(prompt) - 1) == len(prompt) - 1
-    after = counters(consumer)
-    assert after["load_waits"] - before.get("load_waits", 0) == 1
-    assert after.get("load_wait_expired", 0) == before.get("load_wait_expired", 0)
 
 
 def test_producer_dying_mid_handoff_ends_in_correct_output(pd: dict[str, Any]) -> None:
@@ -158,7 +174,11 @@ def test_producer_dying_mid_handoff_ends_in_correct_output(pd: dict[str, Any]) -
     prompt = prompt_tokens(1000, seed=35)
     answer = reference(pd, prompt)
     # The producer gets as far as the first 600 tokens (2 full chunks stored), then dies.
+    # Its saves are asynchronous: they may still be in flight when the answer comes, so
+    # it dies once they are counted (a kill before would leave fewer chunks).
+    stored = counter(producer, "stored_chunks")()
     complete(producer.url, pd["model"], prompt[:600], n=1)
+    assert delta(counter(producer, "stored_chunks"), stored, 3) == 3  # two full chunks and the tail
     producer.kill()
     before = counters(consumer)
     failures = proxy.prefill_failures
