@@ -38,7 +38,10 @@ The class is a thin shim: the scheduler role runs a
 tensor parallelism each rank stores its own shard (namespace
 ``tp<rank>of<size>``) and the scheduler's lookup answers for the smallest
 hit over all ranks; MLA models store their latent once per node (namespace
-``tp0of1``, layout ``L1TC``): rank 0 stores, every rank loads (:mod:`.mla`).
+``tp0of1``, layout ``L1TC``): rank 0 stores, every rank loads (:mod:`.mla`).  Mamba / GDN hybrids (Qwen3-Next) store
+their attention layers as chunks and each boundary's recurrent state beside
+them; a hit ends only where a state of exactly that length is stored
+(:mod:`.states`).
 
 Primitives: :class:`LMCacheServerConnectorV1`, :class:`ConnectorSettings`,
 :func:`layout_from_vllm_config`.
@@ -46,6 +49,7 @@ Primitives: :class:`LMCacheServerConnectorV1`, :class:`ConnectorSettings`,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -60,9 +64,11 @@ from .events import ConnectorEvents
 from .groups import SLIDING, check_groups, group_infos
 from .lanes import Lane
 from .lookups import LookupService
+from .mamba import StateLayout
 from .meta import LMCacheServerConnectorMetadata
 from .scheduler import SchedulerSide
 from .settings import CONSUMER_WAIT_S, ROLES, ConnectorSettings
+from .states import StateWiring
 from .stats import LMCacheServerConnectorStats, prom_metrics_class
 from .transfers import TransferEngine
 from .worker import WorkerSide
@@ -87,6 +93,16 @@ def layout_from_vllm_config(vllm_config: Any, chunk_size: int) -> ChunkLayout:
         chunk_size=chunk_size,
         dtype=dtype,
     )
+
+
+def _state_wiring(kv_cache_config: Any, chunk_size: int) -> StateWiring | None:
+    """A Mamba / GDN hybrid's wiring, None without Mamba groups (or without vLLM's spec classes)."""
+    if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
+        return None
+    if not any(type(g.kv_cache_spec).__name__ == "MambaSpec" for g in kv_cache_config.kv_cache_groups):
+        return None
+    layout = StateLayout.from_kv_cache_config(kv_cache_config)
+    return StateWiring(layout, kv_cache_config, chunk_size) if layout is not None else None
 
 
 def _fp8_dtype(cache_dtype: str) -> str:
@@ -135,12 +151,18 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         if self.kv_role not in ROLES:
             raise ValueError(f"kv_role {self.kv_role!r}: expected one of {', '.join(ROLES)}")
         self.layout = layout_from_vllm_config(vllm_config, self.settings.chunk_size)
-        check_groups(kv_cache_config)  # a group kind it does not understand stops vLLM here
-        self.groups = group_infos(kv_cache_config) if kv_cache_config is not None else []
-        if len(self.groups) > 1 and not self.settings.async_transfers:
+        self.states = _state_wiring(kv_cache_config, self.settings.chunk_size)
+        """A Mamba / GDN hybrid's groups (:mod:`.states`); None: no Mamba group."""
+        chunk_groups = self.states.attention_config if self.states is not None else kv_cache_config
+        check_groups(chunk_groups)  # a group kind it does not understand stops vLLM here
+        self.groups = group_infos(chunk_groups) if kv_cache_config is not None else []
+        if self.states is not None:  # the chunks hold the attention layers only
+            self.layout = dataclasses.replace(self.layout, num_layers=len(self.states.attention_layers))
+        kinds = [g.kind for g in self.groups] + ["mamba"] * len(self.states.state_ids if self.states else ())
+        if len(kinds) > 1 and not self.settings.async_transfers:
             raise ValueError(
-                f"lmcache-server connector: the model has {len(self.groups)} KV cache groups "
-                f"({', '.join(g.kind for g in self.groups)}); vLLM takes their load failures only per request, "
+                f"lmcache-server connector: the model has {len(kinds)} KV cache groups "
+                f"({', '.join(kinds)}); vLLM takes their load failures only per request, "
                 "from asynchronous loads: set async_transfers to true (the default)"
             )
         model_id = self.settings.model_id or str(vllm_config.model_config.model)
@@ -185,6 +207,17 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
             )
             self.scheduler.events = _connector_events(vllm_config, self.settings.chunk_size)
             self.scheduler.groups = self.groups if len(self.groups) > 1 else []
+            if self.states is not None:
+                self.scheduler.states = self.states
+                self.scheduler.state_transfers = [
+                    ChunkTransfer(
+                        self.client,
+                        self._state_namespace(namespace_of(r)),
+                        self.states.layout.state_bytes,
+                        codec="none",
+                    )
+                    for r in range(shards)
+                ]
             namespace: str = transfers[0].namespace
             policy = str(getattr(transfer_config, "kv_load_failure_policy", "recompute"))
             if policy != "recompute" and self.kv_role != "kv_producer":
@@ -200,6 +233,9 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
                 transfer, self.layout, copy_threads=self.settings.copy_threads, batch_copies=self.settings.batch_copies
             )
             self.worker.stores = shards == tp_size or tp_rank() == 0
+            if self.states is not None:
+                self.worker.states = self.states
+                self.worker.state_namespace = self._state_namespace(namespace_of(tp_rank()))
             if is_async:
                 self.transfers = TransferEngine(
                     self.worker,
@@ -215,6 +251,11 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
             self.settings.address,
             namespace,
         )
+
+    def _state_namespace(self, kv: Any) -> str:
+        """The Mamba states' namespace beside the chunks' ``kv`` (:meth:`.mamba.StateLayout.namespace`)."""
+        assert self.states is not None
+        return self.states.layout.namespace(kv).wire()
 
     def _new_client(self) -> CacheClient:
         s = self.settings
@@ -320,6 +361,8 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
 
     def wait_for_save(self) -> None:
         meta = self._meta()
+        if meta is not None and meta.state_saves:  # now: vLLM may hand their blocks out next step
+            self._worker().save_states(meta.state_saves)
         if meta is None or not meta.saves:
             return
         if self.transfers is not None:
@@ -353,8 +396,9 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         return self._worker().take_failed_blocks() if self.worker is not None else set()
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        """A load fills every KV cache group (a sliding-window group: the blocks of its window)."""
-        return tuple(range(max(1, len(self.groups))))
+        """A load fills every KV cache group (a sliding-window group: the blocks of its window;
+        a Mamba group: the state the hit ends with, or the load fails)."""
+        return tuple(range(max(1, len(getattr(self._kv_cache_config, "kv_cache_groups", None) or self.groups))))
 
     def get_kv_connector_stats(self) -> LMCacheServerConnectorStats | None:
         data = self.worker.take_stats() if self.worker is not None else self._scheduler().take_stats()

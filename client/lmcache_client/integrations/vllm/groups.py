@@ -42,7 +42,9 @@ What the connector stores, and why that is correct:
 
 Spec kinds the connector understands: ``FullAttentionSpec``,
 ``SlidingWindowSpec`` and (a group of its own, :mod:`.mla`)
-``MLAAttentionSpec``.  Any other kind (Mamba state, chunked local attention,
+``MLAAttentionSpec``; a Mamba hybrid's ``MambaSpec`` groups are taken off
+by :mod:`.states` before these checks (their state moves on the side; one
+outside align mode is refused there).  Any other kind (chunked local attention,
 cross attention, DeepSeek's compressed or sparse caches, ...) is refused at
 start with one message naming every such group (:func:`check_groups`).
 

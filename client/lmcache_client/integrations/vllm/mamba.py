@@ -41,8 +41,8 @@ C-contiguous (:attr:`StateLayout.state_bytes` in all).  The namespace's
 dtype (:meth:`StateLayout.namespace`), so states of another geometry never mix
 with these nor with full-attention chunks.
 
-Not wired into the connector yet (the worker/scheduler's multi-group support
-lands separately); docs/integrations.md "Mamba / GDN hybrids" says what remains.
+The connector's use of it (what is saved, looked up and loaded) is in
+:mod:`.states` and :mod:`.statescheduler`; docs/integrations.md "Mamba / GDN hybrids".
 
 Primitives: :func:`state_key`, :func:`state_key_after`, :func:`state_slot`,
 :func:`state_after_step`, :class:`StateLayout` (:meth:`~StateLayout.from_kv_cache_config`,

@@ -51,6 +51,8 @@ class _Hit:
     """Leading chunks the daemon holds, the tail counting as the chunk after the full ones."""
     tiers: list[str] = dataclasses.field(default_factory=list)
     """The daemon tier of each hit chunk (the first rank's)."""
+    state_tokens: int = 0
+    """A Mamba hybrid: the length of the stored state the hit ends with (:mod:`.states`)."""
 
 
 @dataclasses.dataclass

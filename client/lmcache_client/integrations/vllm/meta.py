@@ -13,6 +13,7 @@ import dataclasses
 
 from ...keys import ChunkTokens
 from .compat import KVConnectorMetadata
+from .states import StateSave
 
 
 @dataclasses.dataclass
@@ -37,6 +38,12 @@ class LoadRequest:
     group_block_ids: list[list[int]] | None = None
     """Several KV cache groups (:mod:`.groups`): each group's blocks (``block_ids`` is the
     first's); a sliding-window group's null blocks are never written."""
+    state_tokens: int = 0
+    """A Mamba hybrid (:mod:`.states`): the load ends with the state after this many
+    tokens (``end_token``), under ``state_key`` into ``state_blocks`` (one per Mamba
+    group); a load whose state is missing or mismatched fails as a whole."""
+    state_key: bytes | None = None
+    state_blocks: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -74,3 +81,5 @@ class LMCacheServerConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """The step computes nothing (a worker may wait a little for a load to finish)."""
     load_deadlines: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per-request load deadlines in seconds (``kv_transfer_params``), overriding the setting."""
+    state_saves: list[StateSave] = dataclasses.field(default_factory=list)
+    """Mamba states vLLM handed off in this step (:mod:`.states`), copied out at ``wait_for_save``."""

@@ -46,12 +46,13 @@ from .lookups import LookupService
 from .matching import Matcher, key_root
 from .meta import LMCacheServerConnectorMetadata, LoadRequest, SaveRequest
 from .params import DEFAULT
+from .statescheduler import StateScheduling
 from .tracker import Tracker
 
 logger = logging.getLogger(__name__)
 
 
-class SchedulerSide(Matcher):
+class SchedulerSide(StateScheduling, Matcher):
     """Per-request bookkeeping of the scheduler process (single-threaded, as vLLM's scheduler).
 
     ``transfers`` has one entry per tensor-parallel rank (the rank's namespace);
@@ -120,6 +121,7 @@ class SchedulerSide(Matcher):
         """Set when vLLM publishes KV events: blocks stored to / loaded from the daemon (vllm/events.py)."""
         self.groups: list[GroupInfo] = []
         """vLLM's KV cache groups when there are several (:mod:`.groups`); empty: one."""
+        self.init_states()
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         if request.request_id in self._parked:
@@ -127,6 +129,8 @@ class SchedulerSide(Matcher):
             self.stats["load_retries_refused"] += 1
             return 0
         n = super().num_new_matched_tokens(request, num_computed_tokens)
+        if n and self.states is not None:
+            n = self._state_hit(request, num_computed_tokens)
         if n and self.cost_gate is not None:
             keep = self.cost_gate.plan(self._pieces(request.request_id, n))
             if keep < n:
@@ -170,6 +174,11 @@ class SchedulerSide(Matcher):
         if hit is None or num_external_tokens <= 0:
             return
         self._loads[req_id] = (hit.local_tokens, hit.local_tokens + num_external_tokens)
+        if self.states is not None:
+            root = self._roots.get(req_id)
+            keys = self.prompt_keys(list(request.prompt_token_ids or []), root)[0] if root is not None else []
+            n = hit.local_tokens + num_external_tokens
+            self._state_loads[req_id] = self.states.load_plan(blocks.get_block_ids(), keys, n, hit.state_tokens)
         self.stats["lookup_hit_tokens"] += num_external_tokens
         if self.cost_gate is not None:
             self._load_mix[req_id] = self.hit_sources(req_id, num_external_tokens)
@@ -187,7 +196,7 @@ class SchedulerSide(Matcher):
         )
         loads = LMCacheServerConnectorMetadata()
         block_ids, group_ids = tracker.block_ids, tracker.group_ids
-        tracker.set_blocks(blocks.get_block_ids())
+        tracker.set_blocks(self._blocks(blocks.get_block_ids()))
         self._emit_load(loads, req_id, tracker)
         if req_id in self._trackers:  # the resumed request's blocks come with its next schedule
             tracker.block_ids, tracker.group_ids = block_ids, group_ids
@@ -245,7 +254,7 @@ class SchedulerSide(Matcher):
                 len(full) * self.chunk_size,
                 prompt if root == ROOT_KEY else None,
             )
-            tracker.set_blocks(new.block_ids)
+            tracker.set_blocks(self._blocks(new.block_ids))
             self._trackers[new.req_id] = tracker
             self._parked.discard(new.req_id)
             self._emit_load(meta, new.req_id, tracker)
@@ -258,7 +267,7 @@ class SchedulerSide(Matcher):
                 continue
             tracker = running
             self._parked.discard(req_id)
-            new_blocks = cached.new_block_ids[i] if cached.new_block_ids[i] is not None else []
+            new_blocks = self._blocks(cached.new_block_ids[i]) if cached.new_block_ids[i] is not None else []
             if resumed(cached, i, req_id):
                 tracker.set_blocks(new_blocks)
                 hit = self._hits.pop(req_id, None)
@@ -271,6 +280,8 @@ class SchedulerSide(Matcher):
             self._emit_load(meta, req_id, tracker)
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._emit_save(meta, req_id, tracker, computed, cached.num_computed_tokens[i])
+        if self.states is not None:
+            self._emit_state_saves(meta, scheduler_output)
         if not self.async_load:
             self._measured = [load.req_id for load in meta.loads]  # loaded within this step
         return meta
@@ -284,6 +295,7 @@ class SchedulerSide(Matcher):
         first = min(start // self.chunk_size, n_full)
         last = min(-(-end // self.chunk_size), n_full)
         with_tail = tracker.tail_key is not None and end > tracker.tail_start
+        state_key, state_blocks, state_tokens = self._state_loads.pop(req_id, (None, None, 0))
         meta.loads.append(
             LoadRequest(
                 req_id,
@@ -295,6 +307,9 @@ class SchedulerSide(Matcher):
                 tracker.tail_key if with_tail else None,
                 tracker.prompt_len - tracker.tail_start if with_tail else 0,
                 tracker.groups_copy(),
+                state_tokens,
+                state_key,
+                state_blocks,
             )
         )
         self._announce(req_id, tracker, first, last)
@@ -390,6 +405,7 @@ class SchedulerSide(Matcher):
         self._hits.pop(req_id, None)
         self._roots.pop(req_id, None)
         self._loads.pop(req_id, None)
+        self._state_loads.pop(req_id, None)
         self._trackers.pop(req_id, None)
         self._waiting.pop(req_id, None)
         self._requests.pop(req_id, None)

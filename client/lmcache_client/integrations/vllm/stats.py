@@ -21,6 +21,7 @@ are plain counters (sums over the interval):
 | ``load_tokens_skipped_by_cost`` | scheduler | tokens computed instead of loaded by those two (``cost_gate``) |
 | ``load_deadline_missed`` | worker | loads that used only what arrived by ``load_deadline_ms`` |
 | ``saves_dropped`` | worker | saves not made because ``max_queued_saves`` were queued (a slow daemon) |
+| ``stored_states`` | worker | Mamba / GDN states stored (hybrid models, :mod:`.states`) |
 | ``saves_out_of_window`` | scheduler | requests whose saves stopped (a sliding window freed a chunk's blocks) |
 | ``daemon_failures`` / ``short_circuited`` | both | calls finding the daemon down / misses from the breaker |
 
@@ -57,6 +58,7 @@ COUNTERS = {
     "load_tokens_skipped_by_cost": "Tokens computed instead of loaded because loading them was slower (cost_gate)",
     "load_deadline_missed": "Loads that used only the chunks that arrived by their deadline (load_deadline_ms)",
     "saves_dropped": "Saves not made because max_queued_saves saves were queued (a slow daemon)",
+    "stored_states": "Mamba / GDN states stored in lmcache-server (hybrid models)",
     "saves_out_of_window": "Requests whose saves stopped because a sliding-window group freed a chunk's blocks first",
     "daemon_failures": "lmcache-server calls that found the daemon down, slow or draining",
     "short_circuited": "lmcache-server calls answered as misses by the open circuit breaker",

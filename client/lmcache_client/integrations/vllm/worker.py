@@ -41,6 +41,7 @@ from ..transfer import ChunkTransfer
 from .groups import GroupSlots, group_slots
 from .layout import EngineLayout, discover
 from .meta import LoadRequest, SaveRequest
+from .states import StateMover, StateSave, StateWiring
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class WorkerStats:
     load_deadline_missed: int = 0
     saves_dropped: int = 0
     """Saves not made because too many were queued (asynchronous mode: a slow daemon)."""
+    stored_states: int = 0
+    """Mamba states stored (:mod:`.states`)."""
 
     def take(self) -> dict[str, float]:
         """The counters since the last take (vLLM's per-step stats); they restart at zero."""
@@ -112,10 +115,20 @@ class WorkerSide:
         self._failed: set[int] = set()
         self._failed_requests: set[str] = set()
         """Several KV cache groups: failed loads are reported per request (``failed_recving``)."""
+        self.states: StateWiring | None = None
+        """A Mamba hybrid (:mod:`.states`): set before ``register``; its states move beside the chunks."""
+        self.state_namespace: Any = None
+        """The states' namespace (with ``states``)."""
+        self._mover: StateMover | None = None
 
     # -- register_kv_caches ---------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
         """Read vLLM's layout from vLLM and check it against the namespace's."""
+        if self.states is not None:  # the chunks hold the attention groups; the states the rest
+            bound = self.states.layout.bind(self.states.state_caches(kv_caches, vllm_config))
+            self._mover = StateMover(bound, self.state_namespace)
+            kv_caches = {n: t for n, t in kv_caches.items() if n in self.states.attention_layers}
+            kv_cache_config = self.states.attention_config
         self.engine = discover(kv_caches, vllm_config, kv_cache_config, self.layout, copy_threads=self.copy_threads)
         if self.engine.copier.device.type == "cuda" and self.transfer.client.pin_shared_pool():
             logger.info("daemon's shared pool page-locked for CUDA copies")
@@ -179,7 +192,7 @@ class WorkerSide:
             self.stats.load_deadline_missed += 1
         if result.end < request.end_token:
             failed = blocks_covering(request.block_ids, result.end, request.end_token, self._engine().block_size)
-            if self._engine().groups:  # vLLM 0.32 takes only per-request failures with several groups
+            if self._engine().groups or self.states is not None:  # vLLM 0.32: per request with several groups
                 self._failed_requests.add(request.req_id)
             else:
                 self._failed.update(failed)
@@ -190,7 +203,9 @@ class WorkerSide:
                 result.end - request.start_token,
                 request.end_token - request.start_token,
                 " by its deadline" if result.late else "",
-                "the request is recomputed" if self._engine().groups else f"{len(failed)} blocks to recompute",
+                "the request is recomputed"
+                if self._engine().groups or self.states is not None
+                else f"{len(failed)} blocks to recompute",
             )
 
     def _load_one(
@@ -251,7 +266,26 @@ class WorkerSide:
                 tail = True  # copied chunk by chunk on this thread's stream
         if engine.copier.device.type == "cuda" and (batched is None or tail):  # else each batch's event was waited
             _torch().cuda.current_stream().synchronize()
+        if request.state_tokens and not self._load_state(request, transfer, covered, result):
+            return request.start_token  # no state of exactly this length: the request is recomputed
         return max(request.start_token, min(request.end_token, covered))
+
+    def _load_state(self, request: LoadRequest, transfer: ChunkTransfer, covered: int, result: LoadResult) -> bool:
+        """Write the request's Mamba state once every chunk up to it is in (:mod:`.states`)."""
+        if self._mover is None or result.late:
+            return False
+        nbytes = self._mover.load(request, transfer, covered)
+        result.nbytes += nbytes
+        return nbytes > 0
+
+    def save_states(self, saves: list[StateSave]) -> int:
+        """Copy out and store the Mamba states vLLM handed off in this step (now: vLLM may
+        reuse their blocks from the next step on); returns states stored.  Never raises."""
+        if self._mover is None or not self.stores or self.asleep:
+            return 0
+        stored = self._mover.save(saves, self.transfer)
+        self.stats.stored_states += stored
+        return stored
 
     def take_stats(self) -> dict[str, float]:
         self.stats.add_to(self.totals)

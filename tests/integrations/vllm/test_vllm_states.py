@@ -1,0 +1,124 @@
+"""The Mamba / GDN wiring's rules (integrations/vllm/states.py), without vLLM: which groups
+the chunks see, which hand-offs become state saves, and which prefix a hit may end at."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from lmcache_client import chunk_keys
+from lmcache_client.integrations.vllm.mamba import StateGroup, StateLayout, state_key
+from lmcache_client.integrations.vllm.states import StateMover, StateWiring
+
+BLOCK, CHUNK = 1152, 256
+
+
+def _wiring() -> StateWiring:
+    """Qwen3-Next's order: three GDN groups (0, 1, 2), then the full-attention group (3)."""
+    groups = tuple(StateGroup(g, (f"model.layers.{g}.linear_attn",), ((3, 8),), ("float32",)) for g in range(3))
+    layout = StateLayout(groups, BLOCK, "gdn_attn")
+    config = types.SimpleNamespace(
+        kv_cache_groups=[
+            types.SimpleNamespace(layer_names=[f"model.layers.{g}.x"], kv_cache_spec=None) for g in range(4)
+        ]
+    )
+    return StateWiring(layout, config, CHUNK)
+
+
+def test_the_chunks_see_the_attention_groups_only() -> None:
+    w = _wiring()
+    assert w.attention_ids == [3] and w.state_ids == [0, 1, 2] and w.step == 2304
+    assert w.attention_layers == {"model.layers.3.x"}
+    blocks = ([0, 7], [0, 8], [0, 9], [1, 2, 3])
+    assert w.attention_blocks(blocks) == ([1, 2, 3],)
+    assert w.state_blocks(blocks, 2304) == [7, 8, 9]  # slot 1: the state after two blocks
+    assert w.state_blocks(blocks, 1152) is None  # slot 0 is the null block: no state there
+    assert w.state_blocks(blocks, 3456) is None  # no slot 2
+    with pytest.raises(ValueError, match="whole blocks"):
+        w.state_blocks(blocks, 2300)
+
+
+def test_only_hand_offs_at_a_chunk_end_of_every_group_are_saved() -> None:
+    w = _wiring()
+    prompt = list(range(5000))
+    keys = chunk_keys(prompt, CHUNK)
+    offloads = [(g, 10 + g, 1152) for g in range(3)]  # 1152 ends no chunk of 256
+    offloads += [(g, 20 + g, 2304) for g in range(3)]
+    offloads += [(0, 30, 3456), (1, 31, 3456)]  # one group missing: not saved
+    [save] = w.saves("r", offloads, keys)
+    assert (save.req_id, save.tokens, save.blocks) == ("r", 2304, [20, 21, 22])
+    assert save.key == state_key(prompt, 2304, CHUNK)  # the module's key of exactly 2304 tokens
+    assert w.saves("r", [(g, 0, 2304) for g in range(3)], keys) == []  # the null block holds nothing
+    assert w.saves("r", [(g, 5, 2304) for g in range(3)], keys[:8]) == []  # chunks not known that far
+
+
+def test_a_hit_is_the_longest_stored_state_below_the_prompt() -> None:
+    w = _wiring()
+    prompt = list(range(7000))
+    keys = chunk_keys(prompt, CHUNK)
+    asked: list[int] = []
+    have = {state_key(prompt, 2304, CHUNK)}
+
+    def stored(key: bytes) -> bool:
+        asked.append(next(n for n in (2304, 4608, 6912) if state_key(prompt, n, CHUNK) == key))
+        return key in have
+
+    assert w.hit(keys, len(keys), len(prompt), stored) == 2304
+    assert asked == [6912, 4608, 2304]  # longest first
+    assert w.hit(keys, 17, len(prompt), stored) == 2304  # 17 chunks: 4352 tokens, below 4608
+    assert w.hit(keys, 8, len(prompt), stored) == 0  # chunks end before any state
+    assert w.hit(keys, len(keys), 2304, stored) == 0  # the last prompt token is always computed
+    assert w.hit(keys, len(keys), 2305, stored) == 2304
+    have.clear()
+    assert w.hit(keys, len(keys), len(prompt), stored) == 0  # chunks without their state: a miss
+
+
+def test_the_scheduler_saves_handed_off_states_and_loads_a_state_only_at_its_length() -> None:
+    """The scheduler (stand-in outputs): chunk saves carry the attention group's blocks only;
+    vLLM's hand-off at 2304 tokens becomes a state save; a load vLLM cut short of the
+    state's length carries no state key, and the worker fails it rather than load chunks
+    without their state."""
+    from lmcache_client.integrations.layout import ChunkLayout
+    from lmcache_client.integrations.vllm.matching import _Hit
+    from lmcache_client.integrations.vllm.meta import LoadRequest
+    from lmcache_client.integrations.vllm.scheduler import SchedulerSide
+    from lmcache_client.integrations.vllm.worker import LoadResult, WorkerSide
+    from lmcache_client.keys import ROOT_KEY
+
+    from .vllm_harness.engine import NewRequestData, SchedulerOutput
+    from .vllm_harness.fixtures import tokens
+
+    side = SchedulerSide([], CHUNK, async_load=True)
+    side.states = _wiring()
+    prompt = tokens(2500, 7)
+    blocks = ([0, 11, 12], [0, 21, 22], [0, 31, 32], [40, 41, 42])
+    out = SchedulerOutput([NewRequestData("r", prompt, blocks, 0)], num_scheduled_tokens={"r": 2304})
+    out.kv_connector_block_state = types.SimpleNamespace(  # type: ignore[attr-defined]
+        boundary_state_offloads={"r": [(0, 11, 2304), (1, 21, 2304), (2, 31, 2304)], "gone": [(0, 5, 2304)]}
+    )
+    meta = side.build_meta(out)
+    [save] = meta.saves
+    assert save.block_ids == [40, 41, 42] and save.group_block_ids is None and len(save.keys) == 9
+    [state] = meta.state_saves
+    assert (state.tokens, state.blocks, state.key) == (2304, [11, 21, 31], state_key(prompt, 2304, CHUNK))
+
+    def alloc(req_id: str, external: int) -> LoadRequest:
+        side._hits[req_id] = _Hit(0, 9, [], state_tokens=2304)
+        side._roots[req_id] = ROOT_KEY
+        request = types.SimpleNamespace(request_id=req_id, prompt_token_ids=prompt)
+        side.after_alloc(request, types.SimpleNamespace(get_block_ids=lambda: blocks), external)
+        [load] = [x for x in side._async_loads if x.req_id == req_id]
+        return load
+
+    good = alloc("b", 2304)
+    assert (good.state_tokens, good.state_blocks, good.end_token) == (2304, [11, 21, 31], 2304)
+    assert good.state_key == state_key(prompt, 2304, CHUNK) and good.block_ids == [40, 41, 42]
+    cut = alloc("c", 1152)  # vLLM loads fewer tokens than the state's length
+    assert (cut.state_tokens, cut.state_key, cut.state_blocks) == (1152, None, None)
+
+    worker = WorkerSide(None, ChunkLayout(1, 2, 32, CHUNK, "bfloat16"))  # type: ignore[arg-type]
+    worker.states = side.states
+    worker._mover = StateMover(types.SimpleNamespace(layout=side.states.layout), "ns")  # type: ignore[arg-type]
+    assert not worker._load_state(cut, None, 1152, LoadResult(0))  # type: ignore[arg-type]
+    assert not worker._load_state(good, None, 2048, LoadResult(0))  # type: ignore[arg-type]  # a chunk missing
