@@ -64,3 +64,19 @@ def _ordered(kv_caches: dict[str, Any]) -> list[str]:
         return sorted(names, key=extract_layer_index)
     except (AssertionError, ValueError):
         return names
+
+
+def _forward_context(vllm_config: Any) -> dict[str, Any]:
+    """vLLM's layer name -> attention module table (``static_forward_context``)."""
+    return getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", {}) or {}
+
+
+def _first_layer(kv_caches: dict[str, Any], context: dict[str, Any]) -> tuple[list[str], Any, Any, Any, str]:
+    """The layers in model order, the first one's cache tensor, attention module,
+    implementation (None where ``context`` has none) and backend name."""
+    names = _ordered(kv_caches)
+    attention = context.get(names[0])
+    backend = "unknown"
+    if attention is not None and getattr(attention, "attn_backend", None) is not None:
+        backend = str(attention.attn_backend.get_name())
+    return names, kv_caches[names[0]], attention, getattr(attention, "impl", None), backend

@@ -28,7 +28,7 @@ from typing import Any
 from ..blocklayout import LayoutError, probe_block_layout
 from ..layout import ChunkLayout, MLAChunkLayout
 from ..paged import PagedCopier
-from .enginelayout import EngineLayout, UnsupportedLayout, _ordered, _refuse
+from .enginelayout import EngineLayout, UnsupportedLayout, _first_layer, _forward_context, _ordered, _refuse
 from .groups import GroupCopier, group_infos
 from .mla import discover_mla
 
@@ -100,14 +100,8 @@ def discover(
 
     if not kv_caches:
         raise UnsupportedLayout("lmcache-server connector: vLLM registered no KV cache layers")
-    names = _ordered(kv_caches)
-    first = kv_caches[names[0]]
-    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", {}) or {}
-    attention = context.get(names[0])
-    impl = getattr(attention, "impl", None)
-    backend = "unknown"
-    if attention is not None and getattr(attention, "attn_backend", None) is not None:
-        backend = str(attention.attn_backend.get_name())
+    context = _forward_context(vllm_config)
+    names, first, attention, impl, backend = _first_layer(kv_caches, context)
     shape = tuple(first.shape)
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if isinstance(chunk, MLAChunkLayout) or any("MLA" in type(g.kv_cache_spec).__name__ for g in groups):

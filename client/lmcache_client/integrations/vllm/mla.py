@@ -34,7 +34,7 @@ from typing import Any
 from ..blocklayout import LayoutError, probe_block_layout
 from ..layout import ChunkLayout, MLAChunkLayout
 from ..paged import PagedCopier, Slots
-from .enginelayout import EngineLayout, UnsupportedLayout, _ordered, _refuse
+from .enginelayout import EngineLayout, UnsupportedLayout, _first_layer, _forward_context, _refuse
 
 logger = logging.getLogger(__name__)
 
@@ -133,15 +133,9 @@ def discover_mla(
     argument) against ``chunk``, which must be an :class:`MLAChunkLayout`."""
     import torch
 
-    names = _ordered(kv_caches)
-    first = kv_caches[names[0]]
+    context = _forward_context(vllm_config)
+    names, first, attention, impl, backend = _first_layer(kv_caches, context)
     shape = tuple(first.shape)
-    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", {}) or {}
-    attention = context.get(names[0])
-    impl = getattr(attention, "impl", None)
-    backend = "unknown"
-    if attention is not None and getattr(attention, "attn_backend", None) is not None:
-        backend = str(attention.attn_backend.get_name())
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     spec = groups[0].kv_cache_spec if groups else None
     _check_mla_spec(spec, len(groups), backend, shape)
