@@ -174,10 +174,13 @@ class SchedulerSide(StateScheduling, Matcher):
         if hit is None or num_external_tokens <= 0:
             return
         self._loads[req_id] = (hit.local_tokens, hit.local_tokens + num_external_tokens)
+        root = self._roots.get(req_id)
+        prompt = list(request.prompt_token_ids or [])
+        wanted = self.async_load or self.states is not None  # keyed once, for the load and the state
+        keyed = self.prompt_keys(prompt, root) if root is not None and wanted else None
         if self.states is not None:
-            root = self._roots.get(req_id)
-            keys = self.prompt_keys(list(request.prompt_token_ids or []), root)[0] if root is not None else []
             n = hit.local_tokens + num_external_tokens
+            keys = keyed[0] if keyed is not None else []
             self._state_loads[req_id] = self.states.load_plan(blocks.get_block_ids(), keys, n, hit.state_tokens)
         self.stats["lookup_hit_tokens"] += num_external_tokens
         if self.cost_gate is not None:
@@ -186,11 +189,9 @@ class SchedulerSide(StateScheduling, Matcher):
             return
         # The request waits in WAITING_FOR_REMOTE_KVS: its load goes out with the next
         # metadata, into the blocks allocated now (from its first token on).
-        root = self._roots.get(req_id)
-        prompt = list(request.prompt_token_ids or [])
-        if root is None:  # pragma: no cover - a hit implies a root
+        if root is None or keyed is None:  # pragma: no cover - a hit implies a root
             return
-        full, tail = self.prompt_keys(prompt, root)
+        full, tail = keyed
         tracker = self._trackers.get(req_id) or Tracker(
             full, len(prompt), [], 0, tail, False, len(full) * self.chunk_size, prompt if root == ROOT_KEY else None
         )
