@@ -233,17 +233,25 @@ def test_prefetch_makes_a_disk_hit_a_memory_hit_at_load_time(disk_daemon: Any) -
         b.worker.shutdown()
 
 
+@pytest.mark.parametrize("batch_copies", ["off", "on"])
 @pytest.mark.parametrize("seed", range(4))
 def test_random_orders_of_async_transfers_never_write_a_wrong_byte(
-    engines: Callable[..., Engine], address: str, seed: int
+    engines: Callable[..., Engine], address: str, seed: int, batch_copies: str
 ) -> None:
     """Model-based: random prompts sharing prefixes, random engines, chunked-prefill step
     sizes, local prefix hits, chunks deleted between lookup and load, and per-request
     skips, run through the asynchronous protocol in random order.  After every request,
     each token the connector loaded holds exactly the KV of that token (a chunk deleted
-    after the lookup is recomputed, never garbage), and what vLLM computed itself is its own."""
+    after the lookup is recomputed, never garbage), and what vLLM computed itself is its own.
+    ``batch_copies: on`` runs the loads' batched copies (copied at each batch's flush,
+    before its leases end), which a CPU cache leaves off by default."""
     rng = random.Random(seed)
-    pool = [engines(tenant=f"model-{seed}"), engines(tenant=f"model-{seed}", save_decode_cache=True)]
+    tenant = f"model-{seed}-{batch_copies}"
+    pool = [
+        engines(tenant=tenant, batch_copies=batch_copies),
+        engines(tenant=tenant, save_decode_cache=True, batch_copies=batch_copies),
+    ]
+    assert all((e.worker.worker.batched is not None) == (batch_copies == "on") for e in pool)  # type: ignore[union-attr]
     bases = [list(range(5000 + 100 * b, 5000 + 100 * b + 48)) for b in range(3)]
     for step in range(24):
         engine = rng.choice(pool)
