@@ -264,9 +264,29 @@ class PagedCopier:
         on_device = Slots(self._on_device(slots.blocks), self._on_device(slots.offsets))
         self._parallel([functools.partial(self._gather_part, part, on_device, runs, out) for part in self._parts()])
 
+    def layer_plan(self, slots: Slots) -> tuple[Slots, Any]:
+        """``slots`` on the cache's device and their block runs, for :meth:`gather_layer`
+        (worked out once per token range, used for every layer)."""
+        runs = self._runs(slots) if self.layout.affine else None
+        return Slots(self._on_device(slots.blocks), self._on_device(slots.offsets)), runs
+
+    def gather_layer(self, plan: tuple[Slots, Any], layer: int, dest: Any) -> None:
+        """Copy the tokens of ``plan`` (:meth:`layer_plan`) of one layer into ``dest``
+        ``(1, 2, tokens, heads, dim)`` on the cache's device, on the calling thread
+        (layer-wise saves copy each layer as the forward pass finishes it)."""
+        slots, runs = plan
+        for g in self.groups:
+            if g.first <= layer < g.first + g.count:
+                i = layer - g.first
+                self._gather_into(g, i, i + 1, slots, runs, dest)
+                return
+        raise IndexError(f"layer {layer} of a cache of {self.num_layers} layers")
+
     def _gather_part(self, part: tuple[_Group, int, int], slots: Slots, runs: Any, out: Any) -> None:
         g, lo, hi = part
-        dest = out[g.first + lo : g.first + hi]
+        self._gather_into(g, lo, hi, slots, runs, out[g.first + lo : g.first + hi])
+
+    def _gather_into(self, g: _Group, lo: int, hi: int, slots: Slots, runs: Any, dest: Any) -> None:
         if g.flat is not None:
             dest.copy_(self._take(g, slots))
         elif runs is not None and g.both is not None:

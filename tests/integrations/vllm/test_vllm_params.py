@@ -135,10 +135,10 @@ def test_a_preemption_waits_for_the_saves_reading_its_blocks(
     gate, entered = threading.Event(), threading.Event()
     original = WorkerSide.save_one
 
-    def held_save(self: WorkerSide, request: object, transfer: object) -> tuple[int, float]:
+    def held_save(self: WorkerSide, request: object, transfer: object, staged: object = None) -> tuple[int, float]:
         entered.set()
         gate.wait(30)
-        return original(self, request, transfer)  # type: ignore[arg-type]
+        return original(self, request, transfer, staged)  # type: ignore[arg-type]
 
     monkeypatch.setattr(WorkerSide, "save_one", held_save)
     engine = engines()

@@ -172,6 +172,8 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
                 transfer, self.layout, copy_threads=self.settings.copy_threads, batch_copies=self.settings.batch_copies
             )
             self.worker.stores = shards == tp_size or tp_rank() == 0
+            if self.settings.layerwise_save:
+                self.worker.layerwise_bytes = self.settings.layerwise_staging_mb << 20
             if self.states is not None:
                 self.worker.states = self.states
                 self.worker.state_namespace = self._state_namespace(namespace_of(tp_rank()))
@@ -258,8 +260,18 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # start_load_kv loads every layer before the forward pass
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise saves run between the layers: CUDA graphs must be piecewise then."""
+        return ConnectorSettings.from_extra_config(extra_config).layerwise_save
+
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # wait_for_save gathers every layer at once, straight into the daemon's pool
+        """``layerwise_save``: copy this layer's tokens of the step's saves out now, while
+        the next layers compute (:mod:`.layerwise`); otherwise ``wait_for_save`` gathers
+        every layer at once, straight into the daemon's pool."""
+        meta = self._meta()
+        if meta is not None and meta.saves:
+            self._worker().save_layer(meta, meta.saves, layer_name)
 
     def wait_for_save(self) -> None:
         meta = self._meta()
@@ -267,10 +279,11 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
             self._worker().save_states(meta.state_saves)
         if meta is None or not meta.saves:
             return
+        staged = self._worker().take_staged(meta, meta.saves)
         if self.transfers is not None:
-            self.transfers.save(meta.saves)  # only submits: the lane stores them
+            self.transfers.save(meta.saves, staged)  # only submits: the lane stores them
         else:
-            self._worker().save(meta.saves)
+            self._worker().save(meta.saves, staged)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Asynchronous loads done (``finished_recving``) and requests whose blocks
@@ -333,6 +346,8 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
             lane.close()
         if self.worker is not None and self.worker.engine is not None:
             self.worker.engine.copier.close()
+        if self.worker is not None and self.worker.layerwise is not None:
+            self.worker.layerwise.close()
         self.client.close()
 
     # -- scheduler side ------------------------------------------------------------------

@@ -75,6 +75,12 @@ class ConnectorSettings:
     reuses them); per request: ``lmcache_save_decode_cache``."""
     max_store_tokens: int = 0
     """The most tokens of a request a ``lmcache_max_store_tokens`` may ask to store (0: no cap)."""
+    layerwise_save: bool = False
+    """Copy each save's tokens out of the cache layer by layer during the forward pass
+    (``save_kv_layer``; :mod:`.layerwise`) instead of all layers after it."""
+    layerwise_staging_mb: int = 1024
+    """Host staging memory for layer-wise saves (page-locked on CUDA); saves beyond it
+    are gathered after the forward pass."""
     codec: str = ""
     """A KV codec spec (``"int8:group=64"``, ``"none"``) instead of the one the daemon
     announces in hello; empty: the daemon's (docs/codec.md)."""
@@ -98,8 +104,11 @@ class ConnectorSettings:
             except (TypeError, ValueError) as err:
                 raise ValueError(f"kv_connector_extra_config {name}={value!r}: expected {kind.__name__}") from err
         settings = cls(**values)
-        if settings.timeout_s <= 0 or settings.chunk_size <= 0 or settings.copy_threads <= 0:
-            raise ValueError("kv_connector_extra_config timeout_s, chunk_size and copy_threads must be positive")
+        if min(settings.timeout_s, settings.chunk_size, settings.copy_threads, settings.layerwise_staging_mb) <= 0:
+            raise ValueError(
+                "kv_connector_extra_config timeout_s, chunk_size, copy_threads and layerwise_staging_mb "
+                "must be positive"
+            )
         if settings.batch_copies not in ("auto", "on", "off"):
             raise ValueError(f"kv_connector_extra_config batch_copies={settings.batch_copies!r}: auto, on or off")
         if settings.cost_gate_margin <= 0:

@@ -22,6 +22,8 @@ are plain counters (sums over the interval):
 | ``load_deadline_missed`` | worker | loads that used only what arrived by ``load_deadline_ms`` |
 | ``saves_dropped`` | worker | saves not made because ``max_queued_saves`` were queued (a slow daemon) |
 | ``stored_states`` | worker | Mamba / GDN states stored (hybrid models, :mod:`.states`) |
+| ``layerwise_saves`` | worker | saves copied out layer by layer during the forward pass (``layerwise_save``) |
+| ``layerwise_fallbacks`` | worker | saves gathered after the forward pass instead (``layerwise_save`` on) |
 | ``saves_out_of_window`` | scheduler | requests whose saves stopped (a sliding window freed a chunk's blocks) |
 | ``daemon_failures`` / ``short_circuited`` | both | calls finding the daemon down / misses from the breaker |
 
@@ -59,6 +61,8 @@ COUNTERS = {
     "load_deadline_missed": "Loads that used only the chunks that arrived by their deadline (load_deadline_ms)",
     "saves_dropped": "Saves not made because max_queued_saves saves were queued (a slow daemon)",
     "stored_states": "Mamba / GDN states stored in lmcache-server (hybrid models)",
+    "layerwise_saves": "Saves copied out of the KV cache layer by layer during the forward pass (layerwise_save)",
+    "layerwise_fallbacks": "Saves gathered after the forward pass although layerwise_save is on",
     "saves_out_of_window": "Requests whose saves stopped because a sliding-window group freed a chunk's blocks first",
     "daemon_failures": "lmcache-server calls that found the daemon down, slow or draining",
     "short_circuited": "lmcache-server calls answered as misses by the open circuit breaker",

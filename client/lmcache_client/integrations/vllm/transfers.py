@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .lanes import Lane
+from .layerwise import Staged
 from .meta import LoadRequest, SaveRequest
 from .worker import LoadResult, WorkerSide
 
@@ -127,20 +128,27 @@ class TransferEngine:
             self._loads.setdefault(request.req_id, []).append(_Load(request, future))
 
     # -- saves ---------------------------------------------------------------------------
-    def save(self, saves: Iterable[SaveRequest]) -> None:
+    def save(self, saves: list[SaveRequest], staged: list[Staged | None] | None = None) -> None:
+        """Queue ``saves``; ``staged``: their layer-wise copies (:mod:`.layerwise`), aligned."""
         inference = _inference_enabled()
         worker = self.worker
         event = _stream_event(worker)
-        for request in saves:
+        for i, request in enumerate(saves):
+            copied = staged[i] if staged else None
             if self.save_lane.pending >= self.max_queued_saves:
                 worker.stats.saves_dropped += 1
+                if copied is not None:
+                    copied.wait()
+                    copied.release()
                 continue
 
-            def job(transfer: Any, request: SaveRequest = request, event: Any = event) -> tuple[int, float]:
+            def job(
+                transfer: Any, request: SaveRequest = request, event: Any = event, copied: Staged | None = copied
+            ) -> tuple[int, float]:
                 if worker.asleep:  # pragma: no cover - vLLM schedules nothing while asleep
                     return 0, 0.0
                 _after(event)  # the forward pass that wrote these blocks comes first
-                return worker.save_one(request, transfer)
+                return worker.save_one(request, transfer, copied)
 
             future = self.save_lane.submit(job, (0, 0.0), inference=inference)
             self._saves.setdefault(request.req_id, []).append((request, future))

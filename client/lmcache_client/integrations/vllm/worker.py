@@ -21,15 +21,16 @@ each group's layers move through their own copier and block table, a
 sliding-window group's null blocks are never touched, and failed loads are
 reported per request (:meth:`WorkerSide.take_failed_requests`; :mod:`.groups`).
 
-Loads and saves complete within the step.  :class:`WorkerStats` counts what
-moved, for vLLM's own connector metrics.
+In the synchronous mode loads and saves complete within the step (the
+asynchronous one runs them on lanes: :mod:`.transfers`; layer-wise saves:
+:mod:`.layerwise`).  :class:`~.workerstats.WorkerStats` counts what moved, for
+vLLM's own connector metrics.
 
-Primitives: :class:`WorkerSide`, :class:`WorkerStats`.
+Primitives: :class:`WorkerSide` (its counters: :mod:`.workerstats`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -39,9 +40,13 @@ from ..layout import ChunkLayout
 from ..paged import Slots, blocks_covering, token_slots
 from ..transfer import ChunkTransfer
 from .groups import GroupSlots, group_slots
+from .layerwise import LayerwiseSaver, Staged, saver_for
 from .layout import EngineLayout, discover
 from .meta import LoadRequest, SaveRequest
 from .states import StateMover, StateSave, StateWiring
+from .workerstats import LoadResult, WorkerStats
+
+__all__ = ["LoadResult", "WorkerSide", "WorkerStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,46 +55,6 @@ def _torch() -> Any:
     import torch
 
     return torch
-
-
-@dataclasses.dataclass
-class WorkerStats:
-    """What this worker moved since the stats were last taken."""
-
-    loaded_tokens: int = 0
-    load_failed_tokens: int = 0
-    loaded_bytes: int = 0
-    load_s: float = 0.0
-    stored_chunks: int = 0
-    stored_bytes: int = 0
-    store_s: float = 0.0
-    load_deadline_missed: int = 0
-    saves_dropped: int = 0
-    """Saves not made because too many were queued (asynchronous mode: a slow daemon)."""
-    stored_states: int = 0
-    """Mamba states stored (:mod:`.states`)."""
-
-    def take(self) -> dict[str, float]:
-        """The counters since the last take (vLLM's per-step stats); they restart at zero."""
-        data = dataclasses.asdict(self)
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, f.default)
-        return data
-
-    def add_to(self, totals: dict[str, float]) -> None:
-        for name, value in dataclasses.asdict(self).items():
-            totals[name] = totals.get(name, 0) + value
-
-
-@dataclasses.dataclass
-class LoadResult:
-    """What one load did: tokens up to ``end`` are in the KV cache."""
-
-    end: int
-    nbytes: int = 0
-    seconds: float = 0.0
-    late: bool = False
-    """The deadline passed before every chunk arrived; the rest is recomputed."""
 
 
 class WorkerSide:
@@ -120,6 +85,9 @@ class WorkerSide:
         self.state_namespace: Any = None
         """The states' namespace (with ``states``)."""
         self._mover: StateMover | None = None
+        self.layerwise_bytes = 0
+        """``layerwise_save``: staging bytes for layer-wise saves (0: off; :mod:`.layerwise`)."""
+        self.layerwise: LayerwiseSaver | None = None
 
     # -- register_kv_caches ---------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
@@ -135,8 +103,26 @@ class WorkerSide:
         cuda = self.engine.copier.device.type == "cuda"
         if self.batch_copies == "on" or (self.batch_copies == "auto" and cuda):
             self.batched = BatchedCopies(self.engine.copier)
+        if self.layerwise_bytes:
+            shape = tuple(self.layout.shape)
+            self.layerwise = saver_for(self.engine, self.states is not None, shape, self.layerwise_bytes)
         logger.info("lmcache-server connector: vLLM KV layout %s", self.engine.describe())
         return self.engine
+
+    # -- save_kv_layer ---------------------------------------------------------------
+    def save_layer(self, step: Any, saves: list[SaveRequest], layer_name: str) -> None:
+        """Copy layer ``layer_name`` of the step's saves out now (``layerwise_save``)."""
+        if self.layerwise is not None and saves and self.stores and not self.asleep:
+            self.layerwise.layer(step, saves, lambda lo, hi, r: self._slots(r.block_ids, None, lo, hi), layer_name)
+
+    def take_staged(self, step: Any, saves: list[SaveRequest]) -> list[Staged | None] | None:
+        """The step's layer-wise copies, aligned with ``saves`` (None: no layer-wise save)."""
+        if self.layerwise is None or not saves:
+            return None
+        staged = self.layerwise.end(step) or [None] * len(saves)
+        self.stats.layerwise_saves += sum(s is not None for s in staged)
+        self.stats.layerwise_fallbacks += sum(s is None for s in staged) if self.stores else 0
+        return staged
 
     def _engine(self) -> EngineLayout:
         if self.engine is None:
@@ -322,26 +308,35 @@ class WorkerSide:
             self._engine().copier.gather(slots, payload)
 
     # -- wait_for_save ---------------------------------------------------------------
-    def save(self, saves: list[SaveRequest]) -> int:
+    def save(self, saves: list[SaveRequest], staged: list[Staged | None] | None = None) -> int:
         """Gather and store every save of the step now (the synchronous mode); returns
-        chunks stored."""
+        chunks stored.  ``staged``: saves already copied out layer by layer (:mod:`.layerwise`)."""
         if self.asleep:  # pragma: no cover - vLLM schedules nothing while asleep
             return 0
         stored = 0
-        for request in saves:
-            done, seconds = self.save_one(request, self.transfer)
+        for i, request in enumerate(saves):
+            done, seconds = self.save_one(request, self.transfer, staged[i] if staged else None)
             self.finish_save(request, done, seconds)
             stored += done
         return stored
 
-    def save_one(self, request: SaveRequest, transfer: ChunkTransfer) -> tuple[int, float]:
+    def save_one(
+        self, request: SaveRequest, transfer: ChunkTransfer, staged: Staged | None = None
+    ) -> tuple[int, float]:
         """Gather and store ``request`` through ``transfer``; (chunks stored, seconds).
-        Never raises: a failed save is a future miss, never an engine failure."""
+        ``staged``: its tokens already copied out layer by layer (:mod:`.layerwise`; a
+        copy that failed falls back to the gather).  Never raises: a failed save is a
+        future miss, never an engine failure."""
         if not self.stores:
+            if staged is not None:
+                staged.release()
             return 0, 0.0
         chunk = self.layout.chunk_size
         started = time.perf_counter()
         start = request.first_chunk * chunk
+        if staged is not None and not staged.wait():  # logged; gathered from the cache instead
+            staged.release()
+            staged = None
         try:
             end = start + len(request.keys) * chunk
             slots = self._slots(request.block_ids, request.group_block_ids, start, end)
@@ -350,15 +345,21 @@ class WorkerSide:
                 return 0, time.perf_counter() - started
 
             def gather(i: int, view: memoryview) -> None:
+                if staged is not None:
+                    self._payload(view).copy_(staged.chunk(i, chunk))
+                    return
                 part = slice(i * chunk, (i + 1) * chunk)
                 self._gather(_part(slots, part), self._payload(view))
 
             done = transfer.put_with(request.keys, gather, request.tokens) if request.keys else 0
             if request.tail_key is not None and done == len(request.keys):
-                done += self._save_tail(request, transfer)
+                done += self._save_tail(request, transfer, staged)
         except Exception:
             logger.exception("saving KV chunks of request %s failed", request.req_id)
             done = 0
+        finally:
+            if staged is not None:
+                staged.release()
         return done, time.perf_counter() - started
 
     def finish_save(self, request: SaveRequest, done: int, seconds: float) -> None:
@@ -369,14 +370,17 @@ class WorkerSide:
             self.stats.stored_bytes += self.tail_bytes(request.tail_tokens)
         self.stats.store_s += seconds
 
-    def _save_tail(self, request: SaveRequest, transfer: ChunkTransfer) -> int:
-        """Gather and store a request's tail; 1 when it is stored."""
+    def _save_tail(self, request: SaveRequest, transfer: ChunkTransfer, staged: Staged | None = None) -> int:
+        """Gather (or take from ``staged``) and store a request's tail; 1 when it is stored."""
         n = request.tail_tokens
         slots = self._slots(request.block_ids, request.group_block_ids, request.tail_start, request.tail_start + n)
         if isinstance(slots, GroupSlots) and not slots.complete():
             return 0
 
         def gather(_: int, view: memoryview) -> None:
+            if staged is not None:
+                self._payload(view, tokens=n).copy_(staged.tail_tokens())
+                return
             self._gather(slots, self._payload(view, tokens=n))
 
         assert request.tail_key is not None

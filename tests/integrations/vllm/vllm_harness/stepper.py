@@ -118,9 +118,9 @@ def run_batch(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
             held.set()  # the saves go on; the connector must wait for them before the forward pass
         original_handle(connector, meta)
 
-    def save_one(side: Any, request: Any, transfer: Any) -> Any:
+    def save_one(side: Any, request: Any, transfer: Any, staged: Any = None) -> Any:
         held.wait(120)
-        return original_save(side, request, transfer)
+        return original_save(side, request, transfer, staged)
 
     LMCacheServerConnectorV1.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
     WorkerSide.save_one = save_one  # type: ignore[method-assign]
