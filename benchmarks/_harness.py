@@ -326,13 +326,16 @@ class CpuMeter:
         return float(sum(fields[:8]) - idle)
 
     def _ours(self) -> float:
+        """This process, its children that exited and were reaped (``os.times``' children
+        fields: a finished child's CPU time moves there), and each live child with the
+        children it reaped: no child's time counts as outside load once it exits."""
         t = os.times()
-        total = (t.user + t.system) * self._tick
+        total = (t.user + t.system + t.children_user + t.children_system) * self._tick
         for pid in self._pids():
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])  # utime, stime
+                total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
             except (OSError, IndexError, ValueError):
                 pass
         return total

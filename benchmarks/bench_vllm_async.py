@@ -17,6 +17,9 @@ prefix cache off, driven step by step (``add_request`` / ``step``):
   so each loads the prefix and saves the suffix's chunks; connector with
   ``async_transfers: false`` (lookups, loads and saves inside vLLM's step);
 - **async**: the same with ``async_transfers: true`` (the default);
+- **sync-lw**, **async-lw**: sync and async with ``layerwise_save: true`` (each
+  layer of a step's saves copied out at ``save_kv_layer`` during the forward
+  pass, then stored from host staging);
 - **local** (not a transfer setting; leave it out with ``--settings``): the same
   loaders with vLLM's own prefix cache on and no connector, their prefixes
   warmed in that cache: the same compute as sync and async with no transfers,
@@ -33,7 +36,7 @@ their total time, and the time the connector's methods took inside them: the
 scheduler connector's ``get_num_new_matched_tokens``,
 ``update_state_after_alloc``, ``build_connector_meta``, ``request_finished``,
 ``update_connector_output``, and the worker connector's ``handle_preemptions``,
-``start_load_kv``, ``wait_for_save``, ``get_finished``,
+``start_load_kv``, ``save_kv_layer``, ``wait_for_save``, ``get_finished``,
 ``get_block_ids_with_load_errors`` (the class's methods wrapped with timers in
 the benchmark process), each as a share of the total step time.  Target (issue
 30): async p99 within 1.2x of none where sync is worse, and the scheduler's
@@ -81,7 +84,8 @@ MODEL = {
 }
 DTYPE = "float32"
 CHUNK = 256
-SETTINGS = ("none", "sync", "async", "local")
+SETTINGS = ("none", "sync", "async", "sync-lw", "async-lw", "local")
+TRANSFER_SETTINGS = ("sync", "async", "sync-lw", "async-lw")
 SCHEDULER_CALLS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -92,6 +96,7 @@ SCHEDULER_CALLS = (
 WORKER_CALLS = (
     "handle_preemptions",
     "start_load_kv",
+    "save_kv_layer",
     "wait_for_save",
     "get_finished",
     "get_block_ids_with_load_errors",
@@ -190,8 +195,10 @@ def child_main(spec_path: Path, out_path: Path) -> int:
         "enable_prefix_caching": setting == "local",
         "seed": 0,
     }
-    if setting in ("sync", "async"):
-        extra = {"address": spec["address"], "async_transfers": setting == "async"}
+    if setting in TRANSFER_SETTINGS:
+        extra = {"address": spec["address"], "async_transfers": setting.startswith("async")}
+        if setting.endswith("-lw"):
+            extra["layerwise_save"] = True
         kwargs["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=extra)
     started = time.perf_counter()
     llm = LLM(**kwargs)
@@ -367,7 +374,7 @@ def report(summary: dict[str, dict[str, Any]], outside_cores: float) -> dict[str
         )
     ratios: dict[str, float] = {}
     for base in ("none", "local"):
-        for s in ("sync", "async"):
+        for s in TRANSFER_SETTINGS:
             if base in summary and s in summary:
                 ratios[f"p99_{s}/{base}"] = summary[s]["itl_p99_ms"] / summary[base]["itl_p99_ms"]
     if ratios:
@@ -376,6 +383,11 @@ def report(summary: dict[str, dict[str, Any]], outside_cores: float) -> dict[str
         met = ratios["p99_async/none"] <= 1.2 < ratios["p99_sync/none"]
         print(f"target async p99 <= 1.2x none, sync worse: {'met' if met else 'missed'}")
     for s in ("sync", "async"):
+        if s in summary and f"{s}-lw" in summary:
+            lw = summary[f"{s}-lw"]["itl_p99_ms"] / summary[s]["itl_p99_ms"]
+            steps = summary[f"{s}-lw"]["step_s"] / summary[s]["step_s"]
+            print(f"layer-wise saves ({s}): p99 ITL {lw:.2f}x, total step time {steps:.2f}x the gather after the step")
+    for s in TRANSFER_SETTINGS:
         if s in summary:
             share = summary[s]["scheduler_share"] * 100
             verdict = "met" if share < 1 else "missed"
