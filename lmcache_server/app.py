@@ -49,6 +49,7 @@ from .storage.offload import Offload
 from .storage.policy import make_policy
 from .storage.remote import RedisTier, state_path_for
 from .storage.tenants import TenantQuotas
+from .storage.tieradmission import StoreAdmission, sketch_width_for
 from .summary import SummaryLog
 from .supervisor import Supervisor
 
@@ -143,7 +144,8 @@ class App:
                 state_path=state_path_for(disk.root if disk is not None else None, c.shm_dir, c.listen),
             )
             await remote.open()
-        store = TieredStore(memory, disk, remote, offload=offload, supervisor=supervisor)
+        admission = _admission(c, disk, remote)
+        store = TieredStore(memory, disk, remote, offload=offload, supervisor=supervisor, admission=admission)
         if remote is not None:  # writes owed to Redis at the last stop, of chunks adopted again
             remote.requeue(store.uplink_again)
         budget = ByteBudget(c.max_inflight_bytes)
@@ -297,6 +299,16 @@ def _pool(c: ServerConfig, adoption: Adoption | None) -> tuple[MemoryPool, Adopt
         except OSError as err:
             logger.warning("warm restart refused, the memory tier starts cold: cannot map the old segment (%s)", err)
     return MemoryPool(c.max_local_cpu_size, c.pin_memory, c.shm_dir if c.shared_memory else None, mode), None
+
+
+def _admission(c: ServerConfig, disk: DiskTier | None, remote: RedisTier | None) -> StoreAdmission | None:
+    """The lower tiers' admission (docs/storage.md); None when every tier takes every chunk."""
+    disk_mode = c.disk_admission if disk is not None else "always"
+    remote_mode = c.remote_admission if remote is not None else None
+    if disk_mode == "always" and remote_mode in ("always", None):
+        return None
+    capacity = c.max_local_cpu_size + (c.max_local_disk_size if disk is not None else 0)
+    return StoreAdmission(disk_mode, remote_mode, sketch_width=sketch_width_for(capacity))
 
 
 def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:

@@ -117,11 +117,17 @@ class ServerConfig(ConfigFields):
             f"disk={self.local_disk or 'off'}"
             f"{f' ({self.max_local_disk_size / gib:.2f}GiB)' if self.local_disk else ''} "
             f"remote={redact(self.remote_url) if self.remote_url else 'off'} "
+            f"{self._admission_summary()}"
             f"metrics={'off' if not self.metrics_port else f'http://{self.metrics_host}:{self.metrics_port}'} "
             f"events={self.events_endpoint or 'off'} "
             f"kv_codec={self.codec.tag if self.codec is not None else 'none'} "
             f"max_message={self.max_message_size >> 20}MiB inflight_budget={self.max_inflight_bytes >> 20}MiB"
         )
+
+    def _admission_summary(self) -> str:
+        if self.disk_admission == self.remote_admission == "always":
+            return ""
+        return f"admission=disk:{self.disk_admission},redis:{self.remote_admission} "
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}

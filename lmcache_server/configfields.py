@@ -265,6 +265,20 @@ class ConfigFields:
         "Eviction policy: adaptive (lfuda, refusing first-seen prompts' tails while that pays), "
         "lfuda (frequency + recency, prefix-aware) or lru; see docs/eviction.md.",
     )
+    disk_admission: str = v.field(
+        "always",
+        v.choice("always", "reused", "frequency"),
+        "always, reused or frequency",
+        "Which chunks evicted from memory are written to disk: always; reused (read, or put again, since "
+        "stored); frequency (a TinyLFU sketch's verdict against the disk's victim); see docs/storage.md.",
+    )
+    remote_admission: str = v.field(
+        "always",
+        v.choice("always", "reused", "frequency"),
+        "always, reused or frequency",
+        "Which chunks stored in memory are written to Redis: always (at once); reused (once read or put "
+        "again); frequency (once a TinyLFU sketch counts 2 accesses); see docs/storage.md.",
+    )
     tenant_quotas: tuple[tuple[str, int | None, int | None], ...] = v.field(
         (),
         v.tenant_quotas,

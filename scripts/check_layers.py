@@ -76,6 +76,7 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
         {
             "storage.filling": ["lmcache_server.storage.filling*"],
             "storage.batchread": ["lmcache_server.storage.batchread*"],
+            "storage.tieradmission": ["lmcache_server.storage.tieradmission"],  # which chunks go below memory
         },
         {
             "storage.memory": [

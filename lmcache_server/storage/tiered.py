@@ -17,6 +17,10 @@ Tiers are ordered fastest first: memory, then disk, then Redis.
 - Reservations are never leaked: a read that fails or is cancelled gives its
   room back, and a cancelled one only once the thread writing into that room
   has finished; leases taken for a batch are released if the batch fails.
+- Admission (optional, :mod:`.tieradmission`): the disk and Redis may take only
+  chunks likely to be read again; memory takes every put.  The spill asks it
+  (a declined chunk is dropped when evicted); Redis is asked when a chunk is
+  stored and again when it is read or put again.
 - Lower tiers are inclusive: a promoted chunk stays on disk, so evicting it
   again costs no write.
 - lookup/exists look at every tier without touching recency.
@@ -53,6 +57,7 @@ from .filling import Filling
 from .memory import MemoryTier
 from .offload import Offload
 from .remote import RedisTier
+from .tieradmission import StoreAdmission
 from .tieredlookup import LookupCounters, TieredLookup
 from .tieredpromote import TieredPromotion
 from .tieredputs import ROOM_WAIT_S as ROOM_WAIT_S  # re-exported: server/shm.py reads it
@@ -68,6 +73,7 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         *,
         offload: Offload | None = None,
         supervisor: Supervisor | None = None,
+        admission: StoreAdmission | None = None,
     ):
         self.memory = memory
         self.disk = disk
@@ -81,10 +87,12 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         self.tiers: list[Tier] = [memory, *self.lower]
         self.lookup_counters = LookupCounters()
         self.promotions: dict[str, int] = {t.name: 0 for t in self.lower}
+        self.admission = admission
+        """Which chunks the disk and Redis take (:mod:`.tieradmission`); None: every chunk."""
         memory.on_evict = self._spill
         self.events: Residency | None = None
         """Told what becomes readable and what leaves (the KV-event announcer); set by the composition root."""
-        memory.on_removed = self._left
+        memory.on_removed = self._left_memory
         if disk is not None:
             disk.on_removed = self._left
         if disk is not None:
@@ -94,17 +102,35 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
     def _spill(self, key: ChunkKey, chunk: Chunk, lend: bool) -> bool:
         """An evicted chunk goes to disk: lent (written straight from the pool,
         released when written) or, when a put waits for its room, copied.
-        False declines a lent chunk (the disk would drop it), so it stays in memory."""
+        False declines a lent chunk (the disk would drop it, or admission does not
+        take it yet), so it stays in memory; a chunk admission declines when a put
+        needs its room is dropped (counted)."""
         disk = self.disk
+        admission = self.admission
         if disk is None or disk.peek(key):
             chunk.release()  # nothing to write: already on disk (or queued), or no disk
+            if admission is not None:
+                admission.evicted(key)
             return True
+        if lend and not disk.accepts(chunk.nbytes):
+            return False
+        if admission is not None:
+            if not admission.spill(key, chunk.nbytes, lambda: disk.victim_for(chunk.nbytes), final=not lend):
+                if lend:
+                    return False
+                chunk.release()
+                admission.evicted(key)
+                return True
+            admission.evicted(key)
         if lend:
-            if not disk.accepts(chunk.nbytes):
-                return False
             return disk.enqueue(key, chunk.data, chunk.release)
         disk.enqueue(key, chunk.data)
         return True
+
+    def _left_memory(self, key: ChunkKey) -> None:
+        if self.admission is not None:
+            self.admission.removed(key)
+        self._left(key)
 
     def _left(self, key: ChunkKey) -> None:
         """A tier dropped ``key``: announce it removed once no local tier holds it."""
@@ -117,7 +143,13 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         disk reads run concurrently (up to the disk's I/O threads), Redis is one
         round trip (:mod:`.batchread`).  If a tier read fails, the leases already
         taken are released before the error propagates."""
-        return await read_batch(self, [ChunkKey(namespace, d) for d in digests])
+        keys = [ChunkKey(namespace, d) for d in digests]
+        chunks = await read_batch(self, keys)
+        if self.admission is not None:
+            for key, chunk in zip(keys, chunks):
+                if chunk is not None:
+                    self._accessed(key)
+        return chunks
 
     async def promote(self, tier: str, key: ChunkKey, chunk: Chunk) -> Chunk:
         """Copy a lower-tier hit into the pool (off the loop) and serve the pool copy,
@@ -179,6 +211,10 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         tiers = {t.name: t.stats() for t in self.tiers}
         for name, count in self.promotions.items():
             tiers[name]["promotions"] = count
+        if self.admission is not None:
+            for name, counts in self.admission.stats().items():
+                if name in tiers:
+                    tiers[name].update(counts)
         out: dict[str, Any] = {
             "tiers": tiers,
             "lookups": c.lookups,

@@ -35,6 +35,7 @@ from .filling import Filling, fill_reservation
 from .memory import MemoryTier, Reservation
 from .offload import Offload
 from .remote import RedisTier
+from .tieradmission import StoreAdmission
 
 
 class TieredPromotion:
@@ -47,6 +48,7 @@ class TieredPromotion:
     filling: Filling
     offload: Offload
     promotions: dict[str, int]
+    admission: StoreAdmission | None
 
     async def fill_from(self, tier: str, key: ChunkKey, chunk: Chunk) -> PutStatus | None:
         """Copy ``chunk`` (read from ``tier``) into the pool, off the loop: STORED when
@@ -63,6 +65,8 @@ class TieredPromotion:
         status = await fill_reservation(self.memory, reservation, fill())
         if status is PutStatus.STORED:
             self.promotions[tier] += 1
+            if self.admission is not None and self.remote is not None and tier == self.remote.name:
+                self.admission.from_remote(key)  # Redis holds it: no write owed
         return status
 
     async def fill_from_disk(self, disk: DiskTier, key: ChunkKey) -> PutStatus | None:

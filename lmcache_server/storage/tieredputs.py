@@ -10,6 +10,8 @@ the two-phase put and its variants, and the uplink of what is stored.
   chunks are *filling* meanwhile (:mod:`.filling`).
 - A shared-memory writer puts into room staged ahead (``stage``), bound to its
   keys and committed at once (``bind``).
+- Admission (:mod:`.tieradmission`): a commit, and a put of a key stored or
+  filling, tell it; Redis gets a chunk when it admits it (``always``: at commit).
 - KV events: a put with token ids is announced when its chunk becomes
   readable, or at once when the chunk was stored before without them.
 
@@ -31,6 +33,7 @@ from .base import ChunkKey, Residency
 from .filling import Filling
 from .memory import MemoryTier, Reservation
 from .remote import RedisTier
+from .tieradmission import StoreAdmission
 
 ROOM_WAIT_S = 5.0
 """How long a put waits for room that spills being written will free."""
@@ -44,6 +47,7 @@ class TieredPuts:
     remote: RedisTier | None
     filling: Filling
     events: Residency | None
+    admission: StoreAdmission | None
 
     def _unannounced(self, key: ChunkKey) -> bool:
         return self.events is not None and not self.events.announced(key)
@@ -68,6 +72,8 @@ class TieredPuts:
         for i, (digest, size) in enumerate(zip(digests, sizes)):
             key = ChunkKey(namespace, digest)
             if key in reserved or key in self.filling:
+                if key not in reserved:
+                    self._accessed(key)  # put again while the first put's copy runs
                 out.append(PutStatus.EXISTS)
                 continue
             reservation = self.memory.prepare_store(key, size, parent)
@@ -76,6 +82,7 @@ class TieredPuts:
                 reserved.add(key)
                 reservation.tokens = told
             elif reservation is PutStatus.EXISTS:
+                self._accessed(key)
                 self._announce_stored_before(key, told)
             out.append(reservation)
             parent = key
@@ -149,6 +156,7 @@ class TieredPuts:
         for i, (digest, room) in enumerate(zip(digests, rooms)):
             key = ChunkKey(namespace, digest)
             if key in self.filling:
+                self._accessed(key)
                 out.append(PutStatus.EXISTS)
                 continue
             told = self._told(tokens, i)
@@ -160,6 +168,7 @@ class TieredPuts:
                 out.append(self.commit(bound))
             else:
                 if bound is PutStatus.EXISTS:
+                    self._accessed(key)
                     self._announce_stored_before(key, told)
                 out.append(bound)
             parent = key
@@ -169,19 +178,34 @@ class TieredPuts:
         """Phase two: the filled reservation becomes visible, and is queued for Redis."""
         status = self.memory.complete_store(reservation)
         if status is PutStatus.STORED:
-            if self.remote is not None:
-                self._uplink(reservation.key)
+            key = reservation.key
+            if self.admission is None:
+                if self.remote is not None:
+                    self._uplink(key)
+            elif self.admission.stored(key, reservation.size) and self._uplink(key):
+                self.admission.uplinked(key, reservation.size)
             if reservation.tokens is not None and self.events is not None:
                 self.events.stored(reservation.key, reservation.tokens, self.memory.name)
         reservation.tokens = None
         return status
 
-    def _uplink(self, key: ChunkKey) -> None:
-        """Queue a stored chunk for Redis; leased until its record is built (off the loop)."""
+    def _uplink(self, key: ChunkKey) -> bool:
+        """Queue a stored chunk for Redis; leased until its record is built (off the loop).
+        False: memory does not hold it, or the queue is full (dropped, counted)."""
         assert self.remote is not None
         lease = self.memory.lease(key)
-        if lease is not None:
-            self.remote.enqueue(key, lease.data, lease.release)
+        return lease is not None and self.remote.enqueue(key, lease.data, lease.release)
+
+    def _accessed(self, key: ChunkKey) -> None:
+        """``key`` was read or put again: tell admission, and queue it for Redis if
+        admitted now."""
+        admission = self.admission
+        if admission is not None and admission.accessed(key) and self.remote is not None:
+            lease = self.memory.lease(key)
+            if lease is not None:
+                size = lease.nbytes
+                if self.remote.enqueue(key, lease.data, lease.release):
+                    admission.uplinked(key, size)
 
     def uplink_again(self, key: ChunkKey) -> bool:
         """Queue ``key`` for Redis if memory holds it (True); for writes a previous

@@ -9,7 +9,7 @@ tenant), eviction to ``max_bytes`` and to each tenant's quota, and removal.
 - A read in flight over a key that is dropped or stored again meanwhile marks
   it changed (``_changed``): a read that then fails found the old file.
 
-Primitives: :class:`DiskIndex` (``delete``, ``clear``, ``keys``, ``namespaces``),
+Primitives: :class:`DiskIndex` (``victim_for``, ``delete``, ``clear``, ``keys``, ``namespaces``),
 :class:`DiskCounters`.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 from ..base import ChunkKey
 from ..policy import EvictionPolicy
 from ..tenants import TenantQuotas, tenant_of
-from .files import path_for, unlink
+from .files import HEADER_BLOCK, disk_usage, path_for, unlink
 from .spillqueue import SpillQueue
 
 logger = logging.getLogger("lmcache_server.storage.disk.tier")  # the tier's log lines keep their logger name
@@ -118,6 +118,13 @@ class DiskIndex:
             await self._drop(key, entry)
             self.counters.evictions += 1
             self.counters.evicted_bytes += entry.payload_len
+
+    def victim_for(self, size: int) -> ChunkKey | None:
+        """The chunk a write of ``size`` payload bytes would evict first, named but
+        not evicted (None: it fits, after the spills queued before it)."""
+        if self.disk_bytes + self.spills.nbytes + disk_usage(HEADER_BLOCK + size) <= self.max_bytes:
+            return None
+        return self.policy.victim(_never)
 
     # -- removal -------------------------------------------------------------------
     def _left(self, key: ChunkKey) -> None:

@@ -4,7 +4,8 @@ A tier owns the bytes; a policy only orders keys (the primitives are listed in
 :mod:`.base`).  This room holds the policy interface and the classic policies
 (``base``: :class:`EvictionPolicy`, :class:`LRUPolicy`, :class:`LFUDAPolicy`),
 the adaptive admission built on lfuda (``adaptive``), the compact frequency
-history both keep of evicted keys (``history``), and here the factory that
+history both keep of evicted keys (``history``), the count-min sketch of accesses
+the lower tiers' ``frequency`` admission reads (``sketch``), and here the factory that
 picks one by its ``cache_policy`` name (:func:`make_policy`, :data:`POLICIES`).
 It imports only the storage leaves (``storage/base.py``).  Others use the
 names below.
@@ -16,8 +17,21 @@ from collections.abc import Callable
 
 from .adaptive import AdaptivePolicy
 from .base import EvictionPolicy, LFUDAPolicy, LRUPolicy
+from .history import KeyHistory, key_hash
+from .sketch import FrequencySketch
 
-__all__ = ["POLICIES", "AdaptivePolicy", "EvictionPolicy", "LFUDAPolicy", "LRUPolicy", "PolicyFactory", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "AdaptivePolicy",
+    "EvictionPolicy",
+    "FrequencySketch",
+    "KeyHistory",
+    "LFUDAPolicy",
+    "LRUPolicy",
+    "PolicyFactory",
+    "key_hash",
+    "make_policy",
+]
 
 PolicyFactory = Callable[[int | None, int], EvictionPolicy]
 """``(capacity_bytes, alignment) -> policy``: what a tier of that size needs."""

@@ -1,0 +1,211 @@
+"""Admission to the lower tiers: which chunks are worth writing to disk and to Redis.
+
+Memory takes every put (its own policy decides, :mod:`.policy`).  Below it each
+lower tier has a mode (``disk_admission``, ``remote_admission``):
+
+- ``always``: every chunk, as before admission existed: a chunk evicted from
+  memory is spilled to disk; a chunk stored in memory is queued for Redis.
+- ``reused``: only a chunk that was read (a get hit in any tier) since it was
+  put, or was put again (a second put while it is in memory, or a put of a
+  chunk dropped from memory earlier and remembered in a bounded history of
+  keys).
+- ``frequency``: a TinyLFU verdict from a count-min sketch of accesses (puts and
+  get hits; :class:`.policy.sketch.FrequencySketch`): a chunk is admitted when
+  its estimated frequency is at least 2 and, if the tier is full, greater than
+  that of the tier's next victim (the chunk its write would evict).  Redis
+  names no victim (its own memory policy and TTL decide), so there the rule is
+  the frequency of at least 2 alone.
+
+When each tier decides: the disk when memory evicts the chunk (the spill); a
+declined chunk is dropped (counted in ``declined`` and ``declined_bytes``).
+Redis when the chunk is stored in memory and, if declined then, again at each
+later access while memory still holds it: admitted then, it is queued for
+Redis at that moment; a chunk that leaves memory without being admitted is
+counted declined.  Keys already queued for Redis, or read from it, are
+remembered (bounded) so that a chunk is not written twice.
+
+The tiered store calls :class:`StoreAdmission` at those points (``stored``,
+``accessed``, ``spill``, ``evicted``, ``removed``); :class:`TierAdmission` is one
+tier's rule and counters, :class:`Accesses` what both rules know of accesses.
+
+Primitives: ``MODES``, :func:`sketch_width_for`, :class:`AdmissionCounters`, :class:`Accesses`,
+:class:`TierAdmission` (``admits``, ``count``), :class:`StoreAdmission`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from .base import ChunkKey
+from .policy import FrequencySketch, KeyHistory, key_hash
+
+MODES = ("always", "reused", "frequency")
+"""The values of ``disk_admission`` and ``remote_admission``."""
+HISTORY_KEYS = 1 << 16
+"""Keys remembered after they leave memory (a re-put is a reuse) and keys sent to Redis."""
+
+
+def sketch_width_for(capacity_bytes: int) -> int:
+    """The sketch's row width for tiers of ``capacity_bytes`` (memory + disk): one
+    counter per MiB (chunks are MiBs), a power of two, 4096..2**21 (16 KiB..8 MiB)."""
+    return 1 << max(12, min(21, (capacity_bytes >> 20).bit_length()))
+
+
+@dataclasses.dataclass
+class AdmissionCounters:
+    admitted: int = 0
+    declined: int = 0
+    declined_bytes: int = 0  # payload bytes not written to the tier
+
+
+class Accesses:
+    """What the admission rules know of chunk accesses: a sketch of their
+    frequency (``frequency``), and which chunks in memory were reused (``reused``)."""
+
+    def __init__(self, sketch: FrequencySketch | None, track_reuse: bool, history_keys: int = HISTORY_KEYS):
+        self.sketch = sketch
+        self.track_reuse = track_reuse
+        self._reused: set[ChunkKey] = set()  # in memory, and read or put again since stored
+        self._gone = KeyHistory(history_keys, with_values=False)  # key hashes that left memory
+
+    def stored(self, key: ChunkKey) -> None:
+        """``key`` was put and stored in memory (a chunk remembered as gone: a reuse)."""
+        h = key_hash(key)
+        if self.sketch is not None:
+            self.sketch.increment(h)
+        if self.track_reuse and self._gone.pop(h):
+            self._reused.add(key)
+
+    def accessed(self, key: ChunkKey) -> None:
+        """``key`` was read (a hit in any tier) or put again while stored."""
+        if self.sketch is not None:
+            self.sketch.increment(key_hash(key))
+        if self.track_reuse:
+            self._reused.add(key)
+
+    def left_memory(self, key: ChunkKey) -> None:
+        if self.track_reuse:
+            self._reused.discard(key)
+            self._gone.add(key_hash(key))
+
+    def reused(self, key: ChunkKey) -> bool:
+        return key in self._reused
+
+    def frequency(self, key: ChunkKey) -> int:
+        return self.sketch.estimate(key_hash(key)) if self.sketch is not None else 0
+
+
+class TierAdmission:
+    """One lower tier's rule (``mode``, one of :data:`MODES`) and its counters."""
+
+    def __init__(self, tier: str, mode: str, accesses: Accesses):
+        if mode not in MODES:
+            raise ValueError(f"{tier} admission must be one of {', '.join(MODES)}, not {mode!r}")
+        self.tier = tier
+        self.mode = mode
+        self.accesses = accesses
+        self.counters = AdmissionCounters()
+
+    def admits(self, key: ChunkKey, victim: Callable[[], ChunkKey | None] | None = None) -> bool:
+        """Whether ``key`` deserves a write to the tier now (nothing counted).
+        ``victim``: the chunk the write would evict from the tier (None: it fits)."""
+        if self.mode == "always":
+            return True
+        if self.mode == "reused":
+            return self.accesses.reused(key)
+        freq = self.accesses.frequency(key)
+        if freq < 2:
+            return False
+        displaced = victim() if victim is not None else None
+        return displaced is None or freq > self.accesses.frequency(displaced)
+
+    def count(self, admitted: bool, nbytes: int) -> None:
+        c = self.counters
+        if admitted:
+            c.admitted += 1
+        else:
+            c.declined += 1
+            c.declined_bytes += nbytes
+
+    def stats(self) -> dict[str, Any]:
+        return {"admission": self.mode, **dataclasses.asdict(self.counters)}
+
+
+class StoreAdmission:
+    """The tiered store's admission: the disk's and Redis' rules over shared
+    :class:`Accesses`.  ``remote_mode`` None: no Redis tier."""
+
+    def __init__(self, disk_mode: str, remote_mode: str | None, sketch_width: int = 1 << 16):
+        modes = {disk_mode, remote_mode}
+        sketch = FrequencySketch(sketch_width) if "frequency" in modes else None
+        self.accesses = Accesses(sketch, track_reuse="reused" in modes)
+        self.disk = TierAdmission("disk", disk_mode, self.accesses)
+        self.remote = TierAdmission("redis", remote_mode, self.accesses) if remote_mode is not None else None
+        self._owed: dict[ChunkKey, int] = {}  # in memory, not (yet) admitted to Redis: key -> bytes
+        self._sent = KeyHistory(HISTORY_KEYS, with_values=False)  # queued for or read from Redis
+
+    # -- Redis ---------------------------------------------------------------------
+    def stored(self, key: ChunkKey, nbytes: int) -> bool:
+        """A put stored ``key`` in memory: whether to queue it for Redis now."""
+        self.accesses.stored(key)
+        remote = self.remote
+        if remote is None:
+            return False
+        if remote.mode == "always" or (key_hash(key) not in self._sent and remote.admits(key)):
+            return True
+        self._owed[key] = nbytes
+        return False
+
+    def accessed(self, key: ChunkKey) -> bool:
+        """``key`` was read, or put again: whether to queue it for Redis now (not
+        sent there before, and admitted now; the caller queues it if memory holds it)."""
+        self.accesses.accessed(key)
+        remote = self.remote
+        if remote is None or remote.mode == "always":
+            return False
+        return key_hash(key) not in self._sent and remote.admits(key)
+
+    def uplinked(self, key: ChunkKey, nbytes: int) -> None:
+        """``key`` was queued for Redis (counted admitted, remembered as sent)."""
+        self._owed.pop(key, None)
+        if self.remote is not None:
+            self.remote.count(True, nbytes)
+            if self.remote.mode != "always":
+                self._sent.add(key_hash(key))
+
+    def from_remote(self, key: ChunkKey) -> None:
+        """``key`` was read from Redis (it holds it: no write owed)."""
+        self._owed.pop(key, None)
+        if self.remote is not None and self.remote.mode != "always":
+            self._sent.add(key_hash(key))
+
+    # -- disk, and leaving memory ----------------------------------------------------
+    def spill(self, key: ChunkKey, nbytes: int, victim: Callable[[], ChunkKey | None], final: bool) -> bool:
+        """Whether the chunk memory evicts goes to disk; counted when admitted, or
+        when declined and ``final`` (a declined *lent* chunk stays in memory)."""
+        admitted = self.disk.admits(key, victim)
+        if admitted or final:
+            self.disk.count(admitted, nbytes)
+        return admitted
+
+    def evicted(self, key: ChunkKey) -> None:
+        """Memory evicted ``key``: a Redis write still owed is declined for good."""
+        nbytes = self._owed.pop(key, None)
+        if nbytes is not None and self.remote is not None:
+            self.remote.count(False, nbytes)
+
+    def removed(self, key: ChunkKey) -> None:
+        """``key`` left memory (evicted, deleted, cleared)."""
+        self._owed.pop(key, None)
+        self.accesses.left_memory(key)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per tier name: its mode and counters (the sketch's size and agings with the disk's)."""
+        out = {"disk": self.disk.stats()}
+        if self.remote is not None:
+            out["redis"] = self.remote.stats()
+        if self.accesses.sketch is not None:
+            out["disk"].update(self.accesses.sketch.stats())
+        return out

@@ -1,0 +1,221 @@
+"""Admission to the disk and Redis tiers (issue #27 items 1 and 6).
+
+In-process, on a real pool, a real DiskTier in ``tmp_path`` and a real
+redis-server (conftest): what each mode writes to disk and to Redis and what it
+does not, that a declined chunk is served from memory while memory holds it,
+that ``always`` writes what the store without admission writes; the sketch's
+bound and aging; the rule against a full tier's victim; bad settings refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import redis
+
+from lmcache_client.protocol import PutStatus
+from lmcache_server.config import ConfigError, load_config
+from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
+from lmcache_server.storage.disk import DiskTier
+from lmcache_server.storage.policy import LRUPolicy
+from lmcache_server.storage.policy.history import key_hash
+from lmcache_server.storage.policy.sketch import MAX_COUNT, FrequencySketch
+from lmcache_server.storage.remote import RedisTier
+from lmcache_server.storage.tieradmission import MODES, Accesses, StoreAdmission, TierAdmission
+
+from ..conftest import RedisServer
+
+NS = "ns"
+MiB = 1 << 20
+POOL_CHUNKS = 8  # an 8 MiB pool of 1 MiB chunks
+
+
+async def tiers(tmp_path: Path, url: str, admission: StoreAdmission | None) -> TieredStore:
+    memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy())
+    disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy())
+    await disk.open()
+    remote = RedisTier(url)
+    await remote.open()
+    return TieredStore(memory, disk, remote, admission=admission)
+
+
+def chunks(n: int) -> tuple[list[bytes], list[bytes]]:
+    return [os.urandom(32) for _ in range(n)], [os.urandom(MiB) for _ in range(n)]
+
+
+async def put(store: TieredStore, digests: list[bytes], data: list[bytes]) -> None:
+    for d, payload in zip(digests, data):  # one at a time: evictions in a known order
+        assert await store.put_many(NS, [d], [payload]) == [PutStatus.STORED]
+
+
+async def read(store: TieredStore, digests: list[bytes]) -> list[bytes | None]:
+    got = await store.get_many(NS, digests)
+    out = [None if c is None else bytes(c.data) for c in got]
+    for c in got:
+        if c is not None:
+            c.release()
+    return out
+
+
+async def written(store: TieredStore, digests: list[bytes]) -> tuple[set[bytes], set[bytes]]:
+    """The digests on disk and in Redis, once both write-behind queues are drained."""
+    assert await store.flush(10.0)
+    assert store.disk is not None and store.remote is not None
+    r = redis.Redis(port=int(store.remote.url.rsplit(":", 1)[1]))
+    try:
+        in_redis = {d for d in digests if r.exists(store.remote.redis_key(ChunkKey(NS, d)))}
+    finally:
+        r.close()
+    on_disk = {d for d in digests if store.disk.peek(ChunkKey(NS, d))}
+    return on_disk, in_redis
+
+
+@pytest.mark.parametrize("admission", [None, "always"])
+def test_always_writes_every_evicted_chunk_to_disk_and_every_chunk_to_redis(
+    tmp_path: Path, redis_server: RedisServer, admission: str | None
+) -> None:
+    async def scenario() -> None:
+        gate = None if admission is None else StoreAdmission(admission, admission)
+        store = await tiers(tmp_path, redis_server.url, gate)
+        digests, data = chunks(12)
+        await put(store, digests, data)
+        on_disk, in_redis = await written(store, digests)
+        assert on_disk == set(digests[:4])  # the four evicted (LRU), nothing else
+        assert in_redis == set(digests)
+        assert await read(store, digests) == data
+        if gate is not None:
+            stats = store.stats()["tiers"]
+            assert stats["disk"]["admitted"] == 4 and stats["disk"]["declined"] == 0
+            assert stats["redis"]["admitted"] == 12 and stats["redis"]["declined"] == 0
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_reused_writes_only_chunks_read_or_put_again(tmp_path: Path, redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        store = await tiers(tmp_path, redis_server.url, StoreAdmission("reused", "reused"))
+        digests, data = chunks(16)
+        first, second = digests[:8], digests[8:]
+        await put(store, first, data[:8])  # the pool is full, nothing evicted yet
+        # Nothing was reused: nothing goes to Redis, and every chunk is served from memory.
+        assert (await written(store, first))[1] == set()
+        assert await read(store, first[:1]) == data[:1]  # read once: reused
+        assert await store.put_many(NS, [first[1]], [data[1]]) == [PutStatus.EXISTS]  # put again: reused
+        assert store.memory.peek(ChunkKey(NS, first[2]))
+        await put(store, second, data[8:])  # evicts all of the first eight
+        on_disk, in_redis = await written(store, digests)
+        assert on_disk == {first[0], first[1]}
+        assert in_redis == {first[0], first[1]}  # queued when reused, not when stored
+        stats = store.stats()["tiers"]
+        assert (stats["disk"]["admitted"], stats["disk"]["declined"]) == (2, 6)
+        assert stats["disk"]["declined_bytes"] == 6 * MiB
+        assert (stats["redis"]["admitted"], stats["redis"]["declined"]) == (2, 6)
+        # The admitted ones are served back from disk with their bytes; the others are gone.
+        assert await read(store, first[:3]) == [data[0], data[1], None]
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_chunk_dropped_unreused_and_put_again_counts_as_reused(tmp_path: Path, redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        store = await tiers(tmp_path, redis_server.url, StoreAdmission("reused", "reused"))
+        digests, data = chunks(9)
+        await put(store, digests, data)  # digests[0] is evicted, unread: dropped
+        assert await read(store, digests[:1]) == [None]
+        await put(store, digests[:1], data[:1])  # put again (a second replica): reused
+        in_redis = (await written(store, digests))[1]
+        assert in_redis == {digests[0]}  # written at its second store
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_frequency_admits_chunks_used_twice(tmp_path: Path, redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        store = await tiers(tmp_path, redis_server.url, StoreAdmission("frequency", "frequency"))
+        digests, data = chunks(16)
+        await put(store, digests[:8], data[:8])
+        assert await read(store, digests[:2]) == data[:2]  # two accesses each: a put and a get
+        await put(store, digests[8:], data[8:])
+        on_disk, in_redis = await written(store, digests)
+        assert on_disk == set(digests[:2]) and in_redis == set(digests[:2])
+        assert store.stats()["tiers"]["disk"]["sketch_bytes"] == store.admission.accesses.sketch.nbytes  # type: ignore[union-attr]
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_frequency_against_a_full_disk_compares_with_its_victim(tmp_path: Path, redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        store = await tiers(tmp_path, redis_server.url, StoreAdmission("frequency", "always"))
+        assert store.disk is not None
+        store.disk.max_bytes = 2 * (MiB + 4096)  # room for two chunk files
+        digests, data = chunks(12)
+        hot, warm, cold = digests[:2], digests[2:3], digests[3:4]
+        await put(store, digests[:4], data[:4])
+        for _ in range(3):
+            await read(store, hot)  # hot: 4 accesses
+        await read(store, warm)  # warm and cold: 2 accesses each
+        await read(store, cold)
+        await put(store, digests[4:], data[4:])  # evicts the first four in order
+        on_disk, _ = await written(store, digests)
+        assert on_disk == set(hot)  # warm and cold do not beat a hot victim
+        assert store.stats()["tiers"]["disk"]["declined"] >= 2
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_sketch_memory_is_bounded_and_ages() -> None:
+    sketch = FrequencySketch(width=1024, sample_factor=10)
+    size = sketch.nbytes
+    assert size == 4 * 1024
+    for i in range(50_000):  # far more keys than counters
+        sketch.increment(key_hash(ChunkKey(NS, i.to_bytes(32, "big"))))
+    assert sketch.nbytes == size and sketch.agings >= 4
+    fresh = FrequencySketch(width=1 << 12, sample_factor=10)
+    h = key_hash(ChunkKey(NS, b"k" * 32))
+    for _ in range(6):
+        fresh.increment(h)
+    assert fresh.estimate(h) == 6
+    for _ in range(40):
+        fresh.increment(h)
+    assert fresh.estimate(h) == MAX_COUNT  # saturates
+    before = fresh.agings
+    for i in range(fresh.sample_size):  # other keys, until the next aging
+        fresh.increment(key_hash(ChunkKey(NS, i.to_bytes(32, "little"))))
+        if fresh.agings > before:
+            break
+    assert fresh.agings == before + 1 and fresh.estimate(h) <= MAX_COUNT // 2 + 1
+
+
+def test_rule_needs_two_accesses_and_to_beat_the_victim() -> None:
+    accesses = Accesses(FrequencySketch(1 << 10), track_reuse=False)
+    rule = TierAdmission("disk", "frequency", accesses)
+    a, b = ChunkKey(NS, b"a" * 32), ChunkKey(NS, b"b" * 32)
+    accesses.stored(a)
+    assert not rule.admits(a)  # one access
+    accesses.accessed(a)
+    assert rule.admits(a) and rule.admits(a, lambda: None)  # two, and the tier has room
+    for _ in range(3):
+        accesses.accessed(b)
+    assert not rule.admits(a, lambda: b)  # 2 against 3
+    assert rule.admits(b, lambda: a)
+    with pytest.raises(ValueError, match="always, reused, frequency"):
+        TierAdmission("disk", "sometimes", accesses)
+
+
+@pytest.mark.parametrize("key", ["disk_admission", "remote_admission"])
+def test_bad_admission_values_are_refused_with_the_choices(key: str) -> None:
+    assert load_config(None, {}).__getattribute__(key) == "always"
+    for mode in MODES:
+        assert getattr(load_config(None, {}, {key: mode.upper()}), key) == mode
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {}, {key: "lfu"})
+    assert info.value.key == key
+    assert f"'{key}'" in str(info.value) and "always, reused or frequency" in str(info.value)
