@@ -30,7 +30,12 @@ What it does, in one run:
    (today's worker path) and batched (``integrations/batched.py``: one copier
    call for the batch on a side stream, completion by an event); prints both
    times and their ratio and checks the bytes.  ``--paged-device cpu`` runs
-   only this section, on the CPU (a smoke run of the same code).
+   only this section and the next, on the CPU (a smoke run of the same code).
+5. the layer-wise section (``benchmarks/_layerwise.py``): a synthetic forward
+   pass over that cache (``--layerwise-matmuls`` matmuls of hidden
+   ``--layerwise-hidden`` per layer) with the step's save gathered after it or
+   copied layer by layer during it (``layerwise_save``); prints how much of the
+   save's time the overlap hides and checks the bytes.
 
 Each row: ``{"path", "direction": "h2d"|"d2h", "size_bytes", "gib_per_s"}``
 (paged rows: ``chunks``, ``chunk_tokens``, ``layers``, ``ms`` instead of ``size_bytes``);
@@ -55,6 +60,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _batched import measure_paged  # noqa: E402
 from _harness import MIB, raise_on_sigterm, wait_until, workspace  # noqa: E402
+from _layerwise import measure_layerwise  # noqa: E402
 
 NAMESPACE = "gpu-check"
 
@@ -202,10 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--paged-chunk-tokens", type=int, default=256, help="paged section: tokens per chunk (default 256)")
     p.add_argument("--paged-device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: run only the paged section, on the CPU (default cuda: the whole check)")  # fmt: skip
+    p.add_argument("--layerwise-hidden", type=int, default=4096, help="layer-wise section: hidden size (default 4096)")
+    p.add_argument("--layerwise-matmuls", type=int, default=4, help="layer-wise section: matmuls per layer (default 4)")
     a = p.parse_args(argv)
     paged = (a.paged_layers, a.paged_chunks, a.paged_chunk_tokens, a.reps)
+    forward = (a.layerwise_hidden, a.layerwise_matmuls)
     if a.paged_device == "cpu":
         rows = measure_paged("cpu", *paged)
+        rows += measure_layerwise("cpu", *paged, *forward)
         if a.json is not None:
             a.json.write_text(json.dumps({"available": True, "device": "cpu", "rows": rows}, indent=1) + "\n")
         return 0
@@ -219,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
     rows, notes = run(sizes, a.batch, a.reps)
     rows += measure_paged("cuda", *paged)
+    rows += measure_layerwise("cuda", *paged, *forward)
     for note in notes:
         print(f"note: {note}")
     if a.json is not None:

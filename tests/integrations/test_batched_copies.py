@@ -121,8 +121,8 @@ def test_bad_parts_are_refused_before_anything_is_copied() -> None:
 
 
 def test_gpu_check_runs_its_paged_section_on_cpu(tmp_path: Any) -> None:
-    """benchmarks/gpu_check.py --paged-device cpu: the batched-vs-per-chunk section on CPU
-    tensors (its byte checks included) exits 0 with both paths' rows."""
+    """benchmarks/gpu_check.py --paged-device cpu: the batched-vs-per-chunk section and the
+    layer-wise one on CPU tensors (their byte checks included) exit 0 with every path's rows."""
     import json
     import subprocess
     import sys
@@ -131,6 +131,7 @@ def test_gpu_check_runs_its_paged_section_on_cpu(tmp_path: Any) -> None:
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
     out = tmp_path / "paged.json"
     args = ["--paged-device", "cpu", "--paged-layers", "2", "--paged-chunks", "3", "--paged-chunk-tokens", "32"]
+    args += ["--layerwise-hidden", "64"]
     done = subprocess.run(
         [sys.executable, str(script), *args, "--reps", "1", "--json", str(out)],
         capture_output=True,
@@ -140,10 +141,12 @@ def test_gpu_check_runs_its_paged_section_on_cpu(tmp_path: Any) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     assert result["available"] and result["device"] == "cpu"
-    assert sorted((r["path"], r["direction"]) for r in result["rows"]) == [
+    paths = [r["path"] for r in result["rows"]]
+    assert paths[4:] == ["layerwise-compute", "layerwise-after", "layerwise-layerwise"]
+    assert sorted((r["path"], r["direction"]) for r in result["rows"][:4]) == [
         ("paged-batched", "d2h"),
         ("paged-batched", "h2d"),
         ("paged-per-chunk", "d2h"),
         ("paged-per-chunk", "h2d"),
     ]
-    assert "batched" in done.stdout and "per-chunk" in done.stdout
+    assert "batched" in done.stdout and "per-chunk" in done.stdout and "layer by layer" in done.stdout
