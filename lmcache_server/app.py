@@ -31,6 +31,7 @@ from .metrics import (
     PrefetchCollector,
     ServerMetrics,
     ShmCollector,
+    SizingCollector,
     StoreCollector,
     TaskFailureCollector,
 )
@@ -48,6 +49,7 @@ from .storage.memory import ALIGNMENT, Adoption, WarmStart
 from .storage.offload import Offload
 from .storage.policy import make_policy
 from .storage.remote import RedisTier, state_path_for
+from .storage.sizing import Sizing
 from .storage.tenants import TenantQuotas
 from .storage.tieradmission import StoreAdmission, sketch_width_for
 from .summary import SummaryLog
@@ -151,6 +153,9 @@ class App:
         budget = ByteBudget(c.max_inflight_bytes)
         metrics = ServerMetrics(self.registry)
         self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))
+        if c.sizing_window_chunks:
+            store.sizing = Sizing(c.sizing_window_chunks)
+            self.registry.register(SizingCollector(store.sizing.stats))
         self.registry.register(TaskFailureCollector(supervisor.failures))
         prefetcher = Prefetcher(store, budget, supervisor)  # lookups with prefetch: true
         self.registry.register(PrefetchCollector(prefetcher.stats))

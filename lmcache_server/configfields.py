@@ -184,6 +184,13 @@ class ConfigFields:
     metrics_port: int = v.field(
         9464, v.int_in(0, 65535), "a port 1..65535, or 0 to disable", "Port of /metrics and /healthz (0 disables it)."
     )
+    sizing_window_chunks: int = v.field(
+        1 << 20,
+        v.int_in(0, 1 << 40),
+        "an integer number of chunk accesses, 0..1099511627776 (0: off)",
+        "Sizing telemetry (lmcache_hit_rate_ceiling beside lmcache_hit_rate_window): the hit rates cover the last "
+        "this many to twice this many chunk accesses, per stream (lookup, get); 0 turns it off.",
+    )
     max_message_size: int = v.field(
         512 * 1024**2,
         v.size(4096),

@@ -6,8 +6,9 @@ build info and process metrics) and :class:`StoreCollector` (tier gauges and
 counters read from the store at scrape time, so they can never drift from it),
 :class:`TaskFailureCollector` (failures of supervised background tasks and of
 requests that hit a bug), :class:`PrefetchCollector` (lookups with prefetch,
-server/prefetch.py), and :func:`counter_value` (a counter's current total, for
-the summary log).
+server/prefetch.py), :class:`SizingCollector` (the hit rate an unbounded memory
+tier would have had beside the actual one, storage/sizing.py), and
+:func:`counter_value` (a counter's current total, for the summary log).
 
 Every family is listed in docs/operations.md; deploy/prometheus/rules.yml and
 deploy/grafana/lmcache.json use them (tests check that they name only these).
@@ -356,4 +357,37 @@ class EventsCollector(Collector):
             yield CounterMetricFamily(name, doc, value=float(s[field]))
         yield GaugeMetricFamily(
             "lmcache_event_announced_blocks", "Blocks announced and not removed.", value=float(s["announced_blocks"])
+        )
+
+
+class SizingCollector(Collector):
+    """Exports the sizing telemetry (storage/sizing.py) at scrape time: per stream
+    (``op``: lookup, get) the window's hit-rate ceiling, actual hit rate and counts."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats()
+        families = [
+            ("lmcache_hit_rate_ceiling",
+             "Hit rate an unbounded memory tier would have had over the window: (accesses - distinct chunks) / "
+             "accesses (distinct counted by a HyperLogLog sketch, see lmcache_hit_rate_sketch_error).", "ceiling"),
+            ("lmcache_hit_rate_window", "The memory tier's hit rate over the same window.", "actual"),
+            ("lmcache_hit_rate_window_accesses",
+             "Chunk accesses the window covers (sizing_window_chunks to twice that).", "accesses"),
+            ("lmcache_hit_rate_window_distinct_chunks",
+             "Distinct chunks accessed in the window (estimated): the working set an unbounded tier would hold.",
+             "distinct"),
+        ]  # fmt: skip
+        for name, doc, field in families:
+            metric = GaugeMetricFamily(name, doc, labels=["op"])
+            for op in ("lookup", "get"):
+                metric.add_metric([op], float(s[op][field]))
+            yield metric
+        yield GaugeMetricFamily(
+            "lmcache_hit_rate_sketch_error",
+            "Relative standard error of the distinct count (1.04 / sqrt(registers)); the ceiling's absolute "
+            "standard error is this times distinct / accesses.",
+            value=float(s["relative_error"]),
         )

@@ -3,7 +3,8 @@
 The tiered store's ``get_many`` is written here, in passes over the batch:
 
 1. memory: each key (after any fill of it by a put has ended) is leased from
-   the pool, or is a miss;
+   the pool, or is a miss (each distinct key, hit or miss, is recorded in the
+   sizing telemetry's ``get`` window when it is on, :mod:`.sizing`);
 2. disk: every memory miss the disk holds is read straight into reserved pool
    memory, all of them at once: the disk tier's I/O threads
    (``disk_io_threads``) read that many files concurrently;
@@ -34,6 +35,7 @@ from .base import Chunk, ChunkKey, Tier
 from .disk import DiskTier
 from .memory import MemoryTier
 from .remote import RedisTier
+from .sizing import Sizing
 
 
 class Fills(Protocol):
@@ -56,6 +58,8 @@ class Tiers(Protocol):
     def lower(self) -> list[Tier]: ...
     @property
     def filling(self) -> Fills: ...
+    @property
+    def sizing(self) -> Sizing | None: ...
 
     async def promote(self, tier: str, key: ChunkKey, chunk: Chunk) -> Chunk: ...
 
@@ -77,6 +81,8 @@ async def read_batch(store: Tiers, keys: Sequence[ChunkKey]) -> list[Chunk | Non
             await store.filling.filled(keys[i])
             out[i] = await store.memory.get(keys[i])
         missing = [i for i in first.values() if out[i] is None]
+        if store.sizing is not None:  # the get window: each distinct key, a hit if memory had it
+            store.sizing.get.record([keys[i] for i in first.values()], [out[i] is not None for i in first.values()])
         disk = store.disk
         if disk is not None and missing:
             await _each(out, missing, lambda i: store.promote_from_disk(disk, keys[i]))

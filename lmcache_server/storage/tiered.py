@@ -24,6 +24,9 @@ Tiers are ordered fastest first: memory, then disk, then Redis.
 - Lower tiers are inclusive: a promoted chunk stays on disk, so evicting it
   again costs no write.
 - lookup/exists look at every tier without touching recency.
+- Sizing telemetry (optional, :mod:`.sizing`): lookups and the memory pass of
+  gets are recorded in its windows (the hit rate an unbounded memory tier would
+  have had, beside the actual one).
 - KV events (:class:`.base.Residency`, optional): a put that carries token ids
   is announced when it becomes readable; a chunk that leaves the last local
   tier (memory, disk) is announced as removed; a clear, as cleared.
@@ -57,6 +60,7 @@ from .filling import Filling
 from .memory import MemoryTier
 from .offload import Offload
 from .remote import RedisTier
+from .sizing import Sizing
 from .tieradmission import StoreAdmission
 from .tieredlookup import LookupCounters, TieredLookup
 from .tieredpromote import TieredPromotion
@@ -92,6 +96,8 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         memory.on_evict = self._spill
         self.events: Residency | None = None
         """Told what becomes readable and what leaves (the KV-event announcer); set by the composition root."""
+        self.sizing: Sizing | None = None
+        """Sizing telemetry (:mod:`.sizing`): lookups and gets recorded in its windows; set by the composition root."""
         memory.on_removed = self._left_memory
         if disk is not None:
             disk.on_removed = self._left

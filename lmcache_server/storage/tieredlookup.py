@@ -7,6 +7,9 @@ which tier holds each key, without touching recency.
 - ``lookup`` answers the leading-hit count and the fastest tier per key and
   counts it (:class:`LookupCounters`); ``lookup_now`` answers without waiting
   when no key needs Redis.
+- With sizing telemetry on (``sizing``, :mod:`.sizing`), each lookup's keys are
+  recorded in its ``lookup`` window, a memory hit being a key of the leading
+  hit run found in memory.
 
 Primitives: :class:`TieredLookup` (``lookup``, ``lookup_now``, ``exists``), :class:`LookupCounters`.
 """
@@ -21,6 +24,7 @@ from .base import ChunkKey, Tier
 from .filling import Filling
 from .memory import MemoryTier
 from .remote import RedisTier
+from .sizing import Sizing
 
 
 @dataclasses.dataclass
@@ -39,6 +43,7 @@ class TieredLookup:
     filling: Filling
     tiers: list[Tier]
     lookup_counters: LookupCounters
+    sizing: Sizing | None
 
     def _where(self, key: ChunkKey) -> str | None:
         if key in self.filling:
@@ -85,17 +90,23 @@ class TieredLookup:
                     tiers[i] = self.remote.name
         return tiers
 
-    def _counted(self, tiers: list[str | None]) -> tuple[int, list[str | None]]:
+    def _counted(
+        self, namespace: str, digests: Sequence[bytes], tiers: list[str | None]
+    ) -> tuple[int, list[str | None]]:
         hits = len(tiers) if None not in tiers else tiers.index(None)
         c = self.lookup_counters
         c.lookups += 1
         c.chunks_asked += len(tiers)
         c.chunks_hit += hits
+        if self.sizing is not None:
+            memory = self.memory.name
+            in_memory = [t == memory for t in tiers[:hits]] + [False] * (len(tiers) - hits)
+            self.sizing.lookup.record([(namespace, d) for d in digests], in_memory)
         return hits, tiers
 
     async def lookup(self, namespace: str, digests: Sequence[bytes]) -> tuple[int, list[str | None]]:
         """Leading-hit count and the fastest tier holding each key (None: not stored)."""
-        return self._counted(await self._locate(namespace, digests))
+        return self._counted(namespace, digests, await self._locate(namespace, digests))
 
     def lookup_now(self, namespace: str, digests: Sequence[bytes]) -> tuple[int, list[str | None]] | None:
         """:meth:`lookup` answered without waiting, or None when it must ask Redis
@@ -103,7 +114,7 @@ class TieredLookup:
         tiers = self._locate_local(namespace, digests)
         if self.remote is not None and None in tiers:
             return None
-        return self._counted(tiers)
+        return self._counted(namespace, digests, tiers)
 
     async def exists(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:
         return [t is not None for t in await self._locate(namespace, digests)]
