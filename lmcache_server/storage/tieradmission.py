@@ -78,12 +78,19 @@ class Accesses:
         if self.track_reuse and self._gone.pop(h):
             self._reused.add(key)
 
-    def accessed(self, key: ChunkKey) -> None:
-        """``key`` was read (a hit in any tier) or put again while stored."""
+    def accessed(self, key: ChunkKey, resident: bool = True) -> None:
+        """``key`` was read (a hit in any tier) or put again.  ``resident``: memory
+        holds it (or is filling it); else (a lower-tier hit memory had no room for)
+        only the history of keys remembers it, so that the set of reused chunks
+        never holds a key memory will not tell :meth:`left_memory` about."""
+        h = key_hash(key)
         if self.sketch is not None:
-            self.sketch.increment(key_hash(key))
+            self.sketch.increment(h)
         if self.track_reuse:
-            self._reused.add(key)
+            if resident:
+                self._reused.add(key)
+            elif h not in self._gone:
+                self._gone.add(h)
 
     def left_memory(self, key: ChunkKey) -> None:
         if self.track_reuse:
@@ -158,10 +165,11 @@ class StoreAdmission:
         self._owed[key] = nbytes
         return False
 
-    def accessed(self, key: ChunkKey) -> bool:
+    def accessed(self, key: ChunkKey, resident: bool = True) -> bool:
         """``key`` was read, or put again: whether to queue it for Redis now (not
-        sent there before, and admitted now; the caller queues it if memory holds it)."""
-        self.accesses.accessed(key)
+        sent there before, and admitted now; the caller queues it if memory holds
+        it).  ``resident``: memory holds the key, or a put of it is filling."""
+        self.accesses.accessed(key, resident)
         remote = self.remote
         if remote is None or remote.mode == "always":
             return False

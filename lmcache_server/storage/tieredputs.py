@@ -200,7 +200,10 @@ class TieredPuts:
         """``key`` was read or put again: tell admission, and queue it for Redis if
         admitted now."""
         admission = self.admission
-        if admission is not None and admission.accessed(key) and self.remote is not None:
+        if admission is None:
+            return
+        resident = self.memory.peek(key) or key in self.filling
+        if admission.accessed(key, resident) and self.remote is not None:
             lease = self.memory.lease(key)
             if lease is not None:
                 size = lease.nbytes
