@@ -6,6 +6,8 @@ hash is not cached yet) against a baseline measured in the same run on the
 same kind of batches: inserting each key into a dict (one hash and a table
 store, the least any per-key bookkeeping costs).  Prints ns per access for
 both and their ratio, and the sketch's estimate against the true distinct count.
+Then what it adds to a whole lookup: the real store's ``lookup_now`` (memory
+tier only, half the keys stored) with the telemetry off and on, alternated.
 
 Usage: python benchmarks/bench_sizing.py [--batch 64] [--accesses 400000] [--keys 50000] [--window 100000]
 """
@@ -13,17 +15,19 @@ Usage: python benchmarks/bench_sizing.py [--batch 64] [--accesses 400000] [--key
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import time
 
-from lmcache_server.storage.sizing import SizingWindow
+from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
+from lmcache_server.storage.sizing import Sizing, SizingWindow
 
 
-def batches(rng: random.Random, accesses: int, keys: int, batch: int) -> list[list[tuple[str, bytes]]]:
-    """``accesses`` keys (namespace, digest) drawn from ``keys`` distinct ones, each digest a fresh bytes object."""
+def batches(rng: random.Random, accesses: int, keys: int, batch: int) -> list[list[bytes]]:
+    """``accesses`` digests drawn from ``keys`` distinct ones, each a fresh bytes object."""
     pool = [rng.randbytes(32) for _ in range(keys)]
     # bytes(bytearray(d)) copies: a new object with no cached hash, like a decoded key.
-    draws = [("ns", bytes(bytearray(pool[rng.randrange(keys)]))) for _ in range(accesses)]
+    draws = [bytes(bytearray(pool[rng.randrange(keys)])) for _ in range(accesses)]
     return [draws[i : i + batch] for i in range(0, accesses, batch)]
 
 
@@ -40,7 +44,7 @@ def main() -> None:
     best_dict = best_sketch = float("inf")
     for _ in range(args.repeats):
         work = batches(rng, args.accesses, args.keys, args.batch)
-        seen: dict[tuple[str, bytes], bool] = {}
+        seen: dict[bytes, bool] = {}
         t0 = time.perf_counter_ns()
         for keys in work:
             for d in keys:
@@ -52,7 +56,7 @@ def main() -> None:
         window = SizingWindow(args.window)
         t0 = time.perf_counter_ns()
         for keys, flags in zip(work, hits):
-            window.record(keys, flags)
+            window.record("ns", keys, flags)
         best_sketch = min(best_sketch, (time.perf_counter_ns() - t0) / args.accesses)
 
     # Accuracy on the last window: the true distinct count of the accesses it covers.
@@ -68,6 +72,28 @@ def main() -> None:
         f"({(est - true_distinct) / true_distinct:+.2%}); ceiling {window.stats()['ceiling']:.4f} "
         f"vs true {(covered - true_distinct) / covered:.4f}"
     )
+
+    off, on = asyncio.run(lookup_cost(rng, args.batch, args.repeats))
+    print(f"lookup_now of {args.batch} keys: {off:7.1f} ns/key off, {on:7.1f} ns/key on ({on / off:.2f}x)")
+
+
+async def lookup_cost(rng: random.Random, batch: int, repeats: int) -> tuple[float, float]:
+    """ns per key of ``TieredStore.lookup_now`` without and with the telemetry."""
+    store = TieredStore(MemoryTier(MemoryPool(64 << 20, "off"), max_pinned_bytes=0))
+    digests = [rng.randbytes(32) for _ in range(4096)]
+    for d in digests[::2]:
+        await store.memory.put(ChunkKey("ns", d), b"x" * 4096)
+    lookups = [digests[i : i + batch] for i in range(0, len(digests), batch)] * 10
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(repeats):
+        for sizing in (False, True):
+            store.sizing = Sizing(1 << 20) if sizing else None
+            t0 = time.perf_counter_ns()
+            for keys in lookups:
+                store.lookup_now("ns", keys)
+            best[sizing] = min(best[sizing], (time.perf_counter_ns() - t0) / (len(lookups) * batch))
+    await store.close()
+    return best[False], best[True]
 
 
 if __name__ == "__main__":

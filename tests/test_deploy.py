@@ -148,7 +148,7 @@ def test_dashboard_queries_name_exported_metrics(exported: set[str]) -> None:
             cells[cell] = panel["title"]
     # What the issue asks the dashboard to show.
     for title in ("Hit rate per tier", "Throughput", "Latency p50 by op", "Latency p99 by op", "Evictions",
-                  "Pool and disk usage", "Uplink state"):  # fmt: skip
+                  "Pool and disk usage", "Uplink state", "Would a bigger pool help?"):  # fmt: skip
         assert title in titles
     variable = {v["name"]: v for v in dashboard["templating"]["list"]}["instance"]
     match = re.fullmatch(r"label_values\((\w+), *instance\)", variable["query"]["query"])

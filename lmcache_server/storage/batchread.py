@@ -81,8 +81,11 @@ async def read_batch(store: Tiers, keys: Sequence[ChunkKey]) -> list[Chunk | Non
             await store.filling.filled(keys[i])
             out[i] = await store.memory.get(keys[i])
         missing = [i for i in first.values() if out[i] is None]
-        if store.sizing is not None:  # the get window: each distinct key, a hit if memory had it
-            store.sizing.get.record([keys[i] for i in first.values()], [out[i] is not None for i in first.values()])
+        if store.sizing is not None and keys:  # the get window: each distinct key, a hit if memory had it
+            firsts = list(first.values())  # (get_many reads one namespace)
+            store.sizing.get.record(
+                keys[0].namespace, [keys[i].digest for i in firsts], [out[i] is not None for i in firsts]
+            )
         disk = store.disk
         if disk is not None and missing:
             await _each(out, missing, lambda i: store.promote_from_disk(disk, keys[i]))

@@ -1,4 +1,4 @@
-"""Sizing telemetry: would a bigger memory pool help?  (docs/operations.md, "Sizing")
+"""Sizing telemetry: would a bigger memory pool help?  (docs/operations.md, "Would a bigger pool help?")
 
 An unbounded cache misses only the first access of each distinct chunk, so over
 a window of N chunk accesses with D distinct chunks its hit rate is
@@ -11,8 +11,9 @@ ceiling close to actual: the workload reuses no more, more memory buys nothing.
   registers (4 KiB at the default precision 12), whatever the number of keys;
   relative standard error 1.04 / sqrt(2**precision) on D (1.6 % at 12), so the
   ceiling's absolute standard error is that times D / N (at most 0.016).
-  Below 2.5 * 2**precision distinct keys it counts by linear counting, far more
-  exactly (D = 100 is within 1 or 2).
+  Below 2.5 * 2**precision distinct keys it counts by linear counting, whose
+  error is a little smaller (1 / sqrt(2 m) while few registers are set: about
+  one key at D = 100).
 - The window (:class:`SizingWindow`) is a count of accesses, not of seconds:
   two sketches rotate, the *current* one takes accesses until it has
   ``window_chunks`` of them, then becomes the *previous* one and a fresh one
@@ -24,13 +25,13 @@ ceiling close to actual: the workload reuses no more, more memory buys nothing.
   chunk cached before the window and read once in it is a hit for the real
   tier and a first access for the ceiling, so the actual rate can exceed the
   ceiling by a little when the window is short against the reuse distances.
-- A chunk is a chunk_size-token block, so the rates weighted by chunks are the
-  token hit rates (the last partial chunk of a prompt is never a key).
-- Per access: one hash (Python's hash of the ``(namespace, digest)`` key: SipHash
-  of the digest combined with the namespace's cached hash), a shift, a bit
-  length and a compare; the hits are summed per batch.  The
-  hash seed is per process (PYTHONHASHSEED), which is all the sketch needs: its
-  error bound holds for any seed; estimates are not reproducible across runs.
+- Rates are weighted by chunks; a chunk is chunk_size tokens, so they are the
+  token hit rates (a shorter last chunk, where a client stores one, counts whole).
+- Per access: one hash (Python's SipHash of the digest, which the bytes object
+  caches: a lookup has hashed it already; xor the namespace's cached hash), a
+  shift, a bit length and a compare; the hits are summed per batch.  The
+  hash seed is per process (PYTHONHASHSEED): the error bound is over that random
+  choice of hash function, so estimates are not reproducible across runs.
 
 :class:`Sizing` holds one window per access stream: ``lookup`` (the chunks each
 lookup asks about; a memory hit is a chunk of the leading hit run found in
@@ -128,21 +129,21 @@ class SizingWindow:
         self._previous_hits = 0
         self.rotations = 0
 
-    def record(self, keys: Sequence[tuple[str, bytes]], hits: Sequence[bool]) -> None:
-        """Count an access to each key (a :class:`.base.ChunkKey` or the plain
-        ``(namespace, digest)`` tuple, which hashes alike), a memory hit where
-        ``hits`` (as long as ``keys``) is true."""
-        if len(hits) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(hits)} hit flags")
+    def record(self, namespace: str, digests: Sequence[bytes], hits: Sequence[bool]) -> None:
+        """Count an access to each chunk ``(namespace, digest)``, a memory hit where
+        ``hits`` (as long as ``digests``) is true."""
+        if len(hits) != len(digests):
+            raise ValueError(f"{len(digests)} digests but {len(hits)} hit flags")
+        ns = hash(namespace)  # cached by the str; a digest's hash is cached by its bytes once a dict has seen it
         p = self._current.precision
         low = (1 << p) - 1
         top = 65 - p
         start = 0
-        while start < len(keys):
-            take = min(len(keys) - start, self.window_chunks - self._accesses)
+        while start < len(digests):
+            take = min(len(digests) - start, self.window_chunks - self._accesses)
             regs = self._current.registers
-            for key in keys[start : start + take]:
-                h = hash(key) & _MASK64
+            for d in digests[start : start + take]:
+                h = (hash(d) ^ ns) & _MASK64
                 rank = top - (h >> p).bit_length()
                 if rank > regs[h & low]:
                     regs[h & low] = rank

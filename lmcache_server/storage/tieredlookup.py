@@ -99,9 +99,9 @@ class TieredLookup:
         c.chunks_asked += len(tiers)
         c.chunks_hit += hits
         if self.sizing is not None:
-            memory = self.memory.name
-            in_memory = [t == memory for t in tiers[:hits]] + [False] * (len(tiers) - hits)
-            self.sizing.lookup.record([(namespace, d) for d in digests], in_memory)
+            in_memory = list(map(self.memory.name.__eq__, tiers[:hits]))  # the leading run's memory hits
+            in_memory += [False] * (len(tiers) - hits)
+            self.sizing.lookup.record(namespace, digests, in_memory)
         return hits, tiers
 
     async def lookup(self, namespace: str, digests: Sequence[bytes]) -> tuple[int, list[str | None]]:

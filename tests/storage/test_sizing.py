@@ -28,8 +28,8 @@ def hashes(seed: int, n: int) -> list[int]:
     return [rng.getrandbits(64) for _ in range(n)]
 
 
-def keys(n: int, namespace: str = "ns") -> list[tuple[str, bytes]]:
-    return [(namespace, os.urandom(KEY_BYTES)) for _ in range(n)]
+def keys(n: int) -> list[bytes]:
+    return [os.urandom(KEY_BYTES) for _ in range(n)]
 
 
 # -- the HyperLogLog ----------------------------------------------------------------------
@@ -84,13 +84,13 @@ def test_memory_does_not_grow_with_keys() -> None:
     window = SizingWindow(1 << 30)
     many = keys(100_000)
     flags = [False] * len(many)
-    window.record(many[:1000], flags[:1000])
+    window.record("ns", many[:1000], flags[:1000])
     size = len(window._current.registers)
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         for i in range(1000, len(many), 1000):
-            window.record(many[i : i + 1000], flags[i : i + 1000])
+            window.record("ns", many[i : i + 1000], flags[i : i + 1000])
         kept = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
@@ -113,14 +113,14 @@ def test_ceiling_of_100_accesses_over_10_keys() -> None:
     seq = ten + [rng.choice(ten) for _ in range(90)]  # every key at least once, 100 accesses
     hits = [i >= 10 and i % 2 == 0 for i in range(100)]  # a tier that served 45 of them
     for i in range(0, 100, 7):  # batches of any size
-        window.record(seq[i : i + 7], hits[i : i + 7])
+        window.record("ns", seq[i : i + 7], hits[i : i + 7])
     s = window.stats()
     assert s["accesses"] == 100
     assert s["hits"] == 45
     assert s["actual"] == 0.45
     assert s["ceiling"] == pytest.approx(0.9, abs=0.02)  # linear counting: 10 distinct within 2
     # Namespaces keep equal digests apart.
-    window.record([("other", d) for _, d in ten], [False] * 10)
+    window.record("other", ten, [False] * 10)
     assert window.stats()["distinct"] == pytest.approx(20, abs=2)
 
 
@@ -129,15 +129,15 @@ def test_window_rotates_and_forgets() -> None:
     an older window are forgotten."""
     window = SizingWindow(50)
     a, b = keys(10), keys(10)
-    window.record([a[i % 10] for i in range(50)], [False] * 50)
+    window.record("ns", [a[i % 10] for i in range(50)], [False] * 50)
     assert window.rotations == 1
     assert window.stats()["accesses"] == 50
-    window.record([b[i % 10] for i in range(30)], [True] * 30)
+    window.record("ns", [b[i % 10] for i in range(30)], [True] * 30)
     s = window.stats()
     assert (s["accesses"], s["hits"]) == (80, 30)
     assert s["distinct"] == pytest.approx(20, abs=2)  # both windows' keys
     assert s["ceiling"] == pytest.approx(60 / 80, abs=0.03)
-    window.record([b[i % 10] for i in range(40)], [True] * 40)  # crosses a rotation inside the batch
+    window.record("ns", [b[i % 10] for i in range(40)], [True] * 40)  # crosses a rotation inside the batch
     s = window.stats()
     assert window.rotations == 2
     assert (s["accesses"], s["hits"]) == (50 + 20, 70)  # a full window of b, 20 more: a is gone
@@ -149,7 +149,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="window_chunks"):
         SizingWindow(0)
     with pytest.raises(ValueError, match="hit flags"):
-        SizingWindow(10).record(keys(3), [True])
+        SizingWindow(10).record("ns", keys(3), [True])
     assert SizingWindow(10).stats() == {"accesses": 0, "hits": 0, "distinct": 0.0, "ceiling": 0.0, "actual": 0.0}
 
 
