@@ -18,7 +18,7 @@ import pytest
 
 from lmcache_client.protocol import KEY_BYTES, PutStatus
 from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
-from lmcache_server.storage.sizing import HyperLogLog, Sizing, SizingWindow, relative_error
+from lmcache_server.storage.sizing import HyperLogLog, Sizing, SizingWindow, register_max, relative_error
 
 MiB = 1 << 20
 
@@ -76,6 +76,17 @@ def test_union_counts_shared_hashes_once() -> None:
     assert abs(a.union_estimate(b) - 50_000) / 50_000 <= 3 * relative_error(12)
     with pytest.raises(ValueError, match="precision"):
         a.union_estimate(HyperLogLog(10))
+
+
+def test_register_max_is_the_element_wise_max() -> None:
+    """The union's registers, computed eight bits a lane on big integers, equal a
+    plain max per register, at the extremes (0 and 61, the highest rank) too."""
+    rng = random.Random(11)
+    for n in (16, 4096):
+        for _ in range(50):
+            a = bytes(rng.choice([0, 1, 60, 61, rng.randrange(62)]) for _ in range(n))
+            b = bytes(rng.choice([0, 1, 60, 61, rng.randrange(62)]) for _ in range(n))
+            assert register_max(a, b) == bytes(map(max, a, b))
 
 
 def test_memory_does_not_grow_with_keys() -> None:
