@@ -15,8 +15,9 @@ request at a time, the way an engine uses the cache:
 Hit tokens per request are ``min(512 * leading hits, input_length - 1)``
 (the trace README's definition).  Reported per capacity: token hit rate,
 requests/s, MiB/s of payload moved (put + get), lookup latency p50/p99, the
-daemon's own counters (``lmcache_lookup_*`` from ``/metrics``) checked against
-the replay's ground truth, and beside them the offline simulation
+daemon's own counters (``lmcache_lookup_*`` from ``/metrics``) and its sizing
+gauges (``lmcache_hit_rate_ceiling`` beside ``lmcache_hit_rate_window``, on
+lookups) checked against the replay's ground truth, and beside them the offline simulation
 (``policy_sim.py``, the same policy classes) of the same trace and capacity for
 ``lru``, ``belady`` and the policy under test.
 
@@ -40,6 +41,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import re
 import sys
 import tempfile
@@ -69,7 +71,14 @@ from lmcache_client import CacheClient, DaemonUnavailable, PutStatus  # noqa: E4
 
 MiB = 1 << 20
 DEFAULT_BLOCK_BYTES = 16 * 1024
-METRICS = ("lmcache_lookup_chunks_total", "lmcache_lookup_hit_chunks_total", "lmcache_lookup_hit_tokens_total")
+METRICS = (
+    "lmcache_lookup_chunks_total",
+    "lmcache_lookup_hit_chunks_total",
+    "lmcache_lookup_hit_tokens_total",
+    "lmcache_hit_rate_sketch_error",
+)
+SIZING = ("lmcache_hit_rate_ceiling", "lmcache_hit_rate_window", "lmcache_hit_rate_window_distinct_chunks")
+"""The sizing telemetry's lookup stream (docs/operations.md, "Would a bigger pool help?")."""
 
 
 @dataclasses.dataclass
@@ -129,7 +138,31 @@ def scrape(url: str) -> dict[str, float]:
         m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, flags=re.M)
         if m:
             out[name] = float(m.group(1))
+    for name in SIZING:
+        m = re.search(rf'^{name}{{op="lookup"}} ([0-9.e+-]+)$', text, flags=re.M)
+        if m:
+            out[name] = float(m.group(1))
     return out
+
+
+def sizing_checks(result: ReplayResult, distinct: int) -> dict[str, Any]:
+    """The daemon's hit-rate ceiling and actual rate on lookups against the replay's
+    exact figures: every block id is looked up, so an unbounded tier misses only
+    the ``distinct`` first ones; the daemon runs memory only, so every lookup hit
+    is a memory hit.  Exact while the replay's lookups fit in one sizing window
+    (the default 1,048,576; the whole trace looks up 288,500 blocks)."""
+    c, m = result.counts, result.daemon_metrics
+    exact = {"ceiling": 1 - distinct / c.lookup_blocks, "actual": c.hit_blocks / c.lookup_blocks}
+    daemon = {k: m.get(name, math.nan) for k, name in (("ceiling", SIZING[0]), ("actual", SIZING[1]))}
+    return {
+        "exact": {k: round(v, 6) for k, v in exact.items()},
+        "daemon": daemon,
+        "daemon_distinct": m.get(SIZING[2]),
+        # the sketch's 3 standard errors on the ceiling (its relative error on D, times D / N), the actual rate exactly
+        "within_error": abs(daemon["ceiling"] - exact["ceiling"])
+        <= 3 * m.get("lmcache_hit_rate_sketch_error", math.nan) * distinct / c.lookup_blocks
+        and abs(daemon["actual"] - exact["actual"]) < 1e-9,
+    }
 
 
 def replay(
@@ -219,9 +252,7 @@ def run_daemon_replay(
                 wait_until(pings, 60, "daemon", daemon.check_alive)
             finally:
                 quiet.setLevel(level)
-            counts, secs, moved, lookup_s, statuses = replay(
-                client, requests, block_bytes, progress, size_of=size_of
-            )
+            counts, secs, moved, lookup_s, statuses = replay(client, requests, block_bytes, progress, size_of=size_of)
             stats = client.stats()
         metrics = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
@@ -287,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             checks = accounting_checks(result)
             row["accounting_matches"] = checks
             ok &= all(checks.values())
+            row["sizing"] = sizing = sizing_checks(result, distinct)
+            ok &= sizing["within_error"]
             twin = sim.get((args.policy, capacity))
             if twin is not None:
                 row["sim_token_hit_rate"] = twin["token_hit_rate"]
@@ -298,6 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + f"; {row['requests_per_s']:,.0f} req/s, {row['mib_per_s']:,.0f} MiB/s, "
                 f"lookup p50 {row['lookup_p50_ms']:.3f} ms p99 {row['lookup_p99_ms']:.3f} ms; "
                 f"daemon counters {'match' if all(checks.values()) else 'DIFFER: ' + str(checks)}")  # fmt: skip
+            say(f"  would a bigger pool help (lookups): ceiling {sizing['daemon']['ceiling']:.4f} "
+                f"(exact {sizing['exact']['ceiling']:.4f}), actual {sizing['daemon']['actual']:.4f} "
+                f"(exact {sizing['exact']['actual']:.4f}); {'within' if sizing['within_error'] else 'OUTSIDE'} "
+                "the sketch's error")  # fmt: skip
     rows.extend(sim.values())
     print()
     print(f"{'capacity':>9} {'%':>6} " + " ".join(f"{name:>14}" for name in ["daemon " + args.policy, *[
