@@ -122,3 +122,63 @@ def test_the_scheduler_saves_handed_off_states_and_loads_a_state_only_at_its_len
     worker._mover = StateMover(types.SimpleNamespace(layout=side.states.layout), "ns")  # type: ignore[arg-type]
     assert not worker._load_state(cut, None, 1152, LoadResult(0))  # type: ignore[arg-type]
     assert not worker._load_state(good, None, 2048, LoadResult(0))  # type: ignore[arg-type]  # a chunk missing
+
+
+@pytest.mark.parametrize("ranks_agree", [True, False], ids=["agree", "disagree"])
+def test_asynchronous_lookups_find_the_state_on_the_lanes_not_in_the_step(address: str, ranks_agree: bool) -> None:
+    """With asynchronous lookups each TP rank's lane also walks the rank's stored states
+    after its chunk lookup, so vLLM's scheduler thread asks the daemon nothing; where the
+    ranks' answers differ, the scheduler checks them together (counted) and the hit ends
+    at a state every rank holds."""
+    import threading
+    import time
+
+    from lmcache_client import CacheClient
+    from lmcache_client.integrations.transfer import ChunkTransfer
+    from lmcache_client.integrations.vllm.lanes import Lane
+    from lmcache_client.integrations.vllm.lookups import LookupService
+    from lmcache_client.integrations.vllm.scheduler import SchedulerSide
+
+    from .vllm_harness.engine import Request
+    from .vllm_harness.fixtures import tokens
+
+    prompt = tokens(5000, 9)  # 19 full chunks: states could end at 2304 or 4608 tokens
+    keys = chunk_keys(prompt, CHUNK)[:19]
+    chunk_ns = [f"state-lanes-{ranks_agree}-tp{r}of2" for r in range(2)]
+    state_ns = [f"{ns}-states" for ns in chunk_ns]
+    clients = [CacheClient(address, fail_open=False) for _ in range(3)]
+    try:
+        for r in range(2):
+            clients[0].put(keys, [b"c" * 64] * len(keys), namespace=chunk_ns[r])
+            held = (2304, 4608) if ranks_agree or r == 0 else (2304,)
+            clients[0].put([state_key(prompt, n, CHUNK) for n in held], [b"s" * 64] * len(held), namespace=state_ns[r])
+        lanes = [Lane(f"lookup-{r}", ChunkTransfer(clients[r + 1], chunk_ns[r], 64)) for r in range(2)]
+        side = SchedulerSide(
+            [ChunkTransfer(clients[0], ns, 64) for ns in chunk_ns], CHUNK, lookups=LookupService(lanes), async_load=True
+        )
+        side.states = _wiring()
+        side.state_transfers = [ChunkTransfer(clients[0], ns, 64, codec="none") for ns in state_ns]
+        on_scheduler: list[str] = []
+        scheduler_thread = threading.get_ident()
+        for t in side.state_transfers:
+            original = t.lookup
+
+            def counted(ks, original=original, **kw):  # type: ignore[no-untyped-def]
+                if threading.get_ident() == scheduler_thread:
+                    on_scheduler.append("lookup")
+                return original(ks, **kw)
+
+            t.lookup = counted  # type: ignore[method-assign]
+        request = Request("r", prompt)
+        deadline = time.monotonic() + 30
+        while (n := side.num_new_matched_tokens(request, 0)) is None:
+            assert time.monotonic() < deadline, "the lookup was never answered"
+            time.sleep(0.002)
+        if ranks_agree:
+            assert n == 4608 and side.stats["state_lookups_in_step"] == 0 and on_scheduler == []
+        else:  # rank 1 holds no state at 4608: the hit ends at 2304, checked in the step
+            assert n == 2304 and side.stats["state_lookups_in_step"] == 1 and on_scheduler
+        side.lookups.close()  # type: ignore[union-attr]
+    finally:
+        for c in clients:
+            c.close()

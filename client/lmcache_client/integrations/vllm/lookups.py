@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .lanes import Lane
@@ -37,6 +38,13 @@ class Answer:
     """From the ask to the last rank's answer."""
     counted: bool = False
     """Already counted in the scheduler's stats (an answer may be read on several steps)."""
+    then: list[Any] = dataclasses.field(default_factory=list)
+    """Per rank, what the ask's ``then`` returned (empty without one)."""
+
+
+Then = Callable[[Any, int, list[str]], Any]
+"""``then(transfer, rank, tiers)``: more lookups a rank's lane makes after the chunks'
+(a Mamba hybrid's states, :mod:`.statescheduler`), on that lane's client."""
 
 
 def _ask(transfer: Any, keys: Sequence[bytes], prefetch: bool) -> tuple[list[str], bool]:
@@ -44,9 +52,12 @@ def _ask(transfer: Any, keys: Sequence[bytes], prefetch: bool) -> tuple[list[str
     return list(tiers), bool(transfer.client.fail_open_stats.get("down"))
 
 
+_Result = tuple[list[str], bool, Any]
+
+
 @dataclasses.dataclass
 class _Asked:
-    futures: list[concurrent.futures.Future[tuple[list[str], bool]]]
+    futures: list[concurrent.futures.Future[_Result]]
     at: float
     keys: list[bytes]
     prefetch: bool
@@ -65,18 +76,20 @@ class LookupService:
         self.cancelled_prefetches = 0
         """Cancels sent (one per rank) for requests that ended before their load."""
 
-    def ask(self, req_id: str, keys: Sequence[bytes]) -> None:
-        """Send the lookup of ``keys`` for ``req_id`` unless one is out or answered."""
+    def ask(self, req_id: str, keys: Sequence[bytes], then: Then | None = None) -> None:
+        """Send the lookup of ``keys`` for ``req_id`` unless one is out or answered;
+        ``then``: each rank's lane runs it after its lookup (:data:`Then`)."""
         if req_id in self._asked:
             return
         keys = list(keys)
         prefetch = self.prefetch
 
-        def job(transfer: Any) -> tuple[list[str], bool]:
-            return _ask(transfer, keys, prefetch)
+        def job(transfer: Any, rank: int) -> _Result:
+            tiers, down = _ask(transfer, keys, prefetch)
+            return tiers, down, then(transfer, rank, tiers) if then is not None else None
 
-        no_answer: tuple[list[str], bool] = ([], False)
-        futures = [lane.submit(job, no_answer) for lane in self.lanes]
+        no_answer: _Result = ([], False, None)
+        futures = [lane.submit(functools.partial(job, rank=rank), no_answer) for rank, lane in enumerate(self.lanes)]
         self._asked[req_id] = _Asked(futures, time.perf_counter(), keys, prefetch)
 
     def asked(self, req_id: str) -> bool:
@@ -94,9 +107,10 @@ class LookupService:
                 return None
             results = [f.result() for f in asked.futures]
             tiers = results[0][0]
-            for rank_tiers, _ in results[1:]:
+            for rank_tiers, _, _ in results[1:]:
                 tiers = tiers[: len(rank_tiers)]
-            asked.answer = Answer(tiers, any(down for _, down in results), time.perf_counter() - asked.at)
+            down = any(down for _, down, _ in results)
+            asked.answer = Answer(tiers, down, time.perf_counter() - asked.at, then=[r[2] for r in results])
         return asked.answer
 
     def forget(self, req_id: str) -> None:
@@ -113,7 +127,7 @@ class LookupService:
         keys = asked.keys
         for lane, future in zip(self.lanes, asked.futures):
 
-            def job(transfer: Any, future: concurrent.futures.Future[tuple[list[str], bool]] = future) -> None:
+            def job(transfer: Any, future: concurrent.futures.Future[_Result] = future) -> None:
                 tiers = future.result()[0]  # done: the lane ran the lookup first
                 if any(tier != "memory" for tier in tiers):  # else the daemon started no prefetch
                     self.cancelled_prefetches += 1

@@ -37,7 +37,7 @@ from typing import Any
 
 from ...keys import chunk_keys, salted_root, tail_key
 from ..transfer import ChunkTransfer
-from .lookups import LookupService
+from .lookups import LookupService, Then
 from .params import RequestParams, request_params
 
 logger = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ class Matcher:
             "load_retries_refused": 0,
             "loads_skipped_by_cost": 0,
             "saves_out_of_window": 0,
+            "state_lookups_in_step": 0,
         }
 
     @property
@@ -220,7 +221,7 @@ class Matcher:
         now = time.monotonic()
         waiting = self._waiting.get(req_id)
         if self.lookups is not None:
-            found = self._async_lookup(req_id, keys, waiting, now)
+            found = self._async_lookup(req_id, keys, waiting, now, len(full))
             if found is None:
                 return None
             tiers, daemon_down = found
@@ -261,8 +262,13 @@ class Matcher:
         covered = n if len(tiers) > len(full) else len(tiers) * self.chunk_size
         return max(0, min(covered, n - 1) - num_computed_tokens)
 
+    def _lookup_then(self, req_id: str, full: list[bytes]) -> Then | None:
+        """More lookups each rank's lane makes after the chunks' (a Mamba hybrid's states);
+        ``full``: the keys of the prompt's full chunks."""
+        return None
+
     def _async_lookup(
-        self, req_id: str, keys: list[bytes], waiting: _Wait | None, now: float
+        self, req_id: str, keys: list[bytes], waiting: _Wait | None, now: float, n_full: int
     ) -> tuple[list[str], bool] | None:
         """The request's lookup answer (tiers, daemon down), or None while it is out.
         An engine with nothing else to run waits for it (no decode is held up)."""
@@ -272,7 +278,7 @@ class Matcher:
                 if not self._idle:
                     return None
                 time.sleep(self.POLL_S)
-            self.lookups.ask(req_id, keys)
+            self.lookups.ask(req_id, keys, self._lookup_then(req_id, keys[:n_full]))
         answer = self.lookups.answer(req_id, self.IDLE_LOOKUP_WAIT_S if self._idle else 0.0)
         if answer is None:
             return None

@@ -24,6 +24,7 @@ are plain counters (sums over the interval):
 | ``stored_states`` | worker | Mamba / GDN states stored (hybrid models, :mod:`.states`) |
 | ``layerwise_saves`` | worker | saves copied out layer by layer during the forward pass (``layerwise_save``) |
 | ``layerwise_fallbacks`` | worker | saves gathered after the forward pass instead (``layerwise_save`` on) |
+| ``state_lookups_in_step`` | scheduler | Mamba state lookups inside vLLM's step (sync mode; TP ranks disagreeing) |
 | ``saves_out_of_window`` | scheduler | requests whose saves stopped (a sliding window freed a chunk's blocks) |
 | ``daemon_failures`` / ``short_circuited`` | both | calls finding the daemon down / misses from the breaker |
 
@@ -63,6 +64,7 @@ COUNTERS = {
     "stored_states": "Mamba / GDN states stored in lmcache-server (hybrid models)",
     "layerwise_saves": "Saves copied out of the KV cache layer by layer during the forward pass (layerwise_save)",
     "layerwise_fallbacks": "Saves gathered after the forward pass although layerwise_save is on",
+    "state_lookups_in_step": "Mamba state lookups made inside vLLM's step (synchronous mode, or TP ranks disagreeing)",
     "saves_out_of_window": "Requests whose saves stopped because a sliding-window group freed a chunk's blocks first",
     "daemon_failures": "lmcache-server calls that found the daemon down, slow or draining",
     "short_circuited": "lmcache-server calls answered as misses by the open circuit breaker",
