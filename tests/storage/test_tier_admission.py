@@ -254,3 +254,32 @@ def test_replay_model_keeps_the_oracle_hit_rate_and_admission_writes_less() -> N
         assert rows[mode]["disk_bytes_written"] < rows["always"]["disk_bytes_written"]
         assert rows[mode]["redis_bytes_written"] < rows["always"]["redis_bytes_written"]
     assert rows["always/reused"]["redis_bytes_written"] < rows["always"]["redis_bytes_written"]
+
+
+@pytest.mark.parametrize("mode", ["always", "reused"])
+def test_a_declined_chunk_is_not_spilled_ahead_and_stays_served_from_memory(
+    tmp_path: Path, redis_server: RedisServer, mode: str
+) -> None:
+    """Spill-ahead lends the coldest chunks to the disk before room is needed; one the
+    disk's admission declines stays in memory (and is served from there) until a put
+    needs its room."""
+
+    async def scenario() -> None:
+        memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy())
+        disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy(), spill_ahead_bytes=MiB)
+        await disk.open()
+        store = TieredStore(memory, disk, admission=StoreAdmission(mode, None))
+        digests, data = chunks(POOL_CHUNKS)
+        await put(store, digests, data)  # the last allocation leaves no room: spill ahead
+        assert await store.flush(10.0)
+        if mode == "always":
+            assert memory.chunks == POOL_CHUNKS - 1 and disk.peek(ChunkKey(NS, digests[0]))
+        else:
+            assert memory.chunks == POOL_CHUNKS and not disk.peek(ChunkKey(NS, digests[0]))
+            hits = memory.counters.hits
+            assert await read(store, digests) == data  # every one from memory
+            assert memory.counters.hits == hits + POOL_CHUNKS
+            assert store.stats()["tiers"]["disk"]["declined"] == 0  # not dropped: still here
+        await store.close()
+
+    asyncio.run(scenario())
