@@ -25,7 +25,8 @@ counted declined.  Keys already queued for Redis, or read from it, are
 remembered (bounded) so that a chunk is not written twice.
 
 The tiered store calls :class:`StoreAdmission` at those points (``stored``,
-``accessed``, ``spill``, ``evicted``, ``removed``); :class:`TierAdmission` is one
+``accessed``, ``uplinked``, ``from_remote``, ``spill``, ``evicted``, ``removed``,
+``deleted``); :class:`TierAdmission` is one
 tier's rule and counters, :class:`Accesses` what both rules know of accesses.
 
 Primitives: ``MODES``, :func:`sketch_width_for`, :class:`AdmissionCounters`, :class:`Accesses`,
@@ -68,6 +69,7 @@ class Accesses:
         self.sketch = sketch
         self.track_reuse = track_reuse
         self._reused: set[ChunkKey] = set()  # in memory, and read or put again since stored
+        self._gone_limit = history_keys
         self._gone = KeyHistory(history_keys, with_values=False)  # key hashes that left memory
 
     def stored(self, key: ChunkKey) -> None:
@@ -96,6 +98,13 @@ class Accesses:
         if self.track_reuse:
             self._reused.discard(key)
             self._gone.add(key_hash(key))
+
+    def forget(self, key: ChunkKey | None) -> None:
+        """``key`` was deleted (None: a clear, every key): a later put of it is a first put."""
+        if key is None:
+            self._gone = KeyHistory(self._gone_limit, with_values=False)
+        else:
+            self._gone.pop(key_hash(key))
 
     def reused(self, key: ChunkKey) -> bool:
         return key in self._reused
@@ -188,6 +197,16 @@ class StoreAdmission:
         self._owed.pop(key, None)
         if self.remote is not None and self.remote.mode != "always":
             self._sent.add(key_hash(key))
+
+    def deleted(self, key: ChunkKey | None) -> None:
+        """``key`` was deleted from every tier, Redis too (None: a clear): it is no
+        longer sent, so a later store of it goes to Redis again when admitted, and
+        that store is a first put, not a reuse."""
+        self.accesses.forget(key)
+        if key is None:
+            self._sent = KeyHistory(HISTORY_KEYS, with_values=False)  # a clear: forget every key sent
+        else:
+            self._sent.pop(key_hash(key))
 
     # -- disk, and leaving memory ----------------------------------------------------
     def spill(self, key: ChunkKey, nbytes: int, victim: Callable[[], ChunkKey | None], final: bool) -> bool:

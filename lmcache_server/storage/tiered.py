@@ -182,6 +182,8 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
             key = ChunkKey(namespace, digest)
             await self.filling.filled(key)
             out.append(any([await t.delete(key) for t in self.tiers]))
+            if self.admission is not None:
+                self.admission.deleted(key)
         return out
 
     async def clear(self, namespace: str | None) -> int:
@@ -198,6 +200,8 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
             removed = await tier.clear(namespace)
             if tier is self.remote:
                 remote_removed = removed
+        if self.admission is not None:
+            self.admission.deleted(None)
         return max(len(keys), remote_removed)
 
     async def pin(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:

@@ -283,3 +283,27 @@ def test_a_declined_chunk_is_not_spilled_ahead_and_stays_served_from_memory(
         await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_chunk_deleted_then_stored_and_reused_again_goes_to_redis_again(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    async def scenario() -> None:
+        store = await tiers(tmp_path, redis_server.url, StoreAdmission("reused", "reused"))
+        digests, data = chunks(2)
+        for clear in (False, True):
+            await put(store, digests, data)
+            assert await read(store, digests) == data  # reused: queued for Redis
+            assert (await written(store, digests))[1] == set(digests)
+            if clear:
+                assert await store.clear(NS) == 2
+            else:
+                assert await store.delete(NS, digests) == [True, True]
+            assert (await written(store, digests))[1] == set()
+        await put(store, digests, data)
+        assert await read(store, digests[:1]) == data[:1]
+        # Sent again after the clear, once read; a put after a clear is a first put.
+        assert (await written(store, digests))[1] == {digests[0]}
+        await store.close()
+
+    asyncio.run(scenario())
