@@ -248,8 +248,10 @@ class CacheClient(SharedMemoryPath):
         (writable, ``sizes[i]`` bytes): over shared memory straight into the
         daemon's pool slot (one copy in all, the caller's), else into a buffer
         then sent.  ``fill`` is not called for keys that need no bytes (already
-        stored, no room); an exception from it stores none of the batch.
-        ``tokens`` as for :meth:`put`."""
+        stored, no room); an exception from it stores none of the batch.  Where
+        ``fill`` has a ``flush()``, it may write the views as late as that call:
+        once, after the batch's last ``fill`` and before the bytes are committed
+        or sent.  ``tokens`` as for :meth:`put`."""
         ns = self._ns(namespace)
         if len(sizes) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
@@ -258,6 +260,7 @@ class CacheClient(SharedMemoryPath):
             bufs = [bytearray(n) for n in sizes]
             for i, buf in enumerate(bufs):
                 fill(i, memoryview(buf))
+            shm.flush_fill(fill)
             return self._run(calls.put(ns, keys, bufs, tokens))
 
         return self._over_shm(

@@ -70,6 +70,7 @@ from .shmpool import StagedSlots as StagedSlots
 from .shmput import PUT_MIN_BYTES as PUT_MIN_BYTES
 from .shmput import FillFn as FillFn
 from .shmput import fill_flow as fill_flow
+from .shmput import flush_fill as flush_fill
 from .shmput import put_flow as put_flow
 from .shmstaged import WriteFn as WriteFn
 from .shmstaged import _put_staged as _put_staged  # for tests/test_hardening_leases.py

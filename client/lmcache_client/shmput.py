@@ -13,6 +13,7 @@ Primitives: :func:`put_flow`, :func:`fill_flow`, ``FillFn``, :data:`PUT_MIN_BYTE
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from collections.abc import Callable, Sequence
@@ -118,7 +119,16 @@ def put_flow(
 
 
 FillFn = Callable[[int, memoryview], None]
-"""``fill(i, view)``: write payload ``i`` into ``view`` (writable, exactly its size)."""
+"""``fill(i, view)``: write payload ``i`` into ``view`` (writable, exactly its size);
+a ``fill`` with a ``flush()`` may write them as late as that call (:func:`flush_fill`)."""
+
+
+def flush_fill(fill: Any) -> None:
+    """Call ``fill.flush()`` where ``fill`` has one: after the batch's last ``fill`` and
+    before its bytes are committed or sent (a batched copy writes them all at once)."""
+    flush = getattr(fill, "flush", None)
+    if flush is not None:
+        flush()
 
 
 def fill_flow(
@@ -140,6 +150,7 @@ def fill_flow(
     def write(i: int, offset: int, length: int) -> None:
         fill(i, pool.view[offset : offset + length])
 
+    write.flush = functools.partial(flush_fill, fill)  # type: ignore[attr-defined]
     done = yield from _put_staged(pool, namespace, keys, list(sizes), write, tokens)
     if done is not None:
         return done
@@ -158,6 +169,7 @@ def fill_flow(
         for i, loc in enumerate(grant.loc):
             if loc is not None:
                 fill(i, pool.view[loc[0] : loc[0] + loc[1]])
+        flush_fill(fill)
     except BaseException:
         yield Tell(calls.release([grant.lease]))
         raise

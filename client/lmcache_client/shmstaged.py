@@ -88,6 +88,9 @@ def _put_staged(
     try:
         for i, (offset, length) in enumerate(slots):
             write(i, offset, length)
+        flush = getattr(write, "flush", None)  # a fill that writes its batch at once
+        if flush is not None:
+            flush()
     except BaseException:  # the slots stay staged, nothing became visible
         staged.free += slots
         staged.busy = False

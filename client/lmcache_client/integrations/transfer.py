@@ -32,7 +32,7 @@ from typing import Any
 from ..errors import ClientError
 from ..keys import ChunkTokens
 from ..protocol import PutStatus
-from ..shm import FillFn, UseFn, copy_frame
+from ..shm import FillFn, UseFn, copy_frame, flush_fill
 from ..shmget import flush_use
 from .coded import CodedChunks
 from .transferroute import DEFAULT_MAX_BATCH_BYTES as DEFAULT_MAX_BATCH_BYTES  # re-exported: callers import it here
@@ -225,7 +225,10 @@ class ChunkTransfer(TransferRoute):
         """Store ``len(keys)`` chunks of ``chunk_bytes`` that ``fill(i, view)`` writes
         in place; returns how many are stored now or were already.  ``tokens``
         (one per key) are sent when the daemon publishes KV events.  With a codec
-        ``fill`` writes into scratch memory, and the encoded frame is stored."""
+        ``fill`` writes into scratch memory, and the encoded frame is stored.
+        Where ``fill`` has a ``flush()`` it may write the views as late as that call:
+        once per batch of keys, before they are committed (with a codec: after each
+        chunk, which is encoded at once)."""
         namespace, coded = self._route()
         if namespace is None:
             return 0
@@ -239,10 +242,17 @@ class ChunkTransfer(TransferRoute):
             def shifted(i: int, view: memoryview, at: int = start) -> None:
                 fill(at + i, view)
 
+            if hasattr(fill, "flush"):
+                shifted.flush = fill.flush  # type: ignore[attr-defined]
+
+            def now(i: int, view: memoryview) -> None:
+                shifted(i, view)
+                flush_fill(fill)  # encoded at once: a deferring fill writes before that
+
             try:
                 if coded is not None:
                     frames = [
-                        coded.encode_filled(self.chunk_bytes, functools.partial(shifted, i)) for i in range(len(batch))
+                        coded.encode_filled(self.chunk_bytes, functools.partial(now, i)) for i in range(len(batch))
                     ]
                     statuses = self.client.put(batch, frames, namespace=namespace, tokens=batch_tokens)
                 else:

@@ -37,6 +37,8 @@ class Op(str, enum.Enum):
     RELEASE = "release"
     BIND = "bind"
     """A put into staged slots (a commit's ``stage``): bind them to keys and commit, one round trip."""
+    PREFETCH = "prefetch"
+    """The operator's cache API: promote chunks from disk or Redis into memory now (docs/protocol.md)."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -78,6 +80,10 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_LEASE = 21
     """commit/release/bind of a lease that does not exist (never granted, already
     released, or expired after ``shm_lease_timeout_s``)."""
+    # The operator's cache API's codes start at 30.
+    PIN_LIMIT = 30
+    """A pin that would take the pinned bytes past ``max_pinned_fraction`` of the
+    memory tier; nothing of the request was pinned."""
 
     @property
     def retryable(self) -> bool:

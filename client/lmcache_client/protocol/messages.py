@@ -33,7 +33,7 @@ from .codes import KEY_BYTES, MAX_NAMESPACE_BYTES, PROTOCOL_VERSION, ErrorCode, 
 _U64_MAX = 2**64 - 1
 
 # Ops that address chunks by key in a namespace, and whether they carry payloads.
-_KEYED_OPS = {Op.PUT, Op.GET, Op.LOOKUP, Op.EXISTS, Op.DELETE, Op.PIN, Op.UNPIN, Op.ALLOC, Op.BIND}
+_KEYED_OPS = {Op.PUT, Op.GET, Op.LOOKUP, Op.EXISTS, Op.DELETE, Op.PIN, Op.UNPIN, Op.PREFETCH, Op.ALLOC, Op.BIND}
 _NAMESPACED_OPS = _KEYED_OPS | {Op.CLEAR}
 _OPS = {op.value: op for op in Op}  # a dict lookup: Op(value) costs ~1.5 us a request
 _HEADER_FIELDS = frozenset(("v", "op", "id", "ns", "keys"))

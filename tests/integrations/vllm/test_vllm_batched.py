@@ -58,6 +58,58 @@ def test_a_batched_load_stops_at_a_missing_chunk_and_keeps_the_prefix(
     assert set(blocks[56 // b.block_size : 96 // b.block_size]) <= set(failed)
 
 
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_batched_save_stores_exactly_the_gathered_bytes(
+    engines: Callable[..., Engine], address: str, is_async: bool
+) -> None:
+    """Saves batch too: each daemon batch of a save's chunks is gathered by one copier call,
+    before the batch's commit (the fill's ``flush``)."""
+    a = engines(batch_copies="on", async_transfers=is_async, store_tails=True)
+    plain = engines(async_transfers=is_async, store_tails=True, tenant=f"plain-batched-{is_async}")
+    a.prefill("a", PROMPT, step_tokens=20)  # several saves, chunks completed mid-step
+    plain.prefill("p", PROMPT, step_tokens=20)
+    copies = a.worker.worker.batched  # type: ignore[union-attr]
+    assert copies is not None
+    with_chunks = sum(1 for meta in a.log for save in meta.saves if save.keys)
+    assert copies.launches == with_chunks > 1, "one copier call per save's daemon batch, not one per chunk"
+    stored = a.stored(address)
+    assert len(stored) == 13 and stored == plain.stored(address), "12 chunks and the tail, byte for byte"
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shm", "frames"])
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "alloc"])
+def test_put_with_flushes_a_deferring_fill_before_the_commit(
+    daemon_factory: Callable[..., Any], tmp_path: Any, shared: bool, staged: bool
+) -> None:
+    """A ``fill`` with ``flush()`` may write its views at flush: once per put, after the
+    last fill and before the bytes are committed (shared memory: staged slots or
+    alloc+commit) or sent (payload frames); what was written at flush is what is stored."""
+    extra = {} if shared else {"shm_dir": str(tmp_path / "nope")}
+    daemon = daemon_factory(**extra)
+    with daemon.client(staged_puts=staged) as c:
+        for _ in range(4):  # later puts of a stream take the staged slots where allowed
+            keys = [os.urandom(KEY_BYTES) for _ in range(3)]
+            data = [os.urandom(300 * 1024) for _ in keys]  # past PUT_MIN_BYTES: the pool path
+            views: dict[int, memoryview] = {}
+            flushes: list[int] = []
+
+            def fill(i: int, view: memoryview, views: dict[int, memoryview] = views) -> None:
+                views[i] = view  # written later
+
+            def flush(
+                views: dict[int, memoryview] = views, data: list[bytes] = data, flushes: list[int] = flushes
+            ) -> None:
+                flushes.append(len(views))
+                for i, view in views.items():
+                    view[:] = data[i]
+
+            fill.flush = flush  # type: ignore[attr-defined]
+            assert c.put_with(keys, [len(d) for d in data], fill) == [PutStatus.STORED] * 3
+            assert c.uses_shared_memory is shared
+            assert flushes == [3]
+            assert [bytes(v) for v in c.get(keys)] == data  # type: ignore[arg-type]
+
+
 def test_batch_copies_setting_is_validated() -> None:
     assert ConnectorSettings.from_extra_config({}).batch_copies == "auto"
     assert ConnectorSettings.from_extra_config({"batch_copies": "on"}).batch_copies == "on"

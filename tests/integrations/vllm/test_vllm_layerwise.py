@@ -14,7 +14,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lmcache_client import CacheClient  # noqa: E402
 from lmcache_client.integrations.paged import token_slots  # noqa: E402
 from lmcache_client.integrations.vllm.connector import LMCacheServerConnectorV1  # noqa: E402
 from lmcache_client.integrations.vllm.layerwise import _Arena, saver_for  # noqa: E402
@@ -23,17 +22,6 @@ from lmcache_client.integrations.vllm.settings import ConnectorSettings  # noqa:
 from .vllm_harness.engine import LAYERS, Engine, expected_rows  # noqa: E402
 
 PROMPT = list(range(7000, 7000 + 8 * 9 + 5))  # 9 full chunks of 8 and a tail of 5
-
-
-def _stored(engine: Engine, address: str) -> dict[bytes, bytes]:
-    """Every chunk ``engine`` saved, read back from the daemon: key -> bytes."""
-    worker = engine.worker.worker
-    assert worker is not None
-    keys = [k for meta in engine.log for save in meta.saves for k in [*save.keys, save.tail_key] if k is not None]
-    with CacheClient(address, fail_open=False) as client:
-        values = client.get(keys, namespace=worker.transfer.namespace)
-    assert all(v is not None for v in values), "every saved chunk is in the daemon"
-    return {k: bytes(v) for k, v in zip(keys, values)}  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
@@ -48,7 +36,7 @@ def test_layerwise_saves_store_the_same_bytes_and_another_replica_loads_them(
     plain.prefill("p", PROMPT, step_tokens=20)
     assert worker.stats.layerwise_saves == Engine.saved(a.log) > 1
     assert worker.stats.layerwise_fallbacks == 0
-    lw, ref = _stored(a, address), _stored(plain, address)
+    lw, ref = a.stored(address), plain.stored(address)
     assert len(lw) == 10 and lw == ref, "10 objects (9 chunks + the tail), byte for byte the gathered ones"
     # Another replica of the same tenant loads them: exactly the model's rows.
     b = engines(tenant=a.scheduler.settings.tenant, async_transfers=is_async, store_tails=True)
@@ -80,7 +68,7 @@ def test_a_layer_vllm_never_reports_falls_back_to_the_gather(engines: Callable[.
     worker = a.worker.worker
     assert worker is not None
     assert worker.stats.layerwise_saves == 0 and worker.stats.layerwise_fallbacks == Engine.saved(a.log) > 0
-    assert _stored(a, address) == _stored(plain, address)
+    assert a.stored(address) == plain.stored(address)
 
 
 def test_gather_layer_copies_what_gather_copies_for_that_layer(engines: Callable[..., Engine]) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lmcache_client import CacheClient
 from lmcache_client.integrations.vllm.connector import LMCacheServerConnectorV1
 from lmcache_client.integrations.vllm.meta import LMCacheServerConnectorMetadata
 
@@ -320,6 +321,16 @@ class Engine:
     @staticmethod
     def saved(metas: list[LMCacheServerConnectorMetadata]) -> int:
         return sum(len(meta.saves) for meta in metas)
+
+    def stored(self, address: str) -> dict[bytes, bytes]:
+        """Every chunk (and tail) this engine saved, read back from the daemon: key -> bytes."""
+        worker = self.worker.worker
+        assert worker is not None
+        keys = [k for meta in self.log for save in meta.saves for k in [*save.keys, save.tail_key] if k is not None]
+        with CacheClient(address, fail_open=False) as client:
+            values = client.get(keys, namespace=worker.transfer.namespace)
+        assert all(v is not None for v in values), "every saved chunk is in the daemon"
+        return {k: bytes(v) for k, v in zip(keys, values)}  # type: ignore[arg-type]
 
     def rows(self, blocks: list[int], start: int, end: int, layer: int) -> Any:
         kv_layer = list(self.kv.values())[layer]
