@@ -182,3 +182,44 @@ def test_asynchronous_lookups_find_the_state_on_the_lanes_not_in_the_step(addres
     finally:
         for c in clients:
             c.close()
+
+
+def test_asynchronous_state_saves_copy_in_the_step_and_store_on_the_save_lane() -> None:
+    """``wait_for_save`` copies each Mamba state out of its blocks at once (vLLM may hand
+    them out from the next step on) and stores it on the save lane; the count arrives with
+    ``get_finished``, and a save lane past ``max_queued_saves`` drops the states (counted)."""
+    import threading
+
+    from lmcache_client.integrations.vllm.lanes import Lane
+    from lmcache_client.integrations.vllm.states import StateSave
+    from lmcache_client.integrations.vllm.transfers import TransferEngine
+    from lmcache_client.integrations.vllm.workerstats import WorkerStats
+
+    caller, gate = threading.get_ident(), threading.Event()
+    seen: dict[str, int] = {}
+
+    class Mover:
+        def gather(self, saves: list[StateSave]) -> list[tuple[StateSave, bytearray]]:
+            seen["gather"] = threading.get_ident()
+            return [(s, bytearray(b"state")) for s in saves]
+
+        def store(self, gathered: list[tuple[StateSave, bytearray]], transfer: object) -> int:
+            seen["store"] = threading.get_ident()
+            gate.wait(10)
+            return len(gathered)
+
+    worker = types.SimpleNamespace(state_mover=Mover(), stores=True, asleep=False, stats=WorkerStats(), engine=None)
+    lanes = Lane("load", None), Lane("save", None)
+    engine = TransferEngine(worker, *lanes, max_queued_saves=1)  # type: ignore[arg-type]
+    saves = [StateSave("r", b"k" * 32, 2304, [1, 2, 3]), StateSave("s", b"j" * 32, 2304, [4, 5, 6])]
+    engine.save_states(saves)
+    assert seen["gather"] == caller, "copied on vLLM's thread, in the step"
+    assert engine.in_flight == (0, 1) and worker.stats.stored_states == 0
+    engine.save_states(saves[:1])  # the lane holds one job already: dropped
+    assert worker.stats.saves_dropped == 1
+    gate.set()
+    lanes[1].drain(10)
+    assert seen["store"] != caller, "stored on the save lane"
+    engine.finished()
+    assert engine.in_flight == (0, 0) and worker.stats.stored_states == 2
+    engine.close()

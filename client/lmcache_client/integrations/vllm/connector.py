@@ -63,7 +63,7 @@ from .lanes import Lane
 from .meta import LMCacheServerConnectorMetadata
 from .scheduler import SchedulerSide
 from .settings import CONSUMER_WAIT_S, ROLES, ConnectorSettings
-from .stats import LMCacheServerConnectorStats, prom_metrics_class
+from .stats import LMCacheServerConnectorStats
 from .transfers import TransferEngine
 from .wiring import Plumbing, connector_events, layout_from_vllm_config, log_through_vllm, state_wiring
 from .worker import WorkerSide
@@ -198,10 +198,6 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
         """A cache, not a hand-off: a dropped save is only a future miss."""
         return False
 
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return None  # the layout is read from the attention backend at register_kv_caches
-
     def _meta(self) -> LMCacheServerConnectorMetadata | None:
         if not self.has_connector_metadata():
             return None
@@ -260,11 +256,6 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # start_load_kv loads every layer before the forward pass
 
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Layer-wise saves run between the layers: CUDA graphs must be piecewise then."""
-        return ConnectorSettings.from_extra_config(extra_config).layerwise_save
-
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """``layerwise_save``: copy this layer's tokens of the step's saves out now, while
         the next layers compute (:mod:`.layerwise`); otherwise ``wait_for_save`` gathers
@@ -275,8 +266,11 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
 
     def wait_for_save(self) -> None:
         meta = self._meta()
-        if meta is not None and meta.state_saves:  # now: vLLM may hand their blocks out next step
-            self._worker().save_states(meta.state_saves)
+        if meta is not None and meta.state_saves:  # copied now: vLLM may hand their blocks out next step
+            if self.transfers is not None:
+                self.transfers.save_states(meta.state_saves)  # stored on the save lane
+            else:
+                self._worker().save_states(meta.state_saves)
         if meta is None or not meta.saves:
             return
         staged = self._worker().take_staged(meta, meta.saves)
@@ -325,21 +319,6 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
         self._reported = {"daemon_failures": failures, "short_circuited": short}
         stats = LMCacheServerConnectorStats(data=data)
         return None if stats.is_empty() else stats
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMCacheServerConnectorStats:
-        return LMCacheServerConnectorStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: Any,
-        metric_types: dict[Any, Any],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> Any:
-        metrics = prom_metrics_class()
-        return None if metrics is None else metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for lane in self.lanes:

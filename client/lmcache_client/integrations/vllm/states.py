@@ -188,11 +188,25 @@ class StateMover:
 
     def save(self, saves: Sequence[StateSave], over: ChunkTransfer) -> int:
         """Gather and store each state now; returns states stored.  Never raises."""
-        stored = 0
-        transfer = self._transfer(over)
+        return self.store(self.gather(saves), over)
+
+    def gather(self, saves: Sequence[StateSave]) -> list[tuple[StateSave, bytearray]]:
+        """Copy each state out of its blocks now (vLLM may hand them out from the next
+        step on); the copies :meth:`store` stores, later and on any thread.  Never raises."""
+        out = []
         for save in saves:
             try:
-                payload = self.bound.gather(save.blocks)
+                out.append((save, self.bound.gather(save.blocks)))
+            except Exception:
+                logger.exception("copying the Mamba state of request %s failed", save.req_id)
+        return out
+
+    def store(self, gathered: Sequence[tuple[StateSave, bytearray]], over: ChunkTransfer) -> int:
+        """Store states :meth:`gather` copied out; returns states stored.  Never raises."""
+        stored = 0
+        transfer = self._transfer(over)
+        for save, payload in gathered:
+            try:
 
                 def fill(_: int, view: memoryview, payload: bytearray = payload) -> None:
                     view[:] = payload

@@ -38,6 +38,7 @@ from typing import Any
 from .lanes import Lane
 from .layerwise import Staged
 from .meta import LoadRequest, SaveRequest
+from .states import StateSave
 from .worker import LoadResult, WorkerSide
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class TransferEngine:
         self._saves: dict[str, list[tuple[SaveRequest, concurrent.futures.Future[tuple[int, float]]]]] = {}
         self._delayed: set[str] = set()
         """Requests whose blocks vLLM holds until their saves are reported done."""
+        self._state_saves: list[concurrent.futures.Future[int]] = []
+        """Mamba states copied out in their step, stored on the save lane (:mod:`.states`)."""
 
     # -- loads ---------------------------------------------------------------------------
     def load(self, loads: Iterable[LoadRequest], deadlines: dict[str, float] | None = None) -> None:
@@ -153,6 +156,21 @@ class TransferEngine:
             future = self.save_lane.submit(job, (0, 0.0), inference=inference)
             self._saves.setdefault(request.req_id, []).append((request, future))
 
+    def save_states(self, saves: list[StateSave]) -> None:
+        """Copy the step's Mamba states out of their blocks now (vLLM may hand the blocks
+        out from the next step on) and store them on the save lane."""
+        worker = self.worker
+        mover = worker.state_mover
+        if mover is None or not worker.stores or worker.asleep or not saves:
+            return
+        gathered = mover.gather(saves)
+        if not gathered:
+            return
+        if self.save_lane.pending >= self.max_queued_saves:
+            worker.stats.saves_dropped += 1
+            return
+        self._state_saves.append(self.save_lane.submit(lambda transfer: mover.store(gathered, transfer), 0))
+
     def flush_saves(self, req_ids: Iterable[str] | None = None) -> None:
         """Wait until the saves of ``req_ids`` (None: every save) queued so far are done:
         their blocks are about to be handed out again.  No timeout: each daemon call
@@ -189,6 +207,9 @@ class TransferEngine:
                     self.worker.finish_load(load.request, load.future.result())
                 del self._loads[req_id]
                 recving.add(req_id)
+        for stored in [f for f in self._state_saves if f.done()]:
+            self._state_saves.remove(stored)
+            self.worker.stats.stored_states += stored.result()
         sending: set[str] = set()
         for req_id, saves in list(self._saves.items()):
             if all(future.done() for _, future in saves):
@@ -203,8 +224,8 @@ class TransferEngine:
 
     @property
     def in_flight(self) -> tuple[int, int]:
-        """(requests loading, requests with saves running)."""
-        return len(self._loads), len(self._saves)
+        """(requests loading, requests with saves running + Mamba state stores not yet counted)."""
+        return len(self._loads), len(self._saves) + len(self._state_saves)
 
     def close(self) -> None:
         self.load_lane.close()

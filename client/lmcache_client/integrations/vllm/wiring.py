@@ -21,6 +21,7 @@ from .lookups import LookupService
 from .mamba import StateLayout
 from .settings import ConnectorSettings
 from .states import StateWiring
+from .stats import LMCacheServerConnectorStats, prom_metrics_class
 
 
 def layout_from_vllm_config(vllm_config: Any, chunk_size: int) -> ChunkLayout:
@@ -82,7 +83,32 @@ def log_through_vllm() -> None:
 
 
 class Plumbing:
-    """The connector's factories of clients, transfers and lanes (one client per thread)."""
+    """The connector's factories of clients, transfers and lanes (one client per thread),
+    and its answers to vLLM's class-level questions."""
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # the layout is read from the attention backend at register_kv_caches
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise saves run between the layers: CUDA graphs must be piecewise then."""
+        return ConnectorSettings.from_extra_config(extra_config).layerwise_save
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMCacheServerConnectorStats:
+        return LMCacheServerConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        metrics = prom_metrics_class()
+        return None if metrics is None else metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     settings: ConnectorSettings
     layout: ChunkLayout

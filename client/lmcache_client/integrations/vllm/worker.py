@@ -251,6 +251,11 @@ class WorkerSide(Saves):
         result.nbytes += nbytes
         return nbytes > 0
 
+    @property
+    def state_mover(self) -> StateMover | None:
+        """A Mamba hybrid's state mover (after ``register``); None otherwise."""
+        return self._mover
+
     def save_states(self, saves: list[StateSave]) -> int:
         """Copy out and store the Mamba states vLLM handed off in this step (now: vLLM may
         reuse their blocks from the next step on); returns states stored.  Never raises."""
