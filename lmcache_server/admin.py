@@ -10,6 +10,9 @@ Commands:
 - ``namespaces``: every namespace with its chunks and bytes per tier.
 - ``clear``: drop one namespace's chunks (``--namespace NS``) or every chunk
   (``--all --yes``).
+- ``pin`` / ``unpin`` / ``delete`` / ``prefetch`` of a prompt's chunks, and
+  ``namespace NS`` (what one namespace holds): the operator's cache API,
+  admincache.py.
 
 The daemon is found from ``--address``, else from the config the daemon uses
 (``--config``, ``LMCACHE_CONFIG``, ``LMCACHE_*`` variables: its first
@@ -19,8 +22,8 @@ The daemon is found from ``--address``, else from the config the daemon uses
 daemon's public key: ``--server-public-key``, else read from the config's
 ``server_secret_key_file`` (its ``.key`` sibling, or the file itself).
 
-Exit codes: 0 done, 1 daemon unreachable / not ready / error reply, 2 bad usage
-or a refused config.  Primitives: :func:`main`, :func:`daemon_address`,
+Exit codes: 0 done, 1 daemon unreachable / not ready / error reply, 2 bad usage,
+bad prompt input or a refused config.  Primitives: :func:`main`, :func:`daemon_address`,
 :func:`metrics_url`, :func:`format_stats`.
 """
 
@@ -41,6 +44,7 @@ import zmq
 from lmcache_client import CacheClient, ClientError, DaemonUnavailable
 from lmcache_client.curve import KeyFileError, read_public_key
 
+from .admincache import PromptError, add_commands, run_command
 from .config import ConfigError, ServerConfig, load_config
 
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "[::]": "[::1]", "::": "[::1]", "": "127.0.0.1"}
@@ -217,6 +221,7 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--namespace", metavar="NS", help="the namespace string (see docs/protocol.md)")
     which.add_argument("--all", action="store_true", help="every namespace: the whole cache")
     clear.add_argument("--yes", action="store_true", help="confirm --all")
+    add_commands(sub, common)
     return p
 
 
@@ -253,7 +258,9 @@ def _run(args: argparse.Namespace, address: str, base: str | None, client: Cache
     elif args.command == "namespaces":
         out = client.stats().get("namespaces", {})
         text = format_namespaces(out)
-    else:  # clear
+    elif args.command != "clear":  # the cache commands
+        out, text = run_command(args, client)
+    else:
         removed = client.clear(namespace=args.namespace, all_namespaces=args.all)
         target = "every namespace" if args.all else f"namespace {args.namespace}"
         out = {"address": address, "removed": removed, "namespace": None if args.all else args.namespace}
@@ -318,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args, address, base, client)
     except KeyFileError as err:
         print(f"cannot use the CURVE keys: {err}", file=sys.stderr)
+        return 2
+    except PromptError as err:
+        print(f"{args.command}: {err}", file=sys.stderr)
         return 2
     except DaemonUnavailable as err:
         hint = (

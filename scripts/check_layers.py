@@ -48,9 +48,9 @@ from pathlib import Path
 # rule is applied again with that scope's layers.
 LAYERS: dict[str, list[dict[str, list[str]]]] = {
     "": [  # the whole tree
-        # admin.py is a command-line tool the cli dispatches to (a client of a running
+        # admin.py (and admincache.py) is a command-line tool the cli dispatches to (a client of a running
         # daemon, over lmcache_client): nothing below the cli may import it.
-        {"cli": ["lmcache_server.cli", "lmcache_server.__main__", "lmcache_server.admin"]},
+        {"cli": ["lmcache_server.cli", "lmcache_server.__main__", "lmcache_server.admin*"]},
         {"app": ["lmcache_server.app"]},
         {"server": ["lmcache_server.server*"]},
         {"security": ["lmcache_server.security*"], "summary": ["lmcache_server.summary"]},  # guard reads metrics

@@ -365,6 +365,12 @@ class AsyncCacheClient:
     async def unpin(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
         return await self._run(calls.unpin(self._ns(namespace), keys))
 
+    async def prefetch(
+        self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None
+    ) -> calls.PrefetchResult:
+        """Promote these chunks from disk or Redis into memory now (the operator's cache API)."""
+        return await self._run(calls.prefetch(self._ns(namespace), keys))
+
     async def clear(self, *, namespace: Namespace | str | None = None, all_namespaces: bool = False) -> int:
         return await self._run(calls.clear(None if all_namespaces else self._ns(namespace)))
 

@@ -32,6 +32,21 @@ class LookupResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefetchResult:
+    """What a ``prefetch`` did: which keys memory holds now, and how they got there."""
+
+    in_memory: list[bool]
+    """Per key: memory holds the chunk after the prefetch."""
+    was_in_memory: int
+    """Keys memory held before."""
+    promoted: int
+    """Chunks promoted from disk or Redis into memory, and their payload bytes:"""
+    promoted_bytes: int
+    declined: int
+    """Chunks a lower tier holds that were not promoted (no room in the in-flight budget or memory)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Call(Generic[T]):
     op: Op
     parse: Callable[[Reply, list[Any]], T]
@@ -163,6 +178,21 @@ def pin(namespace: str, keys: Sequence[bytes]) -> Call[list[bool]]:
 
 def unpin(namespace: str, keys: Sequence[bytes]) -> Call[list[bool]]:
     return Call(Op.UNPIN, _bool_list("unpinned"), namespace, keys)
+
+
+def prefetch(namespace: str, keys: Sequence[bytes]) -> Call[PrefetchResult]:
+    """Promote the chunks of ``keys`` that disk or Redis holds into memory (answered when done)."""
+
+    def parse(reply: Reply, _: list[Any]) -> PrefetchResult:
+        return PrefetchResult(
+            [bool(x) for x in _field(reply, "in_memory")],
+            int(_field(reply, "was_in_memory")),
+            int(_field(reply, "promoted")),
+            int(_field(reply, "promoted_bytes")),
+            int(_field(reply, "declined")),
+        )
+
+    return Call(Op.PREFETCH, parse, namespace, keys)
 
 
 def clear(namespace: str | None) -> Call[int]:

@@ -202,11 +202,17 @@ class CacheClient(SharedMemoryPath):
         return self._run(calls.delete(self._ns(namespace), keys))
 
     def pin(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
-        """Keep these chunks from eviction until unpinned (False: not stored)."""
+        """Keep these chunks from eviction until unpinned; chunks on disk or in Redis
+        are promoted first (False: no tier holds it, or no room to promote it).
+        ServerError PIN_LIMIT: over ``max_pinned_fraction``, nothing pinned."""
         return self._run(calls.pin(self._ns(namespace), keys))
 
     def unpin(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> list[bool]:
         return self._run(calls.unpin(self._ns(namespace), keys))
+
+    def prefetch(self, keys: Sequence[bytes], *, namespace: Namespace | str | None = None) -> calls.PrefetchResult:
+        """Promote these chunks from disk or Redis into memory now (the operator's cache API)."""
+        return self._run(calls.prefetch(self._ns(namespace), keys))
 
     def clear(self, *, namespace: Namespace | str | None = None, all_namespaces: bool = False) -> int:
         """Remove every chunk of the namespace (or of all of them); returns how many."""

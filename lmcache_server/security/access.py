@@ -14,8 +14,9 @@ The client keys file (``client_keys_file``) is YAML::
 
 A grant matches a namespace either by its tenant field (the last ``|``
 field is exactly ``tenant=<name>``, as ``Namespace(tenant=...).wire()``
-writes it) or by a string prefix.  ``ro`` allows get, lookup, exists and
-the namespace's stats; ``rw`` also put, delete, pin, unpin, alloc and bind
+writes it) or by a string prefix.  ``ro`` allows get, lookup, exists,
+prefetch (as a lookup with ``prefetch: true``) and the namespace's stats
+(its listing); ``rw`` also put, delete, pin, unpin, alloc and bind
 (shared-memory puts) and clear of the namespace.  hello, ping and the lease ops
 commit and release are open to every key.  Ops with no rule here (including
 any added later) need admin.
@@ -39,7 +40,7 @@ from lmcache_client.protocol import Op, Request
 
 from ..config import ConfigError
 
-_READ_OPS = {Op.GET, Op.LOOKUP, Op.EXISTS}
+_READ_OPS = {Op.GET, Op.LOOKUP, Op.EXISTS, Op.PREFETCH}
 _WRITE_OPS = {Op.PUT, Op.DELETE, Op.PIN, Op.UNPIN, Op.ALLOC, Op.BIND}
 # commit and release name a lease (a random 63-bit id) the client was granted
 # by an alloc or get that passed this check; they carry no namespace.

@@ -9,6 +9,7 @@ release) are in shmhandlers.py, which :class:`Handlers` builds on; what a
 handler returns, :class:`Outcome`, is in outcome.py (importable from here).
 A lookup with ``prefetch: true`` starts its prefetch once its reply is sent
 (prefetch.py); one with ``cancel_prefetch: true`` gives up the prefetches of its keys.
+The operator's ``pin`` and ``prefetch`` ops are in cacheapi.py.
 
 Primitives: :class:`Handlers` (``handle``) and :class:`Outcome`.
 """
@@ -24,6 +25,7 @@ from .. import __version__
 from ..config import ServerConfig
 from ..storage import TieredStore
 from .admission import ByteBudget
+from .cacheapi import CacheApi
 from .outcome import Outcome
 from .prefetch import Prefetcher, cancel_flag, prefetch_flag
 from .shm import ShmLeases
@@ -47,6 +49,8 @@ class Handlers(ShmHandlers):
         self.budget = budget
         self.prefetcher = prefetcher if prefetcher is not None else Prefetcher(store, budget)
         """Promotes the lower-tier hits of lookups with ``prefetch: true`` (prefetch.py)."""
+        self.cache_api = CacheApi(store, self.prefetcher, config.max_pinned_fraction)
+        """The operator's ``pin`` (promotion, bound) and ``prefetch`` ops (cacheapi.py)."""
         self.shm = shm if shm is not None and shm.enabled else None
         pool = store.memory.allocator.capacity
         self.shm_reserve_cap = min(max(config.max_message_size, pool // 4), pool // 2)
@@ -63,7 +67,8 @@ class Handlers(ShmHandlers):
             Op.EXISTS: self.exists,
             Op.DELETE: self.delete,
             Op.CLEAR: self.clear,
-            Op.PIN: self.pin,
+            Op.PIN: self.cache_api.pin,
+            Op.PREFETCH: self.cache_api.prefetch,
             Op.UNPIN: self.unpin,
             Op.STATS: self.stats,
             Op.ALLOC: self.alloc,
@@ -184,9 +189,6 @@ class Handlers(ShmHandlers):
         if request.namespace is None and request.fields.get("all") is not True:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "clear needs 'ns' or 'all': true", request.id)
         return Outcome({"removed": await self.store.clear(request.namespace)})
-
-    async def pin(self, request: Request) -> Outcome:
-        return Outcome({"pinned": await self.store.pin(self._ns(request), request.keys)})
 
     async def unpin(self, request: Request) -> Outcome:
         return Outcome({"unpinned": await self.store.unpin(self._ns(request), request.keys)})

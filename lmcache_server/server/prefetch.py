@@ -35,7 +35,11 @@ Access: a prefetch reads only the namespace its lookup was allowed to read
 (a lookup needs ``ro`` on its namespace, §2.6); promotions obey the memory
 tier's policy and tenant quotas like any other.  A cancel is a lookup too.
 
-Primitives: :class:`Prefetcher` (``start``, ``cancel``, ``close``, ``stats``),
+The operator's ``prefetch`` op (and ``pin`` of a chunk not in memory) runs the
+same windows inline and answers once they are done: :meth:`Prefetcher.promote_now`.
+
+Primitives: :class:`Prefetcher` (``start``, ``promote_now``, ``cancel``, ``close``, ``stats``),
+:class:`Promoted`,
 :func:`prefetch_flag` and :func:`cancel_flag` (the request's flags, validated),
 ``MAX_PREFETCHES``.
 """
@@ -94,6 +98,18 @@ class PrefetchCounters:
     """Prefetches not started, or stopped short: the budget had no room for the next chunk, or too many ran."""
     cancelled: int = 0
     """Prefetches cancelled because every lookup that joined them cancelled (``cancel_prefetch``)."""
+
+
+@dataclasses.dataclass
+class Promoted:
+    """What :meth:`Prefetcher.promote_now` did."""
+
+    asked: int = 0
+    """Distinct chunks a lower tier held and memory did not."""
+    chunks: int = 0
+    """Of those, promoted into memory."""
+    bytes: int = 0
+    """Their payload bytes."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -191,22 +207,47 @@ class Prefetcher:
                     started = True
                     self.counters.prefetches += 1
                 del pending[: len(window)]
-                taken = self.budget.try_acquire(nbytes)
-                assert taken, "a prefetch window took more than the budget had free"
-                self.held_bytes += nbytes
-                try:
-                    promoted = await self.store.prefetch(window)
-                finally:
-                    self.held_bytes -= nbytes
-                    self.budget.release(nbytes)
-                self.counters.chunks += len(promoted)
-                self.counters.bytes += sum(promoted)
+                await self._promote(window, nbytes)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # a bug: counted and logged; the lookup was answered already
             self.supervisor.failed("prefetch", err)
         finally:
             self._release(prefetch)
+
+    async def _promote(self, window: list[ChunkKey], nbytes: int) -> list[int]:
+        """Promote one window (``nbytes``: what :meth:`_window` sized it at) under the budget."""
+        taken = self.budget.try_acquire(nbytes)
+        assert taken, "a prefetch window took more than the budget had free"
+        self.held_bytes += nbytes
+        try:
+            promoted = await self.store.prefetch(window)
+        finally:
+            self.held_bytes -= nbytes
+            self.budget.release(nbytes)
+        self.counters.chunks += len(promoted)
+        self.counters.bytes += sum(promoted)
+        return promoted
+
+    async def promote_now(self, namespace: str, digests: Sequence[bytes]) -> Promoted:
+        """The ``prefetch`` and ``pin`` ops (server/cacheapi.py): promote every chunk of
+        ``digests`` a lower tier holds into memory, window by window under the same
+        bounds as a lookup's prefetch, and return when done.  Chunks the budget has no
+        room for (or that memory could not take) are left where they are."""
+        keys = [ChunkKey(namespace, d) for d in dict.fromkeys(digests)]
+        pending = list((await self.store.prefetch_sizes(keys)).items())
+        out = Promoted(asked=len(pending))
+        while pending and not self._closed:
+            window, nbytes = self._window(pending)
+            if not window:
+                self.counters.declined += 1
+                break
+            self.counters.prefetches += not out.chunks and len(pending) == out.asked
+            del pending[: len(window)]
+            promoted = await self._promote(window, nbytes)
+            out.chunks += len(promoted)
+            out.bytes += sum(promoted)
+        return out
 
     def _window(self, pending: list[tuple[ChunkKey, int]]) -> tuple[list[ChunkKey], int]:
         """The leading chunks of ``pending`` the budget has room for now, and their bytes."""

@@ -234,12 +234,20 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         }
         if self.events is not None:
             out["events"] = self.events.stats()
-        per_tier = {t.name: t.namespaces() for t in self.tiers}
+        # Redis keeps no per-namespace index (a count would be a SCAN of a shared
+        # server): its namespace figures are left out rather than shown as 0.
+        per_tier = {t.name: t.namespaces() for t in self.tiers if t is not self.remote}
         if namespace is not None:
-            out["namespace"] = {"name": namespace, **_namespace_stats(per_tier, namespace)}
+            out["namespace"] = {"name": namespace, **self._namespace_stats(per_tier, namespace)}
         else:
             names = sorted({ns for counts in per_tier.values() for ns in counts})
-            out["namespaces"] = {ns: _namespace_stats(per_tier, ns) for ns in names}
+            out["namespaces"] = {ns: self._namespace_stats(per_tier, ns) for ns in names}
+        return out
+
+    def _namespace_stats(self, per_tier: dict[str, dict[str, tuple[int, int]]], namespace: str) -> dict[str, Any]:
+        """One namespace's chunks and bytes per tier, and its pinned chunks and bytes."""
+        out = _namespace_stats(per_tier, namespace)
+        out["pinned_chunks"], out["pinned_bytes"] = self.memory.pinned_in(namespace)
         return out
 
     async def flush(self, timeout_s: float) -> bool:

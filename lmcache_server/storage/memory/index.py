@@ -84,6 +84,7 @@ class ChunkIndex:
         self._by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
         self.stored_bytes = 0
         self.pinned_bytes = 0
+        self._pinned_by_namespace: dict[str, list[int]] = {}  # ns -> [pinned chunks, pinned payload bytes]
         self.leased_chunks = 0
         self.evictable_bytes = 0  # extents of indexed chunks neither leased nor pinned
         self.keep_segment = False  # leave the shared segment at close: its index was written
@@ -142,7 +143,7 @@ class ChunkIndex:
     def _remove(self, entry: _Entry) -> None:
         del self._index[entry.key]
         if entry.pinned:
-            self.pinned_bytes -= entry.size
+            self._account_pin(entry.key, entry.size, -1)
         else:
             self.policy.removed(entry.key)
             if not entry.leases:
@@ -155,6 +156,20 @@ class ChunkIndex:
             self.allocator.free(entry.offset, entry.extent)
         if self.on_removed is not None:
             self.on_removed(entry.key)
+
+    def _account_pin(self, key: ChunkKey, size: int, sign: int) -> None:
+        """A pin (+1) or its end (-1, unpinned or removed) in ``pinned_bytes`` and per namespace."""
+        self.pinned_bytes += sign * size
+        counts = self._pinned_by_namespace.setdefault(key.namespace, [0, 0])
+        counts[0] += sign
+        counts[1] += sign * size
+        if not counts[0]:
+            del self._pinned_by_namespace[key.namespace]
+
+    def pinned_in(self, namespace: str) -> tuple[int, int]:
+        """The pinned chunks of ``namespace`` and their payload bytes."""
+        counts = self._pinned_by_namespace.get(namespace, (0, 0))
+        return counts[0], counts[1]
 
     def _account(self, key: ChunkKey, size: int, sign: int) -> None:
         self.stored_bytes += sign * size

@@ -233,18 +233,28 @@ class MemoryTier(TierEviction):
             return False
         entry = self._entry(key, found)
         entry.pinned = True
-        self.pinned_bytes += entry.size
+        self._account_pin(key, entry.size, +1)
         if not entry.leases:
             self.evictable_bytes -= entry.extent
         self.policy.removed(key)
         return True
+
+    def pin_cost(self, key: ChunkKey) -> int | None:
+        """Payload bytes pinning ``key`` would add to ``pinned_bytes``: 0 when it
+        is pinned already, None when memory does not hold it."""
+        found = self._index.get(key)
+        if found is None:
+            return None
+        if isinstance(found, int):
+            return unpack(found)[1]
+        return 0 if found.pinned else found.size
 
     def unpin(self, key: ChunkKey) -> bool:
         entry = self._index.get(key)
         if entry is None or isinstance(entry, int) or not entry.pinned:
             return False
         entry.pinned = False
-        self.pinned_bytes -= entry.size
+        self._account_pin(entry.key, entry.size, -1)
         if not entry.leases:
             self.evictable_bytes += entry.extent
         self.policy.inserted(entry.key, entry.size, None)

@@ -1,0 +1,261 @@
+"""The operator's cache commands of ``lmcache-server admin`` (docs/operations.md).
+
+- ``pin`` / ``unpin`` / ``delete`` / ``prefetch --namespace NS PROMPT``: act on the
+  chunks of one prompt, given as ``--tokens 1,2,3``, ``--tokens-file F`` (token ids
+  separated by commas or white space, or a JSON array) or ``--text "..."
+  --tokenizer PATH`` (a tokenizer.json, or a folder holding one; read with the
+  ``tokenizers`` library, else ``transformers``).  ``--salt`` (the request's
+  ``cache_salt``) and ``--tags a,b`` (its ``lmcache_tags``) name the key chain's
+  root; ``--chunk-size`` defaults to the daemon's.
+- ``namespace NS``: what the namespace holds, per tier, and what of it is pinned.
+
+The keys are the vLLM connector's, computed by its own code: the root is
+:func:`lmcache_client.integrations.vllm.matching.key_root` of a request with that
+salt and tags, then every full chunk's key and the key of the prompt's partial last
+chunk (its tail, when it has two tokens or more), as the connector stores them.  A
+prompt of more chunks than the daemon takes keys in one request is refused.
+
+Primitives: :func:`add_commands`, :func:`run_command`, :func:`prompt_keys`,
+:func:`read_tokens`, :class:`PromptError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from lmcache_client import CacheClient
+from lmcache_client.integrations.vllm.matching import key_root
+from lmcache_client.keys import chunk_keys, tail_key
+
+PROMPT_COMMANDS = ("pin", "unpin", "delete", "prefetch")
+MAX_TOKEN_ID = 2**32 - 1
+MAX_TAGS = 16
+"""As the connector's ``lmcache_tags``."""
+MAX_FILE_BYTES = 64 << 20
+"""A tokens file or a text larger than this is refused (no prompt is that long)."""
+
+
+class PromptError(ValueError):
+    """Bad prompt input (token ids, files, tokenizer, tags): exit 2 with this message."""
+
+
+def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The cache commands' subparsers, under ``lmcache-server admin``."""
+    helps = {
+        "pin": "keep a prompt's chunks in memory (promoted from disk/Redis first)",
+        "unpin": "let a prompt's pinned chunks be evicted again",
+        "delete": "remove a prompt's chunks from every tier",
+        "prefetch": "promote a prompt's chunks from disk/Redis into memory",
+    }
+    for name in PROMPT_COMMANDS:
+        p = sub.add_parser(name, parents=[common], help=helps[name])
+        p.add_argument("--namespace", required=True, metavar="NS", help="the namespace string (admin namespaces)")
+        given = p.add_mutually_exclusive_group(required=True)
+        given.add_argument("--tokens", metavar="IDS", help="the prompt's token ids: 1,2,3")
+        given.add_argument("--tokens-file", metavar="FILE", help="token ids separated by commas/space, or JSON")
+        given.add_argument("--text", help="the prompt as text (with --tokenizer)")
+        p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a folder holding the model's tokenizer")
+        p.add_argument(
+            "--no-special-tokens", action="store_true", help="--text: add no BOS etc. (default: as vLLM does)"
+        )
+        p.add_argument("--chunk-size", type=int, metavar="N", help="tokens per chunk (default: the daemon's)")
+        p.add_argument("--salt", metavar="S", help="the requests' cache_salt")
+        p.add_argument("--tags", metavar="A,B", help="the requests' lmcache_tags")
+    listing = sub.add_parser("namespace", parents=[common], help="a namespace's chunks and bytes per tier, pinned")
+    listing.add_argument("name", metavar="NS", help="the namespace string")
+
+
+def _parse_ids(text: str, where: str) -> list[int]:
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PromptError(f"{where}: not a JSON array of token ids ({err})") from None
+        if not isinstance(values, list):
+            raise PromptError(f"{where}: not a JSON array of token ids")
+    else:
+        values = [v for v in re.split(r"[\s,]+", text) if v]
+    out: list[int] = []
+    for i, value in enumerate(values):
+        try:
+            token = value if type(value) is int else int(str(value), 10)
+        except ValueError:
+            raise PromptError(f"{where}: token {i} is {str(value)[:40]!r}, not an integer") from None
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise PromptError(f"{where}: token {i} is {token}, outside 0..{MAX_TOKEN_ID}")
+        out.append(token)
+    if not out:
+        raise PromptError(f"{where}: no token ids")
+    return out
+
+
+def _read_file(path: str, what: str) -> str:
+    try:
+        p = Path(path)
+        if p.stat().st_size > MAX_FILE_BYTES:
+            raise PromptError(f"{what} {path} is larger than {MAX_FILE_BYTES >> 20} MiB")
+        return p.read_text()
+    except OSError as err:
+        raise PromptError(f"cannot read {what} {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise PromptError(f"{what} {path} is not UTF-8 text") from None
+
+
+def _tokenize(text: str, tokenizer: str, special_tokens: bool) -> list[int]:
+    path = Path(tokenizer)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not path.exists():
+        raise PromptError(f"--tokenizer {tokenizer}: no such file or folder")
+    if file.is_file() and importlib.util.find_spec("tokenizers") is not None:
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(file))
+        except Exception as err:  # the library's own error types vary by version
+            raise PromptError(f"--tokenizer {file}: not a tokenizer.json ({err})") from None
+        return list(tok.encode(text, add_special_tokens=special_tokens).ids)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise PromptError(
+            "--text needs the `tokenizers` library (pip install tokenizers) and a tokenizer.json, "
+            "or `transformers`; neither is installed"
+        ) from None
+    try:
+        auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:
+        raise PromptError(f"--tokenizer {tokenizer}: transformers cannot load it ({err})") from None
+    return list(auto(text, add_special_tokens=special_tokens)["input_ids"])
+
+
+def read_tokens(args: argparse.Namespace) -> list[int]:
+    """The prompt's token ids from ``--tokens``, ``--tokens-file`` or ``--text`` + ``--tokenizer``."""
+    if args.text is not None:
+        if not args.tokenizer:
+            raise PromptError("--text needs --tokenizer PATH (the model's tokenizer.json or its folder)")
+        if len(args.text.encode()) > MAX_FILE_BYTES:
+            raise PromptError(f"--text is larger than {MAX_FILE_BYTES >> 20} MiB")
+        tokens = _tokenize(args.text, args.tokenizer, not args.no_special_tokens)
+        if not tokens:
+            raise PromptError("--text gives no tokens")
+        return tokens
+    if args.tokenizer:
+        raise PromptError("--tokenizer goes with --text only")
+    if args.tokens_file is not None:
+        return _parse_ids(_read_file(args.tokens_file, "tokens file"), args.tokens_file)
+    return _parse_ids(args.tokens, "--tokens")
+
+
+def _tags(value: str | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    tags = [t.strip() for t in value.split(",")]
+    if not all(tags) or len(tags) > MAX_TAGS:
+        raise PromptError(f"--tags: at most {MAX_TAGS} non-empty tags separated by commas, got {value!r}")
+    return tuple(sorted(set(tags)))  # a set, as the connector reads lmcache_tags
+
+
+def prompt_keys(
+    tokens: Sequence[int], chunk_size: int, salt: str | None = None, tags: str | None = None
+) -> list[bytes]:
+    """The keys the vLLM connector stores ``tokens``' KV under: each full chunk's, then the tail's."""
+    if chunk_size < 1:
+        raise PromptError(f"--chunk-size must be positive, got {chunk_size}")
+    request = SimpleNamespace(cache_salt=salt or None, lora_request=None, mm_features=None, prompt_embeds=None)
+    root = key_root(request, _tags(tags))
+    assert root is not None  # only multimodal requests have none
+    keys = chunk_keys(tokens, chunk_size, root)
+    start = len(keys) * chunk_size
+    if len(tokens) - start >= 2:  # the connector's rule: a one-token tail is always recomputed
+        keys.append(tail_key(keys[-1] if keys else root, tokens[start:]))
+    return keys
+
+
+def _keys(args: argparse.Namespace, client: CacheClient) -> list[bytes]:
+    hello = client.hello("lmcache-server-admin")
+    chunk_size = args.chunk_size or int(hello["chunk_size"])
+    max_keys = int(hello["max_keys_per_request"])
+    tokens = read_tokens(args)
+    if len(tokens) > (max_keys + 1) * chunk_size:  # checked before hashing: a huge file costs nothing
+        raise PromptError(
+            f"the prompt has {len(tokens)} tokens, {len(tokens) // chunk_size} chunks of {chunk_size}: "
+            f"the daemon takes at most {max_keys} keys per request (max_keys_per_request)"
+        )
+    keys = prompt_keys(tokens, chunk_size, args.salt, args.tags)
+    if len(keys) > max_keys:
+        raise PromptError(
+            f"the prompt has {len(keys)} chunks: the daemon takes at most {max_keys} keys per request "
+            "(max_keys_per_request)"
+        )
+    if not keys:
+        raise PromptError(f"the prompt ({len(tokens)} token) has no chunk the connector stores")
+    return keys
+
+
+def run_command(args: argparse.Namespace, client: CacheClient) -> tuple[dict[str, Any], str]:
+    """Run a cache command: (its JSON result, its text)."""
+    if args.command == "namespace":
+        listing = dict(client.stats(namespace=args.name)["namespace"])
+        return listing, format_listing(listing)
+    keys = _keys(args, client)
+    ns, n = args.namespace, len(keys)
+    out: dict[str, Any] = {"namespace": ns, "chunks": n}
+    if args.command == "prefetch":
+        result = client.prefetch(keys, namespace=ns)
+        in_memory = sum(result.in_memory)
+        out.update(
+            in_memory=in_memory,
+            was_in_memory=result.was_in_memory,
+            promoted=result.promoted,
+            promoted_bytes=result.promoted_bytes,
+            declined=result.declined,
+            not_found=n - in_memory - result.declined,
+        )
+        text = (
+            f"prefetch of {n} chunks in {ns}: {in_memory} in memory now ({result.was_in_memory} were, "
+            f"{result.promoted} promoted, {_bytes(result.promoted_bytes)}), {result.declined} left below "
+            f"(no room in the in-flight budget or memory: retry), {out['not_found']} not found"
+        )
+        return out, text
+    done = {"pin": client.pin, "unpin": client.unpin, "delete": client.delete}[args.command](keys, namespace=ns)
+    acted = sum(done)
+    word, other = {
+        "pin": ("pinned", "not pinned (no tier holds them, or no room to promote them)"),
+        "unpin": ("unpinned", "not pinned or not stored"),
+        "delete": ("deleted", "not found"),
+    }[args.command]
+    out.update({word: acted, "not_acted": n - acted})
+    return out, f"{word} {acted} of {n} chunks in {ns}; {n - acted} {other}"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_listing(listing: dict[str, Any]) -> str:
+    """A ``stats`` reply's ``namespace`` map as one row per tier."""
+    rows = [("memory", listing.get("chunks", 0), listing.get("stored_bytes", 0))]
+    rows += [
+        (name.removesuffix("_chunks"), count, listing.get(name.removesuffix("_chunks") + "_stored_bytes", 0))
+        for name, count in listing.items()
+        if name.endswith("_chunks") and name != "pinned_chunks"
+    ]
+    lines = [f"namespace {listing.get('name')}", f"{'tier':<8} {'chunks':>10} {'stored':>12}"]
+    lines += [f"{tier:<8} {count:>10} {_bytes(nbytes):>12}" for tier, count, nbytes in rows]
+    lines.append(
+        f"pinned: {listing.get('pinned_chunks', 0)} chunks, {_bytes(listing.get('pinned_bytes', 0))} (in memory)"
+    )
+    lines.append("redis: not counted per namespace")
+    return "\n".join(lines)
