@@ -181,7 +181,9 @@ def prompt_keys(
 
 def _keys(args: argparse.Namespace, client: CacheClient) -> list[bytes]:
     hello = client.hello("lmcache-server-admin")
-    chunk_size = args.chunk_size or int(hello["chunk_size"])
+    chunk_size = args.chunk_size if args.chunk_size is not None else int(hello["chunk_size"])
+    if chunk_size < 1:
+        raise PromptError(f"--chunk-size must be positive, got {chunk_size}")
     max_keys = int(hello["max_keys_per_request"])
     tokens = read_tokens(args)
     if len(tokens) > (max_keys + 1) * chunk_size:  # checked before hashing: a huge file costs nothing

@@ -90,14 +90,22 @@ def test_stats_table_and_json(filled: Daemon) -> None:
     out = admin("stats", "--address", filled.address, "--json", "--namespace", OTHER)
     stats = json.loads(out.stdout)
     assert stats["tiers"]["memory"]["chunks"] == 5
-    assert stats["namespace"] == {"name": OTHER, "chunks": 2, "stored_bytes": 2000}
-    assert f"namespace {OTHER}: chunks 2, stored_bytes 2000" in format_stats(stats, filled.address)
+    assert stats["namespace"] == {
+        "name": OTHER,
+        "chunks": 2,
+        "stored_bytes": 2000,
+        "pinned_chunks": 0,
+        "pinned_bytes": 0,
+    }
+    assert f"namespace {OTHER}: chunks 2, pinned_bytes 0, pinned_chunks 0, stored_bytes 2000" in format_stats(
+        stats, filled.address
+    )
     # What a tenant key gets (auth: curve, no admin role): its namespace only.
     server = {"version": "0.1.0", "chunk_size": 256}
     tenant_view = {"namespace": stats["namespace"], "server": server, "scope": "namespace"}
     report = format_stats(tenant_view, filled.address).splitlines()
     assert report[0] == f"lmcache-server 0.1.0 at {filled.address}, chunk_size 256"
-    assert f"namespace {OTHER}: chunks 2, stored_bytes 2000" in report
+    assert f"namespace {OTHER}: chunks 2, pinned_bytes 0, pinned_chunks 0, stored_bytes 2000" in report
     assert "(daemon-wide figures are shown to admin keys only)" in report and not any("tier" in ln for ln in report)
 
 
@@ -107,7 +115,7 @@ def test_namespaces(filled: Daemon) -> None:
     rows = {ln.split()[0]: ln.split()[1:] for ln in out.stdout.splitlines()[1:]}
     assert rows[NAMESPACE][:3] == ["3", "12.00", "KiB"] and rows[OTHER][:3] == ["2", "1.95", "KiB"]
     listing = json.loads(admin("namespaces", "--address", filled.address, "--json").stdout)
-    assert listing[OTHER] == {"chunks": 2, "stored_bytes": 2000}
+    assert listing[OTHER] == {"chunks": 2, "stored_bytes": 2000, "pinned_chunks": 0, "pinned_bytes": 0}
 
 
 def test_clear_a_namespace_and_everything(daemon: Daemon) -> None:
