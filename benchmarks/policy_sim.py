@@ -31,7 +31,8 @@ Keys: block id ``i`` becomes the 32-byte chunk digest
 ``sha256(b"lmcache-trace-block\\0" + i.to_bytes(8, "big"))`` (:func:`block_digest`).
 A trace id already names its whole prefix, so no hash chain is needed.
 
-``lfuda-no-tails`` is the ``lfuda`` policy without its put-tails rule (an
+``arc`` and ``s3fifo`` are published baselines (simulated only, :mod:`sim_policies`,
+which also holds the oracles).  ``lfuda-no-tails`` is the ``lfuda`` policy without its put-tails rule (an
 ablation, simulated only).
 
 Usage: ``python benchmarks/policy_sim.py [--trace PATH] [--capacity-pct 2,5,10,20,50]
@@ -54,9 +55,11 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sim_policies import BASELINES, ORACLES
+
 from lmcache_server.storage.base import ChunkKey
 from lmcache_server.storage.memory.allocator import ALIGNMENT as PAGE_BYTES
-from lmcache_server.storage.policy import POLICIES, EvictionPolicy, LFUDAPolicy, LRUPolicy, make_policy
+from lmcache_server.storage.policy import POLICIES, EvictionPolicy, LFUDAPolicy, make_policy
 
 BLOCK_TOKENS = 512
 NAMESPACE = "mooncake-trace|bfloat16|L28|KV4|D128|tp0of1|c512"
@@ -314,79 +317,16 @@ def belady(requests: Sequence[Request], capacity: int) -> Counts:
     return counts
 
 
-class _ReuseOracleLRU(LRUPolicy):
-    """Offline bound: LRU that admits a block only if the trace accesses it again."""
-
-    name = "oracle-reuse-lru"
-
-    def __init__(self, remaining: dict[ChunkKey, int]):
-        super().__init__()
-        self.remaining = remaining  # accesses still to come, this one included
-
-    def admit(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> bool:
-        self.remaining[key] -= 1
-        return self.remaining[key] > 0
-
-    def touched(self, key: ChunkKey) -> None:
-        self.remaining[key] -= 1
-        super().touched(key)
-
-
-class _CountOracle:
-    """Offline bound: evict the block with the fewest accesses still to come (ties: LRU).
-    Knows how often, not when: the ideal of any frequency-based policy."""
-
-    name = "oracle-count"
-
-    def __init__(self, remaining: dict[ChunkKey, int]):
-        self.remaining = remaining
-        self.rank: dict[ChunkKey, tuple[int, int]] = {}
-        self.heap: list[tuple[int, int, ChunkKey]] = []
-        self.clock = 0
-
-    def admit(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> bool:
-        self.remaining[key] -= 1
-        return True
-
-    def _push(self, key: ChunkKey) -> None:
-        self.clock += 1
-        self.rank[key] = (self.remaining[key], self.clock)
-        heapq.heappush(self.heap, (*self.rank[key], key))
-
-    def inserted(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> None:
-        self._push(key)
-
-    def touched(self, key: ChunkKey) -> None:
-        self.remaining[key] -= 1
-        self._push(key)
-
-    def removed(self, key: ChunkKey) -> None:
-        self.rank.pop(key, None)
-
-    def victim(self, skip: Callable[[ChunkKey], bool]) -> ChunkKey | None:
-        while self.heap:
-            remaining, clock, key = self.heap[0]
-            if self.rank.get(key) == (remaining, clock):
-                return key
-            heapq.heappop(self.heap)
-        return None
-
-    def order(self) -> list[ChunkKey]:
-        return sorted(self.rank, key=self.rank.__getitem__)
-
-
-ORACLES: dict[str, Callable[[dict[ChunkKey, int]], EvictionPolicy]] = {
-    "oracle-reuse-lru": _ReuseOracleLRU,
-    "oracle-count": _CountOracle,
-}
-
-
 def access_counts(requests: Sequence[Request], keys: dict[int, ChunkKey]) -> dict[ChunkKey, int]:
     counts: dict[ChunkKey, int] = dict.fromkeys(keys.values(), 0)
     for r in requests:
         for b in r.hash_ids:
             counts[keys[b]] += 1
     return counts
+
+
+KNOWN = {*POLICIES, *BASELINES, *OFFLINE_ONLY, *VARIANTS}
+"""Every policy name :func:`simulate` runs."""
 
 
 # -- a grid of runs, in parallel -------------------------------------------------------------------
@@ -403,7 +343,10 @@ def simulate(
     if policy in ORACLES:
         return replay_model(requests, CacheModel(capacity, ORACLES[policy](access_counts(requests, keys))), keys)
     # Chunks of one size: a tier of ``capacity`` chunks of size 1 (what ``adaptive`` models).
-    made = make_policy(policy, capacity) if policy in POLICIES else VARIANTS[policy]()
+    if policy in BASELINES:
+        made = BASELINES[policy](capacity)
+    else:
+        made = make_policy(policy, capacity) if policy in POLICIES else VARIANTS[policy]()
     return replay_model(requests, CacheModel(capacity, made), keys)
 
 
@@ -440,8 +383,8 @@ def run_grid(
     _TRACE, _KEYS = requests, trace_keys(requests)
     cells = [(p, c) for p in policies for c in capacities]
     for p in policies:
-        if p not in POLICIES and p not in OFFLINE_ONLY and p not in VARIANTS:
-            raise ValueError(f"unknown policy {p!r}; known: {sorted([*POLICIES, *OFFLINE_ONLY, *VARIANTS])}")
+        if p not in KNOWN:
+            raise ValueError(f"unknown policy {p!r}; known: {sorted(KNOWN)}")
     results: dict[tuple[str, int], Counts] = {}
     processes = processes or os.cpu_count() or 1
     if processes > 1 and len(cells) > 1:
