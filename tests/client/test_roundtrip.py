@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lmcache_client import AsyncCacheClient, CacheClient, Namespace, PutStatus, chunk_keys
+from lmcache_client import AsyncCacheClient, CacheClient, ErrorCode, Namespace, PutStatus, ServerError, chunk_keys
 from lmcache_client.protocol import KEY_BYTES
 
 from ..conftest import NAMESPACE, Daemon
@@ -111,7 +111,13 @@ def test_pins_limited_to_fraction(daemon_factory) -> None:  # type: ignore[no-un
     with daemon.client() as c:
         keys = rand_keys(4)
         c.put(keys, [os.urandom(1 << 20)] * 4)
-        assert c.pin(keys) == [True, True, False, False]
+        with pytest.raises(ServerError) as err:  # over the limit: refused whole (PIN_LIMIT)
+            c.pin(keys)
+        assert err.value.code == ErrorCode.PIN_LIMIT
+        assert c.pin(keys[:2]) == [True, True]
+        with pytest.raises(ServerError):
+            c.pin(keys[2:3])
+        assert c.stats()["tiers"]["memory"]["pinned_bytes"] == 2 << 20
 
 
 def test_tensors_roundtrip(client: CacheClient) -> None:
