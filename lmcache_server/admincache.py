@@ -259,5 +259,5 @@ def format_listing(listing: dict[str, Any]) -> str:
     lines.append(
         f"pinned: {listing.get('pinned_chunks', 0)} chunks, {_bytes(listing.get('pinned_bytes', 0))} (in memory)"
     )
-    lines.append("redis: not counted per namespace")
+    lines.append("(Redis, where there is one, keeps no per-namespace count)")
     return "\n".join(lines)
