@@ -18,6 +18,7 @@ from lmcache_client.integrations.vllm.params import request_params
 from lmcache_server.admincache import prompt_keys
 
 from .conftest import NAMESPACE, Daemon
+from .server.test_security import NS_A, Keys, start_daemon, stop
 from .test_admin import admin
 
 CHUNK = 16
@@ -153,3 +154,28 @@ def test_bad_input_gets_a_clear_error(daemon_factory: Callable[..., Daemon], tmp
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
     out = admin("pin", *base, "--tokens", "1", "--text", "w1")
     assert out.returncode == 2 and "not allowed with argument" in out.stderr
+
+
+def test_with_curve_a_tenant_key_acts_on_its_own_namespace_only(tmp_path: Path) -> None:
+    keys = Keys(tmp_path / "keys")
+    daemon = start_daemon(tmp_path / "daemon", keys.config(), **keys.options("admin"))
+    try:
+        prompt = list(range(40))
+        stored = connector_keys(prompt, CHUNK, None, None)
+        with daemon.client(**keys.options("tenant-a")) as a:
+            assert a.put(stored, [b"x" * 100] * 3, namespace=NS_A) == [PutStatus.STORED] * 3
+        target = ["--namespace", NS_A, "--chunk-size", str(CHUNK), "--tokens", ",".join(map(str, prompt))]
+        target += ["--address", daemon.address, "--server-public-key", keys.server_public]
+        for command in ("pin", "delete", "prefetch"):
+            out = admin(command, *target, "--client-secret-key", keys.secret("tenant-b"))
+            assert out.returncode == 1 and "FORBIDDEN" in out.stderr, (command, out.stderr)
+        out = admin("namespace", NS_A, "--address", daemon.address, "--server-public-key", keys.server_public,
+                    "--client-secret-key", keys.secret("tenant-b"))  # fmt: skip
+        assert out.returncode == 1 and "FORBIDDEN" in out.stderr
+        out = admin("pin", *target, "--client-secret-key", keys.secret("tenant-a"))
+        assert out.returncode == 0 and out.stdout.startswith("pinned 3 of 3 chunks"), out.stderr
+        out = admin("namespace", NS_A, "--address", daemon.address, "--server-public-key", keys.server_public,
+                    "--client-secret-key", keys.secret("tenant-a"), "--json")  # fmt: skip
+        assert out.returncode == 0 and json.loads(out.stdout)["pinned_chunks"] == 3, out.stderr
+    finally:
+        stop(daemon)

@@ -8,13 +8,14 @@ Two tenants with ``auth: curve`` use the keys and grants of test_security.py.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from lmcache_client import CacheClient, ErrorCode, PutStatus, ServerError
+from lmcache_client import AsyncCacheClient, CacheClient, ErrorCode, PutStatus, ServerError
 from lmcache_client.protocol import KEY_BYTES
 
 from ..conftest import NAMESPACE, Daemon, disk_stats, wait_for
@@ -110,6 +111,21 @@ def test_prefetch_and_pin_promote_from_disk(disk_daemon: Callable[..., Daemon]) 
         wait_for(lambda: disk_stats(c)["queued_spills"] == 0)
         assert c.lookup(keys[2:]).tiers == ["memory"] * 2
         assert c.get(keys[2:]) == data[2:]
+
+
+def test_the_async_client_prefetches_too(disk_daemon: Callable[..., Daemon]) -> None:
+    daemon = disk_daemon(cache_policy="lru")
+    keys, data = park_on_disk(daemon, [CHUNK] * 2)
+
+    async def main() -> None:
+        async with AsyncCacheClient(daemon.address, NAMESPACE, fail_open=False) as c:
+            result = await c.prefetch(keys)
+            assert result.in_memory == [True, True] and result.promoted == 2
+            assert (await c.lookup(keys)).tiers == ["memory"] * 2
+
+    asyncio.run(main())
+    with daemon.client() as c:
+        assert c.get(keys) == data
 
 
 def test_prefetch_is_bounded_by_the_in_flight_budget(disk_daemon: Callable[..., Daemon]) -> None:
