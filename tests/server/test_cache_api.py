@@ -18,7 +18,7 @@ import pytest
 from lmcache_client import AsyncCacheClient, CacheClient, ErrorCode, PutStatus, ServerError
 from lmcache_client.protocol import KEY_BYTES
 
-from ..conftest import NAMESPACE, Daemon, disk_stats, wait_for
+from ..conftest import NAMESPACE, Daemon, RedisServer, disk_stats, wait_for
 from .test_prefetch import park_on_disk
 from .test_security import NS_A, NS_B, Keys, start_daemon, stop
 
@@ -126,6 +126,25 @@ def test_the_async_client_prefetches_too(disk_daemon: Callable[..., Daemon]) -> 
     asyncio.run(main())
     with daemon.client() as c:
         assert c.get(keys) == data
+
+
+def test_pin_and_prefetch_promote_from_redis(daemon_factory: Callable[..., Daemon], redis_server: RedisServer) -> None:
+    daemon = daemon_factory(remote_url=redis_server.url)
+    with daemon.client() as c:
+        chunks = put_chunks(c, 4)
+        wait_for(lambda: (r := c.stats()["tiers"]["redis"])["stores"] >= 4 and r["queued_writes"] == 0)
+    assert daemon.stop() == 0
+    daemon.start()  # memory starts empty; Redis keeps the chunks
+    keys = list(chunks)
+    with daemon.client() as c:
+        wait_for(lambda: c.stats()["tiers"]["redis"]["up"])
+        assert listing(c)["chunks"] == 0
+        assert c.pin(keys[:2]) == [True, True]
+        result = c.prefetch(keys[2:])
+        assert result.in_memory == [True, True] and result.promoted_bytes == 2 * CHUNK
+        assert c.lookup(keys).tiers == ["memory"] * 4
+        assert (listing(c)["pinned_chunks"], listing(c)["pinned_bytes"]) == (2, 2 * CHUNK)
+        assert c.get(keys) == list(chunks.values())
 
 
 def test_prefetch_is_bounded_by_the_in_flight_budget(disk_daemon: Callable[..., Daemon]) -> None:
