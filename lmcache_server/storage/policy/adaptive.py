@@ -1,4 +1,4 @@
-"""``adaptive``: lfuda, plus an admission rule switched on only while it pays.
+"""``adaptive``: lfuda, plus an admission rule and an LRU order, each switched on only while it pays.
 
 When the cache is very small next to the working set, a prompt seen for the
 first time rarely survives until its conversation's next turn, and storing all
@@ -15,14 +15,28 @@ of "small" works across workloads, so the policy measures it online instead:
   put whose first chunk it has never seen (not cached, not in its history).
   Each counts the hits it would have served, with exponential decay over
   about four cache-fulls of accesses.
-- The real tier orders its chunks exactly as lfuda does. It applies the head
-  rule (judged by its own cache and history) while the head-rule expert is
-  ahead, and admits everything otherwise.
+- The real tier applies the head rule (judged by its own cache and history)
+  while the head-rule expert is ahead, and admits everything otherwise.
 
-With the rule off, the policy behaves exactly like lfuda.
+Frequency is not always the right order either. Where sessions re-read their
+whole, growing context at every turn and then end (agentic traces,
+``benchmarks/traces/agentic.jsonl``), a finished session's chunks have high
+counts and outstay the live ones: there LRU beats lfuda by up to 0.02 at
+5-20% of the distinct blocks.  So a third expert, a key-only LRU cache of
+the same size that admits everything, counts its hits too, on counts that
+decay four times slower (over about 16 cache-fulls: a switch of order is
+slow to pay back, and a faster count flips on noise and lost 0.0008 at 2% on
+the conversation trace).  While it is strictly ahead of both lfuda experts
+on those counts, the real tier evicts least recently used first
+(``recency_order``); otherwise in lfuda's order.  The tier keeps both orders
+of the chunks it holds at all times (lfuda's heap and a recency list), so a
+switch moves nothing.
 
-Costs: each access is also played to two lfuda instances of the same size, so
-there is about three times lfuda's CPU per operation; each is still O(log n).
+With neither on, the policy behaves exactly like lfuda.
+
+Costs: each access is also played to two lfuda instances and one LRU list of
+the same size, so there is about three times lfuda's CPU per operation; each
+is still O(log n).  The recency list is one more dict entry per cached chunk.
 In the daemon the experts see the accesses after the request that made them
 has been answered (queued, played in order by the event loop's next callback),
 so a request waits for lfuda's share only; the head rule follows the experts
@@ -48,6 +62,8 @@ refused keys per cached chunk, 6 and 4 bytes each (:mod:`.history`);
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
+from collections.abc import Callable
 
 from ..base import ChunkKey
 from .base import LFUDAPolicy
@@ -57,6 +73,7 @@ _EXPERT_GHOST_FACTOR = 2
 _DECAY_CACHEFULS = 4
 _REFUSED_FACTOR = 4  # refused keys remembered per cached chunk (at least _MIN_REFUSED)
 _MIN_REFUSED = 4096
+_SLOW_CACHEFULS = 16
 _MIN_SAMPLED = 8192  # the experts model at least this many chunks: sampling starts at twice it
 
 
@@ -89,12 +106,13 @@ def _first_seen(policy: LFUDAPolicy, refused: _Refused, key: ChunkKey) -> bool:
 class _Expert:
     """A key-only model of the tier under one admission rule, counting its hits."""
 
-    __slots__ = ("order", "head_only", "hits", "_refusing", "_refused")
+    __slots__ = ("order", "head_only", "hits", "slow", "_refusing", "_refused")
 
     def __init__(self, head_only: bool):
         self.order = LFUDAPolicy(ghost_factor=_EXPERT_GHOST_FACTOR)
         self.head_only = head_only
         self.hits = 0.0
+        self.slow = 0.0  # the same count, decayed over _SLOW_CACHEFULS
         self._refusing = False
         self._refused = _Refused()
 
@@ -106,6 +124,7 @@ class _Expert:
         if order.holds(key):
             order.touched(key)
             self.hits += 1
+            self.slow += 1
             return
         if not put:  # a chunk the real tier held: here it misses, and the engine puts it back
             parent = None
@@ -120,8 +139,32 @@ class _Expert:
         order.inserted(key, 1, parent)
 
 
+class _RecencyExpert:
+    """A key-only LRU model of the tier (admits everything), counting its hits."""
+
+    __slots__ = ("order", "hits", "slow")
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[ChunkKey, None] = OrderedDict()
+        self.hits = 0.0
+        self.slow = 0.0  # the same count, decayed over _SLOW_CACHEFULS
+
+    def access(self, key: ChunkKey, parent: ChunkKey | None, put: bool, capacity: int, head: bool) -> None:
+        """As :meth:`_Expert.access`: a hit moves the key to the end, a miss is stored."""
+        order = self.order
+        if key in order:
+            order.move_to_end(key)
+            self.hits += 1
+            self.slow += 1
+            return
+        while len(order) >= capacity:
+            order.popitem(last=False)
+        order[key] = None
+
+
 class AdaptivePolicy(LFUDAPolicy):
-    """lfuda that refuses a first-seen put's tail chunks while that would have served more hits."""
+    """lfuda that refuses a first-seen put's tail chunks, or evicts least recently used
+    first, while that would have served more hits."""
 
     name = "adaptive"
 
@@ -131,9 +174,16 @@ class AdaptivePolicy(LFUDAPolicy):
         self.alignment = alignment  # the tier allocates in multiples of it
         self.head_rule = False
         """Whether the head rule is in force now."""
+        self.recency_order = False
+        """Whether victims are chosen least recently used first now (else in lfuda's order)."""
         self.switches = 0
+        """Times the head rule turned on or off."""
+        self.recency_switches = 0
+        """Times the recency order turned on or off."""
         self._all = _Expert(head_only=False)
         self._heads = _Expert(head_only=True)
+        self._recency = _RecencyExpert()
+        self._recent: OrderedDict[ChunkKey, None] = OrderedDict()  # the chunks it holds, least recently used first
         self._admitted_bytes = 0
         self._admitted_chunks = 0
         self._refusing = False
@@ -185,22 +235,57 @@ class AdaptivePolicy(LFUDAPolicy):
                 parent, self._sampled_parent = self._sampled_parent, key
             capacity = max(1, capacity >> bits)
         keep = 1.0 - 1.0 / (_DECAY_CACHEFULS * capacity)
-        for expert in (self._all, self._heads):
+        keep_slow = 1.0 - 1.0 / (_SLOW_CACHEFULS * capacity)
+        for expert in (self._all, self._heads, self._recency):
             expert.hits *= keep
+            expert.slow *= keep_slow
             expert.access(key, parent, put, capacity, head)
-        ahead = self._heads.hits > self._all.hits
-        if ahead != self.head_rule:
-            self.head_rule = ahead
+        recency = self._recency.slow > max(self._all.slow, self._heads.slow)  # ties: lfuda's order
+        heads = self._heads.hits > self._all.hits
+        if heads != self.head_rule:
+            self.head_rule = heads
             self.switches += 1
+        if recency != self.recency_order:
+            self.recency_order = recency
+            self.recency_switches += 1
 
     def stats(self) -> dict[str, int | bool]:
-        """For the tier's stats: whether the head rule is on, and how often it changed."""
+        """For the tier's stats: whether the head rule is on, whether victims go by
+        recency, and how often each changed."""
         self.play_queued()
-        return {"head_rule": self.head_rule, "head_rule_switches": self.switches}
+        return {
+            "head_rule": self.head_rule,
+            "head_rule_switches": self.switches,
+            "recency_order": self.recency_order,
+            "recency_order_switches": self.recency_switches,
+        }
 
     def touched(self, key: ChunkKey) -> None:
         self._later(key, None, put=False)
+        if key in self._recent:
+            self._recent.move_to_end(key)
         super().touched(key)
+
+    def inserted(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> None:
+        self._recent[key] = None
+        super().inserted(key, size, parent)
+
+    def inserted_many(self, keys: list[ChunkKey]) -> None:
+        self._recent.update(dict.fromkeys(keys))
+        super().inserted_many(keys)
+
+    def removed(self, key: ChunkKey) -> None:
+        self._recent.pop(key, None)
+        super().removed(key)
+
+    def victim(self, skip: Callable[[ChunkKey], bool]) -> ChunkKey | None:
+        """lfuda's victim, or the least recently used chunk while the recency expert leads."""
+        if not self.recency_order:
+            return super().victim(skip)
+        for key in self._recent:
+            if not skip(key):
+                return key
+        return None
 
     def admit(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> bool:
         self._admitted_bytes += -(-size // self.alignment) * self.alignment
