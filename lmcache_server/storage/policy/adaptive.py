@@ -29,14 +29,14 @@ slow to pay back, and a faster count flips on noise and lost 0.0008 at 2% on
 the conversation trace).  While it is strictly ahead of both lfuda experts
 on those counts, the real tier evicts least recently used first
 (``recency_order``); otherwise in lfuda's order.  The tier keeps both orders
-of the chunks it holds at all times (lfuda's heap and a recency list), so a
-switch moves nothing.
+of the chunks it holds at all times (lfuda's heap and a recency list of
+lfuda's slot numbers, 8 bytes a chunk), so a switch moves nothing.
 
 With neither on, the policy behaves exactly like lfuda.
 
 Costs: each access is also played to two lfuda instances and one LRU list of
 the same size, so there is about three times lfuda's CPU per operation; each
-is still O(log n).  The recency list is one more dict entry per cached chunk.
+is still O(log n).  The recency list costs 8 bytes per cached chunk.
 In the daemon the experts see the accesses after the request that made them
 has been answered (queued, played in order by the event loop's next callback),
 so a request waits for lfuda's share only; the head rule follows the experts
@@ -61,12 +61,14 @@ refused keys per cached chunk, 6 and 4 bytes each (:mod:`.history`);
 
 from __future__ import annotations
 
+import array
 import asyncio
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..base import ChunkKey
-from .base import LFUDAPolicy
+from .base import LFUDAPolicy, _slot
 from .history import KeyHistory, key_hash
 
 _EXPERT_GHOST_FACTOR = 2
@@ -74,6 +76,7 @@ _DECAY_CACHEFULS = 4
 _REFUSED_FACTOR = 4  # refused keys remembered per cached chunk (at least _MIN_REFUSED)
 _MIN_REFUSED = 4096
 _SLOW_CACHEFULS = 16
+_NIL = (1 << 32) - 1  # no slot (a list end)
 _MIN_SAMPLED = 8192  # the experts model at least this many chunks: sampling starts at twice it
 
 
@@ -139,6 +142,55 @@ class _Expert:
         order.inserted(key, 1, parent)
 
 
+class _SlotList:
+    """A doubly linked list of slot numbers (lfuda's slots: one per chunk held) in
+    two arrays of 4-byte links: LRU order at 8 bytes a chunk, O(1) per change."""
+
+    __slots__ = ("_prev", "_next", "_head", "_tail")
+
+    def __init__(self) -> None:
+        self._prev = array.array("I")
+        self._next = array.array("I")
+        self._head = self._tail = _NIL
+
+    def link(self, slot: int) -> None:
+        """Append ``slot`` (not in the list) at the most recent end."""
+        grow = slot + 1 - len(self._prev)
+        if grow > 0:
+            self._prev.extend(itertools.repeat(_NIL, grow))
+            self._next.extend(itertools.repeat(_NIL, grow))
+        self._prev[slot], self._next[slot] = self._tail, _NIL
+        if self._tail == _NIL:
+            self._head = slot
+        else:
+            self._next[self._tail] = slot
+        self._tail = slot
+
+    def unlink(self, slot: int) -> None:
+        """Take ``slot`` (in the list) out."""
+        prev, nxt = self._prev[slot], self._next[slot]
+        if prev == _NIL:
+            self._head = nxt
+        else:
+            self._next[prev] = nxt
+        if nxt == _NIL:
+            self._tail = prev
+        else:
+            self._prev[nxt] = prev
+
+    def to_end(self, slot: int) -> None:
+        if slot != self._tail:
+            self.unlink(slot)
+            self.link(slot)
+
+    def __iter__(self) -> Iterator[int]:
+        """Slots, least recent first."""
+        slot = self._head
+        while slot != _NIL:
+            yield slot
+            slot = self._next[slot]
+
+
 class _RecencyExpert:
     """A key-only LRU model of the tier (admits everything), counting its hits."""
 
@@ -183,7 +235,7 @@ class AdaptivePolicy(LFUDAPolicy):
         self._all = _Expert(head_only=False)
         self._heads = _Expert(head_only=True)
         self._recency = _RecencyExpert()
-        self._recent: OrderedDict[ChunkKey, None] = OrderedDict()  # the chunks it holds, least recently used first
+        self._recent = _SlotList()  # lfuda's slots of the chunks it holds, least recently used first
         self._admitted_bytes = 0
         self._admitted_chunks = 0
         self._refusing = False
@@ -262,28 +314,40 @@ class AdaptivePolicy(LFUDAPolicy):
 
     def touched(self, key: ChunkKey) -> None:
         self._later(key, None, put=False)
-        if key in self._recent:
-            self._recent.move_to_end(key)
+        state = self._entries.get(key)
+        if state is not None:
+            self._recent.to_end(_slot(state))
         super().touched(key)
 
     def inserted(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> None:
-        self._recent[key] = None
+        held = self._entries.get(key)
+        if held is not None:
+            self._recent.unlink(_slot(held))
         super().inserted(key, size, parent)
+        self._recent.link(_slot(self._entries[key]))
 
     def inserted_many(self, keys: list[ChunkKey]) -> None:
-        self._recent.update(dict.fromkeys(keys))
+        held = set(filter(self._entries.__contains__, keys))
         super().inserted_many(keys)
+        entries, recent = self._entries, self._recent
+        for key in keys:
+            if key not in held:
+                recent.link(_slot(entries[key]))
 
     def removed(self, key: ChunkKey) -> None:
-        self._recent.pop(key, None)
+        state = self._entries.get(key)
+        if state is not None:
+            self._recent.unlink(_slot(state))
         super().removed(key)
 
     def victim(self, skip: Callable[[ChunkKey], bool]) -> ChunkKey | None:
         """lfuda's victim, or the least recently used chunk while the recency expert leads."""
         if not self.recency_order:
             return super().victim(skip)
-        for key in self._recent:
-            if not skip(key):
+        keys = self._keys
+        for slot in self._recent:
+            key = keys[slot]
+            if key is not None and not skip(key):
                 return key
         return None
 

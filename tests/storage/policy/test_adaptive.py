@@ -182,3 +182,29 @@ def test_in_an_event_loop_the_experts_play_after_the_callback_in_order() -> None
     assert (deferred._all.hits, deferred._heads.hits) == (at_once._all.hits, at_once._heads.hits)
     assert deferred.switches == at_once.switches > 0
     assert deferred._all.order.order() == at_once._all.order.order()
+
+
+def test_the_recency_list_is_an_lru_order_of_the_slots() -> None:
+    """The tier's recency order (8 bytes a chunk) against an OrderedDict, on random operations."""
+    import random
+    from collections import OrderedDict
+
+    from lmcache_server.storage.policy.adaptive import _SlotList
+
+    rng = random.Random(4)
+    fast, truth = _SlotList(), OrderedDict[int, None]()
+    for _ in range(5000):
+        slot = rng.randrange(300)
+        op = rng.random()
+        if slot in truth and op < 0.4:
+            fast.unlink(slot)
+            del truth[slot]
+        elif slot in truth:
+            fast.to_end(slot)
+            truth.move_to_end(slot)
+        else:
+            fast.link(slot)
+            truth[slot] = None
+        if rng.random() < 0.1:  # a full compare now and then
+            assert list(fast) == list(truth)
+    assert list(fast) == list(truth)
