@@ -37,6 +37,7 @@ from lmcache_server.config import ConfigError, load_config
 from lmcache_server.server.admission import ClientLedger
 
 from ..conftest import NAMESPACE, Daemon, wait_for
+from ._zmtp import RawDealer
 from .test_metrics import sample, scrape
 
 NS_A = "m|float16|L2|KV2|D64|tp0of1|c16|tenant=a"
@@ -535,31 +536,30 @@ def test_greedy_client_gets_busy_for_its_bytes_others_are_served(daemon_factory:
             c.put([k], [os.urandom(4 * MiB)])
         c.put(small, [b"s" * MiB])
         # A greedy reader asks for 8 MiB and does not read its replies: it holds
-        # them in flight, past its 1 MiB share (the server budget is 1 GiB).
-        greedy = zmq.Context.instance().socket(zmq.DEALER)
-        greedy.setsockopt(zmq.LINGER, 0)
-        greedy.setsockopt(zmq.RCVBUF, 16 * 1024)
-        greedy.connect(daemon.address)
+        # them in flight, past its 1 MiB share (the server budget is 1 GiB).  A raw
+        # ZMTP socket: a pyzmq one's I/O thread would drain the reply regardless, and
+        # the 8 MiB then left the server's accounting in a race with the next check.
+        greedy = RawDealer(daemon.address)
         try:
-            greedy.send(msgpack.packb({"v": 1, "op": "get", "id": 1, "ns": NAMESPACE, "keys": big}))
+            greedy.send([msgpack.packb({"v": 1, "op": "get", "id": 1, "ns": NAMESPACE, "keys": big})])
             deadline = time.monotonic() + 10
             while c.stats()["server"]["inflight_bytes"] < 8 * MiB:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            greedy.send(msgpack.packb({"v": 1, "op": "get", "id": 2, "ns": NAMESPACE, "keys": small}))
+            greedy.send([msgpack.packb({"v": 1, "op": "get", "id": 2, "ns": NAMESPACE, "keys": small})])
+            time.sleep(0.2)  # the daemon reads the second request while the first reply waits
             assert c.stats()["server"]["inflight_bytes"] >= 8 * MiB, "the greedy client's reply was sent meanwhile"
             assert bytes(c.get(small)[0]) == b"s" * MiB  # another client is served
             replies = {}
             for _ in range(2):
-                assert greedy.poll(10_000)
-                frames = greedy.recv_multipart()
+                frames = greedy.recv()
                 header = msgpack.unpackb(frames[0], raw=False)
                 replies[header["id"]] = header
             assert replies[1]["ok"] is True
             assert (replies[2]["ok"], replies[2]["code"]) == (False, int(ErrorCode.BUSY))
             assert "client_bytes" in replies[2]["message"]
         finally:
-            greedy.close(0)
+            greedy.close()
     text = scrape(daemon.metrics_port)
     assert sample(text, "lmcache_limit_violations_total", limit="client_bytes") == 1
 
