@@ -269,7 +269,8 @@ class ConfigFields:
         "adaptive",
         v.choice("adaptive", "lfuda", "lru"),
         "adaptive, lfuda or lru",
-        "Eviction policy: adaptive (lfuda, refusing first-seen prompts' tails while that pays), "
+        "Eviction policy: adaptive (lfuda, refusing first-seen prompts' tails while that pays, LRU order "
+        "while an LRU shadow leads), "
         "lfuda (frequency + recency, prefix-aware) or lru; see docs/eviction.md.",
     )
     disk_admission: str = v.field(
