@@ -16,7 +16,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq.asyncio
@@ -26,6 +26,7 @@ from lmcache_client.memtune import tune_malloc
 
 from .config import ConfigError, ServerConfig, disk_path
 from .events import Announcer, EventPublisher, EventSettings
+from .events.snapshot import SnapshotServer
 from .metrics import (
     EventsCollector,
     PrefetchCollector,
@@ -188,8 +189,9 @@ class App:
         d.security.start(d.context, d.metrics)  # the ZAP handler exists before any handshake
         d.server.bind()
         if d.events is not None:
-            _bind_events(d.events.publisher)
-            d.replay = d.supervisor.spawn("events_replay", d.events.publisher.serve_replay)
+            _bind_events(d.events)
+            d.events.start(sorted({ns for tier in d.store.tiers for ns in tier.namespaces()}))
+            d.event_loops = _serve_events(d.events, d.supervisor)
         d.monitor.start(d.server.sock)
         if c.metrics_port:
             await d.http.start()
@@ -242,9 +244,11 @@ class App:
         await d.prefetcher.close()  # (when the drain did not run) no promotion into a closing store
         await d.store.close()
         if d.events is not None:
-            if d.replay is not None:
-                d.replay.cancel()
+            for task in d.event_loops:
+                task.cancel()
             d.events.publisher.close()  # after the store: its last removals are sent too
+            if d.events.snapshot_server is not None:
+                d.events.snapshot_server.close()
         await d.supervisor.close()
         d.offload.close()
         d.context.term()
@@ -277,7 +281,7 @@ class _Daemon:
     monitor: ConnectionMonitor
     summary: SummaryLog
     prefetcher: Prefetcher
-    replay: asyncio.Task[None] | None = None
+    event_loops: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 def _on_signal(loop: asyncio.AbstractEventLoop, signals: tuple[int, ...], callback: Callable[[], object]) -> None:
@@ -328,14 +332,36 @@ def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:
         replay_bytes=c.events_replay_size,
         batch_max_events=c.events_batch_max_events,
         batch_interval_s=c.events_batch_interval_s,
+        heartbeat_s=c.events_heartbeat_s,
     )
     settings = EventSettings(c.events_topic, c.events_node or socket.gethostname(), c.events_block_size)
-    return Announcer(publisher, settings)
+    announcer = Announcer(publisher, settings)
+    if c.events_snapshot_endpoint is not None:
+        announcer.snapshot_server = SnapshotServer(context, c.events_snapshot_endpoint, announcer)
+    return announcer
 
 
-def _bind_events(publisher: EventPublisher) -> None:
+def _bind_events(events: Announcer) -> None:
+    publisher = events.publisher
     try:
         publisher.bind()
     except zmq.ZMQError as err:
         key = "events_endpoint" if publisher.replay_endpoint is None else "events_endpoint/events_replay_endpoint"
         raise ConfigError(key, publisher.endpoint, f"an endpoint this host can bind ({err})") from None
+    if events.snapshot_server is not None:
+        try:
+            events.snapshot_server.bind()
+        except zmq.ZMQError as err:
+            endpoint = events.snapshot_server.endpoint
+            raise ConfigError("events_snapshot_endpoint", endpoint, f"an endpoint this host can bind ({err})") from None
+
+
+def _serve_events(events: Announcer, supervisor: Supervisor) -> list[asyncio.Task[None]]:
+    """The replay, heartbeat and snapshot loops of the events endpoint (docs/events.md)."""
+    loops = [
+        supervisor.spawn("events_replay", events.publisher.serve_replay),
+        supervisor.spawn("events_heartbeat", events.publisher.serve_heartbeat),
+    ]
+    if events.snapshot_server is not None:
+        loops.append(supervisor.spawn("events_snapshot", events.snapshot_server.serve))
+    return loops

@@ -91,10 +91,9 @@ class ServerConfig(ConfigFields):
             raise ConfigError(
                 "events_block_size", self.events_block_size, f"a divisor of chunk_size ({self.chunk_size})"
             )
-        if self.events_replay_endpoint is not None and self.events_endpoint is None:
-            raise ConfigError(
-                "events_replay_endpoint", self.events_replay_endpoint, "unset unless events_endpoint is set"
-            )
+        for key in ("events_replay_endpoint", "events_snapshot_endpoint"):
+            if getattr(self, key) is not None and self.events_endpoint is None:
+                raise ConfigError(key, getattr(self, key), "unset unless events_endpoint is set")
         object.__setattr__(self, "log_level", self.log_level.upper())
 
     @property

@@ -306,6 +306,19 @@ class ConfigFields:
         "a tcp://HOST:PORT (HOST may be *) or ipc:///PATH endpoint",
         "ZeroMQ ROUTER answering replay requests for past event batches (vLLM's protocol); unset: no replay.",
     )
+    events_snapshot_endpoint: str | None = v.field(
+        None,
+        v.optional(v.events_endpoint),
+        "a tcp://HOST:PORT (HOST may be *) or ipc:///PATH endpoint",
+        "ZeroMQ ROUTER answering snapshot requests: the node's whole announced residency and the "
+        "sequence to follow the live stream from (docs/events.md); unset: no snapshots.",
+    )
+    events_heartbeat_s: float = v.field(
+        1.0,
+        v.float_in(0.0, 3600.0),
+        "seconds, 0..3600 (0 disables)",
+        "An empty event batch on every topic when nothing was published for this long; 0: no heartbeats.",
+    )
     events_topic: str = v.field(
         "kv@{node}@{model}",
         v.topic,

@@ -8,17 +8,26 @@ append): the hashing and the events are built when the batch is flushed
 put's commit never waits for them.  In that order:
 
 - ``stored``: a chunk whose put carried token ids became readable.  Its
-  ``n = tokens / block_size`` blocks are recorded in its topic's
-  :class:`.blocks.BlockIndex`, and the blocks no other announced chunk holds
-  are published as one ``BlockStored`` (their token ids, the parent hash
-  chaining them to the block before).  A chunk whose token count is not a
-  whole number of blocks is not announced (``skipped``).  The token ids are
-  not kept.
+  ``n = tokens / block_size`` blocks are recorded in the
+  :class:`.blocks.BlockIndex` of its topic and medium, and the blocks no
+  other announced chunk holds there are published as one ``BlockStored``
+  (their token ids, the parent hash chaining them to the block before).  A
+  chunk whose token count is not a whole number of blocks is not announced
+  (``skipped``).  The token ids are kept while the chunk stays on the node.
+- ``moved``: the fastest local tier holding an announced chunk changed
+  (memory -> disk when it leaves memory after its spill, disk -> memory when
+  it is promoted): ``BlockStored`` with the new medium for the blocks new
+  there, then ``BlockRemoved`` with the old one for the blocks no chunk holds
+  there any more (in that order: a router never sees the block nowhere).
 - ``removed``: the chunk left the last local tier; blocks no chunk holds any
-  more are published as one ``BlockRemoved``.
+  more (in its medium) are published as one ``BlockRemoved``.
 - ``cleared``: a clear.  ``AllBlocksCleared`` on the namespace's topic when no
   other namespace has blocks announced there (else a ``BlockRemoved`` of the
   namespace's blocks); a clear of all namespaces clears every topic.
+
+At start (:meth:`start`) every topic known then gets ``AllBlocksCleared`` in
+the first batches of the new epoch.  :meth:`snapshot` answers the snapshot
+endpoint (:mod:`.snapshot`).
 
 The topic comes from ``topic`` with ``{model}`` (the namespace's model id),
 ``{namespace}`` (the whole namespace) and ``{node}`` substituted.
@@ -30,21 +39,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcache_client.keys import ChunkTokens
 
 from ..storage.base import ChunkKey
-from .blocks import BlockIndex, block_hashes, parent_hash
+from .blocks import BlockIndex, Held, block_hashes, parent_hash
 from .publisher import EventPublisher
-from .wire import all_cleared, block_removed, block_stored
+from .wire import Event, all_cleared, block_removed, block_stored
+
+if TYPE_CHECKING:
+    from .snapshot import SnapshotServer
 
 logger = logging.getLogger(__name__)
 
 MEDIUM = {"memory": "CPU", "disk": "STORAGE"}
 """Our tier names -> the ``medium`` of events (vLLM's MEDIUM_CPU, MEDIUM_STORAGE).
-A chunk is announced once, from the tier it first became readable in (a put:
-memory), and removed with the same medium; moving between tiers is not announced."""
+A chunk is announced with the medium of the fastest local tier holding it."""
+LOCAL = "LOCAL"
+"""The ``locality`` of every announced block (vLLM's LOCAL: this node serves it)."""
 
 TOPIC_FIELDS = ("model", "namespace", "node")
 
@@ -72,6 +85,8 @@ class AnnouncerCounters:
     removed_chunks: int = 0
     skipped_chunks: int = 0
     """Puts with token ids that were not a whole number of event blocks."""
+    moved_chunks: int = 0
+    """Announced chunks whose medium changed (spilled then dropped from memory, promoted)."""
     clears: int = 0
     errors: int = 0
     """Unexpected failures while building events (logged; the request is never affected)."""
@@ -83,19 +98,42 @@ class Announcer:
         self.settings = settings
         self.counters = AnnouncerCounters()
         self._topics: dict[str, bytes] = {}  # namespace -> topic
-        self._index: dict[bytes, BlockIndex] = {}  # topic -> its announced blocks
-        self._where: dict[ChunkKey, bytes] = {}  # announced chunk -> its topic (kept current)
-        self._medium: dict[bytes, str] = {}  # topic -> the medium its chunks were announced with
+        self._index: dict[tuple[bytes, str], BlockIndex] = {}  # (topic, medium) -> its announced blocks
+        self._where: dict[ChunkKey, tuple[bytes, str]] = {}  # announced chunk -> (topic, medium), kept current
         self._ops: list[tuple[Any, ...]] = []  # what happened since the last flush, in order
         publisher.prepare = self._build
+        publisher.topics = self.topics
+        self.snapshot_server: SnapshotServer | None = None
+        """The snapshot endpoint (set by the composition root when configured)."""
 
     def topic(self, namespace: str) -> bytes:
         topic = self._topics.get(namespace)
         if topic is None:
             topic = render_topic(self.settings.topic, namespace, self.settings.node).encode()
             self._topics[namespace] = topic
-            self._index.setdefault(topic, BlockIndex())
         return topic
+
+    def topics(self) -> list[bytes]:
+        """Every topic used so far (the node's bare topic, ``{model}`` empty, before any)."""
+        known = sorted(set(self._topics.values()))
+        return known or [self.topic("")]
+
+    def _indexes(self, topic: bytes) -> list[tuple[str, BlockIndex]]:
+        return [(medium, index) for (t, medium), index in self._index.items() if t == topic]
+
+    def _index_of(self, topic: bytes, medium: str) -> BlockIndex:
+        index = self._index.get((topic, medium))
+        if index is None:
+            index = self._index[(topic, medium)] = BlockIndex()
+        return index
+
+    def start(self, namespaces: list[str]) -> None:
+        """A new epoch: ``AllBlocksCleared`` on the topic of each namespace the store
+        holds at start (and the bare topic), so subscribers drop the last epoch's blocks."""
+        for namespace in ["", *namespaces]:
+            self.topic(namespace)
+        for topic in self.topics():
+            self.publisher.publish(topic, [all_cleared()])
 
     # -- Residency: record only ------------------------------------------------------
     def stored(self, key: ChunkKey, tokens: ChunkTokens, tier: str) -> None:
@@ -106,20 +144,31 @@ class Announcer:
                 self.counters.skipped_chunks += 1
                 return
             topic = self.topic(key.namespace)
-            self._where[key] = topic
+            medium = MEDIUM.get(tier, tier.upper())
+            self._where[key] = (topic, medium)
             self.counters.announced_chunks += 1
-            self._record(("stored", key, topic, tokens, MEDIUM.get(tier, tier.upper())))
+            self._record(("stored", key, topic, tokens, medium))
         except Exception:
             self._failed("stored")
 
     def announced(self, key: ChunkKey) -> bool:
         return key in self._where
 
+    def moved(self, key: ChunkKey, tier: str) -> None:
+        """The fastest local tier holding the announced chunk ``key`` is now ``tier``."""
+        where = self._where.get(key)
+        medium = MEDIUM.get(tier, tier.upper())
+        if where is None or where[1] == medium:
+            return
+        self._where[key] = (where[0], medium)
+        self.counters.moved_chunks += 1
+        self._record(("moved", key, where[0], where[1], medium))
+
     def removed(self, key: ChunkKey) -> None:
-        topic = self._where.pop(key, None)
-        if topic is not None:
+        where = self._where.pop(key, None)
+        if where is not None:
             self.counters.removed_chunks += 1
-            self._record(("removed", key, topic))
+            self._record(("removed", key, *where))
 
     def cleared(self, namespace: str | None) -> None:
         self.counters.clears += 1
@@ -143,52 +192,96 @@ class Announcer:
         ops, self._ops = self._ops, []
         for op in ops:
             try:
-                if op[0] == "stored":
-                    self._build_stored(*op[1:])
-                elif op[0] == "removed":
-                    self._build_removed(*op[1:])
-                else:
-                    self._build_cleared(*op[1:])
+                getattr(self, f"_build_{op[0]}")(*op[1:])
             except Exception:
                 self._failed(str(op[0]))
 
-    def _build_stored(self, key: ChunkKey, topic: bytes, tokens: ChunkTokens, medium: str) -> None:
+    def _stored_event(self, index: BlockIndex, key: ChunkKey, held: Held, medium: str) -> Event | None:
+        """Record ``held`` in ``index``; the ``BlockStored`` of its blocks new there (None: none is)."""
+        shared = index.add(key, held.hashes, held.parent, held.packed)
+        if shared == len(held.hashes):
+            return None  # every block already announced (in this medium) by another chunk
         bs = self.settings.block_size
-        hashes = block_hashes(key.digest, tokens.parent, tokens.packed, bs)
-        shared = self._index[topic].add(key, hashes)
-        medium = self._medium.setdefault(topic, medium)
-        if shared == len(hashes):
-            return  # every block already announced by another chunk
-        parent = parent_hash(tokens.parent) if shared == 0 else hashes[shared - 1]
-        ids = tokens.packed[shared * 4 * bs :]
-        self.publisher.publish(topic, [block_stored(hashes[shared:], parent, ids, bs, medium)])
+        parent = held.parent if shared == 0 else held.hashes[shared - 1]
+        return block_stored(held.hashes[shared:], parent, held.packed[shared * 4 * bs :], bs, medium, LOCAL)
 
-    def _build_removed(self, key: ChunkKey, topic: bytes) -> None:
-        gone = self._index[topic].remove(key)
+    def _build_stored(self, key: ChunkKey, topic: bytes, tokens: ChunkTokens, medium: str) -> None:
+        hashes = block_hashes(key.digest, tokens.parent, tokens.packed, self.settings.block_size)
+        held = Held(hashes, parent_hash(tokens.parent), tokens.packed)  # type: ignore[arg-type]
+        event = self._stored_event(self._index_of(topic, medium), key, held, medium)
+        if event is not None:
+            self.publisher.publish(topic, [event])
+
+    def _build_moved(self, key: ChunkKey, topic: bytes, old: str, new: str) -> None:
+        source = self._index_of(topic, old)
+        held = source.get(key)
+        if held is None:
+            return
+        events = []
+        event = self._stored_event(self._index_of(topic, new), key, held, new)
+        if event is not None:
+            events.append(event)
+        gone = source.remove(key)
         if gone:
-            self.publisher.publish(topic, [block_removed(gone, self._medium[topic])])
+            events.append(block_removed(gone, old, LOCAL))
+        self.publisher.publish(topic, events)
+
+    def _build_removed(self, key: ChunkKey, topic: bytes, medium: str) -> None:
+        gone = self._index_of(topic, medium).remove(key)
+        if gone:
+            self.publisher.publish(topic, [block_removed(gone, medium, LOCAL)])
 
     def _build_cleared(self, namespace: str | None) -> None:
         if namespace is None:
-            for topic, index in self._index.items():
-                index.clear()
+            for topic in self.topics():
+                for _, index in self._indexes(topic):
+                    index.clear()
                 self.publisher.publish(topic, [all_cleared()])
             return
         topic = self.topic(namespace)
-        index = self._index[topic]
-        gone = index.remove_namespace(namespace)
-        if not len(index):
+        indexes = self._indexes(topic)
+        gone = [(medium, index.remove_namespace(namespace)) for medium, index in indexes]
+        if not any(len(index) for _, index in indexes):
             self.publisher.publish(topic, [all_cleared()])
-        elif gone:
-            self.publisher.publish(topic, [block_removed(gone, self._medium.get(topic, MEDIUM["memory"]))])
+        else:
+            self.publisher.publish(topic, [block_removed(h, m, LOCAL) for m, h in gone if h])
+
+    # -- snapshot ----------------------------------------------------------------------
+    def residency(self, prefix: bytes = b"") -> tuple[int, list[tuple[bytes, str, list[tuple[ChunkKey, Held]]]]]:
+        """The announced residency, consistent with the stream: everything recorded is
+        built and sent first, so it is the state after batch ``seq`` (returned with it)
+        and a subscriber continues from ``seq + 1``.  Per (topic, medium) of topics
+        starting with ``prefix``, its chunks in the order they were announced (a copy
+        of references: what :class:`Held` keeps is never mutated)."""
+        self.publisher.flush()
+        seq = self.publisher.next_seq - 1
+        out = [
+            (topic, medium, list(index.items()))
+            for (topic, medium), index in self._index.items()
+            if topic.startswith(prefix) and len(index)
+        ]
+        return seq, out
+
+    def snapshot_events(self, scratch: BlockIndex, chunks: list[tuple[ChunkKey, Held]], medium: str) -> list[Event]:
+        """``BlockStored`` events that announce ``chunks`` (of one topic and medium) to a
+        subscriber that knows only what ``scratch`` (recorded here) holds: each block
+        once, chained as the live stream chained it."""
+        events = []
+        for key, held in chunks:
+            event = self._stored_event(scratch, key, held, medium)
+            if event is not None:
+                events.append(event)
+        return events
 
     def stats(self) -> dict[str, Any]:
         out = {
-            "topics": len(self._index),
+            "topics": len(set(self._topics.values())),
             "announced_chunks_now": len(self._where),
             "announced_blocks": sum(i.blocks for i in self._index.values()),
+            "kept_bytes": sum(i.nbytes for i in self._index.values()),
             **dataclasses.asdict(self.counters),
             **self.publisher.stats(),
+            **(self.snapshot_server.stats() if self.snapshot_server is not None else {}),
         }
         out["pending_events"] += len(self._ops)
         return out

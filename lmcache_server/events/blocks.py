@@ -12,18 +12,23 @@ node announces the same hash for the same prefix (docs/events.md, "Hashes"):
 hash is the previous chunk's last block hash (None after the chain root).
 63 bits fit consumers that read hashes as int64 and those that read uint64.
 
-Two chunks may share leading blocks (same parent, same first tokens): a topic
-counts references per block hash, announces a block when its first holder
-arrives and removes it when its last holder leaves.
+Two chunks may share leading blocks (same parent, same first tokens): an index
+(one per topic and medium) counts references per block hash, announces a block
+when its first holder arrives and removes it when its last holder leaves.
 
-Primitives: :func:`block_hashes`, :func:`parent_hash`, :class:`BlockIndex`.
+An index also keeps, per chunk, its parent hash and token ids (the packed
+u32le bytes the put carried: 4 bytes a token, shared with the record the
+put built), so a snapshot or a medium change can announce the chunk again.
+
+Primitives: :func:`block_hashes`, :func:`parent_hash`, :class:`Held`, :class:`BlockIndex`.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 from lmcache_client.keys import ROOT_KEY
 
@@ -57,13 +62,31 @@ def block_hashes(key: bytes, parent: bytes, packed: bytes, block_size: int) -> l
     return out
 
 
+class Held(NamedTuple):
+    """What an index keeps of one announced chunk (never mutated once built)."""
+
+    hashes: array[int]
+    """Its block hashes (array('Q'): 8 bytes a block)."""
+    parent: int | None
+    """The hash of the block before its first one (None: the chain root)."""
+    packed: bytes
+    """Its token ids, u32le."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of hashes and token ids kept for it."""
+        return 8 * len(self.hashes) + len(self.packed)
+
+
 class BlockIndex:
-    """The blocks one topic has announced: per chunk its block hashes, per hash
-    how many announced chunks hold it."""
+    """The blocks one topic has announced with one medium: per chunk what
+    :class:`Held` keeps, per hash how many announced chunks hold it."""
 
     def __init__(self) -> None:
-        self._chunks: dict[ChunkKey, array[int]] = {}
+        self._chunks: dict[ChunkKey, Held] = {}
         self._refs: dict[int, int] = {}
+        self.nbytes = 0
+        """Bytes of block hashes and token ids kept (:attr:`Held.nbytes`, summed)."""
 
     def __contains__(self, key: ChunkKey) -> bool:
         return key in self._chunks
@@ -77,10 +100,19 @@ class BlockIndex:
         """Distinct announced blocks."""
         return len(self._refs)
 
-    def add(self, key: ChunkKey, hashes: Sequence[int]) -> int:
+    def get(self, key: ChunkKey) -> Held | None:
+        return self._chunks.get(key)
+
+    def items(self) -> Iterator[tuple[ChunkKey, Held]]:
+        """Every announced chunk, in the order it was added."""
+        return iter(self._chunks.items())
+
+    def add(self, key: ChunkKey, hashes: Sequence[int], parent: int | None = None, packed: bytes = b"") -> int:
         """Record ``key``'s blocks; returns how many leading blocks were already
         announced (held by another chunk): only the rest are new."""
-        self._chunks[key] = array("Q", hashes)
+        held = Held(array("Q", hashes), parent, packed)
+        self._chunks[key] = held
+        self.nbytes += held.nbytes
         shared = 0
         for i, h in enumerate(hashes):
             count = self._refs.get(h, 0)
@@ -91,11 +123,12 @@ class BlockIndex:
 
     def remove(self, key: ChunkKey) -> list[int]:
         """Forget ``key``; returns the hashes no announced chunk holds any more."""
-        hashes = self._chunks.pop(key, None)
-        if hashes is None:
+        held = self._chunks.pop(key, None)
+        if held is None:
             return []
+        self.nbytes -= held.nbytes
         gone = []
-        for h in hashes:
+        for h in held.hashes:
             count = self._refs[h] - 1
             if count:
                 self._refs[h] = count
@@ -114,3 +147,4 @@ class BlockIndex:
     def clear(self) -> None:
         self._chunks.clear()
         self._refs.clear()
+        self.nbytes = 0

@@ -27,8 +27,16 @@
   reads nothing for ``REPLAY_STALL_S`` loses the rest of its replay (no end
   marker; counted in ``abandoned_replays``).
 
+- Heartbeat: with ``heartbeat_s`` > 0, a topic that sent nothing for that
+  long gets an empty ``KVEventBatch`` (a sequence number of its own, in the
+  replay buffer like any batch): a subscriber knows the publisher is alive
+  and that it missed nothing.
+- ``publisher_id``: a random id per daemon start (the epoch).  A new one means
+  the subscriber must drop what it held from the old one; the first batches of
+  each epoch are ``AllBlocksCleared`` (:meth:`.announcer.Announcer.start`).
+
 Primitive: :class:`EventPublisher` (``bind``, ``publish``, ``wake``,
-``flush``, ``serve_replay``, ``close``, ``stats``).
+``flush``, ``serve_replay``, ``serve_heartbeat``, ``close``, ``stats``).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -72,6 +81,7 @@ class PublisherCounters:
     replayed_batches: int = 0
     bad_replay_requests: int = 0
     abandoned_replays: int = 0
+    heartbeats: int = 0
 
 
 class EventPublisher:
@@ -86,6 +96,7 @@ class EventPublisher:
         batch_max_events: int = 256,
         batch_interval_s: float = 0.05,
         data_parallel_rank: int = 0,
+        heartbeat_s: float = 0.0,
     ):
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -95,6 +106,13 @@ class EventPublisher:
         self.counters = PublisherCounters()
         self.buffer = ReplayBuffer(replay_bytes)
         self.next_seq = 0
+        self.heartbeat_s = heartbeat_s
+        self.publisher_id = uuid.uuid4().hex
+        """This daemon's epoch: new at every start."""
+        self.started = time.time()
+        self._last_sent = time.monotonic()
+        self.topics: Callable[[], list[bytes]] = list
+        """The topics a heartbeat goes to (the announcer's)."""
         self._pending: dict[bytes, list[Event]] = {}
         self._pending_events = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -171,6 +189,7 @@ class EventPublisher:
         seq = self.next_seq
         self.next_seq += 1
         self.buffer.append(seq, topic, payload)
+        self._last_sent = time.monotonic()
         c = self.counters
         try:
             self._pub.send_multipart([topic, seq_bytes(seq), payload], zmq.NOBLOCK)
@@ -181,6 +200,25 @@ class EventPublisher:
         c.batches += 1
         c.events += n_events
         c.bytes += len(payload)
+
+    # -- heartbeat -------------------------------------------------------------------
+    async def serve_heartbeat(self) -> None:
+        """Send a heartbeat batch on every topic when nothing was sent for ``heartbeat_s``
+        (returns at once when heartbeats are off)."""
+        if self.heartbeat_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(max(0.0, self._last_sent + self.heartbeat_s - time.monotonic()))
+            if time.monotonic() - self._last_sent >= self.heartbeat_s:
+                self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """An empty batch on every topic (each with its own sequence number)."""
+        self.flush()
+        payload = encode_batch(time.time(), [], self.data_parallel_rank)
+        for topic in self.topics():
+            self._send(topic, payload, 0)
+            self.counters.heartbeats += 1
 
     # -- replay ----------------------------------------------------------------------
     async def serve_replay(self) -> None:
@@ -264,6 +302,7 @@ class EventPublisher:
     def stats(self) -> dict[str, Any]:
         return {
             "endpoint": self.endpoint,
+            "publisher_id": self.publisher_id,
             "replay_endpoint": self.replay_endpoint,
             "next_seq": self.next_seq,
             "pending_events": self._pending_events,

@@ -8,8 +8,8 @@ struct).  Each event is a msgpack map tagged ``"type"`` (vLLM's tagged
 optional ones (defaults in vLLM) are left out:
 
 - ``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium, lora_name;
-- ``BlockRemoved``: block_hashes, medium;
+  lora_id, medium, lora_name, and the optional locality (``LOCAL``/``REMOTE``);
+- ``BlockRemoved``: block_hashes, medium, locality;
 - ``AllBlocksCleared``: no fields.
 
 Each event is encoded once, when it is built (an :data:`Event` is its msgpack
@@ -47,11 +47,11 @@ def _pack(value: object) -> bytes:
     return packed
 
 
-_STORED = b"\x88" + _str("type") + _str("BlockStored")
-_REMOVED = b"\x83" + _str("type") + _str("BlockRemoved")
+_STORED = b"\x89" + _str("type") + _str("BlockStored")
+_REMOVED = b"\x84" + _str("type") + _str("BlockRemoved")
 _CLEARED = b"\x81" + _str("type") + _str("AllBlocksCleared")
 _K = {name: _str(name) for name in (
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "locality",
 )}  # fmt: skip
 
 
@@ -73,7 +73,9 @@ def _u32_array(packed: bytes) -> bytes:
     return _array_header(n) + bytes(out)
 
 
-def block_stored(hashes: Sequence[int], parent: int | None, packed_ids: bytes, block_size: int, medium: str) -> Event:
+def block_stored(
+    hashes: Sequence[int], parent: int | None, packed_ids: bytes, block_size: int, medium: str, locality: str = "LOCAL"
+) -> Event:
     """``packed_ids``: the blocks' token ids, u32le (as puts carry them)."""
     k = _K
     return b"".join((
@@ -85,11 +87,15 @@ def block_stored(hashes: Sequence[int], parent: int | None, packed_ids: bytes, b
         k["lora_id"], _NIL,
         k["medium"], _str(medium),
         k["lora_name"], _NIL,
+        k["locality"], _str(locality),
     ))  # fmt: skip
 
 
-def block_removed(hashes: Sequence[int], medium: str) -> Event:
-    return b"".join((_REMOVED, _K["block_hashes"], _pack(list(hashes)), _K["medium"], _str(medium)))
+def block_removed(hashes: Sequence[int], medium: str, locality: str = "LOCAL") -> Event:
+    k = _K
+    return b"".join((
+        _REMOVED, k["block_hashes"], _pack(list(hashes)), k["medium"], _str(medium), k["locality"], _str(locality),
+    ))  # fmt: skip
 
 
 def all_cleared() -> Event:

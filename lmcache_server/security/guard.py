@@ -59,7 +59,7 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 def _check_events_exposure(config: ServerConfig) -> None:
     """The events sockets have no authentication and their events carry token ids
     (prompt text): a non-loopback one needs allow_insecure, whatever ``auth`` is."""
-    for key in ("events_endpoint", "events_replay_endpoint"):
+    for key in ("events_endpoint", "events_replay_endpoint", "events_snapshot_endpoint"):
         endpoint = getattr(config, key)
         if endpoint is None or is_loopback_endpoint(endpoint):
             continue

@@ -41,6 +41,11 @@ class Residency(Protocol):
         """Whether ``key`` was announced (and not yet removed)."""
         ...
 
+    def moved(self, key: ChunkKey, tier: str) -> None:
+        """The fastest local tier holding ``key`` is now ``tier`` (it left memory but
+        the disk holds it, or it was promoted back to memory)."""
+        ...
+
     def removed(self, key: ChunkKey) -> None:
         """``key`` left the last local tier that held it."""
         ...

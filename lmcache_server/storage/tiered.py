@@ -139,9 +139,14 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         self._left(key)
 
     def _left(self, key: ChunkKey) -> None:
-        """A tier dropped ``key``: announce it removed once no local tier holds it."""
-        if self.events is not None and self.events.announced(key) and self._where(key) is None:
-            self.events.removed(key)
+        """A tier dropped ``key``: announce it removed once no local tier holds it, else
+        where it now is (its medium changes when it leaves memory for the disk)."""
+        if self.events is not None and self.events.announced(key):
+            where = self._where(key)
+            if where is None:
+                self.events.removed(key)
+            else:
+                self.events.moved(key, where)
 
     async def get_many(self, namespace: str, digests: Sequence[bytes]) -> list[Chunk | None]:
         """One Chunk per hit (release each: memory hits are leased), None per miss,

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Sequence
 
 from lmcache_client.protocol import PutStatus
 
-from .base import Chunk, ChunkKey
+from .base import Chunk, ChunkKey, Residency
 from .disk import DiskTier
 from .filling import Filling, fill_reservation
 from .memory import MemoryTier, Reservation
@@ -49,6 +49,12 @@ class TieredPromotion:
     offload: Offload
     promotions: dict[str, int]
     admission: StoreAdmission | None
+    events: Residency | None
+
+    def _promoted(self, key: ChunkKey) -> None:
+        """An announced chunk promoted to memory: its medium is memory's again."""
+        if self.events is not None and self.events.announced(key):
+            self.events.moved(key, self.memory.name)
 
     async def fill_from(self, tier: str, key: ChunkKey, chunk: Chunk) -> PutStatus | None:
         """Copy ``chunk`` (read from ``tier``) into the pool, off the loop: STORED when
@@ -65,6 +71,7 @@ class TieredPromotion:
         status = await fill_reservation(self.memory, reservation, fill())
         if status is PutStatus.STORED:
             self.promotions[tier] += 1
+            self._promoted(key)
             if self.admission is not None and self.remote is not None and tier == self.remote.name:
                 self.admission.from_remote(key)  # Redis holds it: no write owed
         return status
@@ -86,6 +93,7 @@ class TieredPromotion:
         status = await fill_reservation(self.memory, reservation, fill())
         if status is PutStatus.STORED:
             self.promotions[disk.name] += 1
+            self._promoted(key)
         return status
 
     # -- prefetch --------------------------------------------------------------------

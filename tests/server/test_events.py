@@ -54,6 +54,7 @@ def events_daemon(factory: Callable[..., Daemon], node: str = "node-a", **config
         "events_replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
         "events_node": node,
         "events_batch_interval_s": 0.005,
+        "events_heartbeat_s": 0,
         "cache_policy": "lru",
         **config,
     }
@@ -96,11 +97,15 @@ def replay(daemon: Daemon, start: int = 0) -> list[Frames]:
 
 
 def all_batches(daemon: Daemon, client: CacheClient, **at_least: int) -> list[Frames]:
-    """The whole stream, by replay, once the counters reached ``at_least`` (see quiet)."""
+    """The whole stream after the epoch's start batch, by replay, once the counters
+    reached ``at_least`` (see quiet)."""
     quiet(client, **at_least)
     frames = replay(daemon)
     assert [seq for _, seq, _ in frames] == list(range(len(frames))), "the sequence has gaps"
-    return frames
+    # A cold start: its first batch clears the node's bare topic (no namespace was known).
+    assert decode(frames[:1])[0]["events"] == [{"type": "AllBlocksCleared"}]
+    assert frames[0][0].endswith(b"@")
+    return frames[1:]
 
 
 def decode(frames: list[Frames]) -> list[dict[str, Any]]:
@@ -195,7 +200,7 @@ def test_late_subscriber_replays_every_event_vllm_decodes_them_and_replicas_agre
             # A late subscriber: it joins after everything was published.
             frames = all_batches(daemon, c, announced_chunks=3)
         batches = decode_with_vllm(vllm_python, frames)
-        assert [b["seq"] for b in batches] == list(range(len(frames)))
+        assert [b["seq"] for b in batches] == list(range(1, len(frames) + 1))
         assert {b["topic"] for b in batches} == {f"kv@{node}@{MODEL}"}
         assert {b["data_parallel_rank"] for b in batches} == {0}
         stored = events_of(batches)
@@ -240,7 +245,7 @@ def test_put_spill_delete_corrupt_clear_gives_exactly_the_expected_events(
         wait_for(
             lambda: c.lookup(keys[:2]).tiers == ["disk", "disk"] and c.stats()["tiers"]["disk"]["queued_spills"] == 0
         )
-        assert quiet(c)["removed_chunks"] == 0  # a spill is no removal
+        assert quiet(c)["removed_chunks"] == 0  # a spill is no removal: a medium change
         assert c.delete(keys[:1]) == [True]
         quiet(c, removed_chunks=1)
         # B's file is damaged: the read finds out, B leaves the node.
@@ -256,16 +261,22 @@ def test_put_spill_delete_corrupt_clear_gives_exactly_the_expected_events(
         frames = all_batches(daemon, c, clears=1)
     events = events_of(decode_with_vllm(vllm_python, frames))
     a, b, third = (expected_hashes(keys[i], [ROOT_KEY, *keys][i], chunk(tokens, i)) for i in range(3))
-    assert [(e["type"], e.get("block_hashes")) for e in events] == [
-        ("BlockStored", a),
-        ("BlockStored", b),
-        ("BlockRemoved", a),
-        ("BlockRemoved", b),
-        ("BlockStored", third),
-        ("AllBlocksCleared", None),
+    # A and B leave memory after their spill: the same blocks, now on disk (STORAGE).
+    assert [(e["type"], e.get("block_hashes"), e.get("medium")) for e in events] == [
+        ("BlockStored", a, "CPU"),
+        ("BlockStored", b, "CPU"),
+        ("BlockStored", a, "STORAGE"),
+        ("BlockRemoved", a, "CPU"),
+        ("BlockStored", b, "STORAGE"),
+        ("BlockRemoved", b, "CPU"),
+        ("BlockRemoved", a, "STORAGE"),
+        ("BlockRemoved", b, "STORAGE"),
+        ("BlockStored", third, "CPU"),
+        ("AllBlocksCleared", None, None),
     ]
-    assert events[4]["parent_block_hash"] == b[-1]  # chains to B, though B left
-    assert all(e["medium"] == "CPU" for e in events[:5])
+    assert events[2]["parent_block_hash"] is None and events[4]["parent_block_hash"] == a[-1]
+    assert events[8]["parent_block_hash"] == b[-1]  # chains to B, though B left
+    assert all(e["locality"] == "LOCAL" for e in events[:9])
 
 
 def test_eviction_without_a_disk_removes_and_shared_blocks_are_announced_once(
@@ -422,7 +433,7 @@ def test_a_stalled_subscriber_never_holds_up_puts_and_replays_what_it_lost(
                 keys[part]
             )
         total = quiet(c, announced_chunks=len(keys))["next_seq"]
-        assert total == len(keys)  # one batch per chunk
+        assert total == len(keys) + 1  # the start batch, then one batch per chunk
     got = []
     while stalled.poll(500):
         got.append(int.from_bytes(stalled.recv_multipart()[1], "big"))

@@ -1,0 +1,146 @@
+"""The snapshot endpoint: a router (re)building its index asks for the node's whole
+announced residency, then follows the live stream from the snapshot's sequence on.
+
+Follows the recovery contract of vLLM PR #57789 (a separate snapshot endpoint,
+a publisher id per lifetime, a snapshot with an exact live-stream resume
+point); that PR's frames are not published in a vLLM release, so the frames
+below are ours (docs/events.md, "Snapshot"):
+
+- request (a DEALER; a REQ socket adds the empty frame itself):
+  ``[b"", topic_prefix]`` (``b""``: every topic);
+- answer: a header ``[b"", b"", seq, meta]`` (``seq`` 8 bytes big-endian: the
+  last batch the snapshot includes; ``meta`` msgpack ``{"publisher_id",
+  "seq", "started", "block_size", "chunks", "batches"}``), then the snapshot's
+  batches ``[b"", topic, seq, payload]`` (``payload`` a ``KVEventBatch`` of
+  ``BlockStored`` events, decodable by vLLM's decoder: every announced block
+  once per topic and medium, chained by ``parent_block_hash`` as the live
+  stream chained them), then the replay endpoint's end marker
+  ``[b"", b"", END_SEQ, b""]``.
+
+Consistency: the residency is taken on the event loop right after a flush of
+everything recorded (:meth:`.announcer.Announcer.residency`), so it is the
+state after batch ``seq``: snapshot + live batches ``seq + 1, ...`` (or a
+replay from ``seq + 1``) is gap-free.  Encoding runs afterwards, yielding to
+the event loop between slices (what it reads is never mutated), so puts are
+served meanwhile.  One snapshot at a time; a requester that reads nothing for
+``STALL_S`` loses the rest (no end marker).
+
+Primitive: :class:`SnapshotServer` (``bind``, ``serve``, ``close``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, cast
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from .announcer import Announcer
+from .blocks import BlockIndex
+from .wire import END_SEQ, encode_batch, seq_bytes
+
+logger = logging.getLogger(__name__)
+
+STALL_S = 5.0
+"""How long a snapshot waits for a requester that reads nothing before it gives up."""
+ENCODE_SLICE = 512
+"""Chunks encoded between two yields to the event loop."""
+MAX_PREFIX = 1024
+"""The longest topic prefix a request may name."""
+
+
+class SnapshotServer:
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str, announcer: Announcer):
+        self.endpoint = endpoint
+        self.announcer = announcer
+        self.snapshots = 0
+        self.bad_requests = 0
+        self.abandoned = 0
+        self.last_chunks = 0
+        self.last_bytes = 0
+        self._sock = context.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.SNDHWM, 64)
+        self._sock.setsockopt(zmq.LINGER, 0)
+
+    def bind(self) -> None:
+        self._sock.bind(self.endpoint)
+
+    async def serve(self) -> None:
+        """Answer snapshot requests, one at a time, until cancelled."""
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) > MAX_PREFIX:
+                self.bad_requests += 1
+                logger.debug("ignoring a malformed snapshot request (%d frames)", len(frames))
+                continue
+            try:
+                await self._answer(frames[0], frames[2])
+            except zmq.ZMQError as err:
+                self.abandoned += 1
+                logger.debug("snapshot to a requester that is gone: %s", err)
+
+    async def _answer(self, identity: bytes, prefix: bytes) -> None:
+        announcer = self.announcer
+        seq, residency = announcer.residency(prefix)  # consistent: taken between two batches
+        batches: list[tuple[bytes, bytes]] = []
+        chunks = 0
+        max_events = announcer.publisher.batch_max_events
+        ts = time.time()
+        for topic, medium, held in residency:
+            scratch = BlockIndex()  # the blocks this snapshot announced so far, for this topic and medium
+            for start in range(0, len(held), ENCODE_SLICE):
+                part = held[start : start + ENCODE_SLICE]
+                events = announcer.snapshot_events(scratch, part, medium)
+                for i in range(0, len(events), max_events):
+                    batches.append((topic, encode_batch(ts, events[i : i + max_events])))
+                chunks += len(part)
+                await asyncio.sleep(0)
+        meta: dict[str, Any] = {
+            "publisher_id": announcer.publisher.publisher_id,
+            "seq": seq,
+            "started": announcer.publisher.started,
+            "block_size": announcer.settings.block_size,
+            "chunks": chunks,
+            "batches": len(batches),
+        }
+        at = seq_bytes(max(seq, 0))
+        if not await self._send([identity, b"", b"", at, msgpack.packb(meta)]):
+            return
+        for topic, payload in batches:
+            if not await self._send([identity, b"", topic, at, payload]):
+                return
+        if await self._send([identity, b"", b"", END_SEQ, b""]):
+            self.snapshots += 1
+            self.last_chunks = chunks
+            self.last_bytes = sum(len(p) for _, p in batches)
+
+    async def _send(self, frames: list[bytes]) -> bool:
+        stall = time.monotonic() + STALL_S
+        while True:
+            try:
+                # NOBLOCK: zmq.asyncio sends at once and returns a done future.
+                cast("asyncio.Future[Any]", self._sock.send_multipart(frames, zmq.NOBLOCK)).result()
+                return True
+            except zmq.Again:
+                if time.monotonic() > stall:
+                    self.abandoned += 1
+                    logger.debug("snapshot abandoned: the requester read nothing for %.0f s", STALL_S)
+                    return False
+                await asyncio.sleep(0.005)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "snapshots": self.snapshots,
+            "snapshot_bad_requests": self.bad_requests,
+            "snapshots_abandoned": self.abandoned,
+            "snapshot_last_chunks": self.last_chunks,
+            "snapshot_last_bytes": self.last_bytes,
+        }
