@@ -26,6 +26,9 @@ from lmcache_client.memtune import tune_malloc
 
 from .config import ConfigError, ServerConfig, disk_path
 from .events import Announcer, EventPublisher, EventSettings
+from .events.keep import keep_path
+from .events.keep import load as load_kept
+from .events.keep import save as save_kept
 from .events.snapshot import SnapshotServer
 from .metrics import (
     EventsCollector,
@@ -190,7 +193,9 @@ class App:
         d.server.bind()
         if d.events is not None:
             _bind_events(d.events)
-            d.events.start(sorted({ns for tier in d.store.tiers for ns in tier.namespaces()}))
+            namespaces = sorted({ns for tier in d.store.tiers for ns in tier.namespaces()})
+            restored = d.events.start(namespaces, load_kept(d.events.keep_path), d.store.where)
+            logger.info("KV events: epoch %s, %d chunks announced again", d.events.publisher.publisher_id, restored)
             d.event_loops = _serve_events(d.events, d.supervisor)
         d.monitor.start(d.server.sock)
         if c.metrics_port:
@@ -234,6 +239,8 @@ class App:
         d.security.stop()
         if d.sweeper is not None:
             d.sweeper.cancel()
+        if d.events is not None and stopped:
+            save_kept(d.events.keep_path, d.events.kept())
         if d.warm is not None and stopped and d.pool.shared:
             leases = d.shm.hand_over()
             await d.store.filling.wait()  # nothing of ours writes into the pool past this point
@@ -336,6 +343,7 @@ def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:
     )
     settings = EventSettings(c.events_topic, c.events_node or socket.gethostname(), c.events_block_size)
     announcer = Announcer(publisher, settings)
+    announcer.keep_path = keep_path(Path(disk_path(c.local_disk)) if c.local_disk else None, c.shm_dir, c.listen)
     if c.events_snapshot_endpoint is not None:
         announcer.snapshot_server = SnapshotServer(context, c.events_snapshot_endpoint, announcer)
     return announcer

@@ -26,7 +26,8 @@ put's commit never waits for them.  In that order:
   namespace's blocks); a clear of all namespaces clears every topic.
 
 At start (:meth:`start`) every topic known then gets ``AllBlocksCleared`` in
-the first batches of the new epoch.  :meth:`snapshot` answers the snapshot
+the first batches of the new epoch, then the chunks kept at the last clean
+stop (:mod:`.keep`) that the store still holds are announced again.  :meth:`snapshot` answers the snapshot
 endpoint (:mod:`.snapshot`).
 
 The topic comes from ``topic`` with ``{model}`` (the namespace's model id),
@@ -39,12 +40,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmcache_client.keys import ChunkTokens
 
 from ..storage.base import ChunkKey
 from .blocks import BlockIndex, Held, block_hashes, parent_hash
+from .keep import Kept
 from .publisher import EventPublisher
 from .wire import Event, all_cleared, block_removed, block_stored
 
@@ -85,6 +89,8 @@ class AnnouncerCounters:
     removed_chunks: int = 0
     skipped_chunks: int = 0
     """Puts with token ids that were not a whole number of event blocks."""
+    restored_chunks: int = 0
+    """Chunks announced again at start: kept at the last clean stop, found in the store."""
     moved_chunks: int = 0
     """Announced chunks whose medium changed (spilled then dropped from memory, promoted)."""
     clears: int = 0
@@ -103,6 +109,8 @@ class Announcer:
         self._ops: list[tuple[Any, ...]] = []  # what happened since the last flush, in order
         publisher.prepare = self._build
         publisher.topics = self.topics
+        self.keep_path: Path | None = None
+        """Where a clean stop keeps what was announced for the next start (:mod:`.keep`)."""
         self.snapshot_server: SnapshotServer | None = None
         """The snapshot endpoint (set by the composition root when configured)."""
 
@@ -127,13 +135,32 @@ class Announcer:
             index = self._index[(topic, medium)] = BlockIndex()
         return index
 
-    def start(self, namespaces: list[str]) -> None:
+    def start(self, namespaces: list[str], kept: list[Kept], where: Callable[[ChunkKey], str | None]) -> int:
         """A new epoch: ``AllBlocksCleared`` on the topic of each namespace the store
-        holds at start (and the bare topic), so subscribers drop the last epoch's blocks."""
-        for namespace in ["", *namespaces]:
+        holds at start (and the bare topic), so subscribers drop the last epoch's
+        blocks; then a ``BlockStored`` for each ``kept`` chunk (:mod:`.keep`) that
+        ``where`` (the store's fastest tier holding a key) finds.  Returns how many."""
+        for namespace in ["", *namespaces, *(k.key.namespace for k in kept)]:
             self.topic(namespace)
         for topic in self.topics():
             self.publisher.publish(topic, [all_cleared()])
+        for key, held in kept:
+            tier = where(key)
+            if tier is None or key in self._where:
+                continue
+            topic, medium = self.topic(key.namespace), MEDIUM.get(tier, tier.upper())
+            self._where[key] = (topic, medium)
+            self.counters.restored_chunks += 1
+            self._record(("restored", key, topic, held, medium))
+        return self.counters.restored_chunks
+
+    def kept(self) -> Iterator[Kept]:
+        """Every announced chunk with what the next start needs to announce it again."""
+        self.publisher.flush()  # every recorded chunk is in its index
+        for key, where in self._where.items():
+            held = self._index[where].get(key) if where in self._index else None
+            if held is not None:
+                yield Kept(key, held)
 
     # -- Residency: record only ------------------------------------------------------
     def stored(self, key: ChunkKey, tokens: ChunkTokens, tier: str) -> None:
@@ -204,6 +231,11 @@ class Announcer:
         bs = self.settings.block_size
         parent = held.parent if shared == 0 else held.hashes[shared - 1]
         return block_stored(held.hashes[shared:], parent, held.packed[shared * 4 * bs :], bs, medium, LOCAL)
+
+    def _build_restored(self, key: ChunkKey, topic: bytes, held: Held, medium: str) -> None:
+        event = self._stored_event(self._index_of(topic, medium), key, held, medium)
+        if event is not None:
+            self.publisher.publish(topic, [event])
 
     def _build_stored(self, key: ChunkKey, topic: bytes, tokens: ChunkTokens, medium: str) -> None:
         hashes = block_hashes(key.digest, tokens.parent, tokens.packed, self.settings.block_size)

@@ -45,6 +45,10 @@ class TieredLookup:
     lookup_counters: LookupCounters
     sizing: Sizing | None
 
+    def where(self, key: ChunkKey) -> str | None:
+        """The fastest local tier holding ``key`` (None: none does)."""
+        return self._where(key)
+
     def _where(self, key: ChunkKey) -> str | None:
         if key in self.filling:
             return self.memory.name
