@@ -45,6 +45,7 @@ from .server.handlers import Handlers
 from .server.http import HttpEndpoint
 from .server.monitor import ConnectionMonitor
 from .server.prefetch import Prefetcher
+from .server.query import Query
 from .server.shm import ShmLeases
 from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
@@ -176,7 +177,7 @@ class App:
         handlers = Handlers(store, c, budget, shm, prefetcher)
         server = ZmqServer(c, handlers, budget, metrics, context, security, supervisor)
         sweeper = supervisor.spawn("shm_sweeper", shm.run) if shm.enabled else None
-        http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready)
+        http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready, _query(c, store))
         monitor = ConnectionMonitor(metrics)
         summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
         return _Daemon(
@@ -347,6 +348,17 @@ def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:
     if c.events_snapshot_endpoint is not None:
         announcer.snapshot_server = SnapshotServer(context, c.events_snapshot_endpoint, announcer)
     return announcer
+
+
+def _query(c: ServerConfig, store: TieredStore) -> Query:
+    """``POST /query`` (docs/events.md); with ``auth: curve`` answered only under
+    ``allow_insecure`` (HTTP carries no client identity)."""
+    local = [t for t in (store.memory, store.disk) if t is not None]
+
+    def namespaces() -> list[str]:
+        return sorted({ns for tier in local for ns in tier.namespaces()})
+
+    return Query(store.where, namespaces, c.chunk_size, allowed=c.auth != "curve" or c.allow_insecure)
 
 
 def _bind_events(events: Announcer) -> None:

@@ -79,6 +79,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["admin", "who-has"]:
+        from .adminwhohas import main as who_has_main
+
+        return who_has_main(argv[2:])
     if argv[:1] == ["admin"]:
         from .admin import main as admin_main
 

@@ -42,7 +42,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lmcache_client.keys import ChunkTokens
 
@@ -51,9 +51,6 @@ from .blocks import BlockIndex, Held, block_hashes, parent_hash
 from .keep import Kept
 from .publisher import EventPublisher
 from .wire import Event, all_cleared, block_removed, block_stored
-
-if TYPE_CHECKING:
-    from .snapshot import SnapshotServer
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +71,20 @@ def render_topic(template: str, namespace: str, node: str) -> str:
         raise ValueError(
             f"topic {template!r}: only {{model}}, {{namespace}} and {{node}} may be used ({err})"
         ) from None
+
+
+class Endpoint(Protocol):
+    """A socket loop beside the publisher (the snapshot endpoint, :mod:`.snapshot`)."""
+
+    endpoint: str
+
+    def bind(self) -> None: ...
+
+    async def serve(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +122,7 @@ class Announcer:
         publisher.topics = self.topics
         self.keep_path: Path | None = None
         """Where a clean stop keeps what was announced for the next start (:mod:`.keep`)."""
-        self.snapshot_server: SnapshotServer | None = None
+        self.snapshot_server: Endpoint | None = None
         """The snapshot endpoint (set by the composition root when configured)."""
 
     def topic(self, namespace: str) -> bytes:

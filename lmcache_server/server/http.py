@@ -1,4 +1,4 @@
-"""A minimal HTTP endpoint on the event loop: /metrics, /healthz, /readyz.
+"""A minimal HTTP endpoint on the event loop: /metrics, /healthz, /readyz, POST /query.
 
 No thread, no framework: Prometheus and probes send tiny GET requests.
 
@@ -6,17 +6,22 @@ No thread, no framework: Prometheus and probes send tiny GET requests.
 - ``/healthz``: 200 while the process runs its event loop.
 - ``/readyz``: 200 once every tier is initialised and the sockets are bound;
   503 before that and while draining.
+- ``POST /query``: the longest prefix of some
+  token ids this node holds, per medium (:mod:`.query`); a JSON answer, or a
+  JSON ``{"error"}`` with a 4xx status.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ..config import ConfigError
+from .query import MAX_BODY, Query, QueryError
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +29,15 @@ _MAX_REQUEST_BYTES = 8192
 
 
 class HttpEndpoint:
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool]):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        ready: Callable[[], bool],
+        query: Query | None = None,
+    ):
+        self.query = query
         self.host = host
         self.port = port
         self.registry = registry
@@ -48,7 +61,11 @@ class HttpEndpoint:
             if len(head) > _MAX_REQUEST_BYTES:
                 raise ValueError("request too large")
             method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            status, ctype, body = self._route(method, path.split("?", 1)[0])
+            path = path.split("?", 1)[0]
+            if method == "POST" and path == "/query":
+                status, ctype, body = await self._query(head, reader)
+            else:
+                status, ctype, body = self._route(method, path)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
             status, ctype, body = "400 Bad Request", "text/plain", b"bad request\n"
         try:
@@ -63,6 +80,25 @@ class HttpEndpoint:
         finally:
             writer.close()
 
+    async def _query(self, head: bytes, reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
+        if self.query is None:
+            return _error("404 Not Found", "this endpoint does not serve /query")
+        length = None
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value.strip())  # ValueError: a 400
+        if length is None:
+            return _error("411 Length Required", "a query needs a Content-Length")
+        if length < 0 or length > MAX_BODY:
+            return _error("413 Payload Too Large", f"a query body is at most {MAX_BODY} bytes")
+        body = await asyncio.wait_for(reader.readexactly(length), timeout=10)
+        try:
+            answer = self.query.answer(body)
+        except QueryError as err:
+            return _error(err.status, str(err))
+        return "200 OK", "application/json", json.dumps(answer).encode()
+
     def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", "text/plain", b"only GET\n"
@@ -75,3 +111,7 @@ class HttpEndpoint:
                 return "200 OK", "text/plain", b"ready\n"
             return "503 Service Unavailable", "text/plain", b"not ready\n"
         return "404 Not Found", "text/plain", b"not found\n"
+
+
+def _error(status: str, message: str) -> tuple[str, str, bytes]:
+    return status, "application/json", json.dumps({"error": message}).encode() + b"\n"
