@@ -290,30 +290,43 @@ class Announcer:
             self.publisher.publish(topic, [block_removed(h, m, LOCAL) for m, h in gone if h])
 
     # -- snapshot ----------------------------------------------------------------------
-    def residency(self, prefix: bytes = b"") -> tuple[int, list[tuple[bytes, str, list[tuple[ChunkKey, Held]]]]]:
+    def residency(self, prefix: bytes = b"") -> tuple[int, list[tuple[bytes, str, list[tuple[Held, bool]]]]]:
         """The announced residency, consistent with the stream: everything recorded is
         built and sent first, so it is the state after batch ``seq`` (returned with it)
         and a subscriber continues from ``seq + 1``.  Per (topic, medium) of topics
         starting with ``prefix``, its chunks in the order they were announced (a copy
-        of references: what :class:`Held` keeps is never mutated)."""
+        of references: what :class:`Held` keeps is never mutated; see
+        :meth:`.blocks.BlockIndex.listing`)."""
         self.publisher.flush()
         seq = self.publisher.next_seq - 1
         out = [
-            (topic, medium, list(index.items()))
+            (topic, medium, index.listing())
             for (topic, medium), index in self._index.items()
             if topic.startswith(prefix) and len(index)
         ]
         return seq, out
 
-    def snapshot_events(self, scratch: BlockIndex, chunks: list[tuple[ChunkKey, Held]], medium: str) -> list[Event]:
-        """``BlockStored`` events that announce ``chunks`` (of one topic and medium) to a
-        subscriber that knows only what ``scratch`` (recorded here) holds: each block
-        once, chained as the live stream chained it."""
+    def snapshot_events(self, seen: set[int], chunks: list[tuple[Held, bool]], medium: str) -> list[Event]:
+        """``BlockStored`` events that announce ``chunks`` (of one topic and medium, from
+        :meth:`residency`) to a subscriber that knows only the blocks in ``seen``
+        (updated here with the blocks that may be shared): each block once, chained as
+        the live stream chained it."""
+        bs = self.settings.block_size
+        step = 4 * bs
         events = []
-        for key, held in chunks:
-            event = self._stored_event(scratch, key, held, medium)
-            if event is not None:
-                events.append(event)
+        for held, maybe_shared in chunks:
+            hashes = held.hashes
+            shared = 0
+            if maybe_shared:
+                for h in hashes:
+                    if h not in seen:
+                        break
+                    shared += 1
+                if shared == len(hashes):
+                    continue
+                seen.update(hashes)
+            parent = held.parent if shared == 0 else hashes[shared - 1]
+            events.append(block_stored(hashes[shared:], parent, held.packed[shared * step :], bs, medium, LOCAL))
         return events
 
     def stats(self) -> dict[str, Any]:

@@ -107,6 +107,13 @@ class BlockIndex:
         """Every announced chunk, in the order it was added."""
         return iter(self._chunks.items())
 
+    def listing(self) -> list[tuple[Held, bool]]:
+        """Every announced chunk in the order it was added, with whether it may share
+        leading blocks with another (its first block is held by more than one chunk:
+        two chunks that share a block share every block before it)."""
+        refs = self._refs
+        return [(held, refs[held.hashes[0]] > 1) for held in self._chunks.values()]
+
     def add(self, key: ChunkKey, hashes: Sequence[int], parent: int | None = None, packed: bytes = b"") -> int:
         """Record ``key``'s blocks; returns how many leading blocks were already
         announced (held by another chunk): only the rest are new."""

@@ -40,7 +40,6 @@ import zmq
 import zmq.asyncio
 
 from .announcer import Announcer
-from .blocks import BlockIndex
 from .wire import END_SEQ, encode_batch, seq_bytes
 
 logger = logging.getLogger(__name__)
@@ -92,10 +91,10 @@ class SnapshotServer:
         max_events = announcer.publisher.batch_max_events
         ts = time.time()
         for topic, medium, held in residency:
-            scratch = BlockIndex()  # the blocks this snapshot announced so far, for this topic and medium
+            seen: set[int] = set()  # the blocks this snapshot announced so far, for this topic and medium
             for start in range(0, len(held), ENCODE_SLICE):
                 part = held[start : start + ENCODE_SLICE]
-                events = announcer.snapshot_events(scratch, part, medium)
+                events = announcer.snapshot_events(seen, part, medium)
                 for i in range(0, len(events), max_events):
                     batches.append((topic, encode_batch(ts, events[i : i + max_events])))
                 chunks += len(part)

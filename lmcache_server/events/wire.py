@@ -73,21 +73,39 @@ def _u32_array(packed: bytes) -> bytes:
     return _array_header(n) + bytes(out)
 
 
+_TAILS: dict[tuple[int, str, str], bytes] = {}
+
+
+def _stored_tail(block_size: int, medium: str, locality: str) -> bytes:
+    """The fields of a ``BlockStored`` after its token ids (the same for every event of a topic and medium)."""
+    tail = _TAILS.get((block_size, medium, locality))
+    if tail is None:
+        k = _K
+        tail = b"".join((
+            k["block_size"], _pack(block_size),
+            k["lora_id"], _NIL,
+            k["medium"], _str(medium),
+            k["lora_name"], _NIL,
+            k["locality"], _str(locality),
+        ))  # fmt: skip
+        _TAILS[(block_size, medium, locality)] = tail
+    return tail
+
+
+_HEAD = _STORED + _K["block_hashes"]
+_PARENT = _K["parent_block_hash"]
+_IDS = _K["token_ids"]
+
+
 def block_stored(
     hashes: Sequence[int], parent: int | None, packed_ids: bytes, block_size: int, medium: str, locality: str = "LOCAL"
 ) -> Event:
     """``packed_ids``: the blocks' token ids, u32le (as puts carry them)."""
-    k = _K
     return b"".join((
-        _STORED,
-        k["block_hashes"], _pack(list(hashes)),
-        k["parent_block_hash"], _pack(parent),
-        k["token_ids"], _u32_array(packed_ids),
-        k["block_size"], _pack(block_size),
-        k["lora_id"], _NIL,
-        k["medium"], _str(medium),
-        k["lora_name"], _NIL,
-        k["locality"], _str(locality),
+        _HEAD, _pack(list(hashes)),
+        _PARENT, _NIL if parent is None else _pack(parent),
+        _IDS, _u32_array(packed_ids),
+        _stored_tail(block_size, medium, locality),
     ))  # fmt: skip
 
 

@@ -1,0 +1,247 @@
+"""Event snapshots: how fast a restarted router has a complete index, what a snapshot
+costs, and whether snapshot requests slow puts (docs/events.md, "Snapshot").
+
+1. **Recovery.**  A daemon with events and a snapshot endpoint holds
+   ``--chunks`` (100,000) announced chunks of 256 tokens (4 KiB payloads, so
+   they fit the pool; puts of 256 chunks with their token ids).  A "router"
+   restarts: it asks for a snapshot and builds its index (per topic and medium:
+   block hash -> parent, token ids) from the batches.  Printed: the time from
+   its request to the end marker, to a complete index (target <= 1 s), the
+   snapshot's bytes per chunk, the daemon's longest ping while it served the
+   snapshot (puts wait that long at most), and what the daemon keeps per chunk
+   for it (``kept_bytes``, token ids and block hashes, and the RSS against an
+   identical daemon without events).
+2. **Puts under snapshot load.**  Two daemons, interleaved (``measure_group``):
+   events off, and events on + snapshot endpoint with a client requesting
+   snapshots back to back for the whole run; puts of ``--chunks-per-put`` chunks
+   of ``--chunk-mib`` (4) MiB with token ids.  Printed: MiB/s of both and the
+   ratio (target >= 0.95).
+
+Run (a heavy run): ``flock /tmp/heavy.lock python benchmarks/bench_events_snapshot.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import Child, Processes, free_port, measure_group, raise_on_sigterm, workspace  # noqa: E402
+from _harness import start_daemon as harness_start_daemon  # noqa: E402
+
+from lmcache_client import CacheClient  # noqa: E402
+from lmcache_client.keys import ChunkTokens, chunk_keys, chunk_tokens  # noqa: E402
+
+CHUNK_TOKENS = 256
+BLOCK = 16
+NAMESPACE = "bench/snapshot|bfloat16|L32|KV8|D128|tp0of1|c256"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def start(procs: Processes, name: str, shm: Path, pool: str, extra: dict[str, object]) -> tuple[Child, int]:
+    port = free_port()
+    (shm / name).mkdir(parents=True)
+    settings: dict[str, object] = {
+        "max_local_cpu_size": pool,
+        "shm_dir": str(shm / name),
+        "warm_restart": "false",
+        "cache_policy": "lru",
+        "stats_log_interval_s": 0,
+        **extra,
+    }
+    return harness_start_daemon(procs, name, port, settings), port
+
+
+def rss_mib(child: Child) -> float:
+    for line in Path(f"/proc/{child.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def prompts(n_chunks: int, per_prompt: int, seed: int) -> list[tuple[list[bytes], list[ChunkTokens]]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(0, n_chunks, per_prompt):
+        tokens = [rng.randrange(150_000) for _ in range(per_prompt * CHUNK_TOKENS)]
+        out.append((chunk_keys(tokens, CHUNK_TOKENS), chunk_tokens(tokens, CHUNK_TOKENS)))
+    return out
+
+
+def router_restart(endpoint: str) -> tuple[float, float, int, int, int]:
+    """Ask for a snapshot and build the index: (seconds to the end marker, seconds to a
+    complete index, payload bytes, chunks, blocks)."""
+    import msgpack
+    import zmq
+
+    # The index: per (topic, medium) each block's parent, and per event its token ids
+    # (what a router needs to recompute its own keys), filled at C speed per event.
+    index: dict[tuple[bytes, str], dict[int, int | None]] = {}
+    tokens: list[list[int]] = []
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(endpoint)
+        t0 = time.perf_counter()
+        sock.send_multipart([b"", b""])
+        _, _, _, raw = sock.recv_multipart()
+        meta = msgpack.unpackb(raw)
+        frames = []
+        while True:
+            _, topic, seq, payload = sock.recv_multipart()
+            if seq == END_SEQ:
+                break
+            frames.append((topic, payload))
+        received = time.perf_counter() - t0
+        nbytes = 0
+        for topic, payload in frames:
+            nbytes += len(payload)
+            for e in msgpack.unpackb(payload)[1]:
+                place = index.setdefault((topic, e["medium"]), {})
+                hashes = e["block_hashes"]
+                place.update(zip(hashes, [e["parent_block_hash"], *hashes[:-1]]))
+                tokens.append(e["token_ids"])
+        built = time.perf_counter() - t0
+    return received, built, nbytes, meta["chunks"], sum(len(p) for p in index.values())
+
+
+def recovery(args: argparse.Namespace, procs: Processes, shm: Path, workdir: Path) -> None:
+    endpoint = f"ipc://{workdir}/snapshot.sock"
+    events = {
+        "events_endpoint": f"ipc://{workdir}/events.sock",
+        "events_snapshot_endpoint": endpoint,
+        "events_replay_size": "16MiB",
+    }
+    work = prompts(args.chunks, 256, 3)
+    payloads = [os.urandom(4096)] * 256
+    daemons = [start(procs, "plain100k", shm, "2GiB", {}), start(procs, "events100k", shm, "2GiB", events)]
+    for (_, port), tokens in zip(daemons, (False, True)):
+        with CacheClient(f"tcp://127.0.0.1:{port}", NAMESPACE, timeout_s=60, fail_open=False) as c:
+            for keys, toks in work:
+                assert all(s == 0 for s in c.put(keys, payloads, tokens=toks if tokens else None))
+    (plain, _), (child, port) = daemons
+    with CacheClient(f"tcp://127.0.0.1:{port}", NAMESPACE, timeout_s=60, fail_open=False) as c:
+        while c.stats()["events"]["pending_events"]:
+            time.sleep(0.1)
+        stats = c.stats()["events"]
+        pings: list[float] = []
+        stop = threading.Event()
+
+        def ping() -> None:
+            with CacheClient(f"tcp://127.0.0.1:{port}", NAMESPACE, timeout_s=60, fail_open=False) as p:
+                while not stop.is_set():
+                    pings.append(p.ping())
+
+        runs = []
+        for _ in range(args.snapshots):
+            pings.clear()
+            pinger = threading.Thread(target=ping)
+            pinger.start()
+            runs.append((*router_restart(endpoint), max(pings, default=0.0)))
+            stop.set()
+            pinger.join()
+            stop.clear()
+    runs.sort(key=lambda r: r[1])
+    received, built, nbytes, chunks, blocks, worst_ping = runs[len(runs) // 2]
+    print(f"recovery: a node holding {chunks:,} chunks ({blocks:,} blocks of {BLOCK} tokens), median of {len(runs)}")
+    print(f"  snapshot received in {received:.3f} s, index complete in {built:.3f} s (target <= 1 s)")
+    print(f"  snapshot: {nbytes / 2**20:.1f} MiB, {nbytes / chunks:,.0f} bytes per chunk of {CHUNK_TOKENS} tokens")
+    print(f"  the daemon's longest ping during a snapshot: {worst_ping * 1000:.1f} ms")
+    print(
+        f"  kept for snapshots and media changes: {stats['kept_bytes'] / chunks:,.0f} bytes per chunk "
+        f"(token ids + block hashes); RSS {rss_mib(child):,.0f} MiB vs {rss_mib(plain):,.0f} MiB without events "
+        f"(+{(rss_mib(child) - rss_mib(plain)) * 2**20 / chunks:,.0f} bytes per chunk, the replay buffer included)"
+    )
+    procs.stop(plain)
+    procs.stop(child)
+
+
+def throughput(args: argparse.Namespace, procs: Processes, shm: Path, workdir: Path) -> None:
+    endpoint = f"ipc://{workdir}/snapshot4m.sock"
+    size = int(args.chunk_mib * 2**20)
+    per_call = size * args.chunks_per_put
+    n = args.warmup + args.calls * args.reps
+    work = {"plain": prompts(n * args.chunks_per_put, args.chunks_per_put, 1)}
+    work["events"] = prompts(n * args.chunks_per_put, args.chunks_per_put, 2)
+    payloads = [os.urandom(size) for _ in range(args.chunks_per_put)]
+    _, plain_port = start(procs, "plain", shm, args.pool_size, {})
+    events = {"events_endpoint": f"ipc://{workdir}/events4m.sock", "events_snapshot_endpoint": endpoint}
+    _, events_port = start(procs, "events", shm, args.pool_size, events)
+    plain = CacheClient(f"tcp://127.0.0.1:{plain_port}", NAMESPACE, timeout_s=30, fail_open=False)
+    client = CacheClient(f"tcp://127.0.0.1:{events_port}", NAMESPACE, timeout_s=30, fail_open=False)
+    turn = {"plain": 0, "events": 0}
+
+    def put_plain() -> None:
+        keys, _ = work["plain"][turn["plain"]]
+        turn["plain"] += 1
+        assert all(s == 0 for s in plain.put(keys, payloads))
+
+    def put_events() -> None:
+        keys, tokens = work["events"][turn["events"]]
+        turn["events"] += 1
+        assert all(s == 0 for s in client.put(keys, payloads, tokens=tokens))
+
+    stop = threading.Event()
+    served = [0]
+
+    def load() -> None:
+        while not stop.is_set():
+            router_restart(endpoint)
+            served[0] += 1
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        base, with_snapshots = measure_group(
+            [(put_plain, None), (put_events, None)], per_call, args.calls, args.reps, args.warmup
+        )
+    finally:
+        stop.set()
+        loader.join()
+    print(
+        f"puts of {args.chunks_per_put} x {args.chunk_mib:g} MiB chunks, pool {args.pool_size}, "
+        f"{args.reps} reps of {args.calls} puts"
+    )
+    print(f"  events off:                          {base.median:8,.0f} MiB/s {base.spread()}")
+    print(f"  events on + snapshots back to back:  {with_snapshots.median:8,.0f} MiB/s {with_snapshots.spread()}")
+    print(f"  ratio: {with_snapshots.median / base.median:.3f}x (target >= 0.95); {served[0]} snapshots served")
+    plain.close()
+    client.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--chunks", type=int, default=100_000, help="chunks the node holds for the recovery")
+    parser.add_argument("--snapshots", type=int, default=5, help="router restarts timed")
+    parser.add_argument("--pool-size", default="1GiB")
+    parser.add_argument("--chunk-mib", type=float, default=4.0)
+    parser.add_argument("--chunks-per-put", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=20, help="puts per timed repetition")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--skip-recovery", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args()
+    raise_on_sigterm()
+    with workspace("bench-snapshot-") as (procs, workdir):
+        shm = Path("/dev/shm") / workdir.name
+        try:
+            if not args.skip_recovery:
+                recovery(args, procs, shm, workdir)
+            if not args.skip_throughput:
+                throughput(args, procs, shm, workdir)
+        finally:
+            import shutil
+
+            shutil.rmtree(shm, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
