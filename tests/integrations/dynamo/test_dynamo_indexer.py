@@ -30,6 +30,7 @@ from lmcache_client.protocol import PutStatus
 from lmcache_server.events.announcer import MEDIUM
 
 from ...conftest import Daemon, free_port, wait_for
+from ...server.test_events_query import post
 from .indexer import DynamoIndexer
 
 MODEL = "test/dynamo-model"
@@ -70,15 +71,28 @@ def put(c: CacheClient, tokens: list[int], size: int = 4096) -> list[bytes]:
     return keys
 
 
-def agree(indexer: DynamoIndexer, c: CacheClient, tokens: list[int], instance: int = 1) -> tuple[int, int]:
+def node_query(daemon: Daemon, tokens: list[int]) -> dict[str, Any]:
+    """The daemon's own ``POST /query`` answer for ``tokens`` (docs/events.md, "Query")."""
+    status, answer = post(daemon, {"tokens": tokens, "namespace": NS})
+    if status == 404:  # nothing of this namespace on the node (after a clear)
+        return {"prefix_tokens": 0, "by_medium": {}}
+    assert status == 200, answer
+    return dict(answer["best"])
+
+
+def agree(
+    indexer: DynamoIndexer, daemon: Daemon, c: CacheClient, tokens: list[int], instance: int = 1
+) -> tuple[int, int]:
     """Wait until Dynamo's overlap for ``tokens``, rounded down to whole chunks, equals the
-    daemon's lookup (Dynamo counts blocks, the daemon serves chunks); ``(daemon's, Dynamo's)``."""
+    daemon's ``lookup`` and its ``POST /query`` (Dynamo counts blocks, the daemon serves
+    chunks); ``(daemon's, Dynamo's)``."""
     seen: dict[str, int] = {}
 
     def same() -> bool:
         seen["daemon"] = c.lookup_tokens(tokens)
+        seen["query"] = node_query(daemon, tokens)["prefix_tokens"]
         seen["dynamo"] = indexer.longest(MODEL, tokens, instance)
-        return seen["daemon"] == seen["dynamo"] // CHUNK * CHUNK
+        return seen["daemon"] == seen["query"] == seen["dynamo"] // CHUNK * CHUNK
 
     try:
         wait_for(same, timeout_s=10)
@@ -103,40 +117,41 @@ def test_dynamo_indexer_follows_stores_deletes_evictions_and_clears(
     with daemon.client(namespace=NS, chunk_size=CHUNK) as c:
         keys_a = put(c, a)
         put(c, b)
-        assert agree(dynamo_indexer, c, a) == whole["a"]
-        assert agree(dynamo_indexer, c, b) == whole["b"]
-        assert agree(dynamo_indexer, c, a + prompt(3, 100)) == whole["a"]  # a partial chunk is never cached
+        assert agree(dynamo_indexer, daemon, c, a) == whole["a"]
+        assert agree(dynamo_indexer, daemon, c, b) == whole["b"]
+        assert agree(dynamo_indexer, daemon, c, a + prompt(3, 100)) == whole["a"]  # a partial chunk is never cached
         # Dynamo counts blocks, the daemon chunks: a prompt that leaves A after 288 tokens.
-        assert agree(dynamo_indexer, c, a[: CHUNK + 32] + prompt(4, CHUNK - 32)) == (CHUNK, CHUNK + 32)
+        assert agree(dynamo_indexer, daemon, c, a[: CHUNK + 32] + prompt(4, CHUNK - 32)) == (CHUNK, CHUNK + 32)
         # Memory chunks are announced with medium CPU: Dynamo files them in its host tier.
         summary = dynamo_indexer.overlap(MODEL, a)[1]
         tier = DYNAMO_TIER.get(MEDIUM["memory"], "gpu")
         assert summary[tier] == 3 * CHUNK and summary["gpu"] == (3 * CHUNK if tier == "gpu" else 0), summary
+        assert node_query(daemon, a)["by_medium"] == {MEDIUM["memory"]: 3 * CHUNK}
 
         assert c.delete(keys_a[1:2]) == [True]  # inside A: its third chunk is no prefix any more
         # ... but the 2 blocks B shares with A stay announced: B holds them.
-        assert agree(dynamo_indexer, c, a) == (CHUNK, CHUNK + 32)
-        assert agree(dynamo_indexer, c, b) == whole["b"]
+        assert agree(dynamo_indexer, daemon, c, a) == (CHUNK, CHUNK + 32)
+        assert agree(dynamo_indexer, daemon, c, b) == whole["b"]
 
         # Without a disk, chunks evicted from memory leave the node (LRU: A and B go first).
         for _ in range(8):
             assert c.put([os.urandom(32)], [os.urandom(1 << 20)]) == [PutStatus.STORED]
         wait_for(lambda: c.lookup_tokens(a) == 0 and c.lookup_tokens(b) == 0)
-        assert agree(dynamo_indexer, c, a) == whole["none"]
-        assert agree(dynamo_indexer, c, b) == whole["none"]
+        assert agree(dynamo_indexer, daemon, c, a) == whole["none"]
+        assert agree(dynamo_indexer, daemon, c, b) == whole["none"]
 
         put(c, a)
-        assert agree(dynamo_indexer, c, a) == whole["a"]
+        assert agree(dynamo_indexer, daemon, c, a) == whole["a"]
         # A router that starts now: Dynamo sees the sequence start past 0 and replays the rest.
         register(dynamo_indexer, daemon, 2)
         put(c, prompt(5, CHUNK))  # a live batch, so that the new listener sees the gap
-        assert agree(dynamo_indexer, c, a, instance=2) == whole["a"]
-        assert agree(dynamo_indexer, c, b, instance=2) == (CHUNK, CHUNK + 32)  # B starts like A
+        assert agree(dynamo_indexer, daemon, c, a, instance=2) == whole["a"]
+        assert agree(dynamo_indexer, daemon, c, b, instance=2) == (CHUNK, CHUNK + 32)  # B starts like A
 
         assert c.clear() > 0  # AllBlocksCleared
         for instance in (1, 2):
-            assert agree(dynamo_indexer, c, a, instance) == whole["none"]
-            assert agree(dynamo_indexer, c, prompt(5, CHUNK), instance) == whole["none"]
+            assert agree(dynamo_indexer, daemon, c, a, instance) == whole["none"]
+            assert agree(dynamo_indexer, daemon, c, prompt(5, CHUNK), instance) == whole["none"]
 
 
 def test_dynamo_indexer_still_sees_a_prefix_spilled_to_disk(
@@ -153,15 +168,43 @@ def test_dynamo_indexer_still_sees_a_prefix_spilled_to_disk(
     a = prompt(6, 2 * CHUNK)
     with daemon.client(namespace=NS, chunk_size=CHUNK) as c:
         keys = put(c, a, size=1 << 20)
-        assert agree(dynamo_indexer, c, a, instance=3) == (2 * CHUNK, 2 * CHUNK)
+        assert agree(dynamo_indexer, daemon, c, a, instance=3) == (2 * CHUNK, 2 * CHUNK)
         for _ in range(12):  # token-less fillers push A out of memory onto the disk
             assert c.put([os.urandom(32)], [os.urandom(1 << 20)]) == [PutStatus.STORED]
         wait_for(lambda: c.lookup(keys).tiers == ["disk", "disk"])
-        assert agree(dynamo_indexer, c, a, instance=3) == (2 * CHUNK, 2 * CHUNK)
+        assert agree(dynamo_indexer, daemon, c, a, instance=3) == (2 * CHUNK, 2 * CHUNK)
         # Where Dynamo files a block on our disk: by the medium the daemon announces.
         summary = dynamo_indexer.overlap(MODEL, a)[3]
         tier = DYNAMO_TIER.get(MEDIUM["disk"], "gpu")
         assert summary[tier] == 2 * CHUNK, (MEDIUM["disk"], summary)
         assert summary["gpu"] == summary["cpu"] == 0, summary  # and no longer in memory
+        assert node_query(daemon, a)["by_medium"] == {MEDIUM["disk"]: 2 * CHUNK}
         assert c.delete(keys[:1]) == [True]
-        assert agree(dynamo_indexer, c, a, instance=3) == (0, 0)
+        assert agree(dynamo_indexer, daemon, c, a, instance=3) == (0, 0)
+
+
+def test_after_a_daemon_restart_dynamo_needs_the_worker_registered_again(
+    daemon_factory: Callable[..., Daemon], dynamo_indexer: DynamoIndexer
+) -> None:
+    """A restart is a new epoch: ``AllBlocksCleared`` first, the sequence from 0 again.
+    Dynamo's listener has no epoch: it takes the new epoch's first batches, numbered below
+    the sequence it expects, for ones it already has and drops them, the clear included,
+    so it keeps the old epoch's blocks. Registering the worker again (what its controller
+    does for a restarted vLLM replica) starts it over."""
+    daemon = events_daemon(daemon_factory)
+    register(dynamo_indexer, daemon, 4)
+    a, b = prompt(7, 2 * CHUNK), prompt(8, CHUNK)
+    with daemon.client(namespace=NS, chunk_size=CHUNK) as c:
+        put(c, a)
+        assert agree(dynamo_indexer, daemon, c, a, instance=4) == (2 * CHUNK, 2 * CHUNK)
+    assert daemon.stop() == 0
+    daemon.start()
+    with daemon.client(namespace=NS, chunk_size=CHUNK) as c:
+        put(c, b)
+        wait_for(lambda: dynamo_indexer.longest(MODEL, b, 4) == CHUNK)  # the new epoch's later batches
+        assert c.lookup_tokens(a) == 0 and dynamo_indexer.longest(MODEL, a, 4) == 2 * CHUNK  # stale
+        dynamo_indexer.call("POST", "/unregister", {"instance_id": 4, "model_name": MODEL})
+        register(dynamo_indexer, daemon, 4)
+        put(c, prompt(9, CHUNK))  # a live batch: the listener replays the epoch from its start
+        assert agree(dynamo_indexer, daemon, c, a, instance=4) == (0, 0)
+        assert agree(dynamo_indexer, daemon, c, b, instance=4) == (CHUNK, CHUNK)
