@@ -6,23 +6,31 @@ wheel (``python -m dynamo.indexer`` in ``.venv-dynamo``; tests/integrations/dyna
 subscribed to the daemon with its own ZeroMQ listener, its own vLLM-event
 conversion (lib/kv-router/src/zmq_wire.rs ``convert_event``: one ``tokens_hash``
 per block from ``token_ids``, our hashes as external ids) and its own radix tree.
-After every step, Dynamo's ``POST /query`` overlap for a prompt must equal the
-daemon's own ``lookup`` of it (the longest cached prefix, in tokens):
+After every step, Dynamo's ``POST /query`` overlap for a prompt, rounded down to
+whole chunks, must equal the daemon's own ``lookup`` and its ``POST /query``:
 
 - stores (shared leading blocks announced once), a delete inside a prompt, LRU
   eviction without a disk, a spill to disk, ``clear`` (``AllBlocksCleared``);
 - a router that registers after the traffic rebuilds the same index from the
   daemon's replay endpoint (Dynamo asks for the gap itself);
+- Dynamo's radix tree fed only our snapshot answers as the live-fed indexer
+  (radix_harness.py, the relay's conversion applied to the snapshot's events);
+- after a daemon restart Dynamo keeps the old epoch's blocks until the worker is
+  registered again (its listener has no epoch);
 - where Dynamo files our blocks: ``medium`` -> its storage tier
   (``StorageTier::from_kv_medium`` in lib/kv-router/src/protocols.rs).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import msgpack
 
 from lmcache_client import CacheClient
 from lmcache_client.keys import chunk_keys, chunk_tokens
@@ -30,8 +38,9 @@ from lmcache_client.protocol import PutStatus
 from lmcache_server.events.announcer import MEDIUM
 
 from ...conftest import Daemon, free_port, wait_for
+from ...server.events_router import snapshot
 from ...server.test_events_query import post
-from .indexer import DynamoIndexer
+from .indexer import ROOT, DynamoIndexer
 
 MODEL = "test/dynamo-model"
 NS = f"{MODEL}|bfloat16|L1|KV1|D64|tp0of1|c256"
@@ -208,3 +217,57 @@ def test_after_a_daemon_restart_dynamo_needs_the_worker_registered_again(
         put(c, prompt(9, CHUNK))  # a live batch: the listener replays the epoch from its start
         assert agree(dynamo_indexer, daemon, c, a, instance=4) == (0, 0)
         assert agree(dynamo_indexer, daemon, c, b, instance=4) == (CHUNK, CHUNK)
+
+
+def radix_overlaps(
+    python: Path, worker: int, events: list[dict[str, Any]], prompts: list[list[int]]
+) -> tuple[list[int], list[int]]:
+    """Dynamo's own radix tree (radix_harness.py, in Dynamo's venv) fed ``events``: the
+    indexes of the events it skipped (no parent), and each prompt's overlap for ``worker``."""
+    lines = [json.dumps({"worker": worker, "block_size": BLOCK, "events": events})]
+    lines += [json.dumps({"query": p}) for p in prompts]
+    run = subprocess.run(
+        [str(python), "-m", "tests.integrations.dynamo.radix_harness"],
+        input="\n".join(lines) + "\n",
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = [json.loads(line) for line in run.stdout.splitlines()]
+    return out[0]["skipped"], [int(a["overlap"].get(str(worker), 0)) for a in out[1:]]
+
+
+def test_dynamos_tree_rebuilt_from_our_snapshot_equals_the_one_its_indexer_built_live(
+    daemon_factory: Callable[..., Daemon], dynamo_indexer: DynamoIndexer, dynamo_python: Path
+) -> None:
+    """A router that starts late bootstraps from the snapshot (docs/events.md, "Snapshot")
+    instead of the whole stream: Dynamo's radix tree fed only the snapshot's batches answers
+    every prompt as Dynamo's indexer that followed the live stream from the start."""
+    daemon = events_daemon(
+        daemon_factory, max_local_cpu_size="4MiB", events_snapshot_endpoint=f"tcp://127.0.0.1:{free_port()}"
+    )
+    register(dynamo_indexer, daemon, 5)
+    a = prompt(10, 3 * CHUNK)
+    b = a[: CHUNK + 32] + prompt(11, 2 * CHUNK - 32)
+    c_ = prompt(12, 2 * CHUNK)
+    prompts = [a, b, c_, a[: CHUNK + 48] + prompt(13, CHUNK)]
+    with daemon.client(namespace=NS, chunk_size=CHUNK) as c:
+        keys_a = put(c, a)
+        put(c, b)
+        put(c, c_)
+        assert c.delete(keys_a[1:2]) == [True]
+        live = [agree(dynamo_indexer, daemon, c, p, instance=5)[1] for p in prompts]
+        meta, frames = snapshot(daemon.config["events_snapshot_endpoint"])
+    assert live == [CHUNK + 32, 3 * CHUNK, 2 * CHUNK, CHUNK + 32]  # Dynamo counts blocks
+    assert meta["chunks"] > 0
+    events = [e for _, _, payload in frames for e in msgpack.unpackb(payload, raw=False)[1]]
+    assert {e["type"] for e in events} == {"BlockStored"}
+    skipped, overlaps = radix_overlaps(dynamo_python, 5, events, prompts)
+    assert overlaps == live
+    # Dynamo skips only chunks whose parent left the node (A's third chunk: its second was
+    # deleted; no prompt reaches it), never one whose parent comes later in the snapshot.
+    held = {h for e in events for h in e["block_hashes"]}
+    assert skipped == [i for i, e in enumerate(events) if e["parent_block_hash"] not in held | {None}]
+    assert len(skipped) == 1
