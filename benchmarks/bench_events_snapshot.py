@@ -12,8 +12,9 @@ costs, and whether snapshot requests slow puts (docs/events.md, "Snapshot").
    for it (``kept_bytes``, token ids and block hashes, and the RSS against an
    identical daemon without events).
 2. **Puts under snapshot load.**  Two daemons, interleaved (``measure_group``):
-   events off, and events on + snapshot endpoint with a client requesting
-   snapshots back to back for the whole run; puts of ``--chunks-per-put`` chunks
+   events off, and events on + snapshot endpoint with a client (a process of
+   its own) requesting a snapshot every ``--snapshot-interval-s`` (0.1 s; 0:
+   back to back, which on a small host mostly measures that client's CPU); puts of ``--chunks-per-put`` chunks
    of ``--chunk-mib`` (4) MiB with token ids.  Printed: MiB/s of both and the
    ratio (target >= 0.95).
 
@@ -23,12 +24,13 @@ Run (a heavy run): ``flock /tmp/heavy.lock python benchmarks/bench_events_snapsh
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import random
 import sys
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -72,6 +74,29 @@ def prompts(n_chunks: int, per_prompt: int, seed: int) -> list[tuple[list[bytes]
         tokens = [rng.randrange(150_000) for _ in range(per_prompt * CHUNK_TOKENS)]
         out.append((chunk_keys(tokens, CHUNK_TOKENS), chunk_tokens(tokens, CHUNK_TOKENS)))
     return out
+
+
+def ping_loop(port: int, stop: Any, result: Any) -> None:
+    """Ping the daemon until ``stop``; put the longest round trip (seconds) on ``result``."""
+    worst = 0.0
+    with CacheClient(f"tcp://127.0.0.1:{port}", NAMESPACE, timeout_s=60, fail_open=False) as c:
+        c.ping()
+        result.put("ready")
+        while not stop.is_set():
+            worst = max(worst, c.ping())
+    result.put(worst)
+
+
+def snapshot_loop(endpoint: str, interval_s: float, stop: Any, served: Any) -> None:
+    """Ask for a snapshot every ``interval_s`` (0: back to back) until ``stop``; put how
+    many were served on ``served``."""
+    router_restart(endpoint)
+    served.put("ready")
+    n = 0
+    while not stop.wait(interval_s):
+        router_restart(endpoint)
+        n += 1
+    served.put(n)
 
 
 def router_restart(endpoint: str) -> tuple[float, float, int, int, int]:
@@ -130,23 +155,19 @@ def recovery(args: argparse.Namespace, procs: Processes, shm: Path, workdir: Pat
         while c.stats()["events"]["pending_events"]:
             time.sleep(0.1)
         stats = c.stats()["events"]
-        pings: list[float] = []
-        stop = threading.Event()
-
-        def ping() -> None:
-            with CacheClient(f"tcp://127.0.0.1:{port}", NAMESPACE, timeout_s=60, fail_open=False) as p:
-                while not stop.is_set():
-                    pings.append(p.ping())
-
         runs = []
         for _ in range(args.snapshots):
-            pings.clear()
-            pinger = threading.Thread(target=ping)
+            # The pinger is a process of its own: this one's decoding would hold its GIL.
+            ctx = multiprocessing.get_context("spawn")
+            result = ctx.Queue()
+            stop = ctx.Event()
+            pinger = ctx.Process(target=ping_loop, args=(port, stop, result))
             pinger.start()
-            runs.append((*router_restart(endpoint), max(pings, default=0.0)))
+            assert result.get(timeout=60) == "ready"
+            run = router_restart(endpoint)
             stop.set()
-            pinger.join()
-            stop.clear()
+            runs.append((*run, result.get(timeout=60)))
+            pinger.join(10)
     runs.sort(key=lambda r: r[1])
     received, built, nbytes, chunks, blocks, worst_ping = runs[len(runs) // 2]
     print(f"recovery: a node holding {chunks:,} chunks ({blocks:,} blocks of {BLOCK} tokens), median of {len(runs)}")
@@ -187,30 +208,29 @@ def throughput(args: argparse.Namespace, procs: Processes, shm: Path, workdir: P
         turn["events"] += 1
         assert all(s == 0 for s in client.put(keys, payloads, tokens=tokens))
 
-    stop = threading.Event()
-    served = [0]
-
-    def load() -> None:
-        while not stop.is_set():
-            router_restart(endpoint)
-            served[0] += 1
-
-    loader = threading.Thread(target=load)
+    # The snapshot client is a process of its own: in this one its decoding would hold
+    # the GIL the put client needs.
+    ctx = multiprocessing.get_context("spawn")
+    stop, served = ctx.Event(), ctx.Queue()
+    loader = ctx.Process(target=snapshot_loop, args=(endpoint, args.snapshot_interval_s, stop, served))
     loader.start()
+    assert served.get(timeout=60) == "ready"
     try:
         base, with_snapshots = measure_group(
             [(put_plain, None), (put_events, None)], per_call, args.calls, args.reps, args.warmup
         )
     finally:
         stop.set()
-        loader.join()
+        count = served.get(timeout=120)
+        loader.join(10)
     print(
         f"puts of {args.chunks_per_put} x {args.chunk_mib:g} MiB chunks, pool {args.pool_size}, "
         f"{args.reps} reps of {args.calls} puts"
     )
-    print(f"  events off:                          {base.median:8,.0f} MiB/s {base.spread()}")
-    print(f"  events on + snapshots back to back:  {with_snapshots.median:8,.0f} MiB/s {with_snapshots.spread()}")
-    print(f"  ratio: {with_snapshots.median / base.median:.3f}x (target >= 0.95); {served[0]} snapshots served")
+    load = f"a snapshot every {args.snapshot_interval_s:g} s" if args.snapshot_interval_s else "snapshots back to back"
+    print(f"  events off: {base.median:8,.0f} MiB/s {base.spread()}")
+    print(f"  events on + {load}: {with_snapshots.median:8,.0f} MiB/s {with_snapshots.spread()}")
+    print(f"  ratio: {with_snapshots.median / base.median:.3f}x (target >= 0.95); {count} snapshots served")
     plain.close()
     client.close()
 
@@ -222,9 +242,15 @@ def main() -> int:
     parser.add_argument("--pool-size", default="1GiB")
     parser.add_argument("--chunk-mib", type=float, default=4.0)
     parser.add_argument("--chunks-per-put", type=int, default=4)
-    parser.add_argument("--calls", type=int, default=20, help="puts per timed repetition")
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=60, help="puts per timed repetition")
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument(
+        "--snapshot-interval-s",
+        type=float,
+        default=0.1,
+        help="a snapshot request this often during the puts (0: back to back)",
+    )
     parser.add_argument("--skip-recovery", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()

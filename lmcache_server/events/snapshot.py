@@ -10,7 +10,7 @@ below are ours (docs/events.md, "Snapshot"):
   ``[b"", topic_prefix]`` (``b""``: every topic);
 - answer: a header ``[b"", b"", seq, meta]`` (``seq`` 8 bytes big-endian: the
   last batch the snapshot includes; ``meta`` msgpack ``{"publisher_id",
-  "seq", "started", "block_size", "chunks", "batches"}``), then the snapshot's
+  "seq", "started", "block_size", "chunks"}``), then the snapshot's
   batches ``[b"", topic, seq, payload]`` (``payload`` a ``KVEventBatch`` of
   ``BlockStored`` events, decodable by vLLM's decoder: every announced block
   once per topic and medium, chained by ``parent_block_hash`` as the live
@@ -20,10 +20,12 @@ below are ours (docs/events.md, "Snapshot"):
 Consistency: the residency is taken on the event loop right after a flush of
 everything recorded (:meth:`.announcer.Announcer.residency`), so it is the
 state after batch ``seq``: snapshot + live batches ``seq + 1, ...`` (or a
-replay from ``seq + 1``) is gap-free.  Encoding runs afterwards, yielding to
-the event loop between slices (what it reads is never mutated), so puts are
-served meanwhile.  One snapshot at a time; a requester that reads nothing for
-``STALL_S`` loses the rest (no end marker).
+replay from ``seq + 1``) is gap-free.  Encoding runs afterwards, a slice of
+chunks at a time, each slice sent before the next is encoded, yielding to the
+event loop between slices (what it reads is never mutated), so puts are served
+meanwhile and the answer never holds the whole snapshot in memory.  One
+snapshot at a time (the next requests wait in the socket); a requester that
+reads nothing for ``STALL_S`` loses the rest (no end marker).
 
 Primitive: :class:`SnapshotServer` (``bind``, ``serve``, ``close``).
 """
@@ -86,37 +88,35 @@ class SnapshotServer:
     async def _answer(self, identity: bytes, prefix: bytes) -> None:
         announcer = self.announcer
         seq, residency = announcer.residency(prefix)  # consistent: taken between two batches
-        batches: list[tuple[bytes, bytes]] = []
-        chunks = 0
-        max_events = announcer.publisher.batch_max_events
-        ts = time.time()
-        for topic, medium, held in residency:
-            seen: set[int] = set()  # the blocks this snapshot announced so far, for this topic and medium
-            for start in range(0, len(held), ENCODE_SLICE):
-                part = held[start : start + ENCODE_SLICE]
-                events = announcer.snapshot_events(seen, part, medium)
-                for i in range(0, len(events), max_events):
-                    batches.append((topic, encode_batch(ts, events[i : i + max_events])))
-                chunks += len(part)
-                await asyncio.sleep(0)
         meta: dict[str, Any] = {
             "publisher_id": announcer.publisher.publisher_id,
             "seq": seq,
             "started": announcer.publisher.started,
             "block_size": announcer.settings.block_size,
-            "chunks": chunks,
-            "batches": len(batches),
+            "chunks": sum(len(held) for _, _, held in residency),
         }
         at = seq_bytes(max(seq, 0))
         if not await self._send([identity, b"", b"", at, msgpack.packb(meta)]):
             return
-        for topic, payload in batches:
-            if not await self._send([identity, b"", topic, at, payload]):
-                return
+        # Encoded a slice at a time and sent as it goes: what the answer holds at once is
+        # one slice plus what ZeroMQ queues to the requester (SNDHWM messages).
+        max_events = announcer.publisher.batch_max_events
+        ts = time.time()
+        nbytes = 0
+        for topic, medium, held in residency:
+            seen: set[int] = set()  # the blocks this snapshot announced so far, for this topic and medium
+            for start in range(0, len(held), ENCODE_SLICE):
+                events = announcer.snapshot_events(seen, held[start : start + ENCODE_SLICE], medium)
+                for i in range(0, len(events), max_events):
+                    payload = encode_batch(ts, events[i : i + max_events])
+                    nbytes += len(payload)
+                    if not await self._send([identity, b"", topic, at, payload]):
+                        return
+                await asyncio.sleep(0)
         if await self._send([identity, b"", b"", END_SEQ, b""]):
             self.snapshots += 1
-            self.last_chunks = chunks
-            self.last_bytes = sum(len(p) for _, p in batches)
+            self.last_chunks = meta["chunks"]
+            self.last_bytes = nbytes
 
     async def _send(self, frames: list[bytes]) -> bool:
         stall = time.monotonic() + STALL_S
