@@ -1,7 +1,7 @@
 """``lmcache-server admin who-has``: ask several nodes' ``POST /query`` which holds
 the longest prefix of a prompt, and print the best (docs/events.md, "Query").
 
-    lmcache-server admin who-has --nodes http://a:9090,http://b:9090 \\
+    lmcache-server admin who-has --nodes http://a:9464,http://b:9464 \\
         --model meta-llama/Llama-3.1-8B --tokens 1,2,3,...
 
 The nodes are asked at once (one thread each, ``--timeout`` seconds); a node
@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="lmcache-server admin who-has",
         description="Ask several nodes which holds the longest cached prefix of a prompt.",
     )
-    p.add_argument("--nodes", required=True, metavar="URLS", help="the nodes' metrics URLs: http://a:9090,...")
+    p.add_argument("--nodes", required=True, metavar="URLS", help="the nodes' metrics URLs: http://a:9464,...")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--namespace", metavar="NS", help="one namespace (docs/protocol.md)")
     which.add_argument("--model", metavar="MODEL", help="every namespace of this model each node holds")

@@ -1,15 +1,18 @@
 """KV events for KV-aware routers (docs/events.md).
 
 The daemon announces, in vLLM's KV-event wire format, which token blocks this
-node can serve: ``BlockStored`` when a put with token ids becomes readable,
+node can serve: ``BlockStored`` when a put with token ids becomes readable
+(and again with its new medium when it moves between memory and disk),
 ``BlockRemoved`` when the chunk leaves the last local tier, ``AllBlocksCleared``
-on a clear.
+on a clear and at each start (a new epoch).
 
-Modules, one job each: :mod:`.blocks` (event block hashes and the per-topic
-reference counts), :mod:`.wire` (the msgpack encoding), :mod:`.replay` (the
-bounded replay buffer), :mod:`.publisher` (PUB + replay ROUTER sockets,
-batching, sequence numbers) and :mod:`.announcer` (what the tiered store
-tells us -> events per topic).
+Modules, one job each: :mod:`.blocks` (event block hashes, the per-topic and
+per-medium reference counts, the token ids kept per chunk), :mod:`.wire` (the
+msgpack encoding), :mod:`.replay` (the bounded replay buffer),
+:mod:`.publisher` (PUB + replay ROUTER sockets, batching, sequence numbers,
+heartbeats, the epoch's publisher id), :mod:`.announcer` (what the tiered
+store tells us -> events per topic and medium), :mod:`.snapshot` (the snapshot
+endpoint) and :mod:`.keep` (what a clean stop keeps for the next start).
 """
 
 from .announcer import Announcer, EventSettings

@@ -27,10 +27,10 @@
   reads nothing for ``REPLAY_STALL_S`` loses the rest of its replay (no end
   marker; counted in ``abandoned_replays``).
 
-- Heartbeat: with ``heartbeat_s`` > 0, a topic that sent nothing for that
-  long gets an empty ``KVEventBatch`` (a sequence number of its own, in the
-  replay buffer like any batch): a subscriber knows the publisher is alive
-  and that it missed nothing.
+- Heartbeat: with ``heartbeat_s`` > 0, when nothing was sent for that long,
+  every topic gets an empty ``KVEventBatch`` (a sequence number of its own, in
+  the replay buffer like any batch): a subscriber knows the publisher is
+  alive and that it missed nothing.
 - ``publisher_id``: a random id per daemon start (the epoch).  A new one means
   the subscriber must drop what it held from the old one; the first batches of
   each epoch are ``AllBlocksCleared`` (:meth:`.announcer.Announcer.start`).
