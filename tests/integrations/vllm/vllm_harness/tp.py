@@ -6,7 +6,7 @@ rank), vLLM's own prefix cache off, answers ``SPEC["prompt"]`` twice.  With the
 connector the second answer is loaded from the daemon: each rank its own
 shard, the asynchronous load finished once both ranks report it.  OUT holds
 each answer's tokens and ``num_cached_tokens``.  Optional ``SPEC["compilation_config"]``
-is passed to ``vllm.LLM``.
+and ``SPEC["attention_backend"]`` are passed to ``vllm.LLM``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def main(argv: list[str]) -> int:
     }
     if spec.get("compilation_config"):
         kwargs["compilation_config"] = spec["compilation_config"]
+    if spec.get("attention_backend"):
+        kwargs["attention_backend"] = spec["attention_backend"]
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
     llm = LLM(**kwargs)
