@@ -7,8 +7,8 @@ costs, and whether snapshot requests slow puts (docs/events.md, "Snapshot").
    restarts: it asks for a snapshot and builds its index (per topic and medium:
    block hash -> parent, token ids) from the batches.  Printed: the time from
    its request to the end marker, to a complete index (target <= 1 s), the
-   snapshot's bytes per chunk, the daemon's longest ping while it served the
-   snapshot (puts wait that long at most), and what the daemon keeps per chunk
+   snapshot's bytes per chunk, the daemon's longest ping (from a process of
+   its own) while it served the snapshot (up to the end marker), and what the daemon keeps per chunk
    for it (``kept_bytes``, token ids and block hashes, and the RSS against an
    identical daemon without events).
 2. **Puts under snapshot load.**  Two daemons, interleaved (``measure_group``):
@@ -99,7 +99,7 @@ def snapshot_loop(endpoint: str, interval_s: float, stop: Any, served: Any) -> N
     served.put(n)
 
 
-def router_restart(endpoint: str) -> tuple[float, float, int, int, int]:
+def router_restart(endpoint: str, received_event: Any = None) -> tuple[float, float, int, int, int]:
     """Ask for a snapshot and build the index: (seconds to the end marker, seconds to a
     complete index, payload bytes, chunks, blocks)."""
     import msgpack
@@ -124,6 +124,8 @@ def router_restart(endpoint: str) -> tuple[float, float, int, int, int]:
                 break
             frames.append((topic, payload))
         received = time.perf_counter() - t0
+        if received_event is not None:
+            received_event.set()  # the daemon's part is over: stop the pinger
         nbytes = 0
         for topic, payload in frames:
             nbytes += len(payload)
@@ -164,8 +166,7 @@ def recovery(args: argparse.Namespace, procs: Processes, shm: Path, workdir: Pat
             pinger = ctx.Process(target=ping_loop, args=(port, stop, result))
             pinger.start()
             assert result.get(timeout=60) == "ready"
-            run = router_restart(endpoint)
-            stop.set()
+            run = router_restart(endpoint, stop)
             runs.append((*run, result.get(timeout=60)))
             pinger.join(10)
     runs.sort(key=lambda r: r[1])

@@ -290,7 +290,7 @@ class Announcer:
             self.publisher.publish(topic, [block_removed(h, m, LOCAL) for m, h in gone if h])
 
     # -- snapshot ----------------------------------------------------------------------
-    def residency(self, prefix: bytes = b"") -> tuple[int, list[tuple[bytes, str, list[tuple[Held, bool]]]]]:
+    def residency(self, prefix: bytes = b"") -> tuple[int, list[tuple[bytes, str, list[Held], set[int]]]]:
         """The announced residency, consistent with the stream: everything recorded is
         built and sent first, so it is the state after batch ``seq`` (returned with it)
         and a subscriber continues from ``seq + 1``.  Per (topic, medium) of topics
@@ -300,24 +300,25 @@ class Announcer:
         self.publisher.flush()
         seq = self.publisher.next_seq - 1
         out = [
-            (topic, medium, index.listing())
+            (topic, medium, *index.listing())
             for (topic, medium), index in self._index.items()
             if topic.startswith(prefix) and len(index)
         ]
         return seq, out
 
-    def snapshot_events(self, seen: set[int], chunks: list[tuple[Held, bool]], medium: str) -> list[Event]:
+    def snapshot_events(self, seen: set[int], chunks: list[Held], multi: set[int], medium: str) -> list[Event]:
         """``BlockStored`` events that announce ``chunks`` (of one topic and medium, from
-        :meth:`residency`) to a subscriber that knows only the blocks in ``seen``
-        (updated here with the blocks that may be shared): each block once, chained as
-        the live stream chained it."""
+        :meth:`residency`, with the blocks ``multi`` more than one of them holds) to a
+        subscriber that knows only the blocks in ``seen`` (updated here with the
+        chunks that may share blocks): each block once, chained as the live stream
+        chained it."""
         bs = self.settings.block_size
         step = 4 * bs
         events = []
-        for held, maybe_shared in chunks:
+        for held in chunks:
             hashes = held.hashes
             shared = 0
-            if maybe_shared:
+            if hashes[0] in multi:
                 for h in hashes:
                     if h not in seen:
                         break

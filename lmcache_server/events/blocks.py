@@ -85,6 +85,7 @@ class BlockIndex:
     def __init__(self) -> None:
         self._chunks: dict[ChunkKey, Held] = {}
         self._refs: dict[int, int] = {}
+        self._multi: set[int] = set()  # the hashes more than one chunk holds
         self.nbytes = 0
         """Bytes of block hashes and token ids kept (:attr:`Held.nbytes`, summed)."""
 
@@ -107,12 +108,11 @@ class BlockIndex:
         """Every announced chunk, in the order it was added."""
         return iter(self._chunks.items())
 
-    def listing(self) -> list[tuple[Held, bool]]:
-        """Every announced chunk in the order it was added, with whether it may share
-        leading blocks with another (its first block is held by more than one chunk:
-        two chunks that share a block share every block before it)."""
-        refs = self._refs
-        return [(held, refs[held.hashes[0]] > 1) for held in self._chunks.values()]
+    def listing(self) -> tuple[list[Held], set[int]]:
+        """Every announced chunk in the order it was added, and (a copy of) the blocks
+        more than one chunk holds: a chunk whose first block is not among them shares
+        no block (two chunks that share a block share every block before it)."""
+        return list(self._chunks.values()), set(self._multi)
 
     def add(self, key: ChunkKey, hashes: Sequence[int], parent: int | None = None, packed: bytes = b"") -> int:
         """Record ``key``'s blocks; returns how many leading blocks were already
@@ -124,8 +124,10 @@ class BlockIndex:
         for i, h in enumerate(hashes):
             count = self._refs.get(h, 0)
             self._refs[h] = count + 1
-            if count and shared == i:
-                shared += 1
+            if count:
+                self._multi.add(h)
+                if shared == i:
+                    shared += 1
         return shared
 
     def remove(self, key: ChunkKey) -> list[int]:
@@ -139,6 +141,8 @@ class BlockIndex:
             count = self._refs[h] - 1
             if count:
                 self._refs[h] = count
+                if count == 1:
+                    self._multi.discard(h)
             else:
                 del self._refs[h]
                 gone.append(h)
@@ -154,4 +158,5 @@ class BlockIndex:
     def clear(self) -> None:
         self._chunks.clear()
         self._refs.clear()
+        self._multi.clear()
         self.nbytes = 0

@@ -93,7 +93,7 @@ class SnapshotServer:
             "seq": seq,
             "started": announcer.publisher.started,
             "block_size": announcer.settings.block_size,
-            "chunks": sum(len(held) for _, _, held in residency),
+            "chunks": sum(len(held) for _, _, held, _ in residency),
         }
         at = seq_bytes(max(seq, 0))
         if not await self._send([identity, b"", b"", at, msgpack.packb(meta)]):
@@ -103,10 +103,10 @@ class SnapshotServer:
         max_events = announcer.publisher.batch_max_events
         ts = time.time()
         nbytes = 0
-        for topic, medium, held in residency:
+        for topic, medium, held, multi in residency:
             seen: set[int] = set()  # the blocks this snapshot announced so far, for this topic and medium
             for start in range(0, len(held), ENCODE_SLICE):
-                events = announcer.snapshot_events(seen, held[start : start + ENCODE_SLICE], medium)
+                events = announcer.snapshot_events(seen, held[start : start + ENCODE_SLICE], multi, medium)
                 for i in range(0, len(events), max_events):
                     payload = encode_batch(ts, events[i : i + max_events])
                     nbytes += len(payload)
