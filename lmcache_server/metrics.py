@@ -356,11 +356,22 @@ class EventsCollector(Collector):
             ("lmcache_event_chunks_skipped",
              "Puts with token ids that were not a whole number of event blocks (not announced).", "skipped_chunks"),
             ("lmcache_event_errors", "Unexpected failures while building events (logged).", "errors"),
+            ("lmcache_event_chunks_moved",
+             "Announced chunks whose medium changed (memory <-> disk).", "moved_chunks"),
+            ("lmcache_event_chunks_restored",
+             "Chunks announced again at start (kept at the last clean stop).", "restored_chunks"),
+            ("lmcache_event_heartbeats", "Heartbeat batches sent (one per topic when idle).", "heartbeats"),
+            ("lmcache_event_snapshots", "Snapshots answered in full on the snapshot endpoint.", "snapshots"),
         ]  # fmt: skip
         for name, doc, field in families:
-            yield CounterMetricFamily(name, doc, value=float(s[field]))
+            yield CounterMetricFamily(name, doc, value=float(s.get(field, 0)))
         yield GaugeMetricFamily(
             "lmcache_event_announced_blocks", "Blocks announced and not removed.", value=float(s["announced_blocks"])
+        )
+        yield GaugeMetricFamily(
+            "lmcache_event_kept_bytes",
+            "Bytes of token ids and block hashes kept for the announced chunks (snapshots, medium changes).",
+            value=float(s.get("kept_bytes", 0)),
         )
 
 

@@ -19,6 +19,7 @@ import os
 import random
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,9 @@ def test_a_restart_is_a_new_epoch_and_a_warm_one_announces_what_it_kept(
     with daemon.client(namespace=NS) as c:
         after = quiet(c, restored_chunks=3)
     assert after["publisher_id"] != before["publisher_id"]
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10).read().decode()
+    assert "lmcache_event_chunks_restored_total 3.0" in metrics
+    assert f"lmcache_event_kept_bytes {float(after['kept_bytes'])}" in metrics and after["kept_bytes"] > 0
     stream = replay(daemon)
     assert stream[0][1] == 0  # the sequence starts again
     first = [msgpack.unpackb(p, raw=False)[1] for t, _, p in stream if t == TOPIC.encode()][0]
