@@ -2,7 +2,10 @@
 # Make sure the system programs the test suite starts are installed:
 # redis-server and redis-cli (Redis tier tests), promtool and prometheus
 # (alert-rule and scrape tests), docker-compose (compose file validation),
-# g++ and libssl-dev (SGLang's page-hash extension, built by make setup-sglang).
+# g++ and libssl-dev (SGLang's page-hash extension, built by make setup-sglang),
+# podman, runc, debootstrap, uidmap and CNI's dnsname plugin (the images and the CPU
+# compose stack of tests/test_deploy_stack.py; scripts/local-base.sh makes their base),
+# kubectl (`kubectl kustomize` of deploy/k8s in tests/test_deploy_k8s.py).
 # Installs the missing ones with apt-get when run as root on Debian/Ubuntu;
 # otherwise says what to install and fails, so a test never silently skips.
 set -euo pipefail
@@ -13,6 +16,11 @@ declare -A package_of=(
   [promtool]=prometheus
   [prometheus]=prometheus
   [docker-compose]=docker-compose
+  [podman]=podman
+  [runc]=runc
+  [debootstrap]=debootstrap
+  [newuidmap]=uidmap
+  [kubectl]=kubernetes-client
 )
 
 missing=()
@@ -23,6 +31,8 @@ done
 # a compiler and the OpenSSL headers.
 command -v g++ >/dev/null 2>&1 || missing+=(g++)
 [ -f /usr/include/openssl/sha.h ] || missing+=(libssl-dev)
+# podman's CNI backend resolves service names on a compose network only with this plugin.
+[ -x /usr/lib/cni/dnsname ] || missing+=(golang-github-containernetworking-plugin-dnsname)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 packages=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
