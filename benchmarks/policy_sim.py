@@ -43,25 +43,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import heapq
 import json
 import multiprocessing
 import os
-import random
 import sys
 import time
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any
 
 from sim_policies import BASELINES, ORACLES
+from sim_trace import (  # noqa: F401 (the trace helpers are imported from here too)
+    BLOCK_TOKENS,
+    Request,
+    block_digest,
+    distinct_blocks,
+    hit_tokens,
+    load_trace,
+    synthetic_requests,
+)
 
 from lmcache_server.storage.base import ChunkKey
 from lmcache_server.storage.memory.allocator import ALIGNMENT as PAGE_BYTES
 from lmcache_server.storage.policy import POLICIES, EvictionPolicy, LFUDAPolicy, make_policy
 
-BLOCK_TOKENS = 512
 NAMESPACE = "mooncake-trace|bfloat16|L28|KV4|D128|tp0of1|c512"
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -70,61 +76,6 @@ OFFLINE_ONLY = ("belady", "oracle-reuse-lru", "oracle-count")
 VARIANTS: dict[str, Callable[[], EvictionPolicy]] = {
     "lfuda-no-tails": lambda: LFUDAPolicy(tails_first=False),  # lfuda before put tails went first
 }
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Request:
-    timestamp_ms: int
-    input_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: Path, limit: int | None = None) -> list[Request]:
-    out: list[Request] = []
-    with open(path) as f:
-        for line in f:
-            if limit is not None and len(out) >= limit:
-                break
-            if line.strip():
-                row = json.loads(line)
-                out.append(Request(int(row["timestamp"]), int(row["input_length"]), tuple(row["hash_ids"])))
-    return out
-
-
-def synthetic_requests(n: int, seed: int = 7) -> list[Request]:
-    """A trace-like workload for tests: conversations over a shared first block, new ones and
-    follow-ups that extend one (a follow-up keeps all but the last block of its previous turn)."""
-    rng = random.Random(seed)
-    convs: list[list[int]] = []
-    next_id = 1
-    out = []
-    for i in range(n):
-        if convs and rng.random() < 0.45:
-            j = rng.randrange(max(0, len(convs) - 60), len(convs))
-            grow = rng.randint(1, 6)
-            ids = convs[j][:-1] + list(range(next_id, next_id + grow))
-            convs[j] = ids
-        else:
-            grow = rng.randint(2, 24)
-            ids = [0, *range(next_id, next_id + grow)]
-            convs.append(ids)
-        next_id += grow
-        out.append(Request(i * 100, BLOCK_TOKENS * (len(ids) - 1) + rng.randint(1, BLOCK_TOKENS), tuple(ids)))
-    return out
-
-
-def distinct_blocks(requests: Iterable[Request]) -> int:
-    return len({b for r in requests for b in r.hash_ids})
-
-
-def block_digest(block_id: int) -> bytes:
-    """The 32-byte chunk key of a trace block id (deterministic, process-independent)."""
-    return hashlib.sha256(b"lmcache-trace-block\0" + block_id.to_bytes(8, "big")).digest()
-
-
-def hit_tokens(hit_blocks: int, input_length: int) -> int:
-    """Prefill tokens saved: the leading hit blocks, never the last token."""
-    return max(0, min(BLOCK_TOKENS * hit_blocks, input_length - 1))
 
 
 @dataclasses.dataclass
