@@ -155,7 +155,10 @@ class Announcer:
             self.topic(namespace)
         for topic in self.topics():
             self.publisher.publish(topic, [all_cleared()])
+        step = 4 * self.settings.block_size
         for key, held in kept:
+            if len(held.packed) != step * len(held.hashes):
+                continue  # kept under another events_block_size: its block hashes do not apply
             tier = where(key)
             if tier is None or key in self._where:
                 continue
