@@ -325,7 +325,7 @@ def _admission(c: ServerConfig, disk: DiskTier | None, remote: RedisTier | None)
     if disk_mode == "always" and remote_mode in ("always", None):
         return None
     capacity = c.max_local_cpu_size + (c.max_local_disk_size if disk is not None else 0)
-    return StoreAdmission(disk_mode, remote_mode, sketch_width=sketch_width_for(capacity))
+    return StoreAdmission(disk_mode, remote_mode, sketch_width=sketch_width_for(capacity), remote_ttl_s=c.remote_ttl_s)
 
 
 def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:

@@ -22,7 +22,9 @@ Redis when the chunk is stored in memory and, if declined then, again at each
 later access while memory still holds it: admitted then, it is queued for
 Redis at that moment; a chunk that leaves memory without being admitted is
 counted declined.  Keys already queued for Redis, or read from it, are
-remembered (bounded) so that a chunk is not written twice.
+remembered (bounded, :class:`SentKeys`) so that a chunk is not written twice;
+with ``remote_ttl_s`` only for that long, after which Redis has dropped the
+chunk and a later access that admits it writes it again.
 
 The tiered store calls :class:`StoreAdmission` at those points (``stored``,
 ``accessed``, ``uplinked``, ``from_remote``, ``spill``, ``evicted``, ``removed``,
@@ -30,12 +32,13 @@ The tiered store calls :class:`StoreAdmission` at those points (``stored``,
 tier's rule and counters, :class:`Accesses` what both rules know of accesses.
 
 Primitives: ``MODES``, :func:`sketch_width_for`, :class:`AdmissionCounters`, :class:`Accesses`,
-:class:`TierAdmission` (``admits``, ``count``), :class:`StoreAdmission`.
+:class:`TierAdmission` (``admits``, ``count``), :class:`SentKeys`, :class:`StoreAdmission`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -149,18 +152,63 @@ class TierAdmission:
         return {"admission": self.mode, **dataclasses.asdict(self.counters)}
 
 
+class SentKeys:
+    """Keys queued for Redis or read from it, so not written there again (the
+    last :data:`HISTORY_KEYS`).
+
+    With a Redis TTL (``ttl_s`` > 0) a key counts as sent for about that long
+    (a little less: the send time is kept in 16 bits of ``ttl_s / 1024`` units
+    and a key 1023 units old is forgotten): Redis has dropped it since, so it may
+    be written again.  A key read from Redis is stamped at the read: Redis counts
+    its expiry from the write, so such a key can expire there up to one TTL before
+    this forgets it (a Redis miss in between, never a wrong byte).  An entry not
+    looked at for 64 TTLs can pass for fresh again (the stamp wraps), with the
+    same consequence."""
+
+    _FRESH = 1023  # units of ttl_s / 1024
+
+    def __init__(self, ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+        self._unit = ttl_s / 1024 if ttl_s > 0 else 0.0
+        self._clock = clock
+        self._keys = KeyHistory(HISTORY_KEYS, with_values=self._unit > 0)
+
+    def _stamp(self) -> int:
+        return int(self._clock() / self._unit) % 0xFFFF + 1  # 1..65535; 0 means absent
+
+    def add(self, key: ChunkKey) -> None:
+        self._keys.add(key_hash(key), self._stamp() if self._unit else 1)
+
+    def discard(self, key: ChunkKey) -> None:
+        self._keys.pop(key_hash(key))
+
+    def clear(self) -> None:
+        self._keys = KeyHistory(HISTORY_KEYS, with_values=self._unit > 0)
+
+    def __contains__(self, key: object) -> bool:
+        h = key_hash(key)  # type: ignore[arg-type]
+        if not self._unit:
+            return h in self._keys
+        stamp = self._keys.get(h)
+        if not stamp:
+            return False
+        if (self._stamp() - stamp) % 0xFFFF < self._FRESH:
+            return True
+        self._keys.pop(h)  # Redis has dropped it by now
+        return False
+
+
 class StoreAdmission:
     """The tiered store's admission: the disk's and Redis' rules over shared
     :class:`Accesses`.  ``remote_mode`` None: no Redis tier."""
 
-    def __init__(self, disk_mode: str, remote_mode: str | None, sketch_width: int = 1 << 16):
+    def __init__(self, disk_mode: str, remote_mode: str | None, sketch_width: int = 1 << 16, remote_ttl_s: float = 0.0):
         modes = {disk_mode, remote_mode}
         sketch = FrequencySketch(sketch_width) if "frequency" in modes else None
         self.accesses = Accesses(sketch, track_reuse="reused" in modes)
         self.disk = TierAdmission("disk", disk_mode, self.accesses)
         self.remote = TierAdmission("redis", remote_mode, self.accesses) if remote_mode is not None else None
         self._owed: dict[ChunkKey, int] = {}  # in memory, not (yet) admitted to Redis: key -> bytes
-        self._sent = KeyHistory(HISTORY_KEYS, with_values=False)  # queued for or read from Redis
+        self._sent = SentKeys(remote_ttl_s)  # queued for or read from Redis
 
     # -- Redis ---------------------------------------------------------------------
     def stored(self, key: ChunkKey, nbytes: int) -> bool:
@@ -169,7 +217,7 @@ class StoreAdmission:
         remote = self.remote
         if remote is None:
             return False
-        if remote.mode == "always" or (key_hash(key) not in self._sent and remote.admits(key)):
+        if remote.mode == "always" or (key not in self._sent and remote.admits(key)):
             return True
         self._owed[key] = nbytes
         return False
@@ -182,7 +230,7 @@ class StoreAdmission:
         remote = self.remote
         if remote is None or remote.mode == "always":
             return False
-        return key_hash(key) not in self._sent and remote.admits(key)
+        return key not in self._sent and remote.admits(key)
 
     def uplinked(self, key: ChunkKey, nbytes: int) -> None:
         """``key`` was queued for Redis (counted admitted, remembered as sent)."""
@@ -190,13 +238,13 @@ class StoreAdmission:
         if self.remote is not None:
             self.remote.count(True, nbytes)
             if self.remote.mode != "always":
-                self._sent.add(key_hash(key))
+                self._sent.add(key)
 
     def from_remote(self, key: ChunkKey) -> None:
         """``key`` was read from Redis (it holds it: no write owed)."""
         self._owed.pop(key, None)
         if self.remote is not None and self.remote.mode != "always":
-            self._sent.add(key_hash(key))
+            self._sent.add(key)
 
     def deleted(self, key: ChunkKey | None) -> None:
         """``key`` was deleted from every tier, Redis too (None: a clear): it is no
@@ -204,9 +252,9 @@ class StoreAdmission:
         that store is a first put, not a reuse."""
         self.accesses.forget(key)
         if key is None:
-            self._sent = KeyHistory(HISTORY_KEYS, with_values=False)  # a clear: forget every key sent
+            self._sent.clear()  # a clear: forget every key sent
         else:
-            self._sent.pop(key_hash(key))
+            self._sent.discard(key)
 
     # -- disk, and leaving memory ----------------------------------------------------
     def spill(self, key: ChunkKey, nbytes: int, victim: Callable[[], ChunkKey | None], final: bool) -> bool:

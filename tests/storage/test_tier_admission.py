@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from lmcache_server.storage.policy import LRUPolicy
 from lmcache_server.storage.policy.history import key_hash
 from lmcache_server.storage.policy.sketch import MAX_COUNT, FrequencySketch
 from lmcache_server.storage.remote import RedisTier
-from lmcache_server.storage.tieradmission import MODES, Accesses, StoreAdmission, TierAdmission
+from lmcache_server.storage.tieradmission import MODES, Accesses, SentKeys, StoreAdmission, TierAdmission
 
 from ..conftest import RedisServer
 
@@ -305,5 +306,54 @@ def test_a_chunk_deleted_then_stored_and_reused_again_goes_to_redis_again(
         # Sent again after the clear, once read; a put after a clear is a first put.
         assert (await written(store, digests))[1] == {digests[0]}
         await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_sent_keys_forget_a_key_once_redis_ttl_has_dropped_it() -> None:
+    now = [1000.0]
+    sent = SentKeys(ttl_s=60.0, clock=lambda: now[0])
+    key, other = ChunkKey(NS, b"a" * 32), ChunkKey(NS, b"b" * 32)
+    sent.add(key)
+    assert key in sent and other not in sent
+    now[0] += 59.0  # within the TTL (a little under: 1023 of 1024 units)
+    assert key in sent
+    now[0] += 1.0  # Redis has dropped it: forgotten, so it may be written again
+    assert key not in sent
+    sent.add(key)
+    assert key in sent
+    sent.discard(key)
+    assert key not in sent
+    forever = SentKeys()  # no TTL: remembered however old
+    forever.add(key)
+    now[0] += 10**9
+    assert key in forever
+
+
+def test_with_a_redis_ttl_a_reused_chunk_goes_to_redis_again_after_it_expired(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    async def scenario() -> None:
+        memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy())
+        remote = RedisTier(redis_server.url, ttl_s=1.0)
+        await remote.open()
+        store = TieredStore(memory, None, remote, admission=StoreAdmission("always", "reused", remote_ttl_s=1.0))
+        digests, data = chunks(1)
+        r = redis.Redis(port=int(redis_server.url.rsplit(":", 1)[1]))
+        key = remote.redis_key(ChunkKey(NS, digests[0]))
+        try:
+            await put(store, digests, data)
+            assert await read(store, digests) == data  # reused: queued for Redis
+            assert await store.flush(10.0) and r.exists(key)
+            deadline = time.monotonic() + 10
+            while r.exists(key):  # Redis drops it after its TTL
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert await read(store, digests) == data  # memory still holds it: read again
+            assert await store.flush(10.0) and r.exists(key), "written to Redis again"
+            assert store.stats()["tiers"]["redis"]["admitted"] == 2
+        finally:
+            r.close()
+            await store.close()
 
     asyncio.run(scenario())

@@ -12,8 +12,8 @@ with headroom, twice that while it grows.
 
 Primitives: :func:`key_hash` (a chunk key's 64-bit hash, the same in every
 process), ``bound(limit)`` (how many keys to keep, at least), ``add(h,
-value)``, ``pop(h)`` (the value, 0 if not remembered), ``h in history``,
-``len(history)``.
+value)``, ``pop(h)`` (the value, 0 if not remembered), ``get(h)`` (the
+same, keeping the key), ``h in history``, ``len(history)``.
 
 Semantics, next to an OrderedDict with the oldest popped beyond the limit:
 
@@ -210,6 +210,14 @@ class KeyHistory:
         """Forget the key of hash ``h``; its value (0: it was not remembered)."""
         found = self._locate(h, _fingerprint(h))
         return 0 if found is None else found[0].take(found[1], found[2])
+
+    def get(self, h: int) -> int:
+        """The value of the key of hash ``h`` (1 without values), 0 if not remembered; keeps it."""
+        found = self._locate(h, _fingerprint(h))
+        if found is None:
+            return 0
+        values = found[0].values
+        return 1 if values is None else values[found[1]]
 
     def __contains__(self, h: object) -> bool:
         return isinstance(h, int) and self._locate(h, _fingerprint(h)) is not None
