@@ -93,6 +93,12 @@ run: setup
 test: system-deps setup-test setup-vllm setup-sglang setup-dynamo
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+## The deployment checks alone (make test runs them too): the images built with podman from
+## the local base (scripts/local-base.sh, once per machine), the CPU compose stack end to end,
+## the Kubernetes manifests.
+test-deploy: system-deps setup-test setup-vllm
+	$(BIN)/python -m pytest -q tests/test_deploy.py tests/test_deploy_k8s.py tests/test_deploy_stack.py $(PYTEST_ARGS)
+
 lint: setup-test
 	$(BIN)/ruff check lmcache_server client tests benchmarks
 	$(BIN)/mypy lmcache_server client/lmcache_client
