@@ -58,6 +58,16 @@ def heavy(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -
     return sh("flock", LOCK, *args, timeout=timeout, env=env)
 
 
+def find_links() -> list[str]:
+    """pip's find-links folders: PIP_FIND_LINKS, else pip's configuration."""
+    if os.environ.get("PIP_FIND_LINKS"):
+        return os.environ["PIP_FIND_LINKS"].split()
+    config = sh(sys.executable, "-m", "pip", "config", "list", check=False)
+    return [
+        v.strip("'\"") for k, _, v in (line.partition("=") for line in config.splitlines()) if k.endswith("find-links")
+    ]
+
+
 def build_images() -> None:
     """Our three images, from the local base (podman's layer cache: a rebuild is seconds)."""
     podman = program("podman")
@@ -66,7 +76,7 @@ def build_images() -> None:
     heavy(*build, f"BASE_IMAGE={BASE}", "-f", "deploy/cpu-tools.Dockerfile", "-t", TOOLS, ".")
     # torch's CPU wheel: PyTorch's index by default; a machine without it lists a folder
     # holding the wheel in PIP_FIND_LINKS (this one does), mounted into the build.
-    wheels = [p for p in os.environ.get("PIP_FIND_LINKS", "").split() if Path(p).is_dir()]
+    wheels = [p for p in find_links() if Path(p).is_dir()]
     extra = ["-v", f"{wheels[0]}:/wheels:ro", "--build-arg", "PIP_FIND_LINKS=/wheels"] if wheels else []
     extra += ["--build-arg", "PIP_EXTRA_INDEX_URL="] if wheels else []
     heavy(
@@ -79,6 +89,8 @@ def build_images() -> None:
         "localhost/lmcache-vllm-cpu:latest",
         ".",
     )
+    # A rebuild after a source change leaves the previous image untagged: drop those.
+    sh(podman, "image", "prune", "-f")
 
 
 def tiny_model(root: Path) -> Path:
