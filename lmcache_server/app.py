@@ -342,7 +342,9 @@ def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:
         batch_interval_s=c.events_batch_interval_s,
         heartbeat_s=c.events_heartbeat_s,
     )
-    settings = EventSettings(c.events_topic, c.events_node or socket.gethostname(), c.events_block_size)
+    settings = EventSettings(
+        c.events_topic, c.events_node or socket.gethostname(), c.events_block_size, c.events_encoding
+    )
     announcer = Announcer(publisher, settings)
     announcer.keep_path = keep_path(Path(disk_path(c.local_disk)) if c.local_disk else None, c.shm_dir, c.listen)
     if c.events_snapshot_endpoint is not None:

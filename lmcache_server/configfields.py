@@ -328,6 +328,13 @@ class ConfigFields:
     events_node: str = v.field(
         "", v.string, "a string (empty: the host name)", "The node name in events_topic (e.g. the pod name for llm-d)."
     )
+    events_encoding: str = v.field(
+        "map",
+        v.choice("map", "array"),
+        "map or array",
+        "How each event is encoded: map (vLLM 0.32's tagged maps; vLLM's decoder, Dynamo) or array "
+        "(the positional arrays of vLLM before 0.32, which llm-d reads); see docs/events.md.",
+    )
     events_block_size: int = v.field(
         16,
         v.int_in(1, 1 << 20),

@@ -50,7 +50,7 @@ from ..storage.base import ChunkKey
 from .blocks import BlockIndex, Held, block_hashes, parent_hash
 from .keep import Kept
 from .publisher import EventPublisher
-from .wire import Event, all_cleared, block_removed, block_stored
+from .wire import Event, Wire
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ class EventSettings:
     topic: str = "kv@{node}@{model}"
     node: str = "lmcache"
     block_size: int = 16
+    encoding: str = "map"
+    """``map`` (vLLM 0.32) or ``array`` (vLLM before 0.32: llm-d, Conductor; :class:`.wire.Wire`)."""
 
 
 @dataclasses.dataclass
@@ -114,6 +116,7 @@ class Announcer:
         self.publisher = publisher
         self.settings = settings
         self.counters = AnnouncerCounters()
+        self.wire = Wire(array=settings.encoding == "array")
         self._topics: dict[str, bytes] = {}  # namespace -> topic
         self._index: dict[tuple[bytes, str], BlockIndex] = {}  # (topic, medium) -> its announced blocks
         self._where: dict[ChunkKey, tuple[bytes, str]] = {}  # announced chunk -> (topic, medium), kept current
@@ -154,7 +157,7 @@ class Announcer:
         for namespace in ["", *namespaces, *(k.key.namespace for k in kept)]:
             self.topic(namespace)
         for topic in self.topics():
-            self.publisher.publish(topic, [all_cleared()])
+            self.publisher.publish(topic, [self.wire.all_cleared()])
         step = 4 * self.settings.block_size
         for key, held in kept:
             if len(held.packed) != step * len(held.hashes):
@@ -244,7 +247,7 @@ class Announcer:
             return None  # every block already announced (in this medium) by another chunk
         bs = self.settings.block_size
         parent = held.parent if shared == 0 else held.hashes[shared - 1]
-        return block_stored(held.hashes[shared:], parent, held.packed[shared * 4 * bs :], bs, medium, LOCAL)
+        return self.wire.block_stored(held.hashes[shared:], parent, held.packed[shared * 4 * bs :], bs, medium, LOCAL)
 
     def _build_restored(self, key: ChunkKey, topic: bytes, held: Held, medium: str) -> None:
         event = self._stored_event(self._index_of(topic, medium), key, held, medium)
@@ -269,28 +272,28 @@ class Announcer:
             events.append(event)
         gone = source.remove(key)
         if gone:
-            events.append(block_removed(gone, old, LOCAL))
+            events.append(self.wire.block_removed(gone, old, LOCAL))
         self.publisher.publish(topic, events)
 
     def _build_removed(self, key: ChunkKey, topic: bytes, medium: str) -> None:
         gone = self._index_of(topic, medium).remove(key)
         if gone:
-            self.publisher.publish(topic, [block_removed(gone, medium, LOCAL)])
+            self.publisher.publish(topic, [self.wire.block_removed(gone, medium, LOCAL)])
 
     def _build_cleared(self, namespace: str | None) -> None:
         if namespace is None:
             for topic in self.topics():
                 for _, index in self._indexes(topic):
                     index.clear()
-                self.publisher.publish(topic, [all_cleared()])
+                self.publisher.publish(topic, [self.wire.all_cleared()])
             return
         topic = self.topic(namespace)
         indexes = self._indexes(topic)
         gone = [(medium, index.remove_namespace(namespace)) for medium, index in indexes]
         if not any(len(index) for _, index in indexes):
-            self.publisher.publish(topic, [all_cleared()])
+            self.publisher.publish(topic, [self.wire.all_cleared()])
         else:
-            self.publisher.publish(topic, [block_removed(h, m, LOCAL) for m, h in gone if h])
+            self.publisher.publish(topic, [self.wire.block_removed(h, m, LOCAL) for m, h in gone if h])
 
     # -- snapshot ----------------------------------------------------------------------
     def residency(self, prefix: bytes = b"") -> tuple[int, list[tuple[bytes, str, list[Held], set[int]]]]:
@@ -330,7 +333,9 @@ class Announcer:
                     continue
                 seen.update(hashes)
             parent = held.parent if shared == 0 else hashes[shared - 1]
-            events.append(block_stored(hashes[shared:], parent, held.packed[shared * step :], bs, medium, LOCAL))
+            events.append(
+                self.wire.block_stored(hashes[shared:], parent, held.packed[shared * step :], bs, medium, LOCAL)
+            )
         return events
 
     def stats(self) -> dict[str, Any]:

@@ -6,9 +6,15 @@
   loop: ``publish`` and ``wake`` only append or schedule, never block and
   never raise into a request.  ``prepare`` (the announcer's) runs first at each
   flush and turns what it recorded into events.
-- Every batch gets the next sequence number (one counter per endpoint, from
-  0) and goes into the replay buffer before it is sent, so the sequence a
-  subscriber can recover is gap-free.
+- Every batch gets the next sequence number (one counter per endpoint) and
+  goes into the replay buffer before it is sent, so the sequence a subscriber
+  can recover is gap-free.  An epoch's first number is its start time in
+  microseconds (``first_seq``), not 0 as vLLM numbers them: a restarted
+  daemon numbers past every batch of its previous epoch (unless the clock went
+  back, or it published a million batches a second), so a subscriber that
+  follows sequence numbers and knows no epoch (NVIDIA Dynamo's listener) takes
+  the new epoch's batches, its ``AllBlocksCleared`` first, as the next ones
+  rather than as batches it already has.
 - The PUB socket sends without blocking: a subscriber past its high-water
   mark (``hwm``) loses batches (ZeroMQ drops them for that subscriber only,
   silently) and can ask the replay endpoint for them.  A send ZeroMQ refuses
@@ -105,7 +111,9 @@ class EventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self.counters = PublisherCounters()
         self.buffer = ReplayBuffer(replay_bytes)
-        self.next_seq = 0
+        self.first_seq = time.time_ns() // 1000
+        """The epoch's first sequence number: its start time in microseconds (module docstring)."""
+        self.next_seq = self.first_seq
         self.heartbeat_s = heartbeat_s
         self.publisher_id = uuid.uuid4().hex
         """This daemon's epoch: new at every start."""
@@ -304,6 +312,7 @@ class EventPublisher:
             "endpoint": self.endpoint,
             "publisher_id": self.publisher_id,
             "replay_endpoint": self.replay_endpoint,
+            "first_seq": self.first_seq,
             "next_seq": self.next_seq,
             "pending_events": self._pending_events,
             "replay_buffered_batches": len(self.buffer),

@@ -18,8 +18,12 @@ is packed twice, and a chunk's token ids go from the packed u32le bytes the
 put carried straight to msgpack ``uint 32`` items (any integer width is valid
 msgpack; vLLM's msgspec decoder takes them), without a Python int per token.
 
+With ``events_encoding: array`` the same events go out as the positional
+arrays of vLLM before 0.32 (:class:`Wire`), for routers that read only those.
+
 Primitives: :func:`block_stored`, :func:`block_removed`, :func:`all_cleared`,
-:func:`encode_batch`, :func:`seq_bytes`, :data:`END_SEQ`.
+:class:`Wire` (the same in either encoding), :func:`encode_batch`,
+:func:`seq_bytes`, :data:`END_SEQ`.
 """
 
 from __future__ import annotations
@@ -123,6 +127,46 @@ def all_cleared() -> Event:
 def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int = 0) -> bytes:
     """One ``KVEventBatch`` payload: ``[ts, [events...], data_parallel_rank]``."""
     return b"".join((b"\x93", _pack(float(ts)), _array_header(len(events)), *events, _pack(data_parallel_rank)))
+
+
+class Wire:
+    """The event builders in one encoding: vLLM 0.32's maps (``array`` False, the
+    functions above) or the positional arrays vLLM encoded before 0.32 (msgspec's
+    ``array_like``), which llm-d's vLLM adapter and Mooncake Conductor decode:
+    ``[tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+    medium, lora_name]``, ``[tag, block_hashes, medium]`` and ``[tag]``.  That
+    form has no ``locality``: it is left out (every event is this node's own)."""
+
+    def __init__(self, array: bool = False):
+        self.array = array
+
+    def block_stored(
+        self,
+        hashes: Sequence[int],
+        parent: int | None,
+        packed_ids: bytes,
+        block_size: int,
+        medium: str,
+        locality: str = "LOCAL",
+    ) -> Event:
+        if not self.array:
+            return block_stored(hashes, parent, packed_ids, block_size, medium, locality)
+        return b"".join((
+            b"\x98", _TAGS["BlockStored"], _pack(list(hashes)),
+            _NIL if parent is None else _pack(parent),
+            _u32_array(packed_ids), _pack(block_size), _NIL, _str(medium), _NIL,
+        ))  # fmt: skip
+
+    def block_removed(self, hashes: Sequence[int], medium: str, locality: str = "LOCAL") -> Event:
+        if not self.array:
+            return block_removed(hashes, medium, locality)
+        return b"\x93" + _TAGS["BlockRemoved"] + _pack(list(hashes)) + _str(medium)
+
+    def all_cleared(self) -> Event:
+        return b"\x91" + _TAGS["AllBlocksCleared"] if self.array else _CLEARED
+
+
+_TAGS = {tag: _str(tag) for tag in ("BlockStored", "BlockRemoved", "AllBlocksCleared")}
 
 
 def seq_bytes(seq: int) -> bytes:

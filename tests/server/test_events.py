@@ -101,7 +101,8 @@ def all_batches(daemon: Daemon, client: CacheClient, **at_least: int) -> list[Fr
     reached ``at_least`` (see quiet)."""
     quiet(client, **at_least)
     frames = replay(daemon)
-    assert [seq for _, seq, _ in frames] == list(range(len(frames))), "the sequence has gaps"
+    first = int(client.stats()["events"]["first_seq"])
+    assert [seq for _, seq, _ in frames] == list(range(first, first + len(frames))), "the sequence has gaps"
     # A cold start: its first batch clears the node's bare topic (no namespace was known).
     assert decode(frames[:1])[0]["events"] == [{"type": "AllBlocksCleared"}]
     assert frames[0][0].endswith(b"@")
@@ -200,7 +201,7 @@ def test_late_subscriber_replays_every_event_vllm_decodes_them_and_replicas_agre
             # A late subscriber: it joins after everything was published.
             frames = all_batches(daemon, c, announced_chunks=3)
         batches = decode_with_vllm(vllm_python, frames)
-        assert [b["seq"] for b in batches] == list(range(1, len(frames) + 1))
+        assert [b["seq"] for b in batches] == [seq for _, seq, _ in frames]
         assert {b["topic"] for b in batches} == {f"kv@{node}@{MODEL}"}
         assert {b["data_parallel_rank"] for b in batches} == {0}
         stored = events_of(batches)
@@ -432,13 +433,14 @@ def test_a_stalled_subscriber_never_holds_up_puts_and_replays_what_it_lost(
             assert c.put(keys[part], [b"x" * 4096] * len(keys[part]), tokens=toks[part]) == [PutStatus.STORED] * len(
                 keys[part]
             )
-        total = quiet(c, announced_chunks=len(keys))["next_seq"]
-        assert total == len(keys) + 1  # the start batch, then one batch per chunk
+        stats = quiet(c, announced_chunks=len(keys))
+        first, total = stats["first_seq"], stats["next_seq"]
+        assert total - first == len(keys) + 1  # the start batch, then one batch per chunk
     got = []
     while stalled.poll(500):
         got.append(int.from_bytes(stalled.recv_multipart()[1], "big"))
-    assert len(got) < total  # it lost batches past its high-water mark ...
-    missing = sorted(set(range(total)) - set(got))
+    assert len(got) < total - first  # it lost batches past its high-water mark ...
+    missing = sorted(set(range(first, total)) - set(got))
     recovered = replay(daemon, missing[0])  # ... and replay has every one of them
     assert set(missing) <= {seq for _, seq, _ in recovered}
     assert [s for _, s, _ in recovered] == list(range(missing[0], total))

@@ -192,30 +192,30 @@ def test_dynamo_indexer_still_sees_a_prefix_spilled_to_disk(
         assert agree(dynamo_indexer, daemon, c, a, instance=3) == (0, 0)
 
 
-def test_after_a_daemon_restart_dynamo_needs_the_worker_registered_again(
+def test_after_a_daemon_restart_dynamo_drops_the_old_epoch_by_itself(
     daemon_factory: Callable[..., Daemon], dynamo_indexer: DynamoIndexer
 ) -> None:
-    """A restart is a new epoch: ``AllBlocksCleared`` first, the sequence from 0 again.
-    Dynamo's listener has no epoch: it takes the new epoch's first batches, numbered below
-    the sequence it expects, for ones it already has and drops them, the clear included,
-    so it keeps the old epoch's blocks. Registering the worker again (what its controller
-    does for a restarted vLLM replica) starts it over."""
+    """A restart is a new epoch: ``AllBlocksCleared`` first, numbered past every batch of
+    the old epoch (an epoch's first sequence number is its start time in microseconds).
+    Dynamo's listener has no epoch; it takes the new epoch's batches as the next ones
+    (a gap, which it asks the replay endpoint about), applies the clear and drops the old
+    epoch's blocks without the worker being registered again.  (With sequences from 0 at
+    every start, as vLLM numbers them, it took them for batches it already had and kept
+    the old blocks until re-registered.)"""
     daemon = events_daemon(daemon_factory)
     register(dynamo_indexer, daemon, 4)
     a, b = prompt(7, 2 * CHUNK), prompt(8, CHUNK)
     with daemon.client(namespace=NS, chunk_size=CHUNK) as c:
         put(c, a)
         assert agree(dynamo_indexer, daemon, c, a, instance=4) == (2 * CHUNK, 2 * CHUNK)
+        before = int(c.stats()["events"]["next_seq"])
     assert daemon.stop() == 0
     daemon.start()
     with daemon.client(namespace=NS, chunk_size=CHUNK) as c:
+        assert int(c.stats()["events"]["next_seq"]) > before, "the new epoch numbers past the old one"
         put(c, b)
-        wait_for(lambda: dynamo_indexer.longest(MODEL, b, 4) == CHUNK)  # the new epoch's later batches
-        assert c.lookup_tokens(a) == 0 and dynamo_indexer.longest(MODEL, a, 4) == 2 * CHUNK  # stale
-        dynamo_indexer.call("POST", "/unregister", {"instance_id": 4, "model_name": MODEL})
-        register(dynamo_indexer, daemon, 4)
-        put(c, prompt(9, CHUNK))  # a live batch: the listener replays the epoch from its start
-        assert agree(dynamo_indexer, daemon, c, a, instance=4) == (0, 0)
+        wait_for(lambda: dynamo_indexer.longest(MODEL, b, 4) == CHUNK)
+        assert agree(dynamo_indexer, daemon, c, a, instance=4) == (0, 0), "the old epoch's blocks are gone"
         assert agree(dynamo_indexer, daemon, c, b, instance=4) == (CHUNK, CHUNK)
 
 

@@ -61,17 +61,16 @@ A = prompt(1, 3 * CHUNK)
 B = A[: CHUNK + 32] + prompt(2, CHUNK - 32)  # A's first chunk and 2 more blocks, then its own
 
 
-@pytest.fixture(scope="module")
-def stream(module_daemon_factory: Callable[..., Daemon], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def scenario(factory: Callable[..., Daemon], root: Any, **config: Any) -> dict[str, Any]:
     """The whole stream of one scenario, raw and decoded, and the daemon's lookups at its end."""
-    root = tmp_path_factory.mktemp("spill")
     daemon = events_daemon(
-        module_daemon_factory,
+        factory,
         node=NODE,
         local_disk=f"file://{root}",
         max_local_cpu_size="8MiB",
         max_local_disk_size="64MiB",
         spill_ahead_size=0,
+        **config,
     )
     with daemon.client(namespace=NS, chunk_size=CHUNK) as c:
         keys_a = chunk_keys(A, CHUNK)
@@ -92,25 +91,60 @@ def stream(module_daemon_factory: Callable[..., Daemon], tmp_path_factory: pytes
     return {"frames": frames, "batches": batches, "lookups": lookups}
 
 
+@pytest.fixture(scope="module")
+def stream(module_daemon_factory: Callable[..., Daemon], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return scenario(module_daemon_factory, tmp_path_factory.mktemp("spill"))
+
+
 def events(stream: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(topic, e) for topic, (_, evs, _) in stream["batches"] for e in evs]
 
 
-# -- the encoding: vLLM 0.32's map form, which llm-d and Conductor do not read ---------------
-def test_events_are_vllm_0_32_maps_not_the_positional_arrays_llmd_and_conductor_read(stream: dict[str, Any]) -> None:
+# -- the encoding: vLLM 0.32's maps by default, positional arrays for llm-d ---------------
+def test_events_are_vllm_0_32_maps_by_default(stream: dict[str, Any]) -> None:
     """vLLM 0.32 encodes each event as a map tagged ``type`` (``KVCacheEvent`` without
-    ``array_like``), and so does the daemon; llm-d's vLLM adapter and Conductor's vLLM
-    decoder read the earlier positional form (``[tag, block_hashes, parent, token_ids,
-    block_size, lora_id, medium, ...]``) and reject a map. A router on those needs an
-    array encoding of the same events (not offered: this test pins the fact)."""
+    ``array_like``), and so does the daemon by default; llm-d's vLLM adapter and
+    Conductor's vLLM decoder read only the earlier positional form and reject a map
+    (``events_encoding: array`` is for them, next test)."""
     seen = 0
     for _, _, payload in stream["frames"]:
         batch = msgpack.unpackb(payload, raw=False)
         assert isinstance(batch, list) and len(batch) == 3  # [ts, events, dp_rank]: read by both
         for event in batch[1]:
-            assert isinstance(event, dict) and "type" in event  # not list-shaped: both reject it
+            assert isinstance(event, dict) and "type" in event
             seen += 1
     assert seen >= 6
+
+
+def llmd_decode(event: Any) -> dict[str, Any]:
+    """An event as llm-d's vLLM adapter reads it (``vllm_adapter.go``: a positional array,
+    tag first; BlockStored ``[tag, block_hashes, parent, token_ids, block_size, lora_id,
+    medium, lora_name]``, BlockRemoved ``[tag, block_hashes, medium]``)."""
+    assert isinstance(event, list) and event and isinstance(event[0], str), "llm-d: failed to decode tagged union"
+    tag = event[0]
+    if tag == "BlockStored":
+        hashes, parent, tokens, block_size, lora_id, medium, lora_name = event[1:8]
+        return {"type": tag, "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+                "block_size": block_size, "lora_id": lora_id, "medium": medium, "lora_name": lora_name}  # fmt: skip
+    if tag == "BlockRemoved":
+        return {"type": tag, "block_hashes": event[1], "medium": event[2]}
+    assert tag == "AllBlocksCleared", f"llm-d: unknown vLLM event tag: {tag}"
+    return {"type": tag}
+
+
+def test_events_encoding_array_gives_llmd_the_same_events_as_positional_arrays(
+    module_daemon_factory: Callable[..., Daemon], tmp_path_factory: pytest.TempPathFactory, stream: dict[str, Any]
+) -> None:
+    """The same scenario with ``events_encoding: array``: every event is an array llm-d
+    decodes, and what it reads equals the map stream's event, field for field (but
+    ``locality``, which the array form has no place for)."""
+    arrays = scenario(module_daemon_factory, tmp_path_factory.mktemp("spill-array"), events_encoding="array")
+    assert arrays["lookups"] == stream["lookups"]
+    read = [(topic, llmd_decode(e)) for topic, (_, evs, _) in arrays["batches"] for e in evs]
+    expected = [(topic, {k: v for k, v in e.items() if k != "locality"}) for topic, e in events(stream)]
+    assert read == expected
+    assert {e["type"] for _, e in read} == {"AllBlocksCleared", "BlockStored", "BlockRemoved"}
+    assert {e.get("medium") for _, e in read} >= {"CPU", "STORAGE"}
 
 
 # -- llm-d -----------------------------------------------------------------------------------
