@@ -4,7 +4,7 @@ docker-compose.yml + deploy/compose.cpu.yml started with podman-compose, checked
 The module builds the local Debian base once per machine (scripts/local-base.sh, reused when
 present), our images (podman's layer cache keeps a rebuild short), a tiny model with the vLLM
 harness, then starts the daemon, Redis, two vLLM CPU replicas and Prometheus.  The checks go
-over HTTP to the containers' addresses on the stack's default network: on this machine a
+over HTTP to the containers' addresses on the stack's network: on this machine a
 connection to a published port on 127.0.0.1 is answered by the sandbox, not by the container
 (docs/deploy.md, "What was run").  podman, runc, debootstrap and the dnsname CNI plugin come
 from scripts/system-deps.sh; a missing one fails the module instead of skipping it.
@@ -133,7 +133,7 @@ class Stack:
         return DAEMON if service == "lmcache-server" else f"{PROJECT}_{service}_1"
 
     def address(self, service: str) -> str:
-        """The container's IP on the stack's default network (or its only one)."""
+        """The container's IP on the stack's network (compose.cpu.yml puts every service on one)."""
         nets = json.loads(
             sh("podman", "inspect", self.container(service), "--format", "{{json .NetworkSettings.Networks}}")
         )
@@ -152,16 +152,15 @@ class Stack:
         return sh("podman", "exec", DAEMON, "python", "-c", code, timeout=60)
 
     def leftovers(self) -> list[str]:
-        """The containers, networks and volumes still labelled with the project."""
+        """The containers, networks and volumes of the project still there (by label or by name)."""
         label = f"label=io.podman.compose.project={PROJECT}"
-        found = [
-            f"container {n}" for n in sh("podman", "ps", "-a", "--filter", label, "--format", "{{.Names}}").split()
-        ]
-        for kind in ("network", "volume"):
-            found += [
-                f"{kind} {n}" for n in sh("podman", kind, "ls", "--filter", label, "--format", "{{.Name}}").split()
-            ]
-        return found
+        found = set()
+        for kind, fmt in (("container", "{{.Names}}"), ("network", "{{.Name}}"), ("volume", "{{.Name}}")):
+            listing = ["podman", "ps", "-a"] if kind == "container" else ["podman", kind, "ls"]
+            labelled = sh(*listing, "--filter", label, "--format", fmt).split()
+            named = [n for n in sh(*listing, "--format", fmt).split() if n.startswith(PROJECT)]
+            found |= {f"{kind} {n}" for n in labelled + named}
+        return sorted(found)
 
 
 def get(url: str, timeout: float = 10) -> Any:
@@ -276,6 +275,8 @@ def test_stopping_the_daemon_drains_it_and_the_replicas_keep_answering(stack: St
 
 
 def test_compose_down_leaves_nothing_behind(stack: Stack) -> None:
+    running = stack.leftovers()
+    assert {"network lmcache-cpu_cache", "volume lmcache-cpu_lmcache-disk"} <= set(running), running
     stack.run("down", "-v")
     assert stack.leftovers() == []
 
