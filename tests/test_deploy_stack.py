@@ -58,6 +58,10 @@ def heavy(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -
     return sh("flock", LOCK, *args, timeout=timeout, env=env)
 
 
+BUILT_HERE = "io.lmcache.built-by=tests/test_deploy_stack.py"
+"""The label on every image this test builds (what its prune may remove)."""
+
+
 def find_links() -> list[str]:
     """pip's find-links folders: PIP_FIND_LINKS, else pip's configuration."""
     if os.environ.get("PIP_FIND_LINKS"):
@@ -71,7 +75,7 @@ def find_links() -> list[str]:
 def build_images() -> None:
     """Our three images, from the local base (podman's layer cache: a rebuild is seconds)."""
     podman = program("podman")
-    build = [podman, "--runtime", "runc", "build", *ULIMITS, "--build-arg"]
+    build = [podman, "--runtime", "runc", "build", *ULIMITS, "--label", BUILT_HERE, "--build-arg"]
     heavy(*build, f"PYTHON_IMAGE={BASE}", "-f", "deploy/Dockerfile", "-t", "localhost/lmcache-server:latest", ".")
     heavy(*build, f"BASE_IMAGE={BASE}", "-f", "deploy/cpu-tools.Dockerfile", "-t", TOOLS, ".")
     # torch's CPU wheel: PyTorch's index by default; a machine without it lists a folder
@@ -89,8 +93,9 @@ def build_images() -> None:
         "localhost/lmcache-vllm-cpu:latest",
         ".",
     )
-    # A rebuild after a source change leaves the previous image untagged: drop those.
-    sh(podman, "image", "prune", "-f")
+    # A rebuild after a source change leaves the previous image untagged: drop those
+    # (only images these builds made: the machine's other untagged images stay).
+    sh(podman, "image", "prune", "-f", "--filter", f"label={BUILT_HERE}")
 
 
 def tiny_model(root: Path) -> Path:
