@@ -154,6 +154,9 @@ def format_stats(stats: dict[str, Any], address: str) -> str:
         if "head_rule" in memory:  # cache_policy adaptive
             state = "on: first-seen prompts store their first chunk only" if memory["head_rule"] else "off"
             policy += f", head rule {state} ({memory.get('head_rule_switches', 0)} switches)"
+        if "recency_order" in memory:  # cache_policy adaptive: LRU's order or lfuda's
+            order = "least recently used first" if memory["recency_order"] else "lfuda's"
+            policy += f", eviction order {order} ({memory.get('recency_order_switches', 0)} switches)"
         lines.append(policy + f", {memory.get('skipped', 0)} chunks not admitted")
     if "namespace" in stats:
         ns = dict(stats["namespace"])

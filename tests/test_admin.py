@@ -85,7 +85,10 @@ def test_stats_table_and_json(filled: Daemon) -> None:
     assert "chunk reads: 4, served from some tier: 3 (75.0%)" in lines
     assert "lookups: 1, chunks asked 4, leading hits 3 (75.0%)" in lines
     assert "namespaces: 2 (list them with `admin namespaces`)" in lines
-    assert "memory policy: adaptive, head rule off (0 switches), 0 chunks not admitted" in lines
+    assert (
+        "memory policy: adaptive, head rule off (0 switches), eviction order lfuda's (0 switches), "
+        "0 chunks not admitted"
+    ) in lines
 
     out = admin("stats", "--address", filled.address, "--json", "--namespace", OTHER)
     stats = json.loads(out.stdout)
