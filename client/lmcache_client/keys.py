@@ -110,6 +110,20 @@ def salted_root(*parts: str) -> bytes:
     return h.digest()
 
 
+def request_root(lora: str | None = None, salt: str | None = None, tags: Sequence[str] = ()) -> bytes:
+    """The chain root of a request served with LoRA adapter ``lora``, ``cache_salt``
+    ``salt`` and tags ``tags`` (in the given order; the vLLM connector passes them as a
+    sorted set): each part only when given, ``lora`` even when empty (ROOT_KEY for none)."""
+    parts: list[str] = []
+    if lora is not None:
+        parts.append("lora=" + lora)
+    if salt:
+        parts.append("salt=" + salt)
+    if tags:
+        parts.append("tags=" + "\x1f".join(tags))
+    return salted_root(*parts)
+
+
 def chunk_keys(tokens: Sequence[int] | Iterable[int], chunk_size: int, root: bytes = ROOT_KEY) -> list[bytes]:
     """Keys of every full chunk of ``tokens``, in order (a chain from ``root``)."""
     if chunk_size <= 0:

@@ -9,8 +9,7 @@ Request (JSON, at most :data:`MAX_BODY` bytes, :data:`MAX_TOKENS` ids):
 ``{"tokens": [int...], "namespace": NS}`` or ``{"tokens": [...], "model": M}``
 (every namespace of model ``M`` this node holds), optional ``"lora"``,
 ``"salt"``, ``"tags"`` (the chain root, as the vLLM connector names it:
-``keys.salted_root("lora=<name>", "salt=<salt>", "tags=<t1>\\x1f<t2>...")``,
-tags sorted, each part only when given) and ``"chunk_size"`` (else the
+``keys.request_root``: tags sorted, each part only when given) and ``"chunk_size"`` (else the
 namespace's ``c<N>`` field, else the daemon's).
 
 Answer: ``{"best": {...}, "namespaces": [{"namespace", "chunk_size",
@@ -30,10 +29,10 @@ Primitives: :class:`QueryError`, :class:`Query`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from lmcache_client.keys import chunk_keys, salted_root
+from lmcache_client.keys import chunk_keys, request_root
 
 from ..storage.base import ChunkKey
 
@@ -50,19 +49,6 @@ class QueryError(Exception):
     def __init__(self, status: str, message: str):
         super().__init__(message)
         self.status = status
-
-
-def chain_root(lora: str | None, salt: str | None, tags: Sequence[str]) -> bytes:
-    """The key chain root of a request with these extras (the vLLM connector's rule)."""
-    parts = []
-    if lora:
-        parts.append("lora=" + lora)
-    if salt:
-        parts.append("salt=" + salt)
-    if tags:
-        parts.append("tags=" + "\x1f".join(sorted(set(tags))))
-    root: bytes = salted_root(*parts)
-    return root
 
 
 def _chunk_size_of(namespace: str) -> int | None:
@@ -126,7 +112,7 @@ class Query:
         if chunk_size is not None and (type(chunk_size) is not int or not 1 <= chunk_size <= MAX_TOKENS):
             raise QueryError("400 Bad Request", f'"chunk_size" must be an integer 1..{MAX_TOKENS}')
         namespaces = self._namespaces(request)
-        root = chain_root(lora, salt, tags)
+        root = request_root(lora or None, salt or None, sorted(set(tags)))
         self.queries += 1
         out = [self._one(ns, tokens, root, chunk_size) for ns in namespaces]
         best = max(out, key=lambda r: (r["prefix_tokens"], r["by_medium"].get("CPU", 0)))

@@ -18,7 +18,7 @@ remembering the latest answer, so vLLM may repeat them.
 
 Requests whose KV depends on more than their tokens get keys of their own:
 a LoRA adapter's name and a ``cache_salt`` are folded into the key chain's
-root (:func:`~lmcache_client.keys.salted_root`).  Multimodal requests and
+root (:func:`~lmcache_client.keys.request_root`).  Multimodal requests and
 prompt embeddings are neither loaded nor stored (their placeholder tokens do
 not name their KV).
 
@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ...keys import chunk_keys, salted_root, tail_key
+from ...keys import chunk_keys, request_root, tail_key
 from ..transfer import ChunkTransfer
 from .lookups import LookupService, Then
 from .params import RequestParams, request_params
@@ -69,16 +69,10 @@ def key_root(request: Any, tags: Sequence[str] = ()) -> bytes | None:
     ``lmcache_tags``, folded in like a ``cache_salt``."""
     if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
         return None
-    parts: list[str] = []
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append("lora=" + str(getattr(lora, "lora_name", None) or getattr(lora, "name", "")))
+    name = str(getattr(lora, "lora_name", None) or getattr(lora, "name", "")) if lora is not None else None
     salt = getattr(request, "cache_salt", None)
-    if salt:
-        parts.append("salt=" + str(salt))
-    if tags:
-        parts.append("tags=" + "\x1f".join(tags))
-    return salted_root(*parts)
+    return request_root(name, str(salt) if salt else None, tags)
 
 
 class Matcher:
