@@ -113,6 +113,7 @@ def measure(name: str, root: Path, args: argparse.Namespace, base: Path) -> dict
             "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", str(workdir), "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru",
         ])  # fmt: skip
+
         def start_daemon(label: str) -> tuple[str, Any]:
             address = f"tcp://127.0.0.1:{free_port()}"
             child = procs.start(label, [

@@ -76,8 +76,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=10, help="rounds, alternating kill and freeze (default 10)")
     p.add_argument("--freeze-s", type=float, default=2.0, help="how long Redis stays frozen (default 2)")
     p.add_argument("--payload-kib", type=int, default=32, help="bytes per put (default 32 KiB)")
-    p.add_argument("--queue-mib", type=int, default=1024,
-                   help="the daemon's max_remote_queue_size: room for the writes of an outage (default 1024)")
+    p.add_argument(
+        "--queue-mib",
+        type=int,
+        default=1024,
+        help="the daemon's max_remote_queue_size: room for the writes of an outage (default 1024)",
+    )
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     raise_on_sigterm()
