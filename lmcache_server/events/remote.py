@@ -61,7 +61,7 @@ def placement(medium: str) -> tuple[str, str]:
     return ("CPU", REMOTE) if medium == REMOTE else (medium, LOCAL)
 
 
-AUDIT_BATCH = 1000
+AUDIT_BATCH = 256
 """Known keys the audit looks at between two yields; at most this many asked per round trip
 (a pipeline of EXISTS)."""
 EXPIRY_MARGIN_S = 0.5
