@@ -29,6 +29,7 @@ from .events import Announcer, EventPublisher, EventSettings
 from .events.keep import keep_path
 from .events.keep import load as load_kept
 from .events.keep import save as save_kept
+from .events.remote import RemoteHeld
 from .events.snapshot import SnapshotServer
 from .metrics import (
     EventsCollector,
@@ -135,6 +136,7 @@ class App:
                 supervisor=supervisor,
             )
             disk.quotas = TenantQuotas(c.quotas("disk"))
+            disk.scan_tokens = c.events_endpoint is not None and c.record_tokens
             await disk.open()
         remote = None
         if c.remote_url is not None:
@@ -153,6 +155,7 @@ class App:
             await remote.open()
         admission = _admission(c, disk, remote)
         store = TieredStore(memory, disk, remote, offload=offload, supervisor=supervisor, admission=admission)
+        store.record_tokens = c.record_tokens
         if remote is not None:  # writes owed to Redis at the last stop, of chunks adopted again
             remote.requeue(store.uplink_again)
         budget = ByteBudget(c.max_inflight_bytes)
@@ -168,6 +171,10 @@ class App:
         events = _events(c, context)
         if events is not None:
             store.events = events
+            if remote is not None and c.events_remote and c.events_encoding == "map":  # the array form: no locality
+                events.remote = RemoteHeld(events, remote, max_chunks=c.events_remote_max_chunks,
+                                           ttl_s=c.remote_ttl_s, audit_s=c.events_remote_audit_s)  # fmt: skip
+                remote.listener = events.remote
             self.registry.register(EventsCollector(events.stats))
         shm = ShmLeases(store, pool, c.shm_lease_timeout_s)
         if warm_leases is not None:
@@ -195,7 +202,9 @@ class App:
         if d.events is not None:
             _bind_events(d.events)
             namespaces = sorted({ns for tier in d.store.tiers for ns in tier.namespaces()})
-            restored = d.events.start(namespaces, load_kept(d.events.keep_path), d.store.where)
+            found = d.store.disk.found_tokens if d.store.disk is not None else []  # what the disk's scan read
+            restored = d.events.start(namespaces, load_kept(d.events.keep_path), d.store.where, found)
+            found.clear()
             logger.info("KV events: epoch %s, %d chunks announced again", d.events.publisher.publisher_id, restored)
             d.event_loops = _serve_events(d.events, d.supervisor)
         d.monitor.start(d.server.sock)
@@ -386,4 +395,6 @@ def _serve_events(events: Announcer, supervisor: Supervisor) -> list[asyncio.Tas
     ]
     if events.snapshot_server is not None:
         loops.append(supervisor.spawn("events_snapshot", events.snapshot_server.serve))
+    if events.remote is not None:  # TTLs and the audit of what Redis holds (events_remote)
+        loops.append(supervisor.spawn("events_remote", events.remote.run))
     return loops

@@ -116,6 +116,14 @@ class ConfigFields:
         "true or false",
         "Write chunk files with O_DIRECT (no page-cache copy) where the filesystem supports it.",
     )
+    record_tokens: bool = v.field(
+        True,
+        v.boolean,
+        "true or false",
+        "With KV events on, write each announced chunk's token ids into its disk file and Redis record "
+        "(record format 2), so a disk scan after a crash and a promotion from Redis announce it; false "
+        "while daemons that read only format 1 share the Redis tier.",
+    )
     spill_ahead_size: int = v.field(
         64 * 1024**2,
         v.size(),
@@ -334,6 +342,27 @@ class ConfigFields:
         "map or array",
         "How each event is encoded: map (vLLM 0.32's tagged maps; vLLM's decoder, Dynamo) or array "
         "(the positional arrays of vLLM before 0.32, which llm-d reads); see docs/events.md.",
+    )
+    events_remote: bool = v.field(
+        True,
+        v.boolean,
+        "true or false",
+        "With events and a remote_url: a chunk that leaves memory and disk while this node's Redis uplink "
+        "holds it is announced as moved there (medium CPU, locality REMOTE) instead of removed; see docs/events.md.",
+    )
+    events_remote_max_chunks: int = v.field(
+        65536,
+        v.int_in(1, 1 << 24),
+        "an integer 1..16777216",
+        "Keys this node remembers Redis holds (for events_remote); past it the oldest are forgotten "
+        "(a chunk announced REMOTE is then announced removed).",
+    )
+    events_remote_audit_s: float = v.field(
+        10.0,
+        v.float_in(0.0, 3600.0),
+        "seconds, 0..3600 (0 disables)",
+        "How often the chunks announced REMOTE are checked in Redis (EXISTS, pipelined) and the gone ones "
+        "announced removed; 0: never (only TTLs, reads, deletes and outages are seen).",
     )
     events_block_size: int = v.field(
         16,

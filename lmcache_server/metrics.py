@@ -362,11 +362,23 @@ class EventsCollector(Collector):
              "Chunks announced again at start (kept at the last clean stop).", "restored_chunks"),
             ("lmcache_event_heartbeats", "Heartbeat batches sent (one per topic when idle).", "heartbeats"),
             ("lmcache_event_snapshots", "Snapshots answered in full on the snapshot endpoint.", "snapshots"),
+            ("lmcache_event_chunks_remote",
+             "Chunks that left memory and disk announced as held in Redis (locality REMOTE).", "remote_moved_chunks"),
+            ("lmcache_event_chunks_remote_removed",
+             "Chunks announced REMOTE whose removal was announced (TTL, gone from Redis, uplink down, bound).",
+             "remote_removed_chunks"),
+            ("lmcache_event_remote_audits", "Audit rounds of the chunks announced REMOTE (EXISTS in Redis).",
+             "remote_audits"),
         ]  # fmt: skip
         for name, doc, field in families:
             yield CounterMetricFamily(name, doc, value=float(s.get(field, 0)))
         yield GaugeMetricFamily(
             "lmcache_event_announced_blocks", "Blocks announced and not removed.", value=float(s["announced_blocks"])
+        )
+        yield GaugeMetricFamily(
+            "lmcache_event_remote_known_chunks",
+            "Keys this node remembers Redis holds for it (bounded by events_remote_max_chunks).",
+            value=float(s.get("remote_known_chunks", 0)),
         )
         yield GaugeMetricFamily(
             "lmcache_event_kept_bytes",

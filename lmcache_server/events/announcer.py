@@ -20,7 +20,9 @@ put's commit never waits for them.  In that order:
   there, then ``BlockRemoved`` with the old one for the blocks no chunk holds
   there any more (in that order: a router never sees the block nowhere).
 - ``removed``: the chunk left the last local tier; blocks no chunk holds any
-  more (in its medium) are published as one ``BlockRemoved``.
+  more (in its medium) are published as one ``BlockRemoved``.  When this
+  node's Redis uplink holds it (:mod:`.remote`) it is ``moved`` to ``REMOTE``
+  instead (sent as ``medium: CPU, locality: REMOTE``), and removed once forgotten.
 - ``cleared``: a clear.  ``AllBlocksCleared`` on the namespace's topic when no
   other namespace has blocks announced there (else a ``BlockRemoved`` of the
   namespace's blocks); a clear of all namespaces clears every topic.
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,6 +52,8 @@ from ..storage.base import ChunkKey
 from .blocks import BlockIndex, Held, block_hashes, parent_hash
 from .keep import Kept
 from .publisher import EventPublisher
+from .remote import LOCAL as LOCAL  # re-exported
+from .remote import REMOTE, REMOTE_TIER, RemoteHeld, placement
 from .wire import Event, Wire
 
 logger = logging.getLogger(__name__)
@@ -57,8 +61,6 @@ logger = logging.getLogger(__name__)
 MEDIUM = {"memory": "CPU", "disk": "STORAGE"}
 """Our tier names -> the ``medium`` of events (vLLM's MEDIUM_CPU, MEDIUM_STORAGE).
 A chunk is announced with the medium of the fastest local tier holding it."""
-LOCAL = "LOCAL"
-"""The ``locality`` of every announced block (vLLM's LOCAL: this node serves it)."""
 
 TOPIC_FIELDS = ("model", "namespace", "node")
 
@@ -103,7 +105,8 @@ class AnnouncerCounters:
     skipped_chunks: int = 0
     """Puts with token ids that were not a whole number of event blocks."""
     restored_chunks: int = 0
-    """Chunks announced again at start: kept at the last clean stop, found in the store."""
+    """Chunks announced again at start: kept at the last clean stop and found in the store,
+    or found on disk with token ids in their records."""
     moved_chunks: int = 0
     """Announced chunks whose medium changed (spilled then dropped from memory, promoted)."""
     clears: int = 0
@@ -121,12 +124,14 @@ class Announcer:
         self._index: dict[tuple[bytes, str], BlockIndex] = {}  # (topic, medium) -> its announced blocks
         self._where: dict[ChunkKey, tuple[bytes, str]] = {}  # announced chunk -> (topic, medium), kept current
         self._ops: list[tuple[Any, ...]] = []  # what happened since the last flush, in order
+        self._unbuilt: dict[ChunkKey, ChunkTokens] = {}  # stored since the last flush (not in an index yet)
         publisher.prepare = self._build
         publisher.topics = self.topics
         self.keep_path: Path | None = None
         """Where a clean stop keeps what was announced for the next start (:mod:`.keep`)."""
         self.snapshot_server: Endpoint | None = None
         """The snapshot endpoint (set by the composition root when configured)."""
+        self.remote: RemoteHeld | None = None  # what Redis holds for this node (:mod:`.remote`); set by the app
 
     def topic(self, namespace: str) -> bytes:
         topic = self._topics.get(namespace)
@@ -149,11 +154,19 @@ class Announcer:
             index = self._index[(topic, medium)] = BlockIndex()
         return index
 
-    def start(self, namespaces: list[str], kept: list[Kept], where: Callable[[ChunkKey], str | None]) -> int:
+    def start(
+        self,
+        namespaces: list[str],
+        kept: list[Kept],
+        where: Callable[[ChunkKey], str | None],
+        found: Sequence[tuple[ChunkKey, ChunkTokens]] = (),
+    ) -> int:
         """A new epoch: ``AllBlocksCleared`` on the topic of each namespace the store
         holds at start (and the bare topic), so subscribers drop the last epoch's
         blocks; then a ``BlockStored`` for each ``kept`` chunk (:mod:`.keep`) that
-        ``where`` (the store's fastest tier holding a key) finds.  Returns how many."""
+        ``where`` (the store's fastest tier holding a key) finds, and for each chunk
+        ``found`` with token ids in its record (the disk's scan after a stop that kept
+        nothing) that is still stored and not announced yet.  Returns how many."""
         for namespace in ["", *namespaces, *(k.key.namespace for k in kept)]:
             self.topic(namespace)
         for topic in self.topics():
@@ -169,6 +182,13 @@ class Announcer:
             self._where[key] = (topic, medium)
             self.counters.restored_chunks += 1
             self._record(("restored", key, topic, held, medium))
+        for key, tokens in found:
+            tier = where(key)
+            if tier is not None and key not in self._where:
+                self.stored(key, tokens, tier)
+                if key in self._where:  # counted as restored, not as a put's
+                    self.counters.announced_chunks -= 1
+                    self.counters.restored_chunks += 1
         return self.counters.restored_chunks
 
     def kept(self) -> Iterator[Kept]:
@@ -183,6 +203,8 @@ class Announcer:
     def stored(self, key: ChunkKey, tokens: ChunkTokens, tier: str) -> None:
         try:
             if key in self._where:
+                if self._where[key][1] == REMOTE:  # put again while only Redis held it
+                    self.moved(key, tier)
                 return
             if not tokens.packed or len(tokens.packed) % (4 * self.settings.block_size):
                 self.counters.skipped_chunks += 1
@@ -190,6 +212,7 @@ class Announcer:
             topic = self.topic(key.namespace)
             medium = MEDIUM.get(tier, tier.upper())
             self._where[key] = (topic, medium)
+            self._unbuilt[key] = tokens
             self.counters.announced_chunks += 1
             self._record(("stored", key, topic, tokens, medium))
         except Exception:
@@ -198,14 +221,39 @@ class Announcer:
     def announced(self, key: ChunkKey) -> bool:
         return key in self._where
 
-    def moved(self, key: ChunkKey, tier: str) -> None:
-        """The fastest local tier holding the announced chunk ``key`` is now ``tier``."""
+    def medium(self, key: ChunkKey) -> str | None:
+        """The medium ``key`` is announced with (None: not announced)."""
+        return self._where[key][1] if key in self._where else None
+
+    def remote_holds(self, key: ChunkKey) -> bool:
+        return self.remote is not None and self.remote.holds(key)
+
+    def tokens(self, key: ChunkKey) -> ChunkTokens | None:
+        """The announced chunk ``key``'s token ids and parent key (None: not announced,
+        or announced from a file kept by an older daemon, which has no parent key)."""
         where = self._where.get(key)
-        medium = MEDIUM.get(tier, tier.upper())
+        if where is None:
+            return None
+        tokens = self._unbuilt.get(key)
+        if tokens is not None:
+            return tokens
+        for (topic, _), index in self._index.items():  # its medium's, or the old one's before a move is built
+            held = index.get(key) if topic == where[0] else None
+            if held is not None:
+                return ChunkTokens(held.parent_key, held.packed) if held.parent_key else None
+        return None
+
+    def moved(self, key: ChunkKey, tier: str) -> None:
+        """The fastest local tier holding the announced chunk ``key`` is now ``tier`` (the
+        Redis tier: only Redis holds it, :mod:`.remote`)."""
+        where = self._where.get(key)
+        medium = REMOTE if tier == REMOTE_TIER else MEDIUM.get(tier, tier.upper())
         if where is None or where[1] == medium:
             return
         self._where[key] = (where[0], medium)
         self.counters.moved_chunks += 1
+        if medium == REMOTE and self.remote is not None:
+            self.remote.moved(key)
         self._record(("moved", key, where[0], where[1], medium))
 
     def removed(self, key: ChunkKey) -> None:
@@ -234,6 +282,7 @@ class Announcer:
     # -- at flush: the events ----------------------------------------------------------
     def _build(self) -> None:
         ops, self._ops = self._ops, []
+        self._unbuilt.clear()
         for op in ops:
             try:
                 getattr(self, f"_build_{op[0]}")(*op[1:])
@@ -242,12 +291,14 @@ class Announcer:
 
     def _stored_event(self, index: BlockIndex, key: ChunkKey, held: Held, medium: str) -> Event | None:
         """Record ``held`` in ``index``; the ``BlockStored`` of its blocks new there (None: none is)."""
-        shared = index.add(key, held.hashes, held.parent, held.packed)
+        shared = index.add(key, held.hashes, held.parent, held.packed, held.parent_key)
         if shared == len(held.hashes):
             return None  # every block already announced (in this medium) by another chunk
         bs = self.settings.block_size
         parent = held.parent if shared == 0 else held.hashes[shared - 1]
-        return self.wire.block_stored(held.hashes[shared:], parent, held.packed[shared * 4 * bs :], bs, medium, LOCAL)
+        return self.wire.block_stored(
+            held.hashes[shared:], parent, held.packed[shared * 4 * bs :], bs, *placement(medium)
+        )
 
     def _build_restored(self, key: ChunkKey, topic: bytes, held: Held, medium: str) -> None:
         event = self._stored_event(self._index_of(topic, medium), key, held, medium)
@@ -256,7 +307,7 @@ class Announcer:
 
     def _build_stored(self, key: ChunkKey, topic: bytes, tokens: ChunkTokens, medium: str) -> None:
         hashes = block_hashes(key.digest, tokens.parent, tokens.packed, self.settings.block_size)
-        held = Held(hashes, parent_hash(tokens.parent), tokens.packed)  # type: ignore[arg-type]
+        held = Held(hashes, parent_hash(tokens.parent), tokens.packed, tokens.parent)  # type: ignore[arg-type]
         event = self._stored_event(self._index_of(topic, medium), key, held, medium)
         if event is not None:
             self.publisher.publish(topic, [event])
@@ -272,13 +323,13 @@ class Announcer:
             events.append(event)
         gone = source.remove(key)
         if gone:
-            events.append(self.wire.block_removed(gone, old, LOCAL))
+            events.append(self.wire.block_removed(gone, *placement(old)))
         self.publisher.publish(topic, events)
 
     def _build_removed(self, key: ChunkKey, topic: bytes, medium: str) -> None:
         gone = self._index_of(topic, medium).remove(key)
         if gone:
-            self.publisher.publish(topic, [self.wire.block_removed(gone, medium, LOCAL)])
+            self.publisher.publish(topic, [self.wire.block_removed(gone, *placement(medium))])
 
     def _build_cleared(self, namespace: str | None) -> None:
         if namespace is None:
@@ -293,7 +344,7 @@ class Announcer:
         if not any(len(index) for _, index in indexes):
             self.publisher.publish(topic, [self.wire.all_cleared()])
         else:
-            self.publisher.publish(topic, [self.wire.block_removed(h, m, LOCAL) for m, h in gone if h])
+            self.publisher.publish(topic, [self.wire.block_removed(h, *placement(m)) for m, h in gone if h])
 
     # -- snapshot ----------------------------------------------------------------------
     def residency(self, prefix: bytes = b"") -> tuple[int, list[tuple[bytes, str, list[Held], set[int]]]]:
@@ -334,7 +385,7 @@ class Announcer:
                 seen.update(hashes)
             parent = held.parent if shared == 0 else hashes[shared - 1]
             events.append(
-                self.wire.block_stored(hashes[shared:], parent, held.packed[shared * step :], bs, medium, LOCAL)
+                self.wire.block_stored(hashes[shared:], parent, held.packed[shared * step :], bs, *placement(medium))
             )
         return events
 
@@ -347,6 +398,7 @@ class Announcer:
             **dataclasses.asdict(self.counters),
             **self.publisher.stats(),
             **(self.snapshot_server.stats() if self.snapshot_server is not None else {}),
+            **(self.remote.stats() if self.remote is not None else {}),
         }
         out["pending_events"] += len(self._ops)
         return out

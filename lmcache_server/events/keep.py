@@ -3,7 +3,7 @@
 Token ids reach the daemon only with puts; the chunk files and the warm memory
 index do not hold them (their formats are not changed for events).  At a
 clean stop the announcer writes, per announced chunk, its namespace, key,
-block hashes, parent hash and token ids to ``path`` (msgpack records behind a
+block hashes, parent hash, token ids and parent key to ``path`` (msgpack records behind a
 version header, written to a temporary file and renamed).  At the next start
 the records are read once (the file is removed), and a record is announced
 again only if the store holds its key then (a warm restart adopted the
@@ -31,7 +31,9 @@ from .blocks import Held
 
 logger = logging.getLogger(__name__)
 
-HEADER = b"lmcache-events-kept-v1\n"
+HEADER = b"lmcache-events-kept-v2\n"
+"""Version 2 adds each chunk's parent key; a version 1 file (an older daemon's) still loads."""
+HEADER_V1 = b"lmcache-events-kept-v1\n"
 
 
 class Kept(NamedTuple):
@@ -60,7 +62,8 @@ def save(path: Path | None, chunks: Iterable[Kept]) -> int:
             packer = msgpack.Packer(use_bin_type=True)
             for key, held in chunks:
                 parent = -1 if held.parent is None else held.parent
-                f.write(packer.pack((key.namespace, key.digest, parent, held.hashes.tobytes(), held.packed)))
+                record = (key.namespace, key.digest, parent, held.hashes.tobytes(), held.packed, held.parent_key)
+                f.write(packer.pack(record))
                 n += 1
         os.replace(tmp, path)
     except OSError as err:
@@ -82,26 +85,32 @@ def load(path: Path | None) -> list[Kept]:
         logger.warning("KV events: %s not read (%s); chunks found at start are not announced", path, err)
         return []
     path.unlink(missing_ok=True)
-    if not data.startswith(HEADER):
+    if not data.startswith((HEADER, HEADER_V1)):
         logger.warning("KV events: %s is not a kept-events file; ignored", path)
         return []
     out = []
     try:
-        for namespace, digest, parent, hashes, packed in _records(data[len(HEADER) :]):
-            out.append(Kept(ChunkKey(namespace, digest), Held(_hashes(hashes), None if parent < 0 else parent, packed)))
+        for namespace, digest, parent, hashes, packed, parent_key in _records(data[len(HEADER) :]):
+            held = Held(_hashes(hashes), None if parent < 0 else parent, packed, parent_key)
+            out.append(Kept(ChunkKey(namespace, digest), held))
     except (ValueError, TypeError, msgpack.UnpackException) as err:
         logger.warning("KV events: %s is damaged (%s); %d chunks read before it", path, err, len(out))
     return out
 
 
-def _records(data: bytes) -> Iterable[tuple[str, bytes, int, bytes, bytes]]:
+def _records(data: bytes) -> Iterable[tuple[str, bytes, int, bytes, bytes, bytes]]:
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(data) + 1)
     unpacker.feed(data)
     for record in unpacker:
-        namespace, digest, parent, hashes, packed = record
-        if not (isinstance(namespace, str) and isinstance(digest, bytes) and isinstance(packed, bytes)):
+        if not isinstance(record, list) or len(record) not in (5, 6):
             raise ValueError("a record of the wrong shape")
-        yield namespace, digest, int(parent), bytes(hashes), packed
+        namespace, digest, parent, hashes, packed = record[:5]
+        parent_key = record[5] if len(record) == 6 else b""
+        if not all(isinstance(v, bytes) for v in (digest, packed, parent_key)) or not isinstance(namespace, str):
+            raise ValueError("a record of the wrong shape")
+        if parent_key and len(parent_key) != 32:
+            raise ValueError("a parent key that is not 32 bytes")
+        yield namespace, digest, int(parent), bytes(hashes), packed, parent_key
 
 
 def _hashes(raw: bytes) -> array[int]:

@@ -9,7 +9,8 @@ Primitives:
   before it, as a put sent them and the server checked them; kept only until
   the chunk is announced.
 - :class:`Residency`: what the tiered store tells a listener (the KV-event
-  announcer) about chunks becoming readable on this node and leaving it.
+  announcer) about chunks becoming readable on this node and leaving it;
+  :class:`RemoteListener`: what the Redis tier tells it about what Redis holds.
 - :class:`Tier`: ``get`` (miss = None), ``put`` (a PutStatus), ``contains``,
   ``delete``, ``clear``, ``close``, plus ``peek`` and ``stats`` for lookups
   and introspection.  Promotion and spill between tiers live in
@@ -41,6 +42,11 @@ class Residency(Protocol):
         """Whether ``key`` was announced (and not yet removed)."""
         ...
 
+    def tokens(self, key: ChunkKey) -> ChunkTokens | None:
+        """The token ids (and parent key) of the announced chunk ``key``, written into
+        its records below memory (:mod:`.chunkfile`); None when not announced."""
+        ...
+
     def moved(self, key: ChunkKey, tier: str) -> None:
         """The fastest local tier holding ``key`` is now ``tier`` (it left memory but
         the disk holds it, or it was promoted back to memory)."""
@@ -50,6 +56,11 @@ class Residency(Protocol):
         """``key`` left the last local tier that held it."""
         ...
 
+    def remote_holds(self, key: ChunkKey) -> bool:
+        """Whether this node's Redis uplink is known to hold ``key`` (the node can still
+        serve it when it left the local tiers: ``moved`` to the Redis tier, not removed)."""
+        ...
+
     def cleared(self, namespace: str | None) -> None:
         """Every chunk of ``namespace`` (None: all) is being removed."""
         ...
@@ -57,10 +68,35 @@ class Residency(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
+class RemoteListener(Protocol):
+    """Told by the Redis tier what Redis holds for this node (the KV-event announcer's
+    memory of it); on the event loop; must never block or raise."""
+
+    def written(self, keys: Sequence[ChunkKey], sent_at: float) -> None:
+        """Redis acknowledged the SETs of ``keys``, sent at ``sent_at`` (time.monotonic())."""
+        ...
+
+    def found(self, keys: Sequence[ChunkKey]) -> None:
+        """A read from Redis found ``keys``."""
+        ...
+
+    def gone(self, keys: Sequence[ChunkKey]) -> None:
+        """Redis does not hold ``keys`` (a read or EXISTS missed), or they are being deleted."""
+        ...
+
+    def cleared(self, namespace: str | None) -> None:
+        """Every key of ``namespace`` (None: all) is being cleared."""
+        ...
+
+    def down(self) -> None:
+        """The uplink went down: nothing in Redis can be served until it is back."""
+        ...
+
+
 class Chunk:
     """A stored chunk's bytes; a context manager that releases its lease on exit."""
 
-    __slots__ = ("data", "tier", "offset", "_release")
+    __slots__ = ("data", "tier", "offset", "tokens", "_release")
 
     def __init__(
         self, data: memoryview, tier: str, release: Callable[[], None] | None = None, offset: int | None = None
@@ -69,6 +105,9 @@ class Chunk:
         self.tier = tier
         self.offset = offset
         """Where the bytes start in the memory pool (memory-tier chunks), else None."""
+        self.tokens: ChunkTokens | None = None
+        """The chunk's token ids when its record carried them (a Redis read; see
+        :mod:`.chunkfile`), so that a promotion can announce it."""
         self._release = release
 
     @property

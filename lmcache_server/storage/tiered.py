@@ -29,7 +29,10 @@ Tiers are ordered fastest first: memory, then disk, then Redis.
   have had, beside the actual one).
 - KV events (:class:`.base.Residency`, optional): a put that carries token ids
   is announced when it becomes readable; a chunk that leaves the last local
-  tier (memory, disk) is announced as removed; a clear, as cleared.
+  tier (memory, disk) is announced as removed (as moved to Redis, locality
+  REMOTE, when Redis is known to hold it); a clear, as cleared.  An
+  announced chunk's records below memory carry its token ids, so that a chunk
+  promoted from Redis (this node's or another's) is announced too.
 
 Batching, promotion, spill and lookup semantics are written here once, not in
 each tier.  This module holds :class:`TieredStore`'s composition, reads and
@@ -50,6 +53,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from ..supervisor import Supervisor
@@ -98,7 +102,12 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         """Told what becomes readable and what leaves (the KV-event announcer); set by the composition root."""
         self.sizing: Sizing | None = None
         """Sizing telemetry (:mod:`.sizing`): lookups and gets recorded in its windows; set by the composition root."""
+        self.record_tokens = True
+        """Write announced chunks' token ids into their disk and Redis records (``record_tokens``)."""
         memory.on_removed = self._left_memory
+        for tier in (disk, remote):
+            if tier is not None:
+                tier.tokens_of = self._tokens_of
         if disk is not None:
             disk.on_removed = self._left
         if disk is not None:
@@ -133,16 +142,26 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         disk.enqueue(key, chunk.data)
         return True
 
+    def _tokens_of(self, key: ChunkKey) -> ChunkTokens | None:
+        """The token ids a record of ``key`` carries (:mod:`.chunkfile`): those of an
+        announced chunk, when ``record_tokens`` is on."""
+        if self.events is None or not self.record_tokens:
+            return None
+        return self.events.tokens(key)
+
     def _left_memory(self, key: ChunkKey) -> None:
         if self.admission is not None:
             self.admission.removed(key)
         self._left(key)
 
     def _left(self, key: ChunkKey) -> None:
-        """A tier dropped ``key``: announce it removed once no local tier holds it, else
-        where it now is (its medium changes when it leaves memory for the disk)."""
+        """A tier dropped ``key``: announce it removed once no local tier holds it (moved
+        to Redis when Redis is known to hold it), else where it now is (its medium
+        changes when it leaves memory for the disk)."""
         if self.events is not None and self.events.announced(key):
             where = self._where(key)
+            if where is None and self.remote is not None and self.events.remote_holds(key):
+                where = self.remote.name
             if where is None:
                 self.events.removed(key)
             else:
@@ -186,7 +205,9 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         for digest in digests:
             key = ChunkKey(namespace, digest)
             await self.filling.filled(key)
-            out.append(any([await t.delete(key) for t in self.tiers]))
+            # Redis first: the local tiers then drop a chunk Redis no longer holds (no move to Redis).
+            tiers = self.tiers if self.remote is None else [self.remote, *self.tiers[:-1]]
+            out.append(any([await t.delete(key) for t in tiers]))
             if self.admission is not None:
                 self.admission.deleted(key)
         return out

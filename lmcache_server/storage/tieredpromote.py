@@ -51,10 +51,16 @@ class TieredPromotion:
     admission: StoreAdmission | None
     events: Residency | None
 
-    def _promoted(self, key: ChunkKey) -> None:
-        """An announced chunk promoted to memory: its medium is memory's again."""
-        if self.events is not None and self.events.announced(key):
+    def _promoted(self, key: ChunkKey, chunk: Chunk | None = None) -> None:
+        """A chunk promoted to memory: an announced one's medium is memory's again; one
+        not announced whose record carried its token ids (``chunk.tokens``: another
+        node's chunk from Redis, or this node's after it left) is announced now."""
+        if self.events is None:
+            return
+        if self.events.announced(key):
             self.events.moved(key, self.memory.name)
+        elif chunk is not None and chunk.tokens is not None:
+            self.events.stored(key, chunk.tokens, self.memory.name)
 
     async def fill_from(self, tier: str, key: ChunkKey, chunk: Chunk) -> PutStatus | None:
         """Copy ``chunk`` (read from ``tier``) into the pool, off the loop: STORED when
@@ -71,7 +77,7 @@ class TieredPromotion:
         status = await fill_reservation(self.memory, reservation, fill())
         if status is PutStatus.STORED:
             self.promotions[tier] += 1
-            self._promoted(key)
+            self._promoted(key, chunk)
             if self.admission is not None and self.remote is not None and tier == self.remote.name:
                 self.admission.from_remote(key)  # Redis holds it: no write owed
         return status

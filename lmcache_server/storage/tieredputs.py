@@ -179,13 +179,13 @@ class TieredPuts:
         status = self.memory.complete_store(reservation)
         if status is PutStatus.STORED:
             key = reservation.key
+            if reservation.tokens is not None and self.events is not None:
+                self.events.stored(key, reservation.tokens, self.memory.name)  # first: its Redis record carries them
             if self.admission is None:
                 if self.remote is not None:
                     self._uplink(key)
             elif self.admission.stored(key, reservation.size) and self._uplink(key):
                 self.admission.uplinked(key, reservation.size)
-            if reservation.tokens is not None and self.events is not None:
-                self.events.stored(reservation.key, reservation.tokens, self.memory.name)
         reservation.tokens = None
         return status
 

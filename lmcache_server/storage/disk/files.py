@@ -4,8 +4,9 @@ Every function here blocks and runs on the disk tier's thread pool.
 
 Primitives: :func:`path_for`, :func:`write_record` (temp file + rename, optional
 fsync, optional O_DIRECT), :func:`read_record` (verified payload, optionally into
-a given buffer), :func:`unlink`, :func:`scan` (rebuild an index from a
-directory), :func:`disk_usage`, :func:`direct_io_works`, :func:`aligned_copy`.
+a given buffer), :func:`read_header`, :func:`unlink`, :func:`scan` (rebuild an
+index from a directory, with the records' token ids when asked),
+:func:`disk_usage`, :func:`direct_io_works`, :func:`aligned_copy`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmcache_client.keys import ChunkTokens
+
 from ..base import ChunkKey
-from ..chunkfile import CorruptRecord, encode_header, parse_header, verify_payload
+from ..chunkfile import CorruptRecord, RecordHeader, encode_header, header_length, parse_header, verify_payload
 
 logger = logging.getLogger(__name__)
 
@@ -116,16 +119,20 @@ def aligned_copy(data: Any) -> memoryview:
     return view
 
 
-def write_record(path: str, key: ChunkKey, payload: Any, fsync: str, direct: bool = False) -> int:
-    """Write the record of ``payload`` to ``path`` atomically (temp file + rename);
-    the payload checksum is computed here, on the I/O thread.
+def write_record(
+    path: str, key: ChunkKey, payload: Any, fsync: str, direct: bool = False, tokens: ChunkTokens | None = None
+) -> int:
+    """Write the record of ``payload`` (with ``tokens`` when given) to ``path``
+    atomically (temp file + rename); the payload checksum is computed here, on the
+    I/O thread.
 
     ``direct``: write with O_DIRECT (no page-cache copy, nothing cached twice)
     when the payload lies page-aligned in memory, as pool extents and
-    :func:`aligned_copy` buffers do; any other payload is written buffered.
+    :func:`aligned_copy` buffers do, and the header fits one block (token ids
+    of up to about 1,000 tokens do); any other record is written buffered.
     """
     view = memoryview(payload).cast("B")
-    header = encode_header(key.namespace, key.digest, view, pad_to=HEADER_BLOCK)
+    header = encode_header(key.namespace, key.digest, view, pad_to=HEADER_BLOCK, tokens=tokens)
     address = _address(view)
     direct = direct and len(header) == HEADER_BLOCK and address is not None and address % BLOCK == 0
     directory = os.path.dirname(path)
@@ -195,10 +202,7 @@ def read_record(path: str, key: ChunkKey, out: memoryview | None = None, uncache
     ``uncache`` then drops the file's pages, so the chunk is not held twice.
     """
     with open(path, "rb", buffering=0) as f:
-        head = f.read(HEADER_BLOCK)
-        header = parse_header(head)
-        if len(head) < header.header_len:
-            raise CorruptRecord("record truncated inside its header")
+        header = read_header(f)
         f.seek(header.header_len)
         payload = memoryview(bytearray(header.payload_len)) if out is None else out
         if payload.nbytes != header.payload_len:
@@ -212,6 +216,18 @@ def read_record(path: str, key: ChunkKey, out: memoryview | None = None, uncache
     return payload
 
 
+def read_header(f: Any) -> RecordHeader:
+    """The checked header of the record open as ``f`` (read from its start: one block,
+    more when its token ids do not fit one)."""
+    head = f.read(HEADER_BLOCK)
+    need = header_length(head)
+    if need > len(head):
+        head += f.read(need - len(head))
+        if len(head) < need:
+            raise CorruptRecord("record truncated inside its header")
+    return parse_header(head)
+
+
 def unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -219,12 +235,14 @@ def unlink(path: str) -> None:
         pass
 
 
-_ScanEntry = tuple[float, ChunkKey, str, int, int]  # mtime, key, path, payload_len, disk_bytes
+_ScanEntry = tuple[float, ChunkKey, str, int, int, ChunkTokens | None]
+"""mtime, key, path, payload_len, disk_bytes, token ids (when the record has them and they were asked for)."""
 
 
-def scan(root: Path, threads: int = 16) -> tuple[list[_ScanEntry], int]:
+def scan(root: Path, threads: int = 16, tokens: bool = False) -> tuple[list[_ScanEntry], int]:
     """Index entries found under root (oldest first) and the number of damaged or
-    foreign files removed.  The fan-out directories are read in parallel: on a
+    foreign files removed; with ``tokens``, each entry's token ids from its header
+    (None when it has none).  The fan-out directories are read in parallel: on a
     cold cache each header is a random read, and the device serves many at once."""
     base = root / "v1"
     if not base.is_dir():
@@ -233,14 +251,14 @@ def scan(root: Path, threads: int = 16) -> tuple[list[_ScanEntry], int]:
     found: list[_ScanEntry] = []
     removed = 0
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="lmcache-scan") as pool:
-        for entries, bad in pool.map(lambda d: _scan_dir(root, d), subdirs):
+        for entries, bad in pool.map(lambda d: _scan_dir(root, d, tokens), subdirs):
             found.extend(entries)
             removed += bad
     found.sort(key=lambda e: e[0])  # oldest first: LRU order
     return found, removed
 
 
-def _scan_dir(root: Path, directory: str) -> tuple[list[_ScanEntry], int]:
+def _scan_dir(root: Path, directory: str, tokens: bool) -> tuple[list[_ScanEntry], int]:
     found: list[_ScanEntry] = []
     removed = 0
     for item in os.scandir(directory):
@@ -252,7 +270,7 @@ def _scan_dir(root: Path, directory: str) -> tuple[list[_ScanEntry], int]:
         try:
             st = item.stat(follow_symlinks=False)
             with open(item.path, "rb", buffering=0) as f:
-                header = parse_header(f.read(HEADER_BLOCK))
+                header = read_header(f)
             key = ChunkKey(header.namespace, header.key)
             if st.st_size != header.header_len + header.payload_len:
                 raise CorruptRecord("file size does not match its header")
@@ -263,5 +281,7 @@ def _scan_dir(root: Path, directory: str) -> tuple[list[_ScanEntry], int]:
             unlink(item.path)
             removed += 1
             continue
-        found.append((st.st_mtime, key, item.path, header.payload_len, disk_usage(st.st_size)))
+        found.append(
+            (st.st_mtime, key, item.path, header.payload_len, disk_usage(st.st_size), header.tokens if tokens else None)
+        )
     return found, removed

@@ -24,8 +24,11 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from lmcache_client.keys import ChunkTokens
+
 from ...config import ConfigError
 from ...supervisor import Supervisor
+from ..base import ChunkKey
 from . import snapshot as disksnapshot
 from .files import LOCK_NAME, TMP_PREFIX, DirectoryInUse, direct_io_works, lock_directory, scan
 from .index import DiskIndex, _entry
@@ -48,6 +51,8 @@ class DiskLifecycle(DiskIndex):
     _lock_fd: int | None
     _write_loop: Callable[[], Coroutine[Any, Any, None]]
     _degrade: Callable[[str], None]
+    scan_tokens: bool
+    found_tokens: list[tuple[ChunkKey, ChunkTokens]]
 
     # -- lifecycle -----------------------------------------------------------------
     async def open(self) -> None:
@@ -76,10 +81,12 @@ class DiskLifecycle(DiskIndex):
                 self.counters.rebuilt_entries = len(snapshot)
                 self.counters.rebuilt_from_snapshot = 1
             else:
-                found, removed = await self._run(scan, self.root)
+                found, removed = await self._run(scan, self.root, 16, self.scan_tokens)
                 self.counters.corrupt += removed
-                for _, key, _, payload_len, disk_bytes in found:
+                for _, key, _, payload_len, disk_bytes, tokens in found:
                     self._add(key, _entry(payload_len, disk_bytes))
+                    if tokens is not None:
+                        self.found_tokens.append((key, tokens))
                 self.counters.rebuilt_entries = len(found)
             await self._shrink_to(self.max_bytes)
             for tenant in list(self.quotas.limits):  # a quota lowered since the last run

@@ -57,6 +57,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from ...supervisor import Supervisor
@@ -123,6 +124,13 @@ class DiskTier(DiskLifecycle):
         self.on_removed: Callable[[ChunkKey], None] | None = None
         """Called when a chunk is no longer readable here (dropped, deleted, a spill
         not written); set by the tiered store."""
+        self.tokens_of: Callable[[ChunkKey], ChunkTokens | None] | None = None
+        """A chunk's token ids, written into its record (KV events); set by the tiered store."""
+        self.scan_tokens = False
+        """Keep the token ids a start's scan finds in the records (in :attr:`found_tokens`,
+        for the KV-event announcer); set before :meth:`open`."""
+        self.found_tokens: list[tuple[ChunkKey, ChunkTokens]] = []
+        """What the start's scan found with token ids (oldest first); taken by the announcer."""
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         async with self._io:
@@ -245,8 +253,9 @@ class DiskTier(DiskLifecycle):
         if disk_bytes > self.max_bytes:
             return PutStatus.TOO_LARGE
         path = path_for(self.root, key)
+        tokens = self.tokens_of(key) if self.tokens_of is not None else None
         try:
-            await self._run(write_record, path, key, data, self.fsync, self.direct)
+            written = await self._run(write_record, path, key, data, self.fsync, self.direct, tokens)
         except OSError as err:
             self.counters.write_errors += 1
             reason = "disk full" if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "write failed"
@@ -257,7 +266,7 @@ class DiskTier(DiskLifecycle):
             self.degraded = None
         if key in self._index:  # written twice concurrently: keep one
             return PutStatus.EXISTS
-        self._add(key, _entry(size, disk_bytes))
+        self._add(key, _entry(size, disk_usage(written)))
         self.counters.stores += 1
         await self._shrink_to(self.max_bytes)
         if self.quotas:

@@ -22,6 +22,10 @@
 - Reads: only on a memory and disk miss; the misses of one batch are one
   round trip (a pipeline of GETs; on a cluster split per node by redis-py),
   each reply bounded by ``remote_timeout_s``; records are verified off the loop.
+- KV events: ``listener`` (:class:`..base.RemoteListener`) is told what Redis
+  acknowledged (the writer), what reads and EXISTS found or missed, deletes,
+  clears and outages, so that a chunk that leaves the local tiers can be
+  announced as held in Redis (docs/events.md, "Media and locality").
 - Restarts: with ``state_path``, a clean stop saves the removals and the keys
   of the writes Redis was not yet told about (:mod:`.pending`); the next
   start sends the removals before anything else (reads of the keys they cover
@@ -60,7 +64,7 @@ from typing import Any
 
 from ...config import redact
 from ...supervisor import Supervisor
-from ..base import Chunk, ChunkKey
+from ..base import Chunk, ChunkKey, RemoteListener
 from ..chunkfile import CorruptRecord, decode_record
 from ..offload import Offload
 from .carryover import RedisCarryover
@@ -117,6 +121,8 @@ class RedisTier(RedisCarryover, RedisWriter):
         self._offload = offload if offload is not None else Offload(1, "lmcache-redis")
         self._own_offload = offload is None
         self.queue = WriteQueue(max_queue_bytes)
+        self.tokens_of = None
+        self.listener: RemoteListener | None = None  # told what Redis holds (KV events); set by the app
         self._tasks: list[asyncio.Task[None]] = []
         self._building: set[asyncio.Task[None]] = set()
         self._writing: list[Write] | None = None
@@ -149,6 +155,7 @@ class RedisTier(RedisCarryover, RedisWriter):
         return self.queue.idle() and self._writing is None and not self._building and not self._removing
 
     async def close(self) -> None:
+        self.listener = None  # a stop is no outage: nothing more to announce
         for task in [*self._tasks, self._probing, *self._building]:
             if task is not None:
                 task.cancel()
@@ -160,6 +167,11 @@ class RedisTier(RedisCarryover, RedisWriter):
             await self._client.aclose()
         except ERRORS:
             pass
+
+    def _mark_down(self, err: BaseException) -> None:
+        super()._mark_down(err)
+        if self.listener is not None:
+            self.listener.down()  # nothing in Redis can be served now
 
     # -- reads ---------------------------------------------------------------------
     def peek(self, key: ChunkKey) -> bool:
@@ -192,6 +204,8 @@ class RedisTier(RedisCarryover, RedisWriter):
             self.counters.read_errors += 1
             logger.warning("Redis uplink: EXISTS answered %.80r; treated as misses", found)
             return [False] * len(keys)
+        if self.listener is not None:
+            self.listener.gone([k for k, n in zip(keys, found) if not n])
         return [bool(n) for n in found]
 
     async def value_sizes(self, keys: Sequence[ChunkKey]) -> list[int]:
@@ -275,7 +289,12 @@ class RedisTier(RedisCarryover, RedisWriter):
             self.counters.misses += len(refused)
             logger.warning("Redis uplink: %d of %d GETs answered an error (%s); treated as misses",
                            len(refused), len(keys), refused[0])  # fmt: skip
-        return list(await asyncio.gather(*(self._decoded(k, rk, v) for k, rk, v in zip(keys, rkeys, values))))
+        chunks = list(await asyncio.gather(*(self._decoded(k, rk, v) for k, rk, v in zip(keys, rkeys, values))))
+        if self.listener is not None:  # what Redis holds (a key it answered with an error: unknown)
+            self.listener.found([k for k, c in zip(keys, chunks) if c is not None])
+            missed = [k for k, v, c in zip(keys, values, chunks) if c is None and not isinstance(v, Exception)]
+            self.listener.gone(missed)
+        return chunks
 
     async def _decoded(self, key: ChunkKey, rkey: bytes, value: Any) -> Chunk | None:
         """The chunk in ``value`` (None: a miss), verified; a damaged value is deleted.
@@ -286,7 +305,7 @@ class RedisTier(RedisCarryover, RedisWriter):
             self.counters.misses += 1
             return None
         try:
-            payload = await self._offload.run(decode_record, value, key.namespace, key.digest)
+            payload, tokens = await self._offload.run(decode_record, value, key.namespace, key.digest)
         except CorruptRecord as err:
             logger.warning("Redis value %r is damaged (%s); deleted, answered as a miss", rkey, err)
             self.counters.corrupt += 1
@@ -297,11 +316,15 @@ class RedisTier(RedisCarryover, RedisWriter):
                 pass
             return None
         self.counters.hits += 1
-        return Chunk(payload, self.name)
+        chunk = Chunk(payload, self.name)
+        chunk.tokens = tokens
+        return chunk
 
     # -- removal -------------------------------------------------------------------
     async def delete(self, key: ChunkKey) -> bool:
         """Remove ``key`` from Redis and from the write queue (while down: once it is back)."""
+        if self.listener is not None:
+            self.listener.gone([key])
         queued = self.queue.cancel(key)
         if not self.up:
             self.queue.remember_delete(key)
@@ -318,6 +341,8 @@ class RedisTier(RedisCarryover, RedisWriter):
     async def clear(self, namespace: str | None) -> int:
         """Remove this daemon's keys (all under the prefix, or one namespace's) from
         Redis and from the write queue (while down: from Redis once it is back)."""
+        if self.listener is not None:
+            self.listener.cleared(namespace)
         queued = self.queue.cancel_namespace(namespace)
         if not self.up:
             self.queue.remember_clear(namespace)

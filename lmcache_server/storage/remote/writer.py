@@ -2,8 +2,9 @@
 write-behind, pipelined.
 
 - ``enqueue`` queues a chunk (:class:`.queue.WriteQueue`, bounded by bytes;
-  full -> dropped and counted) and builds its record (checksum and copy) off
-  the event loop (:mod:`..offload`); a request never waits.
+  full -> dropped and counted) and builds its record (checksum and copy, with
+  the chunk's token ids when ``tokens_of`` knows them) off the event loop
+  (:mod:`..offload`); a request never waits.
 - One background task (``_write_loop``) first sends the removals Redis is owed,
   then the queued writes in pipelines of at most ``BATCH_WRITES`` writes and
   ``batch_bytes`` bytes, sized to what the link sends within half of
@@ -25,9 +26,10 @@ from typing import Any
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
-from ..base import ChunkKey
+from ..base import ChunkKey, RemoteListener
 from ..chunkfile import encode_record
 from ..offload import Offload
 from .link import ERRORS, RedisLink
@@ -53,6 +55,9 @@ class RedisWriter(RedisLink):
     _building: set[asyncio.Task[None]]
     _writing: list[Write] | None
     _removing: int
+    listener: RemoteListener | None
+    tokens_of: Callable[[ChunkKey], ChunkTokens | None] | None
+    """A chunk's token ids, written into its record (KV events); set by the tiered store."""
 
     # -- writes --------------------------------------------------------------------
     def accepts(self, size: int) -> bool:
@@ -76,14 +81,17 @@ class RedisWriter(RedisLink):
             if release is not None:
                 release()
             return True
-        task = asyncio.get_running_loop().create_task(self._build(write, data, release))
+        tokens = self.tokens_of(key) if self.tokens_of is not None else None
+        task = asyncio.get_running_loop().create_task(self._build(write, data, release, tokens))
         self._building.add(task)
         task.add_done_callback(self._building.discard)
         return True
 
-    async def _build(self, write: Write, data: Any, release: Callable[[], None] | None) -> None:
+    async def _build(
+        self, write: Write, data: Any, release: Callable[[], None] | None, tokens: ChunkTokens | None
+    ) -> None:
         try:
-            record = await self._offload.run(encode_record, write.key.namespace, write.key.digest, data)
+            record = await self._offload.run(encode_record, write.key.namespace, write.key.digest, data, tokens)
         except Exception as err:
             logger.warning("Redis uplink: cannot build the record of a chunk (%s); not written", err)
             self.counters.dropped_writes += 1
@@ -141,6 +149,7 @@ class RedisWriter(RedisLink):
         only if every one was acknowledged (a SET is idempotent: a batch that
         failed half-way is sent again whole)."""
         self._writing = batch
+        sent_at = time.monotonic()
         for write in batch:
             write.attempted = True
         try:
@@ -157,6 +166,8 @@ class RedisWriter(RedisLink):
         for write in batch:
             self.counters.stores += 1
             self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
+        if self.listener is not None and self.up:  # Redis holds them now (unless deleted meanwhile)
+            self.listener.written([w.key for w in batch if not w.cancelled], sent_at)
 
     async def _send_removals(self) -> None:
         clears, deletes = self.queue.take_removals()

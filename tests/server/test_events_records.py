@@ -1,0 +1,172 @@
+"""Chunks announced from the token ids their records carry (storage/chunkfile.py format 2;
+docs/events.md "What is announced"), against real daemons, a real redis-server and
+real ZeroMQ sockets:
+
+- after a crash (SIGKILL: no kept file), the chunks the disk tier finds are
+  announced again, with the same blocks and medium a router had before;
+- a chunk that one node put reaches another through the shared Redis tier: the
+  second node announces it when a read promotes it, with the same block hashes
+  and token ids as the first node's announcement (another node's chunk, not
+  only its own);
+- ``record_tokens: false`` writes format 1 records (what older daemons read):
+  nothing is announced from them; a daemon without events reads format 2;
+- the kept file of an older daemon (no parent keys) still loads.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import redis
+
+from lmcache_client.keys import chunk_keys, chunk_tokens
+from lmcache_client.protocol import PutStatus
+from lmcache_server.events import keep
+from lmcache_server.events.blocks import block_hashes
+
+from ..conftest import Daemon, RedisServer, wait_for
+from .events_router import RouterIndex
+from .test_events import BLOCK, CHUNK, MODEL, NS, events_daemon, quiet, replay
+from .test_events_snapshot import bootstrap, snapshot_daemon
+
+
+def test_chunks_on_disk_after_a_crash_are_announced_from_their_records(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    daemon = snapshot_daemon(
+        daemon_factory,
+        local_disk=f"file://{tmp_path / 'spill'}",
+        max_local_cpu_size="4MiB",
+        max_local_disk_size="64MiB",
+        spill_ahead_size=0,
+        warm_restart=False,
+    )
+    tokens = [(i * 11) % 50_000 for i in range(3 * CHUNK)]
+    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    with daemon.client(namespace=NS) as c:
+        assert c.put(keys, [os.urandom(1 << 20)] * 3, tokens=toks) == [PutStatus.STORED] * 3
+        for _ in range(6):
+            c.put([os.urandom(32)], [os.urandom(1 << 20)])  # no token ids: pushes the three to disk
+        wait_for(lambda: c.lookup(keys).tiers == ["disk"] * 3)
+        quiet(c, moved_chunks=3)
+        wait_for(lambda: c.stats()["tiers"]["disk"]["queued_spills"] == 0)
+    _, router = bootstrap(daemon)
+    assert {medium for _, medium in router.state()} == {"STORAGE"}
+    assert sum(len(b) for b in router.state().values()) == 3 * CHUNK // BLOCK
+    daemon.kill()  # a crash: no kept file, no disk index snapshot
+    assert not list((tmp_path / "spill").glob("events-kept*"))
+    daemon.start()
+    with daemon.client(namespace=NS) as c:
+        stats = quiet(c, restored_chunks=3)
+        assert stats["restored_chunks"] == 3 and stats["announced_chunks"] == 0
+        assert c.stats()["tiers"]["disk"]["rebuilt_from_snapshot"] == 0  # the scan found them
+    _, fresh = bootstrap(daemon)
+    assert fresh.state() == router.state()
+    assert router.apply(replay(daemon)).state() == fresh.state()  # the subscriber that saw the crash converges
+
+
+def redis_of(server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(server.url)
+
+
+def two_nodes(factory: Callable[..., Daemon], server: RedisServer, **config: object) -> tuple[Daemon, Daemon]:
+    common = {"remote_url": server.url, "max_local_cpu_size": "64MiB", **config}
+    return (
+        snapshot_daemon(factory, node="node-a", **common),
+        snapshot_daemon(factory, node="node-b", **common),
+    )
+
+
+def written_to_redis(server: RedisServer, n: int) -> list[bytes]:
+    r = redis_of(server)
+    wait_for(lambda: len(r.keys("lmcache:*")) >= n)
+    return [r.get(k) for k in r.keys("lmcache:*")]  # type: ignore[misc]
+
+
+def test_a_chunk_promoted_from_redis_is_announced_by_the_node_that_read_it(
+    daemon_factory: Callable[..., Daemon], redis_server: RedisServer
+) -> None:
+    a, b = two_nodes(daemon_factory, redis_server)
+    tokens = [(i * 13) % 50_000 for i in range(2 * CHUNK)]
+    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    payloads = [os.urandom(1 << 16) for _ in keys]
+    with a.client(namespace=NS) as c:
+        assert c.put(keys, payloads, tokens=toks) == [PutStatus.STORED] * 2
+        quiet(c, announced_chunks=2)
+    records = written_to_redis(redis_server, 2)
+    assert {struct.unpack_from("<H", r, 4)[0] for r in records} == {2}  # format 2: with token ids
+    _, router_a = bootstrap(a)
+    with b.client(namespace=NS) as c:
+        assert quiet(c)["announced_chunks"] == 0
+        got = c.get(keys)
+        assert [bytes(g) for g in got] == payloads  # type: ignore[arg-type]
+        assert c.lookup(keys).tiers == ["memory", "memory"]  # promoted
+        stats = quiet(c, announced_chunks=2)
+        assert stats["announced_chunks"] == 2 and stats["skipped_chunks"] == 0
+    _, router_b = bootstrap(b)
+    assert len(router_a.state()) == 1
+    as_b = {(t.replace("node-a", "node-b"), m): blocks for (t, m), blocks in router_a.state().items()}
+    assert router_b.state() == as_b  # same blocks, parents, token ids and medium (CPU)
+    assert list(as_b) == [(f"kv@node-b@{MODEL}", "CPU")]
+
+
+def test_record_tokens_off_writes_format_1_and_nothing_is_announced_from_it(
+    daemon_factory: Callable[..., Daemon], redis_server: RedisServer
+) -> None:
+    a, b = two_nodes(daemon_factory, redis_server, record_tokens=False)
+    tokens = [(i * 17) % 50_000 for i in range(CHUNK)]
+    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    with a.client(namespace=NS) as c:
+        assert c.put(keys, [os.urandom(4096)], tokens=toks) == [PutStatus.STORED]
+        quiet(c, announced_chunks=1)
+    (record,) = written_to_redis(redis_server, 1)
+    assert struct.unpack_from("<HH", record, 4)[0] == 1 and struct.unpack_from("<I", record, 60)[0] == 0
+    with b.client(namespace=NS) as c:
+        assert c.get(keys)[0] is not None
+        assert c.lookup(keys).tiers == ["memory"]
+        assert quiet(c)["announced_chunks"] == 0
+    assert RouterIndex(BLOCK).apply(replay(b)).state() == {}
+
+
+def test_an_events_daemon_without_record_tokens_still_takes_records_with_them(
+    daemon_factory: Callable[..., Daemon], redis_server: RedisServer
+) -> None:
+    """A fleet mid-upgrade: records with token ids are read by any current daemon,
+    whatever its own ``record_tokens`` (and without events)."""
+    a = events_daemon(daemon_factory, remote_url=redis_server.url, max_local_cpu_size="64MiB")
+    b = daemon_factory(remote_url=redis_server.url, max_local_cpu_size="64MiB")
+    tokens = [(i * 19) % 50_000 for i in range(CHUNK)]
+    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    payload = os.urandom(8192)
+    with a.client(namespace=NS) as c:
+        assert c.put(keys, [payload], tokens=toks) == [PutStatus.STORED]
+    written_to_redis(redis_server, 1)
+    with b.client(namespace=NS) as c:
+        assert bytes(c.get(keys)[0]) == payload  # type: ignore[arg-type]
+        assert c.stats()["tiers"]["redis"]["corrupt"] == 0
+
+
+def test_a_kept_file_of_the_older_format_still_loads_without_parent_keys(tmp_path: Path) -> None:
+    """A daemon upgraded across a clean stop reads the kept file the older one wrote
+    (no parent keys: its chunks are announced, their records carry no token ids)."""
+    tokens = [(i * 23) % 50_000 for i in range(CHUNK)]
+    (key,), (tok,) = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    assert tok is not None
+    hashes = block_hashes(key, tok.parent, tok.packed, BLOCK)
+    packed_hashes = struct.pack(f"<{len(hashes)}Q", *hashes)
+    old = tmp_path / "old.msgpack"
+    old.write_bytes(keep.HEADER_V1 + msgpack.packb((NS, key, -1, packed_hashes, tok.packed), use_bin_type=True))
+    (kept,) = keep.load(old)
+    assert kept.key.digest == key and list(kept.held.hashes) == hashes and kept.held.parent_key == b""
+    assert not old.exists()
+    new = tmp_path / "new.msgpack"
+    assert keep.save(new, [keep.Kept(kept.key, kept.held._replace(parent_key=tok.parent))]) == 1
+    (again,) = keep.load(new)
+    assert again.held.parent_key == tok.parent and again.held.packed == tok.packed
+    bad = tmp_path / "bad.msgpack"
+    bad.write_bytes(keep.HEADER + msgpack.packb((NS, key, -1, packed_hashes, tok.packed, b"short"), use_bin_type=True))
+    assert keep.load(bad) == []  # a damaged record: logged, nothing announced from it
