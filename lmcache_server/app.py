@@ -369,7 +369,9 @@ def _query(c: ServerConfig, store: TieredStore) -> Query:
     def namespaces() -> list[str]:
         return sorted({ns for tier in local for ns in tier.namespaces()})
 
-    return Query(store.where, namespaces, c.chunk_size, allowed=c.auth != "curve" or c.allow_insecure)
+    events = store.events
+    remote = events.remote_holds if events is not None and store.remote is not None else None
+    return Query(store.where, namespaces, c.chunk_size, allowed=c.auth != "curve" or c.allow_insecure, remote=remote)
 
 
 def _bind_events(events: Announcer) -> None:

@@ -16,7 +16,9 @@ Answer: ``{"best": {...}, "namespaces": [{"namespace", "chunk_size",
 "prefix_tokens", "by_medium": {"CPU": n, "STORAGE": n}}]}`` (``prefix_tokens``:
 the leading full chunks that some local tier holds, times the chunk size;
 ``by_medium``: how many of those tokens each medium holds).  Redis is not
-asked (the answer says what this node serves from its own tiers).
+asked (no round trip): with ``events_remote`` the prefix goes on through the
+chunks this node knows Redis holds for it, as the events announce them
+(locality REMOTE, :mod:`..events.remote`), counted as ``"REMOTE"``.
 
 Errors: 400 (not JSON, a field of the wrong type, too many tokens), 403 (the
 daemon has ``auth: curve`` and not ``allow_insecure``: HTTP carries no client
@@ -67,8 +69,11 @@ class Query:
         namespaces: Callable[[], list[str]],
         chunk_size: int,
         allowed: bool,
+        remote: Callable[[ChunkKey], bool] | None = None,
     ):
         self.where = where
+        self.remote = remote
+        """Whether Redis is known to hold a key for this node (None: not known, not counted)."""
         self.namespaces = namespaces
         self.chunk_size = chunk_size
         self.allowed = allowed
@@ -141,10 +146,14 @@ class Query:
         by_medium: dict[str, int] = {}
         n = 0
         for digest in chunk_keys(tokens, size, root):
-            tier = self.where(ChunkKey(namespace, digest))
-            if tier is None:
+            key = ChunkKey(namespace, digest)
+            tier = self.where(key)
+            if tier is not None:
+                medium = MEDIUM.get(tier, tier.upper())
+            elif self.remote is not None and self.remote(key):
+                medium = "REMOTE"
+            else:
                 break
-            medium = MEDIUM.get(tier, tier.upper())
             by_medium[medium] = by_medium.get(medium, 0) + size
             n += size
         return {"namespace": namespace, "chunk_size": size, "prefix_tokens": n, "by_medium": by_medium}
