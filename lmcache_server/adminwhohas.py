@@ -70,9 +70,13 @@ def ask(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         return {"error": str(getattr(err, "reason", err))}
 
 
-def _rank(answer: dict[str, Any]) -> tuple[int, int]:
+def _rank(answer: dict[str, Any]) -> tuple[int, int, int]:
+    """Longest prefix first; then more of it on the node itself (not only in the shared
+    Redis tier, ``REMOTE``, which every node sharing it reads alike); then more in memory."""
     best = answer.get("best") or {}
-    return best.get("prefix_tokens", 0), best.get("by_medium", {}).get("CPU", 0)
+    media = best.get("by_medium", {})
+    prefix = best.get("prefix_tokens", 0)
+    return prefix, prefix - media.get("REMOTE", 0), media.get("CPU", 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import pytest
 from lmcache_client.integrations.vllm.matching import key_root
 from lmcache_client.keys import chunk_keys
 from lmcache_client.protocol import PutStatus
+from lmcache_server.adminwhohas import _rank
 from lmcache_server.adminwhohas import main as who_has
 from lmcache_server.server.query import MAX_TOKENS, Query, QueryError
 
@@ -163,3 +164,20 @@ def test_who_has_names_the_node_with_the_longest_prefix(
     assert who_has(["--nodes", me, "--namespace", NS, "--tokens", "5,6,7"]) == 1  # no full chunk: nobody
     assert "best: none" in capsys.readouterr().out
     assert who_has(["--nodes", me, "--namespace", NS, "--tokens", "x"]) == 2
+
+
+def test_who_has_prefers_a_prefix_held_on_the_node_over_one_only_redis_holds() -> None:
+    def answer(prefix: int, **media: int) -> dict[str, Any]:
+        return {"best": {"prefix_tokens": prefix, "by_medium": media}}
+
+    ranked = sorted(
+        [answer(512, REMOTE=512), answer(512, STORAGE=512), answer(512, CPU=256, REMOTE=256), answer(768, REMOTE=768)],
+        key=_rank,
+        reverse=True,
+    )
+    assert [a["best"]["by_medium"] for a in ranked] == [
+        {"REMOTE": 768},  # the longest prefix first
+        {"STORAGE": 512},  # then the most on the node itself
+        {"CPU": 256, "REMOTE": 256},
+        {"REMOTE": 512},
+    ]
