@@ -54,7 +54,7 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
         {"app": ["lmcache_server.app"]},
         {"server": ["lmcache_server.server*"]},
         {"security": ["lmcache_server.security*"], "summary": ["lmcache_server.summary"]},  # guard reads metrics
-        {"metrics": ["lmcache_server.metrics"], "events": ["lmcache_server.events*"]},  # both read storage
+        {"metrics": ["lmcache_server.metrics*"], "events": ["lmcache_server.events*"]},  # both read storage
         {"storage": ["lmcache_server.storage*"]},
         # storage reads config (redact, ConfigError) and runs its tasks under the
         # supervisor; config parses the codec settings with kv_codec.
