@@ -29,8 +29,9 @@ put's commit never waits for them.  In that order:
 
 At start (:meth:`start`) every topic known then gets ``AllBlocksCleared`` in
 the first batches of the new epoch, then the chunks kept at the last clean
-stop (:mod:`.keep`) that the store still holds are announced again.  :meth:`snapshot` answers the snapshot
-endpoint (:mod:`.snapshot`).
+stop (:mod:`.keep`) that the store still holds are announced again, and those
+the disk's scan found with token ids in their records.  :meth:`residency`
+answers the snapshot endpoint (:mod:`.snapshot`, which builds its events).
 
 The topic comes from ``topic`` with ``{model}`` (the namespace's model id),
 ``{namespace}`` (the whole namespace) and ``{node}`` substituted.
@@ -362,32 +363,6 @@ class Announcer:
             if topic.startswith(prefix) and len(index)
         ]
         return seq, out
-
-    def snapshot_events(self, seen: set[int], chunks: list[Held], multi: set[int], medium: str) -> list[Event]:
-        """``BlockStored`` events that announce ``chunks`` (of one topic and medium, from
-        :meth:`residency`, with the blocks ``multi`` more than one of them holds) to a
-        subscriber that knows only the blocks in ``seen`` (updated here with the
-        chunks that may share blocks): each block once, chained as the live stream
-        chained it."""
-        bs = self.settings.block_size
-        step = 4 * bs
-        events = []
-        for held in chunks:
-            hashes = held.hashes
-            shared = 0
-            if hashes[0] in multi:
-                for h in hashes:
-                    if h not in seen:
-                        break
-                    shared += 1
-                if shared == len(hashes):
-                    continue
-                seen.update(hashes)
-            parent = held.parent if shared == 0 else hashes[shared - 1]
-            events.append(
-                self.wire.block_stored(hashes[shared:], parent, held.packed[shared * step :], bs, *placement(medium))
-            )
-        return events
 
     def stats(self) -> dict[str, Any]:
         out = {

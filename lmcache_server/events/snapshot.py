@@ -27,7 +27,7 @@ meanwhile and the answer never holds the whole snapshot in memory.  One
 snapshot at a time (the next requests wait in the socket); a requester that
 reads nothing for ``STALL_S`` loses the rest (no end marker).
 
-Primitive: :class:`SnapshotServer` (``bind``, ``serve``, ``close``).
+Primitives: :class:`SnapshotServer` (``bind``, ``serve``, ``close``), :func:`snapshot_events`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ import zmq
 import zmq.asyncio
 
 from .announcer import Announcer
-from .wire import END_SEQ, encode_batch, seq_bytes
+from .blocks import Held
+from .remote import placement
+from .wire import END_SEQ, Event, Wire, encode_batch, seq_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +103,15 @@ class SnapshotServer:
         # Encoded a slice at a time and sent as it goes: what the answer holds at once is
         # one slice plus what ZeroMQ queues to the requester (SNDHWM messages).
         max_events = announcer.publisher.batch_max_events
+        block_size = announcer.settings.block_size
         ts = time.time()
         nbytes = 0
         for topic, medium, held, multi in residency:
             seen: set[int] = set()  # the blocks this snapshot announced so far, for this topic and medium
             for start in range(0, len(held), ENCODE_SLICE):
-                events = announcer.snapshot_events(seen, held[start : start + ENCODE_SLICE], multi, medium)
+                events = snapshot_events(
+                    announcer.wire, block_size, seen, held[start : start + ENCODE_SLICE], multi, medium
+                )
                 for i in range(0, len(events), max_events):
                     payload = encode_batch(ts, events[i : i + max_events])
                     nbytes += len(payload)
@@ -143,3 +148,31 @@ class SnapshotServer:
             "snapshot_last_chunks": self.last_chunks,
             "snapshot_last_bytes": self.last_bytes,
         }
+
+
+def snapshot_events(
+    wire: Wire, block_size: int, seen: set[int], chunks: list[Held], multi: set[int], medium: str
+) -> list[Event]:
+    """``BlockStored`` events that announce ``chunks`` (of one topic and medium, from
+    :meth:`.announcer.Announcer.residency`, with the blocks ``multi`` more than one of
+    them holds) to a subscriber that knows only the blocks in ``seen`` (updated here
+    with the chunks that may share blocks): each block once, chained as the live
+    stream chained it."""
+    step = 4 * block_size
+    events = []
+    for held in chunks:
+        hashes = held.hashes
+        shared = 0
+        if hashes[0] in multi:
+            for h in hashes:
+                if h not in seen:
+                    break
+                shared += 1
+            if shared == len(hashes):
+                continue
+            seen.update(hashes)
+        parent = held.parent if shared == 0 else hashes[shared - 1]
+        events.append(
+            wire.block_stored(hashes[shared:], parent, held.packed[shared * step :], block_size, *placement(medium))
+        )
+    return events
