@@ -179,8 +179,11 @@ class TieredPuts:
         status = self.memory.complete_store(reservation)
         if status is PutStatus.STORED:
             key = reservation.key
-            if reservation.tokens is not None and self.events is not None:
-                self.events.stored(key, reservation.tokens, self.memory.name)  # first: its Redis record carries them
+            if self.events is not None:
+                if reservation.tokens is not None:  # first: its Redis record carries them
+                    self.events.stored(key, reservation.tokens, self.memory.name)
+                if self.events.announced(key):  # put again while only the disk or Redis held it
+                    self.events.moved(key, self.memory.name)
             if self.admission is None:
                 if self.remote is not None:
                     self._uplink(key)

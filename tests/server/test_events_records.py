@@ -170,3 +170,32 @@ def test_a_kept_file_of_the_older_format_still_loads_without_parent_keys(tmp_pat
     bad = tmp_path / "bad.msgpack"
     bad.write_bytes(keep.HEADER + msgpack.packb((NS, key, -1, packed_hashes, tok.packed, b"short"), use_bin_type=True))
     assert keep.load(bad) == []  # a damaged record: logged, nothing announced from it
+
+
+def test_a_chunk_put_again_while_only_the_disk_holds_it_is_announced_in_memory_again(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A put (with or without token ids) of a chunk announced ``STORAGE`` stores it in
+    memory again: its medium moves back to ``CPU``, as a promotion's does."""
+    daemon = events_daemon(
+        daemon_factory,
+        local_disk=f"file://{tmp_path / 'spill'}",
+        max_local_cpu_size="4MiB",
+        max_local_disk_size="64MiB",
+        spill_ahead_size=0,
+    )
+    tokens = [(i * 29) % 50_000 for i in range(2 * CHUNK)]
+    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    with daemon.client(namespace=NS) as c:
+        assert c.put(keys, [os.urandom(1 << 20)] * 2, tokens=toks) == [PutStatus.STORED] * 2
+        for _ in range(6):
+            c.put([os.urandom(32)], [os.urandom(1 << 20)])
+        wait_for(lambda: c.lookup(keys).tiers == ["disk", "disk"])
+        quiet(c, moved_chunks=2)
+        assert c.put(keys[:1], [os.urandom(1 << 20)]) == [PutStatus.STORED]  # no token ids
+        assert c.put(keys[1:], [os.urandom(1 << 20)], tokens=toks[1:]) == [PutStatus.STORED]
+        assert c.lookup(keys).tiers == ["memory", "memory"]
+        quiet(c, moved_chunks=4)
+    router = RouterIndex(BLOCK).apply(replay(daemon))
+    assert list(router.state()) == [(f"kv@node-a@{MODEL}", "CPU")]
+    assert sum(len(b) for b in router.state().values()) == 2 * CHUNK // BLOCK
