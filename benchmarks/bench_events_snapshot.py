@@ -5,12 +5,18 @@ costs, and whether snapshot requests slow puts (docs/events.md, "Snapshot").
    ``--chunks`` (100,000) announced chunks of 256 tokens (4 KiB payloads, so
    they fit the pool; puts of 256 chunks with their token ids).  A "router"
    restarts: it asks for a snapshot and builds its index (per topic and medium:
-   block hash -> parent, token ids) from the batches.  Printed: the time from
-   its request to the end marker, to a complete index (target <= 1 s), the
-   snapshot's bytes per chunk, the daemon's longest ping (from a process of
-   its own) while it served the snapshot (up to the end marker), and what the daemon keeps per chunk
-   for it (``kept_bytes``, token ids and block hashes, and the RSS against an
-   identical daemon without events).
+   block hash -> parent, and per event its token ids) as the batches arrive,
+   keeping token ids as the bytes they came in (a compiled router decodes them
+   into a u32 vector; :func:`index_batch`).  Printed: the time from its request
+   to a complete index (target <= 1 s); the daemon's part alone (every batch
+   received before any is indexed); the first router of this benchmark (every
+   token id msgpack-decoded into a Python int, after the end marker), labelled;
+   the snapshot's bytes per chunk, the daemon's longest ping (from a process of
+   its own) while it served the snapshot (up to the end marker), and what the
+   daemon keeps per chunk for it (``kept_bytes``, token ids and block hashes,
+   and the RSS against an identical daemon without events).  With ``--dynamo``:
+   NVIDIA Dynamo's own indexer (.venv-dynamo) fed the same snapshot
+   (:func:`dynamo_index`), a real router's index time.
 2. **Puts under snapshot load.**  Two daemons, interleaved (``measure_group``):
    events off, and events on + snapshot endpoint with a client (a process of
    its own) requesting a snapshot every ``--snapshot-interval-s`` (0.1 s; 0:
@@ -29,6 +35,7 @@ import os
 import random
 import sys
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import Child, Processes, free_port, measure_group, raise_on_sigterm, workspace  # noqa: E402
 from _harness import start_daemon as harness_start_daemon  # noqa: E402
+from _snapshot_router import BLOCK, dynamo_index, router_restart  # noqa: E402
 
 from lmcache_client import CacheClient  # noqa: E402
 from lmcache_client.keys import ChunkTokens, chunk_keys, chunk_tokens  # noqa: E402
 
 CHUNK_TOKENS = 256
-BLOCK = 16
 NAMESPACE = "bench/snapshot|bfloat16|L32|KV8|D128|tp0of1|c256"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def start(procs: Processes, name: str, shm: Path, pool: str, extra: dict[str, object]) -> tuple[Child, int]:
@@ -99,45 +105,6 @@ def snapshot_loop(endpoint: str, interval_s: float, stop: Any, served: Any) -> N
     served.put(n)
 
 
-def router_restart(endpoint: str, received_event: Any = None) -> tuple[float, float, int, int, int]:
-    """Ask for a snapshot and build the index: (seconds to the end marker, seconds to a
-    complete index, payload bytes, chunks, blocks)."""
-    import msgpack
-    import zmq
-
-    # The index: per (topic, medium) each block's parent, and per event its token ids
-    # (what a router needs to recompute its own keys), filled at C speed per event.
-    index: dict[tuple[bytes, str], dict[int, int | None]] = {}
-    tokens: list[list[int]] = []
-    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(endpoint)
-        t0 = time.perf_counter()
-        sock.send_multipart([b"", b""])
-        _, _, _, raw = sock.recv_multipart()
-        meta = msgpack.unpackb(raw)
-        frames = []
-        while True:
-            _, topic, seq, payload = sock.recv_multipart()
-            if seq == END_SEQ:
-                break
-            frames.append((topic, payload))
-        received = time.perf_counter() - t0
-        if received_event is not None:
-            received_event.set()  # the daemon's part is over: stop the pinger
-        nbytes = 0
-        for topic, payload in frames:
-            nbytes += len(payload)
-            for e in msgpack.unpackb(payload)[1]:
-                place = index.setdefault((topic, e["medium"]), {})
-                hashes = e["block_hashes"]
-                place.update(zip(hashes, [e["parent_block_hash"], *hashes[:-1]]))
-                tokens.append(e["token_ids"])
-        built = time.perf_counter() - t0
-    return received, built, nbytes, meta["chunks"], sum(len(p) for p in index.values())
-
-
 def recovery(args: argparse.Namespace, procs: Processes, shm: Path, workdir: Path) -> None:
     endpoint = f"ipc://{workdir}/snapshot.sock"
     events = {
@@ -159,27 +126,50 @@ def recovery(args: argparse.Namespace, procs: Processes, shm: Path, workdir: Pat
         stats = c.stats()["events"]
         runs = []
         for _ in range(args.snapshots):
-            # The pinger is a process of its own: this one's decoding would hold its GIL.
+            # The daemon's part alone (every batch received before any is indexed; the
+            # pinger, a process of its own, runs until the end marker), then both routers
+            # from those batches; then a router that indexes as the batches arrive.
             ctx = multiprocessing.get_context("spawn")
             result = ctx.Queue()
             stop = ctx.Event()
             pinger = ctx.Process(target=ping_loop, args=(port, stop, result))
             pinger.start()
             assert result.get(timeout=60) == "ready"
-            run = router_restart(endpoint, stop)
-            runs.append((*run, result.get(timeout=60)))
+            apart = router_restart(endpoint, stop, stream=False, full_decode=True)
+            worst_ping = result.get(timeout=60)
             pinger.join(10)
-    runs.sort(key=lambda r: r[1])
-    received, built, nbytes, chunks, blocks, worst_ping = runs[len(runs) // 2]
-    print(f"recovery: a node holding {chunks:,} chunks ({blocks:,} blocks of {BLOCK} tokens), median of {len(runs)}")
-    print(f"  snapshot received in {received:.3f} s, index complete in {built:.3f} s (target <= 1 s)")
+            runs.append((router_restart(endpoint), apart, worst_ping))
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    run = runs[0][0]
+    chunks, nbytes = run.chunks, run.nbytes
+    print(
+        f"recovery: a node holding {chunks:,} chunks ({run.blocks:,} blocks of {BLOCK} tokens), median of {len(runs)}"
+    )
+    print(
+        f"  index complete {median([r.built_s for r, _, _ in runs]):.3f} s after the router's request (target <= 1 s): "
+        "each batch indexed as it arrives, token ids kept packed as a compiled router reads them"
+    )
+    print(
+        f"  received alone (the daemon's part): {median([a.received_s for _, a, _ in runs]):.3f} s; "
+        f"then indexed: {median([a.built_s for _, a, _ in runs]):.3f} s after the request"
+    )
+    print(
+        "  the first router (receive all, then msgpack every token id into a Python int): "
+        f"{median([a.decoded_s or 0.0 for _, a, _ in runs]):.3f} s"
+    )
     print(f"  snapshot: {nbytes / 2**20:.1f} MiB, {nbytes / chunks:,.0f} bytes per chunk of {CHUNK_TOKENS} tokens")
-    print(f"  the daemon's longest ping during a snapshot: {worst_ping * 1000:.1f} ms")
+    print(f"  the daemon's longest ping during a snapshot: {median([w for _, _, w in runs]) * 1000:.1f} ms")
     print(
         f"  kept for snapshots and media changes: {stats['kept_bytes'] / chunks:,.0f} bytes per chunk "
         f"(token ids + block hashes); RSS {rss_mib(child):,.0f} MiB vs {rss_mib(plain):,.0f} MiB without events "
         f"(+{(rss_mib(child) - rss_mib(plain)) * 2**20 / chunks:,.0f} bytes per chunk, the replay buffer included)"
     )
+    if args.dynamo:
+        last = array("I", b"".join(t.packed for t in work[-1][1])).tolist()
+        dynamo_index(run.frames, last, NAMESPACE.split("|", 1)[0], workdir)
     procs.stop(plain)
     procs.stop(child)
 
@@ -253,6 +243,11 @@ def main() -> int:
         help="a snapshot request this often during the puts (0: back to back)",
     )
     parser.add_argument("--skip-recovery", action="store_true")
+    parser.add_argument(
+        "--dynamo",
+        action="store_true",
+        help="also time NVIDIA Dynamo's indexer (.venv-dynamo) rebuilding its index from the snapshot",
+    )
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
     raise_on_sigterm()
