@@ -57,7 +57,7 @@ def block_hashes(key: bytes, parent: bytes, packed: bytes, block_size: int) -> l
     n = len(packed) // step
     h = hashlib.sha256(BLOCK_DOMAIN + parent)
     update, copy = h.update, h.copy
-    digests = []
+    digests: list[bytes] = []
     append = digests.append
     for at in range(0, (n - 1) * step, step):
         update(packed[at : at + step])

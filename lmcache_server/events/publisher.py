@@ -167,12 +167,12 @@ class EventPublisher:
         ``batch_interval_s``."""
         if self._flushing:
             return
-        loop = asyncio.get_running_loop()
+        # (it runs for every event recorded: the loop is looked up only to schedule)
         if pending >= self.batch_max_events:
             if self._soon is None:
-                self._soon = loop.call_soon(self.flush)
+                self._soon = asyncio.get_running_loop().call_soon(self.flush)
         elif self._timer is None:
-            self._timer = loop.call_later(self.batch_interval_s, self.flush)
+            self._timer = asyncio.get_running_loop().call_later(self.batch_interval_s, self.flush)
 
     def flush(self) -> None:
         """Send what is pending now, one batch per topic (at most ``batch_max_events`` each)."""

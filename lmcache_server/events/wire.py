@@ -46,9 +46,26 @@ def _str(text: str) -> bytes:
     return packed
 
 
+_PACKER = msgpack.Packer(use_bin_type=True)
+"""One packer for every event: ``msgpack.packb`` builds a new one per call.  (Its
+``pack`` never releases the GIL, so it is never entered twice at once.)"""
+
+
 def _pack(value: object) -> bytes:
-    packed: bytes = msgpack.packb(value, use_bin_type=True)
+    packed: bytes = _PACKER.pack(value)
     return packed
+
+
+def _pack_hashes(hashes: Sequence[int]) -> bytes:
+    """A msgpack array of ``hashes`` (a list, or the array('Q') an index keeps)."""
+    items = hashes if type(hashes) is list else list(hashes)
+    if len(items) > _PACKER_MAX_ITEMS:  # (the shared packer keeps the room its largest output took)
+        packed: bytes = msgpack.packb(items)
+        return packed
+    return _pack(items)
+
+
+_PACKER_MAX_ITEMS = 4096
 
 
 _STORED = b"\x89" + _str("type") + _str("BlockStored")
@@ -67,14 +84,28 @@ def _array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-def _u32_array(packed: bytes) -> bytes:
-    """A msgpack array of the u32le integers in ``packed``, each as ``uint 32`` (0xce, big-endian)."""
+_U32_BLANK: dict[int, tuple[bytes, bytearray]] = {}
+
+
+def _u32_items(packed: bytes) -> tuple[bytes, bytearray]:
+    """A msgpack array of the u32le integers in ``packed``, each as ``uint 32`` (0xce,
+    big-endian), in two parts for a join: its header and its items."""
     n = len(packed) // 4
-    out = bytearray(5 * n)
-    out[0::5] = b"\xce" * n
-    for i in range(4):
-        out[1 + i :: 5] = packed[3 - i :: 4]
-    return _array_header(n) + bytes(out)
+    blank = _U32_BLANK.get(n)
+    if blank is None:
+        # n items of 0xce and 4 bytes to fill, kept per n (a chunk's ids, a chunk's past its
+        # shared blocks): a copy of it costs less than writing the 0xce bytes each time
+        items = bytearray(5 * n)
+        items[0::5] = b"\xce" * n
+        blank = _U32_BLANK[n] = (_array_header(n), items)
+        if len(_U32_BLANK) > 16:
+            _U32_BLANK.pop(next(iter(_U32_BLANK)))
+    head, out = blank[0], blank[1][:]
+    out[1::5] = packed[3::4]
+    out[2::5] = packed[2::4]
+    out[3::5] = packed[1::4]
+    out[4::5] = packed[0::4]
+    return head, out
 
 
 _TAILS: dict[tuple[int, str, str], bytes] = {}
@@ -106,9 +137,9 @@ def block_stored(
 ) -> Event:
     """``packed_ids``: the blocks' token ids, u32le (as puts carry them)."""
     return b"".join((
-        _HEAD, _pack(list(hashes)),
+        _HEAD, _pack_hashes(hashes),
         _PARENT, _NIL if parent is None else _pack(parent),
-        _IDS, _u32_array(packed_ids),
+        _IDS, *_u32_items(packed_ids),
         _stored_tail(block_size, medium, locality),
     ))  # fmt: skip
 
@@ -116,7 +147,7 @@ def block_stored(
 def block_removed(hashes: Sequence[int], medium: str, locality: str = "LOCAL") -> Event:
     k = _K
     return b"".join((
-        _REMOVED, k["block_hashes"], _pack(list(hashes)), k["medium"], _str(medium), k["locality"], _str(locality),
+        _REMOVED, k["block_hashes"], _pack_hashes(hashes), k["medium"], _str(medium), k["locality"], _str(locality),
     ))  # fmt: skip
 
 
@@ -152,15 +183,15 @@ class Wire:
         if not self.array:
             return block_stored(hashes, parent, packed_ids, block_size, medium, locality)
         return b"".join((
-            b"\x98", _TAGS["BlockStored"], _pack(list(hashes)),
+            b"\x98", _TAGS["BlockStored"], _pack_hashes(hashes),
             _NIL if parent is None else _pack(parent),
-            _u32_array(packed_ids), _pack(block_size), _NIL, _str(medium), _NIL,
+            *_u32_items(packed_ids), _pack(block_size), _NIL, _str(medium), _NIL,
         ))  # fmt: skip
 
     def block_removed(self, hashes: Sequence[int], medium: str, locality: str = "LOCAL") -> Event:
         if not self.array:
             return block_removed(hashes, medium, locality)
-        return b"\x93" + _TAGS["BlockRemoved"] + _pack(list(hashes)) + _str(medium)
+        return b"\x93" + _TAGS["BlockRemoved"] + _pack_hashes(hashes) + _str(medium)
 
     def all_cleared(self) -> Event:
         return b"\x91" + _TAGS["AllBlocksCleared"] if self.array else _CLEARED

@@ -32,6 +32,7 @@ from typing import Any
 from lmcache_client.keys import KEY_DOMAIN, ChunkTokens
 from lmcache_client.protocol import KEY_BYTES, ErrorCode, ProtocolError, Request
 
+_U32 = struct.Struct("<I")
 _PARSED = "_tokens"
 """The field the parsed entries are kept in (never a wire field: those are msgpack strings the
 decoder copies; this one is set only by :func:`take_tokens`)."""
@@ -96,21 +97,24 @@ def _from_header(request: Request, raw: list[Any]) -> list[ChunkTokens | None]:
 
 
 def _from_frame(request: Request, raw: Any) -> list[ChunkTokens | None]:
-    data = memoryview(raw).cast("B")
+    # bytes are sliced as they are (one copy per slice); any other buffer through a memoryview
+    data = raw if isinstance(raw, bytes) else memoryview(raw).cast("B")
+    u32 = _U32.unpack_from
     out: list[ChunkTokens | None] = []
-    at, end = 0, data.nbytes
+    at, end = 0, len(data)
     for i in range(len(request.keys)):
         if at + 4 > end:
             raise _refuse(request, f"frame ends before entry {i} of {len(request.keys)}")
-        (n,) = struct.unpack_from("<I", data, at)
+        (n,) = u32(data, at)
         at += 4
         if n == 0:
             out.append(None)
             continue
-        stop = at + KEY_BYTES + 4 * n
+        ids = at + KEY_BYTES
+        stop = ids + 4 * n
         if stop > end:
             raise _refuse(request, f"frame ends inside entry {i} ({n} ids)")
-        out.append(ChunkTokens(bytes(data[at : at + KEY_BYTES]), bytes(data[at + KEY_BYTES : stop])))
+        out.append(ChunkTokens(bytes(data[at:ids]), bytes(data[ids:stop])))
         at = stop
     if at != end:
         raise _refuse(request, f"frame has {end - at} bytes past its {len(request.keys)} entries")
