@@ -40,7 +40,9 @@ def test_dynamo_drops_remote_events_and_credits_the_chunks_promoted_back(
         wait_for(lambda: (s := c.stats()["events"])["remote_moved_chunks"] == 2 and s["pending_events"] == 0)
         # Announced REMOTE: Dynamo drops those events and applies the BlockRemoved LOCAL.
         wait_for(lambda: dynamo_indexer.longest(MODEL, a, 7) == 0)
-        assert node_query(daemon, a)["prefix_tokens"] == 0  # POST /query asks the local tiers only
+        # POST /query counts them REMOTE (the same knowledge as the events): what Dynamo dropped.
+        answer = node_query(daemon, a)
+        assert answer["prefix_tokens"] == 2 * CHUNK and answer["by_medium"] == {"REMOTE": 2 * CHUNK}
         assert c.lookup_tokens(a) == 2 * CHUNK  # the daemon still serves A, from Redis
         for key in keys:  # in order: B's first block chains to A's last
             [data] = c.get([key])
