@@ -20,7 +20,9 @@ from .test_events_remote import MiB, put_then_evict, r, redis_key, remote_daemon
 
 
 def test_the_query_counts_chunks_only_redis_holds_as_remote(
-    daemon_factory: Callable[..., Daemon], redis_server: RedisServer, r: redis.Redis  # noqa: F811
+    daemon_factory: Callable[..., Daemon],
+    redis_server: RedisServer,
+    r: redis.Redis,  # noqa: F811
 ) -> None:
     """``POST /query`` follows the prefix through the chunks this node knows Redis
     holds (``REMOTE``), as the events announce them; none once they are forgotten."""
