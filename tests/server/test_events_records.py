@@ -2,8 +2,9 @@
 docs/events.md "What is announced"), against real daemons, a real redis-server and
 real ZeroMQ sockets:
 
-- after a crash (SIGKILL: no kept file), the chunks the disk tier finds are
-  announced again, with the same blocks and medium a router had before;
+- after a clean stop (the kept file) and after a crash (SIGKILL: no kept file,
+  the records' token ids), the chunks the disk tier finds are announced again,
+  with the same blocks and medium a router had before;
 - a chunk that one node put reaches another through the shared Redis tier: the
   second node announces it when a read promotes it, with the same block hashes
   and token ids as the first node's announcement (another node's chunk, not
@@ -23,6 +24,7 @@ from pathlib import Path
 import msgpack
 import redis
 
+from lmcache_client import CacheClient
 from lmcache_client.keys import chunk_keys, chunk_tokens
 from lmcache_client.protocol import PutStatus
 from lmcache_server.events import keep
@@ -33,27 +35,49 @@ from .events_router import RouterIndex
 from .test_events import BLOCK, CHUNK, MODEL, NS, events_daemon, quiet, replay
 from .test_events_snapshot import bootstrap, snapshot_daemon
 
+SPILLING = {"max_local_cpu_size": "4MiB", "max_local_disk_size": "64MiB", "spill_ahead_size": 0}
+"""A 4 MiB pool over a disk tier: 1 MiB chunks spill at once."""
+
+
+def put_to_disk(c: CacheClient, tokens: list[int]) -> list[bytes]:
+    """Put ``tokens``' chunks (1 MiB each) with their token ids, then push them to the disk
+    with token-less puts (never announced); returns their keys once their medium moved."""
+    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    assert c.put(keys, [os.urandom(1 << 20)] * len(keys), tokens=toks) == [PutStatus.STORED] * len(keys)
+    moved = int(c.stats()["events"]["moved_chunks"])
+    for _ in range(6):
+        c.put([os.urandom(32)], [os.urandom(1 << 20)])
+    wait_for(lambda: c.lookup(keys).tiers == ["disk"] * len(keys))
+    quiet(c, moved_chunks=moved + len(keys))
+    wait_for(lambda: c.stats()["tiers"]["disk"]["queued_spills"] == 0)
+    return keys
+
+
+def test_chunks_found_on_disk_at_a_cold_start_are_announced_with_their_medium(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """After a clean stop (what was announced is kept) the cold start announces the
+    chunks its disk found, ``STORAGE``, as a router had them."""
+    daemon = snapshot_daemon(daemon_factory, local_disk=f"file://{tmp_path / 'spill'}", **SPILLING)
+    with daemon.client(namespace=NS) as c:
+        put_to_disk(c, [(i * 7) % 50_000 for i in range(2 * CHUNK)])
+    _, router = bootstrap(daemon)
+    assert {medium for _, medium in router.state()} == {"STORAGE"}
+    assert daemon.stop() == 0
+    daemon.start()  # cold: memory is empty, the disk tier finds its files
+    with daemon.client(namespace=NS) as c:
+        assert quiet(c, restored_chunks=2)["restored_chunks"] == 2
+    _, fresh = bootstrap(daemon)
+    assert fresh.state() == router.state()
+    assert router.apply(replay(daemon)).state() == fresh.state()  # the restarted subscriber converges
+
 
 def test_chunks_on_disk_after_a_crash_are_announced_from_their_records(
     daemon_factory: Callable[..., Daemon], tmp_path: Path
 ) -> None:
-    daemon = snapshot_daemon(
-        daemon_factory,
-        local_disk=f"file://{tmp_path / 'spill'}",
-        max_local_cpu_size="4MiB",
-        max_local_disk_size="64MiB",
-        spill_ahead_size=0,
-        warm_restart=False,
-    )
-    tokens = [(i * 11) % 50_000 for i in range(3 * CHUNK)]
-    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    daemon = snapshot_daemon(daemon_factory, local_disk=f"file://{tmp_path / 'spill'}", warm_restart=False, **SPILLING)
     with daemon.client(namespace=NS) as c:
-        assert c.put(keys, [os.urandom(1 << 20)] * 3, tokens=toks) == [PutStatus.STORED] * 3
-        for _ in range(6):
-            c.put([os.urandom(32)], [os.urandom(1 << 20)])  # no token ids: pushes the three to disk
-        wait_for(lambda: c.lookup(keys).tiers == ["disk"] * 3)
-        quiet(c, moved_chunks=3)
-        wait_for(lambda: c.stats()["tiers"]["disk"]["queued_spills"] == 0)
+        put_to_disk(c, [(i * 11) % 50_000 for i in range(3 * CHUNK)])
     _, router = bootstrap(daemon)
     assert {medium for _, medium in router.state()} == {"STORAGE"}
     assert sum(len(b) for b in router.state().values()) == 3 * CHUNK // BLOCK
@@ -177,21 +201,11 @@ def test_a_chunk_put_again_while_only_the_disk_holds_it_is_announced_in_memory_a
 ) -> None:
     """A put (with or without token ids) of a chunk announced ``STORAGE`` stores it in
     memory again: its medium moves back to ``CPU``, as a promotion's does."""
-    daemon = events_daemon(
-        daemon_factory,
-        local_disk=f"file://{tmp_path / 'spill'}",
-        max_local_cpu_size="4MiB",
-        max_local_disk_size="64MiB",
-        spill_ahead_size=0,
-    )
+    daemon = events_daemon(daemon_factory, local_disk=f"file://{tmp_path / 'spill'}", **SPILLING)
     tokens = [(i * 29) % 50_000 for i in range(2 * CHUNK)]
-    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    toks = chunk_tokens(tokens, CHUNK)
     with daemon.client(namespace=NS) as c:
-        assert c.put(keys, [os.urandom(1 << 20)] * 2, tokens=toks) == [PutStatus.STORED] * 2
-        for _ in range(6):
-            c.put([os.urandom(32)], [os.urandom(1 << 20)])
-        wait_for(lambda: c.lookup(keys).tiers == ["disk", "disk"])
-        quiet(c, moved_chunks=2)
+        keys = put_to_disk(c, tokens)
         assert c.put(keys[:1], [os.urandom(1 << 20)]) == [PutStatus.STORED]  # no token ids
         assert c.put(keys[1:], [os.urandom(1 << 20)], tokens=toks[1:]) == [PutStatus.STORED]
         assert c.lookup(keys).tiers == ["memory", "memory"]

@@ -32,7 +32,7 @@ from lmcache_client.keys import chunk_keys, chunk_tokens
 from lmcache_client.protocol import PutStatus
 from lmcache_server.config import ConfigError, load_config
 
-from ..conftest import Daemon, free_port, wait_for
+from ..conftest import Daemon, free_port
 from ..integrations.vllm.vllm_harness.fixtures import vllm_python  # noqa: F401 - a fixture
 from .events_router import Frames, RouterIndex, snapshot
 from .test_events import BLOCK, CHUNK, MODEL, NS, decode_with_vllm, events_daemon, quiet, replay
@@ -218,32 +218,3 @@ def test_an_exposed_snapshot_endpoint_needs_allow_insecure(daemon_factory: Calla
         daemon_factory(
             events_endpoint=f"tcp://127.0.0.1:{free_port()}", events_snapshot_endpoint=f"tcp://*:{free_port()}"
         )
-
-
-def test_chunks_found_on_disk_at_a_cold_start_are_announced_with_their_medium(
-    daemon_factory: Callable[..., Daemon], tmp_path: Path
-) -> None:
-    daemon = snapshot_daemon(
-        daemon_factory,
-        local_disk=f"file://{tmp_path / 'spill'}",
-        max_local_cpu_size="4MiB",
-        max_local_disk_size="64MiB",
-        spill_ahead_size=0,
-    )
-    tokens = [(i * 7) % 50_000 for i in range(2 * CHUNK)]
-    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
-    with daemon.client(namespace=NS) as c:
-        assert c.put(keys, [os.urandom(1 << 20)] * 2, tokens=toks) == [PutStatus.STORED] * 2
-        for _ in range(6):
-            c.put([os.urandom(32)], [os.urandom(1 << 20)])  # no token ids: pushes both to disk
-        wait_for(lambda: c.lookup(keys).tiers == ["disk", "disk"])
-        quiet(c, moved_chunks=2)
-    _, router = bootstrap(daemon)
-    assert {medium for _, medium in router.state()} == {"STORAGE"}
-    assert daemon.stop() == 0
-    daemon.start()  # cold: memory is empty, the disk tier finds its files
-    with daemon.client(namespace=NS) as c:
-        assert quiet(c, restored_chunks=2)["restored_chunks"] == 2
-    _, fresh = bootstrap(daemon)
-    assert fresh.state() == router.state()
-    assert router.apply(replay(daemon)).state() == fresh.state()  # the restarted subscriber converges
