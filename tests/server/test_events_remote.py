@@ -404,7 +404,7 @@ def test_the_audit_asks_in_bounded_round_trips_and_ttls_and_the_bound_forget(
             assert max(counted.round_trips) <= AUDIT_BATCH and len(counted.round_trips) >= 3
 
             # A TTL: forgotten (and withdrawn) a margin before Redis expires the key.
-            short = RemoteHeld(Announcements(set(keys[:10])), tier, max_chunks=5, ttl_s=0.4, audit_s=0)
+            short = RemoteHeld(Announcements(set(keys[:10])), tier, max_chunks=5, ttl_s=2.0, audit_s=0)
             short.written(keys[:10], time.monotonic())
             assert len(short) == 5 and short.stats()["remote_evicted"] == 5  # the bound: oldest first
             assert not any(short.holds(k) for k in keys[:5]) and all(short.holds(k) for k in keys[5:10])
