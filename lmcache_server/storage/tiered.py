@@ -205,9 +205,11 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
         for digest in digests:
             key = ChunkKey(namespace, digest)
             await self.filling.filled(key)
-            # Redis first: the local tiers then drop a chunk Redis no longer holds (no move to Redis).
-            tiers = self.tiers if self.remote is None else [self.remote, *self.tiers[:-1]]
-            out.append(any([await t.delete(key) for t in tiers]))
+            if self.remote is not None and self.remote.listener is not None:
+                self.remote.listener.gone([key])  # first: leaving memory now is no move to Redis
+            # Memory first, as ever: a read meanwhile cannot queue the chunk for Redis again
+            # after its Redis delete (it would come back there).
+            out.append(any([await t.delete(key) for t in self.tiers]))
             if self.admission is not None:
                 self.admission.deleted(key)
         return out
