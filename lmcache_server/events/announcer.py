@@ -204,9 +204,7 @@ class Announcer:
     def stored(self, key: ChunkKey, tokens: ChunkTokens, tier: str) -> None:
         try:
             if key in self._where:
-                if self._where[key][1] == REMOTE:  # put again while only Redis held it
-                    self.moved(key, tier)
-                return
+                return  # (stored again in memory: the store tells ``moved``)
             if not tokens.packed or len(tokens.packed) % (4 * self.settings.block_size):
                 self.counters.skipped_chunks += 1
                 return
@@ -238,8 +236,10 @@ class Announcer:
         tokens = self._unbuilt.get(key)
         if tokens is not None:
             return tokens
-        for (topic, _), index in self._index.items():  # its medium's, or the old one's before a move is built
-            held = index.get(key) if topic == where[0] else None
+        topic = where[0]
+        for medium in (where[1], *MEDIUM.values(), REMOTE):  # its medium's, or the old one's before a move is built
+            index = self._index.get((topic, medium))
+            held = index.get(key) if index is not None else None
             if held is not None:
                 return ChunkTokens(held.parent_key, held.packed) if held.parent_key else None
         return None

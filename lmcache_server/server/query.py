@@ -36,6 +36,8 @@ from typing import Any
 
 from lmcache_client.keys import chunk_keys, request_root
 
+from ..events.announcer import MEDIUM
+from ..events.remote import REMOTE
 from ..storage.base import ChunkKey
 
 MAX_BODY = 4 << 20
@@ -44,7 +46,6 @@ MAX_TOKENS = 1 << 18
 """Token ids in one query at most (a 256k-token prompt)."""
 MAX_NAMESPACES = 64
 """Namespaces one ``model`` query may cover (the rest are not asked)."""
-MEDIUM = {"memory": "CPU", "disk": "STORAGE"}
 
 
 class QueryError(Exception):
@@ -151,7 +152,7 @@ class Query:
             if tier is not None:
                 medium = MEDIUM.get(tier, tier.upper())
             elif self.remote is not None and self.remote(key):
-                medium = "REMOTE"
+                medium = REMOTE
             else:
                 break
             by_medium[medium] = by_medium.get(medium, 0) + size

@@ -18,7 +18,7 @@ copying chunks of a lower tier (disk, Redis) into memory.
 A cancelled promotion gives its room back once the thread writing into it has
 finished (:func:`.filling.fill_reservation`).
 
-Primitives: :class:`TieredPromotion` (``fill_from``, ``fill_from_disk``,
+Primitives: :func:`in_memory`, :class:`TieredPromotion` (``fill_from``, ``fill_from_disk``,
 ``prefetch_sizes``, ``prefetch``).
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Sequence
 
+from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from .base import Chunk, ChunkKey, Residency
@@ -36,6 +37,17 @@ from .memory import MemoryTier, Reservation
 from .offload import Offload
 from .remote import RedisTier
 from .tieradmission import StoreAdmission
+
+
+def in_memory(events: Residency | None, key: ChunkKey, tokens: ChunkTokens | None, memory: str) -> None:
+    """``key`` became readable in memory (a put, a promotion): announced with ``tokens``
+    when it was not, else its medium is memory's again (it was only on disk or in Redis)."""
+    if events is None:
+        return
+    if tokens is not None:
+        events.stored(key, tokens, memory)  # (nothing when announced already)
+    if events.announced(key):
+        events.moved(key, memory)  # (nothing when announced in memory)
 
 
 class TieredPromotion:
@@ -50,17 +62,6 @@ class TieredPromotion:
     promotions: dict[str, int]
     admission: StoreAdmission | None
     events: Residency | None
-
-    def _promoted(self, key: ChunkKey, chunk: Chunk | None = None) -> None:
-        """A chunk promoted to memory: an announced one's medium is memory's again; one
-        not announced whose record carried its token ids (``chunk.tokens``: another
-        node's chunk from Redis, or this node's after it left) is announced now."""
-        if self.events is None:
-            return
-        if self.events.announced(key):
-            self.events.moved(key, self.memory.name)
-        elif chunk is not None and chunk.tokens is not None:
-            self.events.stored(key, chunk.tokens, self.memory.name)
 
     async def fill_from(self, tier: str, key: ChunkKey, chunk: Chunk) -> PutStatus | None:
         """Copy ``chunk`` (read from ``tier``) into the pool, off the loop: STORED when
@@ -77,7 +78,7 @@ class TieredPromotion:
         status = await fill_reservation(self.memory, reservation, fill())
         if status is PutStatus.STORED:
             self.promotions[tier] += 1
-            self._promoted(key, chunk)
+            in_memory(self.events, key, chunk.tokens, self.memory.name)  # its record's ids announce it
             if self.admission is not None and self.remote is not None and tier == self.remote.name:
                 self.admission.from_remote(key)  # Redis holds it: no write owed
         return status
@@ -99,7 +100,7 @@ class TieredPromotion:
         status = await fill_reservation(self.memory, reservation, fill())
         if status is PutStatus.STORED:
             self.promotions[disk.name] += 1
-            self._promoted(key)
+            in_memory(self.events, key, None, self.memory.name)
         return status
 
     # -- prefetch --------------------------------------------------------------------

@@ -34,6 +34,7 @@ from .filling import Filling
 from .memory import MemoryTier, Reservation
 from .remote import RedisTier
 from .tieradmission import StoreAdmission
+from .tieredpromote import in_memory
 
 ROOM_WAIT_S = 5.0
 """How long a put waits for room that spills being written will free."""
@@ -179,11 +180,7 @@ class TieredPuts:
         status = self.memory.complete_store(reservation)
         if status is PutStatus.STORED:
             key = reservation.key
-            if self.events is not None:
-                if reservation.tokens is not None:  # first: its Redis record carries them
-                    self.events.stored(key, reservation.tokens, self.memory.name)
-                if self.events.announced(key):  # put again while only the disk or Redis held it
-                    self.events.moved(key, self.memory.name)
+            in_memory(self.events, key, reservation.tokens, self.memory.name)  # first: its Redis record carries them
             if self.admission is None:
                 if self.remote is not None:
                     self._uplink(key)
