@@ -42,6 +42,7 @@ from .metrics import (
 )
 from .security import Security
 from .server.admission import ByteBudget
+from .server.endpointlocks import EndpointLocks, bound_endpoints
 from .server.handlers import Handlers
 from .server.http import HttpEndpoint
 from .server.monitor import ConnectionMonitor
@@ -90,14 +91,18 @@ class App:
         closes everything whatever happened.
         """
         self._stop = asyncio.Event()
-        d = await self._build()
-        stopped = False  # a clean stop: signalled and drained (only then is the pool kept)
-        try:
-            await self._serve(d)
-            await self._drain(d)
-            stopped = True
-        finally:
-            await self._hand_over(d, stopped)
+        # Each ipc:// socket is this daemon's before anything is built: a second daemon on
+        # the same path refuses here, touching none of the first one's files (its pool,
+        # its state files named after the listen addresses, its socket).
+        with EndpointLocks.take(bound_endpoints(self.config)):
+            d = await self._build()
+            stopped = False  # a clean stop: signalled and drained (only then is the pool kept)
+            try:
+                await self._serve(d)
+                await self._drain(d)
+                stopped = True
+            finally:
+                await self._hand_over(d, stopped)
         logger.info("lmcache-server stopped")
         return 0
 

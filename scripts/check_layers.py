@@ -66,6 +66,8 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
                 "lmcache_server.kv_codec",
             ],
             "supervisor": ["lmcache_server.supervisor"],
+            # one daemon per spill directory and per ipc:// socket: storage and server take it
+            "filelock": ["lmcache_server.filelock"],
         },
         {"version": ["lmcache_server"]},  # lmcache_server/__init__.py: __version__ only
         {"lmcache_client": ["lmcache_client*"]},  # the client never imports the daemon

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import fcntl
 import hashlib
 import logging
 import mmap
@@ -25,6 +24,7 @@ from typing import Any
 
 from lmcache_client.keys import ChunkTokens
 
+from ...filelock import LockHeld, hold_lock
 from ..base import ChunkKey
 from ..chunkfile import CorruptRecord, RecordHeader, encode_header, header_length, parse_header, verify_payload
 
@@ -49,16 +49,10 @@ def lock_directory(root: Path) -> int:
     Raises :class:`DirectoryInUse` if another process holds it; ``OSError`` if
     the directory or the lock file cannot be made."""
     root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+        return hold_lock(root / LOCK_NAME)
+    except LockHeld:
         raise DirectoryInUse(str(root)) from None
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
 
 
 def disk_usage(size: int) -> int:
