@@ -2,9 +2,11 @@
 
 startup (pool, tiers, store, metrics, sockets, HTTP) -> serve until SIGTERM or
 SIGINT -> drain in-flight requests for ``drain_timeout_s`` -> close everything
--> exit code 0.  With ``warm_restart`` the pool segment left by the last clean
-stop is adopted at startup, and a clean stop leaves it, with its index, for
-the next daemon (storage/warmstart.py).  Nothing here is global: the registry, the config and the
+-> exit code 0.  With ``warm_restart`` (a supervisor restarts the daemon) the
+pool segment left by the last clean stop is adopted at startup, and a clean
+stop leaves it, with its index, for the next daemon (storage/memory/warmstart.py);
+without it the pool goes at the stop, and one this daemon kept earlier goes at
+its start.  Nothing here is global: the registry, the config and the
 ZeroMQ context are created here and passed down.
 """
 
@@ -113,11 +115,10 @@ class App:
         security = Security.from_config(c)
         if c.malloc_tuning and not tune_malloc():
             logger.info("malloc tuning not applied (not glibc?)")
-        warm = (
-            WarmStart(c.shm_dir, c.listen, c.max_local_cpu_size, c.warm_restart_max_age_s)
-            if c.shared_memory and c.warm_restart
-            else None
-        )
+        warm = warm_start(c) if c.shared_memory else None
+        if warm is not None and not c.warm_restart:
+            _release_kept(warm)  # nothing will adopt it: it would hold the pool's memory for ever
+            warm = None
         adoption = warm.find() if warm is not None else None
         pool, adoption = _pool(c, adoption)
         supervisor = Supervisor()  # background loops restart after a failure (logged, counted)
@@ -319,6 +320,26 @@ def _on_signal(loop: asyncio.AbstractEventLoop, signals: tuple[int, ...], callba
 
     for sig in signals:
         signal.signal(sig, handler)
+
+
+def warm_start(c: ServerConfig) -> WarmStart:
+    """The warm restarts of the daemon ``c`` configures: its identity and installation
+    (also what ``lmcache-server cleanup`` removes)."""
+    return WarmStart(c.shm_dir, c.listen, c.max_local_cpu_size, c.warm_restart_max_age_s)
+
+
+def _release_kept(warm: WarmStart) -> None:
+    """With warm_restart off: remove the segment an earlier clean stop of this daemon kept."""
+    for kept in warm.remove_kept():
+        if kept.removed:
+            logger.info(
+                "warm_restart is off: removed the pool segment %s (%d MiB of host memory) that an earlier clean "
+                "stop of this daemon kept",
+                kept.name,
+                kept.held_bytes >> 20,
+            )
+        else:
+            logger.warning("warm_restart is off: left the kept pool segment %s: %s", kept.name, kept.reason)
 
 
 def _pool(c: ServerConfig, adoption: Adoption | None) -> tuple[MemoryPool, Adoption | None]:

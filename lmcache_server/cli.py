@@ -4,7 +4,8 @@ Flags override environment variables, which override the file (see config.py).
 Exit codes: 0 after a clean stop, 2 for a refused configuration, 1 otherwise.
 ``lmcache-server admin COMMAND ...`` runs an admin command against a running
 daemon instead (see admin.py); ``lmcache-server keygen NAME`` writes a CURVE
-key pair (see security/keygen.py and docs/security.md).
+key pair (see security/keygen.py and docs/security.md); ``lmcache-server
+cleanup`` removes the memory pools kept for a warm restart (see cleanup.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from .config import FIELDS, ConfigError, load_config
+from .config import FIELDS, ConfigError, load_config, set_overrides
 
 logger = logging.getLogger("lmcache_server")
 
@@ -30,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
         "(other LMCACHE_* variables are ignored with one warning). "
         "Precedence: flags > environment > config file > defaults. "
         "Admin commands for a running daemon: lmcache-server admin {ping,health,stats,namespaces,clear} --help. "
-        "CURVE key pairs: lmcache-server keygen NAME --help",
+        "CURVE key pairs: lmcache-server keygen NAME --help. "
+        "Pools kept for a warm restart, after a final stop: lmcache-server cleanup --help",
     )
     p.add_argument(
         "--config", metavar="PATH", help="YAML config file (default: $LMCACHE_CONFIG or $LMCACHE_CONFIG_FILE, or none)"
@@ -45,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="HTTP port of /metrics (0 disables)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument(
+        "--keep-warm",
+        action="store_true",
+        help="a supervisor restarts this daemon: a clean stop keeps the memory pool for the next start "
+        "(warm_restart: true); without it the pool is released at the stop",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -57,14 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    import yaml
-
-    out: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError("--set", item, "KEY=VALUE")
-        out[key.strip()] = yaml.safe_load(value) if value else None
+    out = set_overrides(args.set)
     if args.listen:
         out["listen"] = args.listen
     if args.max_local_cpu_size is not None:
@@ -74,6 +75,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["metrics_port"] = args.metrics_port
     if args.log_level is not None:
         out["log_level"] = args.log_level
+    if args.keep_warm:
+        out["warm_restart"] = True
     return out
 
 
@@ -87,6 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .admin import main as admin_main
 
         return admin_main(argv[1:])
+    if argv[:1] == ["cleanup"]:
+        from .cleanup import main as cleanup_main
+
+        return cleanup_main(argv[1:])
     if argv[:1] == ["keygen"]:
         from .security.keygen import main as keygen_main
 

@@ -25,7 +25,7 @@ import dataclasses
 import difflib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,17 @@ def _warn_unknown_env(unknown: list[str]) -> None:
         described.append(f"{name} (did you mean {ENV_PREFIX}{close[0].upper()}: {close[0]}?)" if close else name)
     logger.warning("ignoring %d LMCACHE_* environment variable(s) that are no config key: %s",
                    len(described), ", ".join(described))  # fmt: skip
+
+
+def set_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """The config keys given on a command line as ``--set KEY=VALUE`` (VALUE read as YAML)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError("--set", item, "KEY=VALUE")
+        out[key.strip()] = yaml.safe_load(value) if value else None
+    return out
 
 
 def load_config(

@@ -257,11 +257,12 @@ class ConfigFields:
         "How long a shared-memory client may hold a chunk it reads or a slot it writes before it is reclaimed.",
     )
     warm_restart: bool = v.field(
-        True,
+        False,
         v.boolean,
         "true or false",
-        "At a clean stop keep the shared pool segment and write its index beside it, so that the next daemon "
-        "with the same listen addresses and pool size adopts the memory tier (a crash always starts cold).",
+        "A restart is expected (a supervisor: systemd, compose, Kubernetes; the flag --keep-warm): a clean stop "
+        "keeps the shared pool segment and its index, and the next daemon with the same listen addresses and "
+        "pool size adopts the memory tier (a crash always starts cold). Off: the segment goes at the stop.",
     )
     warm_restart_max_age_s: float = v.field(
         3600.0,

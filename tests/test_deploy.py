@@ -324,7 +324,9 @@ def test_systemd_unit(tmp_path: Path) -> None:
     parser.read(unit)
     service = parser["Service"]
     argv = shlex.split(service["ExecStart"])
-    assert argv[0].endswith("/lmcache-server") and argv[1:] == ["--config", "/etc/lmcache/server.yaml"]
+    assert argv[0].endswith("/lmcache-server") and argv[1:] == ["--config", "/etc/lmcache/server.yaml", "--keep-warm"]
+    # systemd restarts it (the pool is kept); `systemctl stop` frees the pool with cleanup.
+    assert f"{argv[0]} cleanup --config /etc/lmcache/server.yaml" in service["ExecStopPost"]
     assert service["User"] not in ("root", "0")
     assert service["RestartPreventExitStatus"] == "2"  # a refused config is not retried
     assert int(service["TimeoutStopSec"]) > ServerConfig().drain_timeout_s

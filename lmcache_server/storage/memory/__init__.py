@@ -16,11 +16,11 @@ Code outside this room imports the names below from ``storage.memory``.
 
 from .allocator import ALIGNMENT
 from .entry import UNBOUND, Reservation
-from .pool import MemoryPool, PinningError
+from .pool import MemoryPool, PinningError, remove_stale_segments
 from .tier import MemoryTier
 from .warmadopt import Adoption
 from .warmindex import HeldLease, HeldSlot
-from .warmstart import WarmStart
+from .warmstart import KeptSegment, WarmStart
 
 __all__ = [
     "ALIGNMENT",
@@ -28,9 +28,11 @@ __all__ = [
     "Adoption",
     "HeldLease",
     "HeldSlot",
+    "KeptSegment",
     "MemoryPool",
     "MemoryTier",
     "PinningError",
     "Reservation",
     "WarmStart",
+    "remove_stale_segments",
 ]

@@ -1,8 +1,14 @@
 """Warm restarts: the memory tier survives a clean stop of the daemon.
 
-At a clean stop (SIGTERM/SIGINT, after the drain and once every fill is in)
-the daemon writes ``<segment>.warm`` beside its pool segment in ``shm_dir``
-and leaves the segment in place (:meth:`WarmStart.save`).  The next daemon
+With ``warm_restart`` on (``lmcache-server --keep-warm``: a supervisor will start
+the daemon again), at a clean stop (SIGTERM/SIGINT, after the drain and once
+every fill is in) the daemon writes ``<segment>.warm`` beside its pool segment
+in ``shm_dir`` and leaves the segment in place (:meth:`WarmStart.save`).  Off
+(the default), the segment goes at the stop: a kept one holds host memory the
+size of the pool until some later start, so it is kept only where a restart is
+expected.  Kept segments nobody will adopt are removed by
+:meth:`WarmStart.remove_kept`: at the start of this daemon with ``warm_restart``
+off (its own), and by ``lmcache-server cleanup`` (cleanup.py).  The next daemon
 (:meth:`WarmStart.find`) adopts it when the index is intact and was written
 for the same daemon: the same ``listen`` addresses and the same installation
 (its identity: two daemons sharing a directory never take each other's pool;
@@ -26,7 +32,8 @@ their index files in ``shm_dir`` and writes the index at the stop
 bytes, its checks); :mod:`.warmadopt` fills the new tier from it
 (:class:`Adoption`).  Their names stay importable from here.
 
-Primitives: :class:`WarmStart` (``find``, ``save``), :func:`installation_id`,
+Primitives: :class:`WarmStart` (``find``, ``save``, ``remove_kept``), :class:`KeptSegment`,
+:func:`installation_id`,
 :func:`boot_id`; from :mod:`.warmadopt`: :class:`Adoption` (``restore``); from
 :mod:`.warmindex`: :class:`HeldLease`, :class:`HeldSlot`, :func:`encode`,
 :func:`decode`, :class:`WarmIndexError`.
@@ -43,6 +50,7 @@ import stat
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from .pool import INDEX_SUFFIX, SEGMENT_RE, MemoryPool, Segment
@@ -69,6 +77,7 @@ __all__ = [
     "Adoption",
     "HeldLease",
     "HeldSlot",
+    "KeptSegment",
     "WarmIndex",
     "WarmIndexError",
     "WarmMemory",
@@ -105,6 +114,21 @@ def boot_id() -> str:
 
 
 DEFAULT_MAX_AGE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class KeptSegment:
+    """A pool segment a clean stop kept for a warm restart, as
+    :meth:`WarmStart.remove_kept` found it."""
+
+    name: str
+    held_bytes: int
+    """Host memory it held (its tmpfs pages)."""
+    identity: tuple[str, ...]
+    """The ``listen`` addresses of the daemon that kept it."""
+    removed: bool
+    """False: left alone (``reason`` says why: a running daemon holds it, or it could not be removed)."""
+    reason: str = ""
 
 
 class WarmStart:
@@ -259,6 +283,57 @@ class WarmStart:
         else:
             fate = f"removed the old pool segment {name}"
         logger.warning("warm restart refused, the memory tier starts cold: %s; %s", reason, fate)
+
+    def remove_kept(self, every_daemon: bool = False) -> list[KeptSegment]:
+        """Remove the segments that clean stops of this daemon (its ``listen``
+        addresses and installation) kept for a warm restart, with their index; with
+        ``every_daemon``, those of every daemon of this user in ``shm_dir``, whatever
+        its addresses or installation (a pod or container long gone).  A segment
+        whose lock a daemon holds (one stopping, its index just written, or one
+        adopting it) is left alone; so are other users' files and an index that
+        cannot be read.  Never raises OSError: what cannot be removed is reported."""
+        try:
+            names = sorted(os.listdir(self.shm_dir))
+        except OSError:
+            return []
+        found: list[KeptSegment] = []
+        for name in names:
+            segment = name.removesuffix(INDEX_SUFFIX)
+            if segment == name or SEGMENT_RE.match(segment) is None:
+                continue
+            try:
+                index = _read(self.shm_dir / name)  # another user's is refused here (owner check)
+            except WarmIndexError:
+                continue
+            if not every_daemon and (index.installation != self.installation or index.identity != self.identity):
+                continue
+            found.append(self._remove_kept(segment, index.identity))
+        return found
+
+    def _remove_kept(self, name: str, identity: tuple[str, ...]) -> KeptSegment:
+        """Remove one kept segment and its index, both under the segment's lock (so
+        neither goes while a daemon still writes or adopts it)."""
+        path = self.shm_dir / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:  # an index without its segment: the index alone is junk
+            (self.shm_dir / (name + INDEX_SUFFIX)).unlink(missing_ok=True)
+            return KeptSegment(name, 0, identity, True)
+        except OSError as err:
+            return KeptSegment(name, 0, identity, False, f"cannot open it ({err.strerror})")
+        try:
+            held = os.fstat(fd).st_blocks * 512
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return KeptSegment(name, held, identity, False, "in use by a running daemon")
+            (self.shm_dir / (name + INDEX_SUFFIX)).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+            return KeptSegment(name, held, identity, True)
+        except OSError as err:
+            return KeptSegment(name, 0, identity, False, f"cannot remove it ({err.strerror})")
+        finally:
+            os.close(fd)
 
     def save(self, pool: MemoryPool, memory: WarmMemory, leases: list[HeldLease]) -> bool:
         """Write the index of ``memory`` beside its segment (call it once nothing

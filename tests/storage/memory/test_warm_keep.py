@@ -1,0 +1,148 @@
+"""When the pool is kept at a stop (issue 39 item 7), against real daemon processes.
+
+A kept pool segment holds host memory the size of the pool until a later start
+adopts it, so it is kept only where a restart is expected: ``warm_restart``
+(``lmcache-server --keep-warm``, what the shipped systemd unit, compose files and
+DaemonSet pass).  By default a stop releases it, and ``lmcache-server cleanup``
+removes what a supervised daemon kept once it stopped for good.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from lmcache_client import PutStatus
+from lmcache_server.cli import main as cli_main
+
+from ...conftest import Daemon
+
+MiB = 1 << 20
+KEEP_WARM = ["/bin/sh", "-c", 'exec "$@" --keep-warm', "sh"]
+"""A prefix that appends ``--keep-warm`` to the daemon's command line (as a unit's ExecStart would)."""
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(f"keep-{i}".encode()).digest()
+
+
+def value(k: bytes) -> bytes:
+    return hashlib.shake_128(k).digest(MiB)
+
+
+def put_some(d: Daemon, n: int = 4) -> list[bytes]:
+    keys = [key(i) for i in range(n)]
+    with d.client() as c:
+        assert c.put(keys, [value(k) for k in keys]) == [PutStatus.STORED] * n
+    return keys
+
+
+def pool_files(shm_dir: Path) -> list[str]:
+    return sorted(p.name for p in shm_dir.iterdir() if p.name.startswith("lmcache-pool-"))
+
+
+def cleanup(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache_server", "cleanup", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_the_flag_turns_warm_restart_on_and_the_default_is_off(capsys: object) -> None:
+    assert cli_main(["--print-config"]) == 0
+    assert "warm_restart: False" in capsys.readouterr().out  # type: ignore[attr-defined]
+    assert cli_main(["--keep-warm", "--print-config"]) == 0
+    assert "warm_restart: True" in capsys.readouterr().out  # type: ignore[attr-defined]
+
+
+def test_a_plain_sigint_stop_of_a_default_daemon_leaves_no_segment(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory()
+    assert d.stop() == 0
+    del d.config["warm_restart"]  # the default config, as `make run` starts it
+    d.start()
+    put_some(d)
+    with d.client() as c:
+        assert c.uses_shared_memory
+    assert len(pool_files(d.shm_dir)) == 1
+    assert d.stop(signal.SIGINT) == 0  # Ctrl-C
+    assert pool_files(d.shm_dir) == []
+    assert "kept the memory pool" not in d.log()
+
+
+def test_a_supervised_stop_keeps_the_pool_and_the_next_start_adopts_it(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(prefix=KEEP_WARM, cache_policy="lru")  # --keep-warm beats the file's warm_restart: false
+    keys = put_some(d)
+    assert d.stop() == 0  # what systemd, compose and Kubernetes send
+    (segment,) = [name for name in pool_files(d.shm_dir) if "." not in name]
+    assert pool_files(d.shm_dir) == [segment, segment + ".warm"]
+    d.start()
+    assert "warm restart: adopted " + segment in d.log()
+    with d.client() as c:
+        assert c.stats()["tiers"]["memory"]["chunks"] == len(keys)
+        assert c.get(keys) == [value(k) for k in keys]  # hits, from the adopted pool
+    assert d.stop() == 0
+
+
+def test_a_start_with_warm_restart_off_removes_what_its_last_stop_kept(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(warm_restart=True)
+    put_some(d)
+    assert d.stop() == 0
+    (kept,) = [name for name in pool_files(d.shm_dir) if "." not in name]
+    d.config["warm_restart"] = False
+    d.start()
+    assert "warm_restart is off: removed the pool segment " + kept in d.log()
+    (live,) = pool_files(d.shm_dir)
+    assert live != kept
+    with d.client() as c:
+        assert c.stats()["tiers"]["memory"]["chunks"] == 0
+    assert d.stop() == 0
+    assert pool_files(d.shm_dir) == []
+
+
+def test_cleanup_removes_a_kept_segment_and_leaves_live_ones(daemon_factory: Callable[..., Daemon]) -> None:
+    stopped = daemon_factory(warm_restart=True)
+    put_some(stopped)
+    assert stopped.stop() == 0
+    (kept,) = [name for name in pool_files(stopped.shm_dir) if "." not in name]
+    # Another daemon, running, on the same shm_dir: its segment is live (locked, no index).
+    running = daemon_factory(shm_dir=str(stopped.shm_dir), warm_restart=True)
+    keys = put_some(running)
+    (live,) = [name for name in pool_files(stopped.shm_dir) if name not in (kept, kept + ".warm")]
+    # A daemon holding the kept segment's lock (one stopping, or adopting it): left alone.
+    fd = os.open(stopped.shm_dir / kept, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        out = cleanup("--config", str(stopped.config_path))
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"left {kept}" in out.stdout and "in use by a running daemon" in out.stdout
+        assert pool_files(stopped.shm_dir) == sorted([kept, kept + ".warm", live])
+    finally:
+        os.close(fd)
+    # The running daemon's own config: its segment is live, the other daemon's kept one not its own.
+    out = cleanup("--config", str(running.config_path))
+    assert out.returncode == 0 and "nothing to remove" in out.stdout, out.stdout + out.stderr
+    assert pool_files(stopped.shm_dir) == sorted([kept, kept + ".warm", live])
+    out = cleanup("--config", str(stopped.config_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"removed {kept} (" in out.stdout and "and its index" in out.stdout
+    assert pool_files(stopped.shm_dir) == [live]
+    with running.client() as c:
+        assert c.get(keys) == [value(k) for k in keys]
+    # A start of the stopped daemon is cold now (nothing kept to adopt).
+    stopped.start()
+    with stopped.client() as c:
+        assert c.stats()["tiers"]["memory"]["chunks"] == 0
