@@ -12,7 +12,9 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +24,9 @@ import redis
 
 from lmcache_client.integrations.vllm.scheduler import SchedulerSide
 from lmcache_client.protocol import PutStatus
+from lmcache_server.app import warm_start
+from lmcache_server.config import load_config
+from lmcache_server.storage.memory.warmstart import WarmIndex, boot_id, encode
 
 from ..conftest import SHM_ROOT, Daemon, RedisServer, wait_for
 from .test_redis_tier import redis_key_of
@@ -137,24 +142,32 @@ def test_the_systemd_unit_frees_a_kept_pool_segment_on_stop_only(
     tmp_path: Path, job: str | None, removed: bool
 ) -> None:
     """ExecStopPost, run with a stand-in ``systemctl`` that lists one job of the unit
-    (None: systemctl fails) and the unit's /dev/shm path pointed at a temp dir."""
+    (None: systemctl fails), the unit's lmcache-server and config pointed at this tree
+    and a config whose shm_dir is a temp dir holding a segment the daemon kept."""
     unit = (Path(__file__).resolve().parents[2] / "deploy" / "lmcache-server.service").read_text()
     [line] = [x for x in unit.splitlines() if x.startswith("ExecStopPost=")]
     command = line.removeprefix("ExecStopPost=").lstrip("-")
     shm = tmp_path / "shm"
     shm.mkdir()
-    segment = shm / "lmcache-pool-123-abc"
+    config_path = tmp_path / "server.yaml"
+    config_path.write_text(f"listen: [tcp://127.0.0.1:7001]\nshm_dir: {shm}\nmax_local_cpu_size: 64MiB\n")
+    warm = warm_start(load_config(str(config_path), environ={}))
+    name = "lmcache-pool-123-" + "ab" * 16
+    segment = shm / name
     segment.write_bytes(b"x")
-    (shm / "lmcache-pool-123-abc.warm").write_bytes(b"i")
+    index = WarmIndex(name, 64 << 20, warm.identity, boot_id(), time.time(), [], [], warm.installation)
+    (shm / (name + ".warm")).write_bytes(encode(index))
     bindir = tmp_path / "bin"
     bindir.mkdir()
     fake = bindir / "systemctl"
     body = "exit 1" if job is None else f"echo '42 lmcache-server.service {job} running'" if job else "true"
     fake.write_text(f"#!/bin/sh\n{body}\n")
     fake.chmod(0o755)
-    command = command.replace("%n", "lmcache-server.service").replace("/dev/shm/", f"{shm}/")
+    command = command.replace("%n", "lmcache-server.service").replace("/etc/lmcache/server.yaml", str(config_path))
+    command = command.replace("/opt/lmcache-server/bin/lmcache-server", f"{sys.executable} -m lmcache_server")
     argv = shlex.split(command)
-    out = subprocess.run(argv, env={"PATH": f"{bindir}:/usr/bin:/bin"}, check=False)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(argv, env=env, check=False)
     assert out.returncode == 0
     assert segment.exists() is not removed
-    assert (shm / "lmcache-pool-123-abc.warm").exists() is not removed
+    assert (shm / (name + ".warm")).exists() is not removed
