@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from lmcache_client import PutStatus
 from lmcache_server.cli import main as cli_main
 
@@ -113,7 +115,10 @@ def test_a_start_with_warm_restart_off_removes_what_its_last_stop_kept(
     assert pool_files(d.shm_dir) == []
 
 
-def test_cleanup_removes_a_kept_segment_and_leaves_live_ones(daemon_factory: Callable[..., Daemon]) -> None:
+@pytest.mark.parametrize("all_daemons", [False, True])
+def test_cleanup_removes_a_kept_segment_and_leaves_live_ones(
+    daemon_factory: Callable[..., Daemon], all_daemons: bool
+) -> None:
     stopped = daemon_factory(warm_restart=True)
     put_some(stopped)
     assert stopped.stop() == 0
@@ -136,10 +141,15 @@ def test_cleanup_removes_a_kept_segment_and_leaves_live_ones(daemon_factory: Cal
     out = cleanup("--config", str(running.config_path))
     assert out.returncode == 0 and "nothing to remove" in out.stdout, out.stdout + out.stderr
     assert pool_files(stopped.shm_dir) == sorted([kept, kept + ".warm", live])
-    out = cleanup("--config", str(stopped.config_path))
+    if all_daemons:  # every daemon's kept segments in that shm_dir, from any config naming it
+        out = cleanup("--config", str(running.config_path), "--all")
+    else:
+        out = cleanup("--config", str(stopped.config_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"removed {kept} (" in out.stdout and "and its index" in out.stdout
     assert pool_files(stopped.shm_dir) == [live]
+    out = cleanup("--config", str(stopped.config_path))
+    assert out.returncode == 0 and "nothing to remove" in out.stdout, out.stdout + out.stderr
     with running.client() as c:
         assert c.get(keys) == [value(k) for k in keys]
     # A start of the stopped daemon is cold now (nothing kept to adopt).
