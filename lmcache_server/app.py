@@ -185,7 +185,8 @@ class App:
         handlers = Handlers(store, c, budget, shm, prefetcher)
         server = ZmqServer(c, handlers, budget, metrics, context, security, supervisor)
         sweeper = supervisor.spawn("shm_sweeper", shm.run) if shm.enabled else None
-        http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready, _query(c, store, query_access))
+        query = _query(c, store, query_access)
+        http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready, query)
         monitor = ConnectionMonitor(metrics)
         summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
         return _Daemon(

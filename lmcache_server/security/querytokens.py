@@ -94,8 +94,10 @@ class QueryAccess:
         )
         if config.metrics_port:
             logger.info("POST /query is off (%s; set query_tokens_file, docs/security.md)", why)
-        return cls(None, None, f"POST /query is off: {why}; the daemon serves it with query_tokens_file "
-                               "(bearer tokens, docs/security.md)")  # fmt: skip
+        refusal = (
+            f"POST /query is off: {why}; the daemon serves it with query_tokens_file (bearer tokens, docs/security.md)"
+        )
+        return cls(None, None, refusal)
 
     def scope(self, authorization: str | None) -> QueryScope | None:
         """The scope an ``Authorization`` header value gives; None: refused (:attr:`refusal`)."""

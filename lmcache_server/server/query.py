@@ -114,7 +114,7 @@ def _parse(body: bytes) -> _Request:
     if "chunk_size" in request:
         raise QueryError(
             "400 Bad Request",
-            '"chunk_size" is not taken from the body: it is the namespace\'s c<N> field, else the daemon\'s',
+            "\"chunk_size\" is not taken from the body: it is the namespace's c<N> field, else the daemon's",
         )
     namespace, model = request.get("namespace"), request.get("model")
     if (namespace is None) == (model is None):
