@@ -93,6 +93,9 @@ class HttpEndpoint:
                 status, ctype, body = self._route(method, path)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
             status, ctype, body = "400 Bad Request", "text/plain", b"bad request\n"
+        except Exception:  # every request one reply; the endpoint keeps serving
+            logger.exception("unhandled error in the HTTP endpoint")
+            status, ctype, body = "500 Internal Server Error", "text/plain", b"internal error\n"
         return status, ctype, body
 
     @staticmethod
