@@ -4,6 +4,11 @@ the longest prefix of a prompt, and print the best (docs/events.md, "Query").
     lmcache-server admin who-has --nodes http://a:9464,http://b:9464 \\
         --model meta-llama/Llama-3.1-8B --tokens 1,2,3,...
 
+A daemon with ``query_tokens_file`` answers only a bearer token
+(docs/security.md): ``--token-file FILE`` (the token on one line), else the
+``LMCACHE_QUERY_TOKEN`` environment variable; never on the command line,
+where other users' ``ps`` would read it.
+
 The nodes are asked at once (one thread each, ``--timeout`` seconds); a node
 that does not answer, or answers an error, is listed with it.  The best node
 holds the longest prefix; a tie goes to the one holding more of it in memory.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -42,20 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", help="the LoRA adapter's name (part of the chain root)")
     p.add_argument("--salt", help="the request's cache_salt")
     p.add_argument("--tags", help="lmcache_tags, separated by commas")
-    p.add_argument("--chunk-size", type=int, metavar="N", help="tokens per chunk (default: the namespace's)")
+    p.add_argument("--token-file", metavar="FILE", help="a /query bearer token (default: $LMCACHE_QUERY_TOKEN)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per node (default 5)")
     p.add_argument("--json", action="store_true", help="print every node's answer as JSON")
     return p
 
 
-def ask(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+def ask(url: str, body: dict[str, Any], timeout: float, token: str | None = None) -> dict[str, Any]:
     """One node's answer, or ``{"error": ...}``."""
-    request = urllib.request.Request(
-        url.rstrip("/") + "/query",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url.rstrip("/") + "/query", data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             answer: dict[str, Any] = json.loads(reply.read())
@@ -68,6 +72,14 @@ def ask(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         return {"error": f"{err.code}: {why}"}
     except (urllib.error.URLError, OSError, ValueError) as err:
         return {"error": str(getattr(err, "reason", err))}
+
+
+def _token(path: str | None) -> str | None:
+    """The bearer token: the file's first line, else ``$LMCACHE_QUERY_TOKEN``, else None."""
+    if path is None:
+        return os.environ.get("LMCACHE_QUERY_TOKEN") or None
+    with open(path, encoding="utf-8") as f:
+        return f.readline().strip() or None
 
 
 def _rank(answer: dict[str, Any]) -> tuple[int, int, int]:
@@ -95,10 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     body.update({k: v for k in ("namespace", "model", "lora", "salt") if (v := getattr(args, k)) is not None})
     if args.tags:
         body["tags"] = [t.strip() for t in args.tags.split(",") if t.strip()]
-    if args.chunk_size is not None:
-        body["chunk_size"] = args.chunk_size
+    try:
+        token = _token(args.token_file)
+    except OSError as err:
+        print(f"who-has: --token-file: {err}", file=sys.stderr)
+        return 2
     with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
-        answers = dict(zip(nodes, pool.map(lambda n: ask(n, body, args.timeout), nodes)))
+        answers = dict(zip(nodes, pool.map(lambda n: ask(n, body, args.timeout, token), nodes)))
     ranked = sorted((n for n in nodes if "error" not in answers[n]), key=lambda n: _rank(answers[n]), reverse=True)
     best = ranked[0] if ranked and _rank(answers[ranked[0]])[0] > 0 else None
     if args.json:

@@ -42,7 +42,7 @@ from .metrics import (
     StoreCollector,
     TaskFailureCollector,
 )
-from .security import Security
+from .security import QueryAccess, Security
 from .server.admission import ByteBudget
 from .server.endpointlocks import EndpointLocks, bound_endpoints
 from .server.handlers import Handlers
@@ -113,6 +113,7 @@ class App:
         c = self.config
         # Exposed endpoints without auth, unsafe key files: refused before anything is allocated.
         security = Security.from_config(c)
+        query_access = QueryAccess.from_config(c)  # a refused query_tokens_file: exit 2 before any allocation
         if c.malloc_tuning and not tune_malloc():
             logger.info("malloc tuning not applied (not glibc?)")
         warm = warm_start(c) if c.shared_memory else None
@@ -190,7 +191,8 @@ class App:
         handlers = Handlers(store, c, budget, shm, prefetcher)
         server = ZmqServer(c, handlers, budget, metrics, context, security, supervisor)
         sweeper = supervisor.spawn("shm_sweeper", shm.run) if shm.enabled else None
-        http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready, _query(c, store))
+        query = _query(c, store, query_access)
+        http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready, query)
         monitor = ConnectionMonitor(metrics)
         summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
         return _Daemon(
@@ -387,9 +389,8 @@ def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:
     return announcer
 
 
-def _query(c: ServerConfig, store: TieredStore) -> Query:
-    """``POST /query`` (docs/events.md); with ``auth: curve`` answered only under
-    ``allow_insecure`` (HTTP carries no client identity)."""
+def _query(c: ServerConfig, store: TieredStore, access: QueryAccess) -> Query:
+    """``POST /query`` (docs/events.md), answered to whom ``access`` allows (docs/security.md)."""
     local = [t for t in (store.memory, store.disk) if t is not None]
 
     def namespaces() -> list[str]:
@@ -397,7 +398,7 @@ def _query(c: ServerConfig, store: TieredStore) -> Query:
 
     events = store.events
     remote = events.remote_holds if events is not None and store.remote is not None else None
-    return Query(store.where, namespaces, c.chunk_size, allowed=c.auth != "curve" or c.allow_insecure, remote=remote)
+    return Query(store.where, namespaces, c.chunk_size, access, remote=remote)
 
 
 def _bind_events(events: Announcer) -> None:

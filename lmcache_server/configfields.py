@@ -156,6 +156,13 @@ class ConfigFields:
         "the path of the YAML file of client keys and their grants",
         "Client public keys, names, tenant grants and roles; required with auth: curve.",
     )
+    query_tokens_file: str | None = v.field(
+        None,
+        v.optional(v.string),
+        "the path of the YAML file of POST /query bearer tokens (mode 0600)",
+        "Bearer tokens for POST /query, each admin or limited to tenants (docs/security.md); unset: /query "
+        "answers only under auth: none on a loopback metrics_host. Never implied by allow_insecure.",
+    )
     allow_insecure: bool = v.field(
         False,
         v.boolean,

@@ -22,7 +22,8 @@ commit and release are open to every key.  Ops with no rule here (including
 any added later) need admin.
 
 Primitives: :class:`Grant`, :class:`Principal`, :class:`AccessPolicy`
-(``check``), :func:`load_client_keys`.
+(``check``), :func:`load_client_keys`, :func:`parse_grant` (the grant shape,
+shared with ``query_tokens_file``: :mod:`.querytokens`).
 """
 
 from __future__ import annotations
@@ -124,18 +125,27 @@ def _refuse(path: str, expected: str) -> ConfigError:
     return ConfigError("client_keys_file", path, expected)
 
 
-def _grant(path: str, name: str, raw: Any) -> Grant:
-    where = f"client {name!r}: each grant is {{tenant: NAME | prefix: STRING, access: ro | rw}}"
+def parse_grant(raw: Any, who: str, accesses: tuple[str, ...] = ("ro", "rw")) -> Grant:
+    """One grant ``{tenant: NAME | prefix: STRING, access: ...}``; ValueError says what is wrong
+    (``who`` names the entry holding it, e.g. ``client 'vllm-acme'``)."""
+    where = f"{who}: each grant is {{tenant: NAME | prefix: STRING, access: {' | '.join(accesses)}}}"
     if not isinstance(raw, dict) or set(raw) - {"tenant", "prefix", "access"}:
-        raise _refuse(path, where)
+        raise ValueError(where)
     tenant, prefix, access = raw.get("tenant"), raw.get("prefix"), raw.get("access", "ro")
-    if (tenant is None) == (prefix is None) or access not in ("ro", "rw"):
-        raise _refuse(path, where)
+    if (tenant is None) == (prefix is None) or access not in accesses:
+        raise ValueError(where)
     if tenant is not None and (not isinstance(tenant, str) or not tenant or "|" in tenant):
-        raise _refuse(path, f"client {name!r}: a tenant is a non-empty string without '|'")
+        raise ValueError(f"{who}: a tenant is a non-empty string without '|'")
     if prefix is not None and (not isinstance(prefix, str) or not prefix):
-        raise _refuse(path, f"client {name!r}: a prefix is a non-empty string")
+        raise ValueError(f"{who}: a prefix is a non-empty string")
     return Grant(tenant, prefix, access == "rw")
+
+
+def _grant(path: str, name: str, raw: Any) -> Grant:
+    try:
+        return parse_grant(raw, f"client {name!r}")
+    except ValueError as err:
+        raise _refuse(path, str(err)) from None
 
 
 def load_client_keys(path: str) -> AccessPolicy:

@@ -15,7 +15,8 @@ The server socket sets a ZAP domain and ``ZMQ_ZAP_ENFORCE_DOMAIN``: should
 the handler be missing, libzmq refuses handshakes instead of accepting them.
 
 Primitives: :class:`Security` (``from_config``, ``start``,
-``configure_socket``, ``check``, ``stop``), :func:`is_loopback_endpoint`.
+``configure_socket``, ``check``, ``stop``), :func:`is_loopback_endpoint`,
+:func:`is_loopback_host`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ def is_loopback_endpoint(endpoint: str) -> bool:
     """True for ``ipc://`` and for tcp endpoints on a loopback address (or ``localhost``)."""
     if endpoint.startswith("ipc://"):
         return True
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return is_loopback_host(endpoint.removeprefix("tcp://").rpartition(":")[0])
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (``[::1]`` too)."""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:
