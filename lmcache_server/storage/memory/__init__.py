@@ -20,7 +20,7 @@ from .pool import MemoryPool, PinningError
 from .tier import MemoryTier
 from .warmadopt import Adoption
 from .warmindex import HeldLease, HeldSlot
-from .warmstart import WarmStart
+from .warmstart import WarmStart, installation_id
 
 __all__ = [
     "ALIGNMENT",
@@ -33,4 +33,5 @@ __all__ = [
     "PinningError",
     "Reservation",
     "WarmStart",
+    "installation_id",
 ]
