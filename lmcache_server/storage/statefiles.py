@@ -92,8 +92,9 @@ def resolve(configured: str | None, spill_dir: Path | None, listen: Sequence[str
     made private: the daemon then keeps no state across a stop."""
     if configured is not None:
         return StateDir(private_dir(Path(configured)), listen_tag(listen))
-    where, tag = (spill_dir, "") if spill_dir is not None else (default_dir(), listen_tag(listen))
+    where: Path | str = "the default state directory"
     try:
+        where, tag = (spill_dir, "") if spill_dir is not None else (default_dir(), listen_tag(listen))
         return StateDir(private_dir(where), tag)
     except (OSError, RuntimeError) as err:  # RuntimeError: Path.home() without a home
         logger.warning(

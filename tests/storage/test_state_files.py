@@ -293,3 +293,25 @@ def test_a_stopped_daemon_never_leaves_state_in_shm_dir(daemon_factory: Callable
     assert d.stop(signal.SIGTERM) == 0
     names = [p.name for p in d.shm_dir.iterdir()]
     assert all(n.startswith("lmcache-pool-") for n in names), names
+
+
+def test_an_implicit_state_directory_that_is_not_private_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default directory (or a spill directory) another user owns or may write: the
+    daemon keeps no state (one WARNING line) instead of trusting it; a configured one
+    raises (the start is refused, above)."""
+    theirs = tmp_path / "xdg"
+    (theirs / "lmcache-server").mkdir(parents=True)
+    os.chown(theirs / "lmcache-server", OTHER_UID, OTHER_UID)
+    monkeypatch.setenv("XDG_STATE_HOME", str(theirs))
+    assert statefiles.resolve(None, None, ["tcp://127.0.0.1:1"]) is None
+    assert "no private state directory" in caplog.text
+    shared = tmp_path / "spill"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert statefiles.resolve(None, shared, ["tcp://127.0.0.1:1"]) is None
+    with pytest.raises(UntrustedFile):
+        statefiles.resolve(str(shared), None, ["tcp://127.0.0.1:1"])
+    mine = statefiles.resolve(str(tmp_path / "mine"), None, ["tcp://127.0.0.1:1"])
+    assert mine is not None and mine.file("redis-pending", ".json").name.startswith("redis-pending-")

@@ -14,10 +14,10 @@ cold start with one log line saying why, and the old segment and its index
 are removed.  Files of other users in the (sticky) directory are skipped: any
 local user can create one there, and none stops a daemon from starting.
 
-The index file is the clean marker.  It is written last (a 0600 temporary
-file of a random name created with ``O_EXCL``, then a rename; read with
-``O_NOFOLLOW`` and an owner check; while the segment's lock is held) and removed by the next daemon the moment it
-has locked the segment, before it serves anything; a daemon killed later
+The index file is the clean marker.  It is written last, while the segment's
+lock is held (a 0600 temporary file of a random name created with ``O_EXCL``,
+then a rename; read with ``O_NOFOLLOW`` and an owner check), and removed by
+the next daemon the moment it has locked the segment, before it serves anything; a daemon killed later
 leaves a segment without index, which the next start removes as stale (see
 pool.py).  So a crash (SIGKILL, OOM kill, power loss) is always a cold start of
 the memory tier: no bytes are adopted without the proof of a clean stop, and a
