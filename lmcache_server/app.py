@@ -54,11 +54,13 @@ from .server.shm import ShmLeases
 from .server.zmq_server import ZmqServer
 from .storage import MemoryPool, MemoryTier, TieredStore
 from .storage.disk import DiskTier
-from .storage.memory import ALIGNMENT, Adoption, WarmStart
+from .storage.memory import ALIGNMENT, Adoption, WarmStart, installation_id
 from .storage.offload import Offload
 from .storage.policy import make_policy
 from .storage.remote import RedisTier, state_path_for
 from .storage.sizing import Sizing
+from .storage.statefiles import StateDir
+from .storage.statefiles import resolve as resolve_state_dir
 from .storage.tenants import TenantQuotas
 from .storage.tieradmission import StoreAdmission, sketch_width_for
 from .summary import SummaryLog
@@ -116,7 +118,8 @@ class App:
         query_access = QueryAccess.from_config(c)  # a refused query_tokens_file: exit 2 before any allocation
         if c.malloc_tuning and not tune_malloc():
             logger.info("malloc tuning not applied (not glibc?)")
-        warm = warm_start(c) if c.shared_memory else None
+        state = _state_dir(c)  # what a clean stop keeps for the next start, never in shm_dir
+        warm = warm_start(c, state) if c.shared_memory else None
         if warm is not None and not c.warm_restart:
             _release_kept(warm)  # nothing will adopt it: it would hold the pool's memory for ever
             warm = None
@@ -157,7 +160,7 @@ class App:
                 password=c.remote_password,
                 offload=offload,
                 supervisor=supervisor,
-                state_path=state_path_for(disk.root if disk is not None else None, c.shm_dir, c.listen),
+                state_path=state_path_for(state),
             )
             await remote.open()
         admission = _admission(c, disk, remote)
@@ -175,7 +178,7 @@ class App:
         prefetcher = Prefetcher(store, budget, supervisor)  # lookups with prefetch: true
         self.registry.register(PrefetchCollector(prefetcher.stats))
         context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
-        events = _events(c, context)
+        events = _events(c, context, state)
         if events is not None:
             store.events = events
             if remote is not None and c.events_remote and c.events_encoding == "map":  # the array form: no locality
@@ -324,10 +327,14 @@ def _on_signal(loop: asyncio.AbstractEventLoop, signals: tuple[int, ...], callba
         signal.signal(sig, handler)
 
 
-def warm_start(c: ServerConfig) -> WarmStart:
+def warm_start(c: ServerConfig, state: StateDir | None = None) -> WarmStart:
     """The warm restarts of the daemon ``c`` configures: its identity and installation
-    (also what ``lmcache-server cleanup`` removes)."""
-    return WarmStart(c.shm_dir, c.listen, c.max_local_cpu_size, c.warm_restart_max_age_s)
+    (also what ``lmcache-server cleanup`` removes).  The installation is the random id
+    kept in the state directory (``state``, else the one ``c`` resolves to)."""
+    if state is None:
+        state = _state_dir(c)
+    installation = installation_id(state.root if state is not None else None)
+    return WarmStart(c.shm_dir, c.listen, c.max_local_cpu_size, c.warm_restart_max_age_s, installation)
 
 
 def _release_kept(warm: WarmStart) -> None:
@@ -365,7 +372,20 @@ def _admission(c: ServerConfig, disk: DiskTier | None, remote: RedisTier | None)
     return StoreAdmission(disk_mode, remote_mode, sketch_width=sketch_width_for(capacity), remote_ttl_s=c.remote_ttl_s)
 
 
-def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:
+def _state_dir(c: ServerConfig) -> StateDir | None:
+    """The daemon's private state directory (storage/statefiles.py): ``state_dir``
+    (refused at start when it is not this user's alone), else the spill directory,
+    else the per-user default; None (logged) where an implicit one cannot be made."""
+    spill = Path(disk_path(c.local_disk)) if c.local_disk else None
+    try:
+        return resolve_state_dir(c.state_dir, spill, c.listen)
+    except OSError as err:
+        raise ConfigError(
+            "state_dir", c.state_dir, f"a directory of this user that no other user may write ({err})"
+        ) from None
+
+
+def _events(c: ServerConfig, context: zmq.asyncio.Context, state: StateDir | None) -> Announcer | None:
     """The KV-event announcer and its publisher (docs/events.md), None when events are off."""
     if c.events_endpoint is None:
         return None
@@ -383,7 +403,7 @@ def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:
         c.events_topic, c.events_node or socket.gethostname(), c.events_block_size, c.events_encoding
     )
     announcer = Announcer(publisher, settings)
-    announcer.keep_path = keep_path(Path(disk_path(c.local_disk)) if c.local_disk else None, c.shm_dir, c.listen)
+    announcer.keep_path = keep_path(state)
     if c.events_snapshot_endpoint is not None:
         announcer.snapshot_server = SnapshotServer(context, c.events_snapshot_endpoint, announcer)
     return announcer

@@ -251,6 +251,14 @@ class ConfigFields:
         "an absolute directory path on a tmpfs, e.g. /dev/shm",
         "Where the shared pool segment is created (owner-only); too small or missing: frames only.",
     )
+    state_dir: str | None = v.field(
+        None,
+        v.optional(v.abs_path),
+        "an absolute directory path of the daemon's user, e.g. /var/lib/lmcache-server",
+        "Private directory (created 0700, owner-checked) for what a clean stop keeps for the next start: "
+        "the Redis removals owed, the announced chunks' token ids, the installation id of warm restarts; "
+        "unset: the local_disk directory, else $XDG_STATE_HOME/lmcache-server (~/.local/state/lmcache-server).",
+    )
     shm_access: str = v.field(
         "owner",
         v.choice("owner", "group"),

@@ -104,6 +104,7 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
                 "lmcache_server.storage.offload*",
                 "lmcache_server.storage.tenants*",
                 "lmcache_server.storage.sizing",  # the sizing telemetry's sketches (hit-rate ceiling)
+                "lmcache_server.storage.statefiles",  # the private state directory and its files
             ],
         },
     ],

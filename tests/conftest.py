@@ -108,6 +108,9 @@ class Daemon:
     def start(self, timeout_s: float = 20.0) -> Daemon:
         self.config_path.write_text(yaml.safe_dump(self.config))
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+        # The per-user default state directory (storage/statefiles.py), per daemon: no test
+        # leaves state in the home directory, and a restart of this daemon finds its own.
+        env["XDG_STATE_HOME"] = str(self.workdir / "state")
         env.update(self.env or {})
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - held open for the process's lifetime
         self.proc = subprocess.Popen(

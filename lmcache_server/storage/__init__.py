@@ -5,7 +5,8 @@ Rooms (each subpackage's docstring says what it owns):
 - at the top, the tier interface (``base``: :class:`Tier`, :class:`Chunk`,
   :class:`ChunkKey`) and the leaves several tiers share: record files
   (``chunkfile``), copies off the event loop (``offload``), tenant quotas
-  (``tenants``), the sizing telemetry's sketches (``sizing``);
+  (``tenants``), the sizing telemetry's sketches (``sizing``), the private
+  state directory and its files (``statefiles``);
 - ``policy/``: eviction and admission policies;
 - ``memory/``: the pool, its allocator, the memory tier and warm restarts;
 - ``disk/``: the disk tier; ``remote/``: the Redis tier;
@@ -15,7 +16,7 @@ Rooms (each subpackage's docstring says what it owns):
   (``batchread``) and the fills of reserved chunks (``filling``).
 
 Layering, each floor importing only those below it, never a sibling:
-leaves (base, chunkfile, offload, tenants, sizing) <- policy <- memory, disk, remote
+leaves (base, chunkfile, offload, tenants, sizing, statefiles) <- policy <- memory, disk, remote
 <- filling, batchread <- tiered.  Of the rest of ``lmcache_server`` storage
 imports only ``config`` and ``supervisor``.  Code outside a room imports from
 the room's package (``storage.disk``), not from its modules.

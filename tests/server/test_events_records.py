@@ -174,9 +174,11 @@ def test_an_events_daemon_without_record_tokens_still_takes_records_with_them(
         assert c.stats()["tiers"]["redis"]["corrupt"] == 0
 
 
-def test_a_kept_file_of_the_older_format_still_loads_without_parent_keys(tmp_path: Path) -> None:
-    """A daemon upgraded across a clean stop reads the kept file the older one wrote
-    (no parent keys: its chunks are announced, their records carry no token ids)."""
+def test_kept_records_are_announced_only_when_their_ids_hash_to_their_keys(tmp_path: Path) -> None:
+    """Only what ``chain_key(parent key, ids) == key`` proves is announced from a kept file
+    (issue 39): a record of the older format (no parent key, so nothing to check it with)
+    or one whose ids are not its key's is dropped with one line; block hashes are computed
+    again from the ids, never taken from the file."""
     tokens = [(i * 23) % 50_000 for i in range(CHUNK)]
     (key,), (tok,) = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
     assert tok is not None
@@ -184,11 +186,21 @@ def test_a_kept_file_of_the_older_format_still_loads_without_parent_keys(tmp_pat
     packed_hashes = struct.pack(f"<{len(hashes)}Q", *hashes)
     old = tmp_path / "old.msgpack"
     old.write_bytes(keep.HEADER_V1 + msgpack.packb((NS, key, -1, packed_hashes, tok.packed), use_bin_type=True))
-    (kept,) = keep.load(old)
-    assert kept.key.digest == key and list(kept.held.hashes) == hashes and kept.held.parent_key == b""
-    assert not old.exists()
+    assert keep.load(old) == [] and not old.exists()
+    other = [(i * 7) % 50_000 for i in range(CHUNK)]
+    (forged,) = chunk_tokens(other, CHUNK)
+    assert forged is not None
+    lying = tmp_path / "lying.msgpack"  # another prompt's ids under this key
+    lying.write_bytes(keep.HEADER + msgpack.packb((NS, key, -1, packed_hashes, forged.packed, forged.parent)))
+    assert keep.load(lying) == []
+    wrong_hashes = struct.pack(f"<{len(hashes)}Q", *range(len(hashes)))
+    good = tmp_path / "good.msgpack"
+    good.write_bytes(keep.HEADER + msgpack.packb((NS, key, 12345, wrong_hashes, tok.packed, tok.parent)))
+    (kept,) = keep.load(good)
+    assert kept.key.digest == key and list(kept.held.hashes) == hashes and kept.held.parent is None
     new = tmp_path / "new.msgpack"
-    assert keep.save(new, [keep.Kept(kept.key, kept.held._replace(parent_key=tok.parent))]) == 1
+    assert keep.save(new, [kept]) == 1
+    assert (new.stat().st_mode & 0o777) == 0o600
     (again,) = keep.load(new)
     assert again.held.parent_key == tok.parent and again.held.packed == tok.packed
     bad = tmp_path / "bad.msgpack"

@@ -20,7 +20,7 @@ from .pool import MemoryPool, PinningError, remove_stale_segments
 from .tier import MemoryTier
 from .warmadopt import Adoption
 from .warmindex import HeldLease, HeldSlot
-from .warmstart import KeptSegment, WarmStart
+from .warmstart import KeptSegment, WarmStart, installation_id
 
 __all__ = [
     "ALIGNMENT",
@@ -34,5 +34,6 @@ __all__ = [
     "PinningError",
     "Reservation",
     "WarmStart",
+    "installation_id",
     "remove_stale_segments",
 ]

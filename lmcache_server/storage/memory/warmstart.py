@@ -11,16 +11,19 @@ expected.  Kept segments nobody will adopt are removed by
 off (its own), and by ``lmcache-server cleanup`` (cleanup.py).  The next daemon
 (:meth:`WarmStart.find`) adopts it when the index is intact and was written
 for the same daemon: the same ``listen`` addresses and the same installation
-(its identity: two daemons sharing a directory never take each other's pool;
-:func:`installation_id`), the same pool size and the same boot, and it is
+(its identity, a random id kept in the daemon's private state directory, not
+its host name: two installations sharing a directory never take each other's
+pool, and a replaced pod or container keeps its pool; :func:`installation_id`),
+the same pool size and the same boot, and it is
 still the same index once the segment's lock is held.  Anything else is a
 cold start with one log line saying why, and the old segment and its index
 are removed.  Files of other users in the (sticky) directory are skipped: any
 local user can create one there, and none stops a daemon from starting.
 
-The index file is the clean marker.  It is written last (temp file + rename,
-while the segment's lock is held) and removed by the next daemon the moment it
-has locked the segment, before it serves anything; a daemon killed later
+The index file is the clean marker.  It is written last, while the segment's
+lock is held (a 0600 temporary file of a random name created with ``O_EXCL``,
+then a rename; read with ``O_NOFOLLOW`` and an owner check), and removed by
+the next daemon the moment it has locked the segment, before it serves anything; a daemon killed later
 leaves a segment without index, which the next start removes as stale (see
 pool.py).  So a crash (SIGKILL, OOM kill, power loss) is always a cold start of
 the memory tier: no bytes are adopted without the proof of a clean stop, and a
@@ -45,6 +48,8 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
+import secrets
 import socket
 import stat
 import sys
@@ -53,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..statefiles import read_private, remove, temp_target, write_private
 from .pool import INDEX_SUFFIX, SEGMENT_RE, MemoryPool, Segment
 from .warmadopt import Adoption, WarmMemory
 from .warmindex import (
@@ -97,12 +103,66 @@ LOCK_WAIT_S = 5.0
 TMP_SUFFIX = ".tmp"
 
 
-def installation_id() -> str:
-    """This installation of the daemon: the user, the host and the Python environment
-    it runs from.  Two installations that share an shm directory and listen addresses
-    (containers sharing /dev/shm, a second virtualenv) never adopt each other's pool."""
-    raw = f"{os.geteuid()}\0{socket.gethostname()}\0{os.path.realpath(sys.prefix)}"
+INSTALLATION_FILE = "installation-id"
+"""In the state directory: this installation's random id (32 hex digits, 0600)."""
+
+
+def installation_id(state_dir: Path | None = None) -> str:
+    """This installation of the daemon: the user, the Python environment it runs from,
+    and a random id kept in its private state directory (``state_dir``, or the spill
+    directory: :mod:`..statefiles`).  Two installations that share an shm directory and
+    listen addresses (containers sharing /dev/shm, a second virtualenv) have two state
+    directories, so two ids, and never adopt each other's pool; a replaced container or
+    pod that keeps its state directory (a volume) keeps its id, whatever its host name.
+    Without a state directory the host name stands in for the id (as before: a new host
+    name is another installation)."""
+    token = _installation_token(state_dir) if state_dir is not None else None
+    if token is None:
+        token = "host:" + socket.gethostname()
+    raw = f"{os.geteuid()}\0{token}\0{os.path.realpath(sys.prefix)}"
     return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
+
+
+def _installation_token(state_dir: Path) -> str | None:
+    """The id kept in ``state_dir`` (made on first use); None, logged, where it can be
+    neither read nor made."""
+    path = state_dir / INSTALLATION_FILE
+    try:
+        token = _read_token(path)
+        if token is None:
+            # Written beside it and linked into place: of two daemons starting at once, one id wins.
+            made = path.with_name(f"{INSTALLATION_FILE}.{os.getpid()}")
+            with write_private(made) as f:
+                f.write(secrets.token_hex(16).encode() + b"\n")
+            try:
+                os.link(made, path)
+            except FileExistsError:
+                pass
+            finally:
+                remove(made, "a temporary installation id")
+            token = _read_token(path)
+        if token is None:
+            raise OSError(f"{path} holds no id after it was written")
+        return token
+    except OSError as err:
+        logger.warning("warm restart: no installation id in %s (%s); the host name stands in for it", state_dir, err)
+        return None
+
+
+def _read_token(path: Path) -> str | None:
+    """The id in ``path`` (None: no file, or a damaged one, then removed)."""
+    raw = read_private(path, 64)
+    if raw is None:
+        return None
+    token = raw.decode("ascii", "replace").strip()
+    if _TOKEN_RE.fullmatch(token):
+        return token
+    logger.warning("warm restart: %s is damaged; a new installation id replaces it", path)
+    remove(path, "the damaged installation id")
+    return None
+
+
+_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 
 
 def boot_id() -> str:
@@ -170,8 +230,10 @@ class WarmStart:
         uid = os.geteuid()
         found: list[tuple[float, str, WarmIndex]] = []
         for name in names:
-            segment = name.removesuffix(INDEX_SUFFIX + TMP_SUFFIX).removesuffix(INDEX_SUFFIX)
-            if segment == name or SEGMENT_RE.match(segment) is None:
+            temp = name.endswith(TMP_SUFFIX)  # <segment>.warm.<random>.tmp (an older daemon's: <segment>.warm.tmp)
+            index_name = (temp_target(name) or name.removesuffix(TMP_SUFFIX)) if temp else name
+            segment = index_name.removesuffix(INDEX_SUFFIX)
+            if segment == index_name or SEGMENT_RE.match(segment) is None:
                 continue
             try:
                 owner = os.lstat(self.shm_dir / name).st_uid
@@ -180,7 +242,7 @@ class WarmStart:
             if owner != uid:  # another user's: neither readable as ours nor ours to remove
                 logger.warning("warm restart: skipped %s, not owned by this user (uid %d, not %d)", name, owner, uid)
                 continue
-            if name.endswith(TMP_SUFFIX):
+            if temp:
                 if not _locked(self.shm_dir / segment):  # a stop killed mid-write
                     (self.shm_dir / name).unlink(missing_ok=True)
                 continue
@@ -193,7 +255,11 @@ class WarmStart:
                 self._foreign(segment, index)
                 continue
             if index.installation != self.installation:
-                self._refuse(segment, "its index was written by another installation of the daemon")
+                self._refuse(
+                    segment,
+                    "its index was written by another installation of the daemon (another user, Python "
+                    "environment or state directory: the installation id is kept in state_dir)",
+                )
                 continue
             found.append((index.written_at, segment, index))
         if not found:
@@ -342,18 +408,16 @@ class WarmStart:
         if pool.shm_path is None:
             return False
         path = pool.shm_path.with_name(pool.shm_path.name + INDEX_SUFFIX)
-        tmp = path.with_name(path.name + TMP_SUFFIX)
         chunks = memory.snapshot()
         index = WarmIndex(
             pool.shm_path.name, pool.size, self.identity, boot_id(), time.time(), chunks, leases, self.installation
         )
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
+            # A temporary file of a random name, O_EXCL and 0600, then renamed: one another user
+            # planted in the (sticky, world-writable) directory is never opened (statefiles).
+            with write_private(path) as f:
                 f.write(encode(index))
-            os.rename(tmp, path)
         except OSError as err:
-            tmp.unlink(missing_ok=True)
             logger.warning("cannot write the warm-restart index %s (%s): the next start is cold", path, err)
             return False
         logger.info(
@@ -368,7 +432,7 @@ class WarmStart:
 
 def _read(path: Path) -> WarmIndex:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO never blocks
     except OSError as err:
         raise WarmIndexError(f"cannot open the index ({err})") from None
     with os.fdopen(fd, "rb") as f:

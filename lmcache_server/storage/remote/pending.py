@@ -4,8 +4,11 @@ A clean stop while Redis is down (or behind) would otherwise lose, with the
 process, the removals Redis was never told about (a ``clear`` or ``delete``:
 after a restart every node would read the removed chunks back from Redis) and
 the writes acknowledged to clients but not yet in Redis.  :func:`save` writes
-them to one small JSON file (temp file + rename); :func:`load` reads it back
-and removes it, so it is replayed once.  The file also names the Redis URL and
+them to one small JSON file in the daemon's private state directory
+(:mod:`..statefiles`: a 0600 temporary file of a random name, then a rename);
+:func:`load` reads it back (only a regular file of this user: another user's
+file could clear every namespace of the shared Redis) and removes it, so it is
+replayed once.  The file also names the Redis URL and
 key prefix it was meant for: a daemon pointed at another Redis ignores it.
 
 Removals are replayed before any later write; writes only for the chunks the
@@ -20,15 +23,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from ..base import ChunkKey
+from ..statefiles import read_private, remove, write_private
 
 logger = logging.getLogger(__name__)
 
 VERSION = 1
+MAX_BYTES = 256 << 20
+"""A pending file is a few keys per write the queue held (at most ``max_remote_queue_size``)."""
 
 
 @dataclasses.dataclass
@@ -49,7 +54,7 @@ def _keys(keys: list[ChunkKey]) -> list[list[str]]:
 def save(path: Path, pending: Pending) -> None:
     """Write ``pending`` to ``path`` (or remove the file if nothing is pending)."""
     if not pending:
-        path.unlink(missing_ok=True)
+        remove(path, "the Redis uplink's pending file")
         return
     doc = {
         "version": VERSION,
@@ -58,25 +63,21 @@ def save(path: Path, pending: Pending) -> None:
         "deletes": _keys(pending.deletes),
         "writes": _keys(pending.writes),
     }
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path)
+    with write_private(path) as f:
+        f.write(json.dumps(doc).encode())
 
 
 def load(path: Path, target: str) -> Pending | None:
     """The pending work saved at ``path`` for ``target`` (None: none, or unreadable:
     logged); the file is removed either way, so it is replayed once."""
     try:
-        raw = path.read_text()
-    except FileNotFoundError:
-        return None
+        raw = read_private(path, MAX_BYTES)
     except OSError as err:
         logger.warning("Redis uplink: cannot read %s (%s); what was pending at the last stop is lost", path, err)
         return None
-    try:
-        path.unlink()
-    except OSError:
-        pass
+    if raw is None:
+        return None
+    remove(path, "the Redis uplink's pending file")
     try:
         doc: Any = json.loads(raw)
         if doc.get("version") != VERSION:

@@ -26,7 +26,8 @@
   acknowledged (the writer), what reads and EXISTS found or missed, deletes,
   clears and outages, so that a chunk that leaves the local tiers can be
   announced as held in Redis (docs/events.md, "Media and locality").
-- Restarts: with ``state_path``, a clean stop saves the removals and the keys
+- Restarts: with ``state_path`` (in the private state directory,
+  :mod:`..statefiles`), a clean stop saves the removals and the keys
   of the writes Redis was not yet told about (:mod:`.pending`); the next
   start sends the removals before anything else (reads of the keys they cover
   are misses meanwhile) and re-queues the writes of chunks it still holds
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -67,6 +67,7 @@ from ...supervisor import Supervisor
 from ..base import Chunk, ChunkKey, RemoteListener
 from ..chunkfile import CorruptRecord, decode_record
 from ..offload import Offload
+from ..statefiles import StateDir
 from .carryover import RedisCarryover
 from .link import COMMAND_RETRIES as COMMAND_RETRIES  # re-exported
 from .link import ERRORS
@@ -79,14 +80,11 @@ from .writer import POISON_FAILURES as POISON_FAILURES  # re-exported
 logger = logging.getLogger(__name__)
 
 
-def state_path_for(spill_dir: Path | None, shm_dir: str, listen: Sequence[str]) -> Path:
-    """Where a daemon keeps what it owed Redis at a clean stop: in its spill
-    directory (one daemon each, locked), else in ``shm_dir`` under a name of its
-    listen addresses (like the warm index: gone with a reboot)."""
-    if spill_dir is not None:
-        return spill_dir / "redis-pending.json"
-    tag = hashlib.sha256("\n".join(listen).encode()).hexdigest()[:16]
-    return Path(shm_dir) / f"lmcache-redis-pending-{tag}.json"
+def state_path_for(state: StateDir | None) -> Path | None:
+    """Where a daemon keeps what it owed Redis at a clean stop: in its private state
+    directory (:mod:`..statefiles`; never in the world-writable ``shm_dir``, where
+    another user could plant a file that clears the shared Redis); None: not kept."""
+    return None if state is None else state.file("redis-pending", ".json")
 
 
 class RedisTier(RedisCarryover, RedisWriter):

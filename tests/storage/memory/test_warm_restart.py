@@ -10,6 +10,7 @@ goes.  Bytes are compared by SHA-256 against what was put.
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import struct
 from collections.abc import Callable
@@ -273,6 +274,43 @@ def test_a_segment_of_another_daemon_is_left_alone(daemon_factory: Callable[...,
     a.start()
     with a.client() as c:
         assert [sha(g) for g in c.get(keys)] == [sums[k] for k in keys]
+
+
+def test_a_replaced_container_with_another_host_name_adopts_the_pool(daemon_factory: Callable[..., Daemon]) -> None:
+    """A DaemonSet rollout or a recreated compose container (issue 39, item 6): the same
+    config, the same /dev/shm and state directory, another host name (the daemon runs in
+    a new UTS namespace): the pool is adopted and serves hits, never refused as "another
+    installation"."""
+    d = warm_daemon(daemon_factory)
+    keys = [key(i, "rollout") for i in range(4)]
+    sums = put_all(d, keys)
+    segment = segment_of(d)
+    assert d.stop() == 0
+    d.prefix = ["unshare", "--uts", "sh", "-c", 'hostname lmcache-replaced-pod && exec "$@"', "sh"]
+    d.start()
+    assert d.proc is not None and os.readlink(f"/proc/{d.proc.pid}/ns/uts") != os.readlink("/proc/self/ns/uts")
+    assert "warm restart: adopted " + segment.name in d.log() and REFUSED not in d.log()
+    with d.client() as c:
+        assert c.lookup(keys).tiers == ["memory"] * 4
+        assert [sha(g) for g in c.get(keys)] == [sums[k] for k in keys]
+        assert memory_stats(c)["hits"] == 4
+
+
+def test_another_installation_on_the_same_shm_dir_never_adopts(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """What the host name guarded, the installation id still guards: a daemon with the same
+    config, /dev/shm and host name but its own state directory (another container sharing
+    the host's /dev/shm) is another installation, and starts cold."""
+    d = warm_daemon(daemon_factory)
+    keys = [key(i, "theirs") for i in range(2)]
+    put_all(d, keys)
+    assert d.stop() == 0
+    d.env = {"XDG_STATE_HOME": str(tmp_path / "another-installation")}
+    d.start()
+    assert "written by another installation" in d.log()
+    with d.client() as c:
+        assert c.get(keys) == [None, None]
 
 
 def test_an_orphaned_segment_of_another_daemon_is_removed_once_old(daemon_factory: Callable[..., Daemon]) -> None:
