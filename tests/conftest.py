@@ -181,6 +181,20 @@ def _daemons(base: Path) -> Iterator[Callable[..., Daemon]]:
             daemon.cleanup()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The per-user default state directory (storage/statefiles.py) of everything this
+    test process runs or starts, unless a test names its own: a temp dir, so no test
+    leaves state (an installation id, kept events) in the home directory."""
+    saved = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state-home"))
+    yield
+    if saved is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = saved
+
+
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     """Start daemons that live for one test."""

@@ -166,7 +166,11 @@ def test_the_systemd_unit_frees_a_kept_pool_segment_on_stop_only(
     command = command.replace("%n", "lmcache-server.service").replace("/etc/lmcache/server.yaml", str(config_path))
     command = command.replace("/opt/lmcache-server/bin/lmcache-server", f"{sys.executable} -m lmcache_server")
     argv = shlex.split(command)
-    env = {"PATH": f"{bindir}:/usr/bin:/bin", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        "XDG_STATE_HOME": os.environ["XDG_STATE_HOME"],  # the installation id warm_start used above
+    }
     out = subprocess.run(argv, env=env, check=False)
     assert out.returncode == 0
     assert segment.exists() is not removed

@@ -49,8 +49,12 @@ def pool_files(shm_dir: Path) -> list[str]:
     return sorted(p.name for p in shm_dir.iterdir() if p.name.startswith("lmcache-pool-"))
 
 
-def cleanup(*args: str) -> subprocess.CompletedProcess[str]:
+def cleanup(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    """``lmcache-server cleanup --config <d's config> ARGS`` as ``d``'s user and state
+    directory would run it (the installation id lives there)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    env["XDG_STATE_HOME"] = str(d.workdir / "state")
+    args = ("--config", str(d.config_path), *args)
     return subprocess.run(
         [sys.executable, "-m", "lmcache_server", "cleanup", *args],
         capture_output=True,
@@ -131,24 +135,24 @@ def test_cleanup_removes_a_kept_segment_and_leaves_live_ones(
     fd = os.open(stopped.shm_dir / kept, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        out = cleanup("--config", str(stopped.config_path))
+        out = cleanup(stopped)
         assert out.returncode == 0, out.stdout + out.stderr
         assert f"left {kept}" in out.stdout and "in use by a running daemon" in out.stdout
         assert pool_files(stopped.shm_dir) == sorted([kept, kept + ".warm", live])
     finally:
         os.close(fd)
     # The running daemon's own config: its segment is live, the other daemon's kept one not its own.
-    out = cleanup("--config", str(running.config_path))
+    out = cleanup(running)
     assert out.returncode == 0 and "nothing to remove" in out.stdout, out.stdout + out.stderr
     assert pool_files(stopped.shm_dir) == sorted([kept, kept + ".warm", live])
     if all_daemons:  # every daemon's kept segments in that shm_dir, from any config naming it
-        out = cleanup("--config", str(running.config_path), "--all")
+        out = cleanup(running, "--all")
     else:
-        out = cleanup("--config", str(stopped.config_path))
+        out = cleanup(stopped)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"removed {kept} (" in out.stdout and "and its index" in out.stdout
     assert pool_files(stopped.shm_dir) == [live]
-    out = cleanup("--config", str(stopped.config_path))
+    out = cleanup(stopped)
     assert out.returncode == 0 and "nothing to remove" in out.stdout, out.stdout + out.stderr
     with running.client() as c:
         assert c.get(keys) == [value(k) for k in keys]
