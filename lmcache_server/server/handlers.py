@@ -171,9 +171,7 @@ class Handlers(ShmHandlers):
         found = self.store.lookup_now(self._ns(request), request.keys)
         return None if found is None else self._looked_up(request, *found, prefetch, peer)
 
-    def _looked_up(
-        self, request: Request, hits: int, tiers: list[str | None], prefetch: bool, peer: bytes
-    ) -> Outcome:
+    def _looked_up(self, request: Request, hits: int, tiers: list[str | None], prefetch: bool, peer: bytes) -> Outcome:
         outcome = Outcome({"hits": hits, "tiers": tiers})
         memory = self.store.memory.name
         if prefetch and any(t != memory for t in tiers[:hits]):
