@@ -352,7 +352,11 @@ def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:
         heartbeat_s=c.events_heartbeat_s,
     )
     settings = EventSettings(
-        c.events_topic, c.events_node or socket.gethostname(), c.events_block_size, c.events_encoding
+        c.events_topic,
+        c.events_node or socket.gethostname(),
+        c.events_block_size,
+        c.events_encoding,
+        chunk_size=c.chunk_size,
     )
     announcer = Announcer(publisher, settings)
     announcer.keep_path = keep_path(Path(disk_path(c.local_disk)) if c.local_disk else None, c.shm_dir, c.listen)
