@@ -361,7 +361,9 @@ def _events(c: ServerConfig, context: zmq.asyncio.Context) -> Announcer | None:
     announcer = Announcer(publisher, settings)
     announcer.keep_path = keep_path(Path(disk_path(c.local_disk)) if c.local_disk else None, c.shm_dir, c.listen)
     if c.events_snapshot_endpoint is not None:
-        announcer.snapshot_server = SnapshotServer(context, c.events_snapshot_endpoint, announcer)
+        announcer.snapshot_server = SnapshotServer(
+            context, c.events_snapshot_endpoint, announcer, timeout_s=c.events_snapshot_timeout_s
+        )
     return announcer
 
 

@@ -321,6 +321,13 @@ class ConfigFields:
         "ZeroMQ ROUTER answering snapshot requests: the node's whole announced residency and the "
         "sequence to follow the live stream from (docs/events.md); unset: no snapshots.",
     )
+    events_snapshot_timeout_s: float = v.field(
+        60.0,
+        v.float_in(0.1, 3600.0),
+        "seconds, 0.1..3600",
+        "The most one snapshot may take, reader included: past it the rest is not sent (no end marker), "
+        "the reader is dropped and the next request is answered; the endpoint answers one at a time.",
+    )
     events_heartbeat_s: float = v.field(
         1.0,
         v.float_in(0.0, 3600.0),
