@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from lmcache_client.protocol import MAX_KEYS_PER_REQUEST
+
 from . import configvalues as v
 from .kv_codec import CODEC_MODES, CodecParams, parse_codec, parse_codec_params
 
@@ -211,7 +213,12 @@ class ConfigFields:
         'a size of at least 1 MiB, e.g. "1GiB"',
         "Payload bytes being handled or sent at once; above it requests get BUSY.",
     )
-    max_keys_per_request: int = v.field(4096, v.int_in(1, 1 << 20), "an integer 1..1048576", "Keys in one request.")
+    max_keys_per_request: int = v.field(
+        4096,
+        v.int_in(1, MAX_KEYS_PER_REQUEST),
+        f"an integer 1..{MAX_KEYS_PER_REQUEST}",
+        "Keys in one request (it also sets the header limit, docs/protocol.md 8.1).",
+    )
     max_pinned_fraction: float = v.field(
         0.5, v.float_in(0.0, 1.0), "a number from 0 to 1", "Share of the memory pool that pinned chunks may fill."
     )
