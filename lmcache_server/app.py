@@ -400,12 +400,18 @@ def _events(c: ServerConfig, context: zmq.asyncio.Context, state: StateDir | Non
         heartbeat_s=c.events_heartbeat_s,
     )
     settings = EventSettings(
-        c.events_topic, c.events_node or socket.gethostname(), c.events_block_size, c.events_encoding
+        c.events_topic,
+        c.events_node or socket.gethostname(),
+        c.events_block_size,
+        c.events_encoding,
+        chunk_size=c.chunk_size,
     )
     announcer = Announcer(publisher, settings)
     announcer.keep_path = keep_path(state)
     if c.events_snapshot_endpoint is not None:
-        announcer.snapshot_server = SnapshotServer(context, c.events_snapshot_endpoint, announcer)
+        announcer.snapshot_server = SnapshotServer(
+            context, c.events_snapshot_endpoint, announcer, timeout_s=c.events_snapshot_timeout_s
+        )
     return announcer
 
 

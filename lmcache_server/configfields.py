@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from lmcache_client.protocol import MAX_KEYS_PER_REQUEST
+
 from . import configvalues as v
 from .kv_codec import CODEC_MODES, CodecParams, parse_codec, parse_codec_params
 
@@ -218,7 +220,12 @@ class ConfigFields:
         'a size of at least 1 MiB, e.g. "1GiB"',
         "Payload bytes being handled or sent at once; above it requests get BUSY.",
     )
-    max_keys_per_request: int = v.field(4096, v.int_in(1, 1 << 20), "an integer 1..1048576", "Keys in one request.")
+    max_keys_per_request: int = v.field(
+        4096,
+        v.int_in(1, MAX_KEYS_PER_REQUEST),
+        f"an integer 1..{MAX_KEYS_PER_REQUEST}",
+        "Keys in one request (it also sets the header limit, docs/protocol.md 8.1).",
+    )
     max_pinned_fraction: float = v.field(
         0.5, v.float_in(0.0, 1.0), "a number from 0 to 1", "Share of the memory pool that pinned chunks may fill."
     )
@@ -336,6 +343,13 @@ class ConfigFields:
         "a tcp://HOST:PORT (HOST may be *) or ipc:///PATH endpoint",
         "ZeroMQ ROUTER answering snapshot requests: the node's whole announced residency and the "
         "sequence to follow the live stream from (docs/events.md); unset: no snapshots.",
+    )
+    events_snapshot_timeout_s: float = v.field(
+        60.0,
+        v.float_in(0.1, 3600.0),
+        "seconds, 0.1..3600",
+        "The most one snapshot may take, reader included: past it the rest is not sent (no end marker), "
+        "the reader is dropped and the next request is answered; the endpoint answers one at a time.",
     )
     events_heartbeat_s: float = v.field(
         1.0,

@@ -7,7 +7,8 @@ encoded with (encoded and raw chunks, or two codec settings, never mix), plus
 an optional tenant salt so two tenants never see each other's chunks.  The
 server treats it as opaque.
 
-Primitive: :class:`Namespace` and its :meth:`Namespace.wire` string.
+Primitives: :class:`Namespace` and its :meth:`Namespace.wire` string;
+:func:`chunk_size_of` (the ``c<N>`` field of a namespace string).
 """
 
 from __future__ import annotations
@@ -85,6 +86,16 @@ class Namespace:
 
     def __str__(self) -> str:
         return self.wire()
+
+
+def chunk_size_of(namespace: str) -> int | None:
+    """The chunk size a namespace string names in its ``c<N>`` field (as
+    :meth:`Namespace.wire` writes it), or None when it names none (a namespace
+    of another form).  The first field is the model id, never read as one."""
+    for field in namespace.split("|")[1:]:
+        if len(field) > 1 and field[0] == "c" and field[1:].isdigit() and field[1:].isascii():
+            return int(field[1:])
+    return None
 
 
 _DTYPE_BYTES = {

@@ -12,8 +12,10 @@ put's commit never waits for them.  In that order:
   :class:`.blocks.BlockIndex` of its topic and medium, and the blocks no
   other announced chunk holds there are published as one ``BlockStored``
   (their token ids, the parent hash chaining them to the block before).  A
-  chunk whose token count is not a whole number of blocks is not announced
-  (``skipped``).  The token ids are kept while the chunk stays on the node.
+  chunk whose token count is not one chunk's (the namespace's ``c<N>``, else
+  the daemon's ``chunk_size``: what a put carries), or not a whole number of
+  blocks, is not announced (``skipped``): a record read from disk or Redis
+  may claim up to 2**20 ids.  The token ids are kept while the chunk stays on the node.
 - ``moved``: the fastest local tier holding an announced chunk changed
   (memory -> disk when it leaves memory after its spill, disk -> memory when
   it is promoted): ``BlockStored`` with the new medium for the blocks new
@@ -48,6 +50,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lmcache_client.keys import ChunkTokens
+from lmcache_client.namespace import chunk_size_of
 
 from ..storage.base import ChunkKey
 from .blocks import BlockIndex, Held, block_hashes, parent_hash
@@ -97,6 +100,8 @@ class EventSettings:
     block_size: int = 16
     encoding: str = "map"
     """``map`` (vLLM 0.32) or ``array`` (vLLM before 0.32: llm-d, Conductor; :class:`.wire.Wire`)."""
+    chunk_size: int = 256
+    """The daemon's ``chunk_size``: the token ids of a chunk whose namespace names no ``c<N>``."""
 
 
 @dataclasses.dataclass
@@ -104,7 +109,8 @@ class AnnouncerCounters:
     announced_chunks: int = 0
     removed_chunks: int = 0
     skipped_chunks: int = 0
-    """Puts with token ids that were not a whole number of event blocks."""
+    """Chunks with token ids that were not one chunk's worth (a record's may claim more)
+    or not a whole number of event blocks: not announced."""
     restored_chunks: int = 0
     """Chunks announced again at start: kept at the last clean stop and found in the store,
     or found on disk with token ids in their records."""
@@ -133,6 +139,11 @@ class Announcer:
         self.snapshot_server: Endpoint | None = None
         """The snapshot endpoint (set by the composition root when configured)."""
         self.remote: RemoteHeld | None = None  # what Redis holds for this node (:mod:`.remote`); set by the app
+
+    def chunk_ids(self, namespace: str) -> int:
+        """The token ids one chunk of ``namespace`` holds: its ``c<N>``, else the daemon's
+        ``chunk_size``.  Only chunks with exactly that many are announced."""
+        return chunk_size_of(namespace) or self.settings.chunk_size
 
     def topic(self, namespace: str) -> bytes:
         topic = self._topics.get(namespace)
@@ -176,6 +187,8 @@ class Announcer:
         for key, held in kept:
             if len(held.packed) != step * len(held.hashes):
                 continue  # kept under another events_block_size: its block hashes do not apply
+            if len(held.packed) != 4 * self.chunk_ids(key.namespace):
+                continue  # not one chunk's ids: never announced
             tier = where(key)
             if tier is None or key in self._where:
                 continue
@@ -205,8 +218,9 @@ class Announcer:
         try:
             if key in self._where:
                 return  # (stored again in memory: the store tells ``moved``)
-            if not tokens.packed or len(tokens.packed) % (4 * self.settings.block_size):
-                self.counters.skipped_chunks += 1
+            size = len(tokens.packed)
+            if size != 4 * self.chunk_ids(key.namespace) or size % (4 * self.settings.block_size):
+                self.counters.skipped_chunks += 1  # a record's ids (up to 2**20), not a put's chunk
                 return
             topic = self.topic(key.namespace)
             medium = MEDIUM.get(tier, tier.upper())

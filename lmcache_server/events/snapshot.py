@@ -24,8 +24,13 @@ replay from ``seq + 1``) is gap-free.  Encoding runs afterwards, a slice of
 chunks at a time, each slice sent before the next is encoded, yielding to the
 event loop between slices (what it reads is never mutated), so puts are served
 meanwhile and the answer never holds the whole snapshot in memory.  One
-snapshot at a time (the next requests wait in the socket); a requester that
-reads nothing for ``STALL_S`` loses the rest (no end marker).
+snapshot at a time (the next requests wait in the socket), so each is bounded:
+a requester that reads nothing for ``STALL_S``, or whose snapshot is not sent
+whole within ``timeout_s`` (``events_snapshot_timeout_s``; a reader that
+takes one batch every few seconds), loses the rest (no end marker; counted in
+``snapshots_abandoned``, the second also in ``snapshots_timed_out``) and the
+next request is answered.  What ZeroMQ queued for it already (at most
+``SNDHWM`` messages) stays queued until it reads or goes.
 
 Primitives: :class:`SnapshotServer` (``bind``, ``serve``, ``close``), :func:`snapshot_events`.
 """
@@ -50,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 STALL_S = 5.0
 """How long a snapshot waits for a requester that reads nothing before it gives up."""
+TIMEOUT_S = 60.0
+"""The default total time one snapshot may take (``events_snapshot_timeout_s``)."""
 ENCODE_SLICE = 512
 """Chunks encoded between two yields to the event loop."""
 MAX_PREFIX = 1024
@@ -57,12 +64,16 @@ MAX_PREFIX = 1024
 
 
 class SnapshotServer:
-    def __init__(self, context: zmq.asyncio.Context, endpoint: str, announcer: Announcer):
+    """The snapshot endpoint of ``announcer``; each snapshot takes at most ``timeout_s``."""
+
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str, announcer: Announcer, timeout_s: float = TIMEOUT_S):
         self.endpoint = endpoint
         self.announcer = announcer
+        self.timeout_s = timeout_s
         self.snapshots = 0
         self.bad_requests = 0
         self.abandoned = 0
+        self.timed_out = 0
         self.last_chunks = 0
         self.last_bytes = 0
         self._sock = context.socket(zmq.ROUTER)
@@ -88,6 +99,9 @@ class SnapshotServer:
                 logger.debug("snapshot to a requester that is gone: %s", err)
 
     async def _answer(self, identity: bytes, prefix: bytes) -> None:
+        # The endpoint's only slot: a reader that keeps taking a batch now and then would
+        # hold it for as long as it likes without a total deadline.
+        deadline = time.monotonic() + self.timeout_s
         announcer = self.announcer
         seq, residency = announcer.residency(prefix)  # consistent: taken between two batches
         meta: dict[str, Any] = {
@@ -98,7 +112,7 @@ class SnapshotServer:
             "chunks": sum(len(held) for _, _, held, _ in residency),
         }
         at = seq_bytes(max(seq, 0))
-        if not await self._send([identity, b"", b"", at, msgpack.packb(meta)]):
+        if not await self._send([identity, b"", b"", at, msgpack.packb(meta)], deadline):
             return
         # Encoded a slice at a time and sent as it goes: what the answer holds at once is
         # one slice plus what ZeroMQ queues to the requester (SNDHWM messages).
@@ -115,27 +129,38 @@ class SnapshotServer:
                 for i in range(0, len(events), max_events):
                     payload = encode_batch(ts, events[i : i + max_events])
                     nbytes += len(payload)
-                    if not await self._send([identity, b"", topic, at, payload]):
+                    if not await self._send([identity, b"", topic, at, payload], deadline):
                         return
                 await asyncio.sleep(0)
-        if await self._send([identity, b"", b"", END_SEQ, b""]):
+        if await self._send([identity, b"", b"", END_SEQ, b""], deadline):
             self.snapshots += 1
             self.last_chunks = meta["chunks"]
             self.last_bytes = nbytes
 
-    async def _send(self, frames: list[bytes]) -> bool:
-        stall = time.monotonic() + STALL_S
+    async def _send(self, frames: list[bytes], deadline: float) -> bool:
+        """Send one message of a snapshot; False: the snapshot is given up (the requester
+        read nothing for ``STALL_S``, or the snapshot's ``deadline`` passed)."""
+        now = time.monotonic()
+        stall = now + STALL_S
         while True:
+            if now > deadline:
+                self.abandoned += 1
+                self.timed_out += 1
+                logger.warning(
+                    "snapshot abandoned: not read whole within events_snapshot_timeout_s (%.1f s)", self.timeout_s
+                )
+                return False
             try:
                 # NOBLOCK: zmq.asyncio sends at once and returns a done future.
                 cast("asyncio.Future[Any]", self._sock.send_multipart(frames, zmq.NOBLOCK)).result()
                 return True
             except zmq.Again:
-                if time.monotonic() > stall:
+                if now > stall:
                     self.abandoned += 1
                     logger.debug("snapshot abandoned: the requester read nothing for %.0f s", STALL_S)
                     return False
                 await asyncio.sleep(0.005)
+                now = time.monotonic()
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -145,6 +170,7 @@ class SnapshotServer:
             "snapshots": self.snapshots,
             "snapshot_bad_requests": self.bad_requests,
             "snapshots_abandoned": self.abandoned,
+            "snapshots_timed_out": self.timed_out,
             "snapshot_last_chunks": self.last_chunks,
             "snapshot_last_bytes": self.last_bytes,
         }

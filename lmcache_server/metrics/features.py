@@ -134,7 +134,7 @@ class EventsCollector(Collector):
             ("lmcache_event_chunks_announced", "Chunks announced as BlockStored.", "announced_chunks"),
             ("lmcache_event_chunks_removed", "Announced chunks that left the node (BlockRemoved).", "removed_chunks"),
             ("lmcache_event_chunks_skipped",
-             "Puts with token ids that were not a whole number of event blocks (not announced).", "skipped_chunks"),
+             "Chunks with token ids not one chunk's worth or not whole event blocks.", "skipped_chunks"),
             ("lmcache_event_errors", "Unexpected failures while building events (logged).", "errors"),
             ("lmcache_event_chunks_moved",
              "Announced chunks whose medium changed (memory <-> disk).", "moved_chunks"),

@@ -150,7 +150,7 @@ class RequestDispatch(ReplySender):
         waiting (a lookup of local tiers: a task would cost more than the lookup);
         False: it was not answered, run it as a task."""
         try:
-            outcome = self.handlers.lookup_now(request)
+            outcome = self.handlers.lookup_now(request, envelope[0])
         except ProtocolError as err:  # a bad field (prefetch): its error reply, as from a task
             _release(owners, 0)
             self._reply_error(envelope, request.id, err.code, err.message, request.op.value, started)
@@ -218,7 +218,7 @@ class RequestDispatch(ReplySender):
             return self.budget.share(self.clients.in_flight(peer)[1])
 
         try:
-            outcome = await self.handlers.handle(request, reply_share)
+            outcome = await self.handlers.handle(request, reply_share, peer)
             if outcome.trimmed:
                 self.metrics.limit_violations.labels("fair_share").inc()
             if scoped:

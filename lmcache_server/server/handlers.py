@@ -27,7 +27,7 @@ from ..storage import TieredStore
 from .admission import ByteBudget
 from .cacheapi import CacheApi
 from .outcome import Outcome
-from .prefetch import Prefetcher, cancel_flag, prefetch_flag
+from .prefetch import Prefetcher, cancel_flag, owner_of, prefetch_flag
 from .shm import ShmLeases
 from .shmhandlers import STAGED_SHARE, ShmHandlers
 from .tokens import parse_tokens
@@ -77,11 +77,16 @@ class Handlers(ShmHandlers):
             Op.BIND: self.bind,
         }
 
-    async def handle(self, request: Request, reply_share: Callable[[], int] | None = None) -> Outcome:
+    async def handle(
+        self, request: Request, reply_share: Callable[[], int] | None = None, peer: bytes = b""
+    ) -> Outcome:
         """Answer ``request``; ``reply_share()`` says how many reply payload bytes
-        the requesting connection may take now (its fair share, see admission.py)."""
+        the requesting connection may take now (its fair share, see admission.py);
+        ``peer``: the connection's routing id (whose prefetches a lookup joins or cancels)."""
         if request.op is Op.GET:
             return await self.get(request, reply_share)
+        if request.op is Op.LOOKUP:
+            return await self.lookup(request, peer)
         return await self._table[request.op](request)
 
     async def hello(self, request: Request) -> Outcome:
@@ -146,35 +151,37 @@ class Handlers(ShmHandlers):
             raise ProtocolError(ErrorCode.BUSY, "in-flight byte budget spent; retry", request.id)
         return Outcome({"found": [c is not None for c in chunks]}, hits, total, trimmed=trimmed)
 
-    async def lookup(self, request: Request) -> Outcome:
-        self._cancel(request)
+    async def lookup(self, request: Request, peer: bytes = b"") -> Outcome:
+        self._cancel(request, peer)
         prefetch = prefetch_flag(request)
         hits, tiers = await self.store.lookup(self._ns(request), request.keys)
-        return self._looked_up(request, hits, tiers, prefetch)
+        return self._looked_up(request, hits, tiers, prefetch, peer)
 
-    def _cancel(self, request: Request) -> None:
-        """``cancel_prefetch: true``: give up the prefetches of the lookup's keys."""
+    def _cancel(self, request: Request, peer: bytes) -> None:
+        """``cancel_prefetch: true``: give up the prefetches this connection's lookup
+        of the same keys joined (never another request's)."""
         if cancel_flag(request):
-            self.prefetcher.cancel(self._ns(request), request.keys)
+            self.prefetcher.cancel(self._ns(request), request.keys, owner_of(peer, request.keys))
 
-    def lookup_now(self, request: Request) -> Outcome | None:
+    def lookup_now(self, request: Request, peer: bytes = b"") -> Outcome | None:
         """A lookup answered in the receive loop, without a task (None: it must
         wait for Redis; use :meth:`handle`)."""
-        self._cancel(request)
+        self._cancel(request, peer)
         prefetch = prefetch_flag(request)
         found = self.store.lookup_now(self._ns(request), request.keys)
-        return None if found is None else self._looked_up(request, *found, prefetch)
+        return None if found is None else self._looked_up(request, *found, prefetch, peer)
 
-    def _looked_up(self, request: Request, hits: int, tiers: list[str | None], prefetch: bool) -> Outcome:
+    def _looked_up(self, request: Request, hits: int, tiers: list[str | None], prefetch: bool, peer: bytes) -> Outcome:
         outcome = Outcome({"hits": hits, "tiers": tiers})
         memory = self.store.memory.name
         if prefetch and any(t != memory for t in tiers[:hits]):
             # After the reply: the engine learns what is cached first, then the lower
             # tiers' chunks move up while its request is parked.
             namespace, keys, found = self._ns(request), request.keys[:hits], tiers[:hits]
+            owner = owner_of(peer, request.keys)  # all its keys: what its cancel will send
 
             def start() -> None:
-                self.prefetcher.start(namespace, keys, found)
+                self.prefetcher.start(namespace, keys, found, owner)
 
             outcome.after_reply = start
         return outcome

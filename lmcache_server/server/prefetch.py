@@ -23,13 +23,16 @@ Bounds (optional work never crowds out requests):
 Cancelled with the request: a ``lookup`` with ``cancel_prefetch: true`` (an
 engine whose parked request finished or was aborted before its load) gives
 up the prefetches that lookups of its keys joined.  Several requests may share
-a prefix, so a prefetch counts its *owners*: the lookup that started it and
-each later lookup with ``prefetch: true`` whose keys it holds.  A cancel takes
-one owner from each running prefetch holding any of its keys; one left with
-none is cancelled (counted in ``cancelled``): it stops reading, gives its
-budget back as the cancel reaches it and its room once its copy thread is done, and what it
-promoted before stays promoted.  A cancel matching no running prefetch does
-nothing.
+a prefix, so a prefetch keeps the set of its *owners*: the lookup that started
+it and each later lookup with ``prefetch: true`` whose keys it holds.  An owner
+is the request as the daemon can tell it (:func:`owner_of`): the connection it
+came on and the keys it sent, so a lookup repeated by a parked request joins
+once, and a cancel only takes back what the same connection's lookup of the
+same keys joined: another reader of the namespace, or a second cancel, takes
+nothing.  A prefetch left with no owner is cancelled (counted in
+``cancelled``): it stops reading, gives its budget back as the cancel reaches
+it and its room once its copy thread is done, and what it promoted before stays
+promoted.  A cancel matching no join of its own does nothing.
 
 Access: a prefetch reads only the namespace its lookup was allowed to read
 (a lookup needs ``ro`` on its namespace, §2.6); promotions obey the memory
@@ -39,15 +42,16 @@ The operator's ``prefetch`` op (and ``pin`` of a chunk not in memory) runs the
 same windows inline and answers once they are done: :meth:`Prefetcher.promote_now`.
 
 Primitives: :class:`Prefetcher` (``start``, ``promote_now``, ``cancel``, ``close``, ``stats``),
-:class:`Promoted`,
+:class:`Promoted`, :func:`owner_of` (who joined a prefetch),
 :func:`prefetch_flag` and :func:`cancel_flag` (the request's flags, validated),
-``MAX_PREFETCHES``.
+``MAX_PREFETCHES``, ``MAX_OWNERS``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -62,6 +66,24 @@ logger = logging.getLogger(__name__)
 
 MAX_PREFETCHES = 64
 """Prefetches running at once; a lookup past it is declined."""
+
+MAX_OWNERS = 1024
+"""Owners one prefetch keeps; a join past it is not kept (the prefetch runs on for
+the owners it has), so lookups of ever new batches cannot grow the set without end."""
+
+
+Owner = tuple[bytes, bytes]
+"""Who joined a prefetch: (the connection's routing id, a digest of the lookup's keys)."""
+
+
+def owner_of(peer: bytes, keys: Sequence[bytes]) -> Owner:
+    """The owner a lookup of ``keys`` on connection ``peer`` joins prefetches as.  A
+    cancel must come from the same connection with the same keys (the client sends
+    the same batches as its lookup with ``prefetch: true``) to take that join back."""
+    digest = hashlib.blake2b(digest_size=16)
+    for key in keys:
+        digest.update(key)
+    return peer, digest.digest()
 
 
 def _flag(request: Request, name: str) -> bool:
@@ -115,8 +137,8 @@ class Promoted:
 @dataclasses.dataclass(eq=False)
 class _Prefetch:
     keys: list[ChunkKey]
-    owners: int = 1
-    """Lookups that joined it and have not cancelled."""
+    owners: set[Owner]
+    """Lookups that joined it and have not cancelled, each once."""
     task: asyncio.Task[None] | None = None
 
 
@@ -140,9 +162,10 @@ class Prefetcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    def start(self, namespace: str, digests: Sequence[bytes], tiers: Sequence[str | None]) -> None:
+    def start(self, namespace: str, digests: Sequence[bytes], tiers: Sequence[str | None], owner: Owner) -> None:
         """Promote the leading hits of a lookup (``tiers`` as it answered) that a lower
-        tier holds, in the background; returns at once."""
+        tier holds, in the background; returns at once.  ``owner`` (:func:`owner_of`)
+        joins the prefetch it starts and each running one holding any of its keys."""
         memory = self.store.memory.name
         keys: list[ChunkKey] = []
         joined: dict[int, _Prefetch] = {}
@@ -155,23 +178,26 @@ class Prefetcher:
                 joined[id(running)] = running
             elif tier != memory:
                 keys.append(key)
-        for running in joined.values():  # this lookup's request shares them: one more owner
-            running.owners += 1
+        for running in joined.values():  # this lookup's request shares them: an owner (once)
+            if len(running.owners) < MAX_OWNERS:
+                running.owners.add(owner)
         if not keys:
             return
         if self._closed or len(self._tasks) >= self.max_running:
             self.counters.declined += not self._closed
             return
-        prefetch = _Prefetch(keys)
+        prefetch = _Prefetch(keys, {owner})
         for key in keys:
             self._running[key] = prefetch
         task = prefetch.task = asyncio.get_running_loop().create_task(self._run(prefetch), name="lmcache:prefetch")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def cancel(self, namespace: str, digests: Sequence[bytes]) -> int:
-        """A lookup of ``digests`` gives up its prefetches: one owner less for each running
-        prefetch holding any of them; those left with none are cancelled.  Returns how many."""
+    def cancel(self, namespace: str, digests: Sequence[bytes], owner: Owner) -> int:
+        """``owner`` (:func:`owner_of` of the cancelling lookup) gives up its prefetches:
+        it leaves each running prefetch holding any of ``digests`` that it joined; those
+        left with no owner are cancelled.  Returns how many.  Prefetches ``owner`` did not
+        join are left alone: a cancel only takes back its own request's join."""
         hit: dict[int, _Prefetch] = {}
         for digest in digests:
             running = self._running.get(ChunkKey(namespace, digest))
@@ -179,8 +205,10 @@ class Prefetcher:
                 hit[id(running)] = running
         cancelled = 0
         for prefetch in hit.values():
-            prefetch.owners -= 1
-            if prefetch.owners <= 0 and prefetch.task is not None and not prefetch.task.done():
+            if owner not in prefetch.owners:
+                continue  # another request's join (or one already cancelled): not this lookup's to give up
+            prefetch.owners.discard(owner)
+            if not prefetch.owners and prefetch.task is not None and not prefetch.task.done():
                 prefetch.task.cancel()
                 self._release(prefetch)  # its keys are free for a new prefetch at once
                 cancelled += 1

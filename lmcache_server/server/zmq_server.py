@@ -33,7 +33,7 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
-from lmcache_client.protocol import Limits
+from lmcache_client.protocol import Limits, header_limit
 
 from ..config import ConfigError, ServerConfig
 from ..metrics import ServerMetrics
@@ -91,10 +91,11 @@ class ZmqServer(RequestDispatch):
         self.metrics = metrics
         self.context = context
         self.limits = Limits(
-            # Keys and small fields only: token ids travel in a frame of their own
-            # (server/tokens.py), so no header needs more, events on or off, and
+            # Keys, one integer per key and small fields only: token ids travel in a
+            # frame of their own (server/tokens.py), so no header needs more, events on
+            # or off; and never more than MAX_HEADER_BYTES whatever the configuration:
             # a msgpack object bomb decodes at most this many bytes' objects.
-            max_header_bytes=max(64 * 1024, config.max_keys_per_request * 40 + 4096),
+            max_header_bytes=header_limit(config.max_keys_per_request),
             max_keys=config.max_keys_per_request,
             max_message_bytes=config.max_message_size,
         )

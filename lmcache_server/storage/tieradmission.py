@@ -26,13 +26,21 @@ remembered (bounded, :class:`SentKeys`) so that a chunk is not written twice;
 with ``remote_ttl_s`` only for that long, after which Redis has dropped the
 chunk and a later access that admits it writes it again.
 
+A delete forgets its keys; a ``clear`` of one namespace forgets that
+namespace's keys and no other's (:class:`ClearEpochs`): the histories keep
+hashes, not keys, so each namespace's keys are remembered under a hash salted
+with the number of times it was cleared, and a clear moves its salt on (the old
+entries are never found again and age out).  A clear of every namespace, or of
+more distinct namespaces than :data:`MAX_CLEARED_NAMESPACES`, forgets every key.
+
 The tiered store calls :class:`StoreAdmission` at those points (``stored``,
 ``accessed``, ``uplinked``, ``from_remote``, ``spill``, ``evicted``, ``removed``,
 ``deleted``); :class:`TierAdmission` is one
 tier's rule and counters, :class:`Accesses` what both rules know of accesses.
 
 Primitives: ``MODES``, :func:`sketch_width_for`, :class:`AdmissionCounters`, :class:`Accesses`,
-:class:`TierAdmission` (``admits``, ``count``), :class:`SentKeys`, :class:`StoreAdmission`.
+:class:`TierAdmission` (``admits``, ``count``), :class:`SentKeys`, :class:`ClearEpochs`,
+:class:`StoreAdmission`.
 """
 
 from __future__ import annotations
@@ -49,6 +57,9 @@ MODES = ("always", "reused", "frequency")
 """The values of ``disk_admission`` and ``remote_admission``."""
 HISTORY_KEYS = 1 << 16
 """Keys remembered after they leave memory (a re-put is a reuse) and keys sent to Redis."""
+MAX_CLEARED_NAMESPACES = 4096
+"""Namespaces whose clears :class:`ClearEpochs` keeps apart; past it a clear forgets every key."""
+_MASK = (1 << 64) - 1
 
 
 def sketch_width_for(capacity_bytes: int) -> int:
@@ -64,23 +75,64 @@ class AdmissionCounters:
     declined_bytes: int = 0  # payload bytes not written to the tier
 
 
+class ClearEpochs:
+    """How many times each namespace was cleared, mixed into the hash the key
+    histories remember its keys under (:meth:`hash`): a clear of one namespace
+    (:meth:`cleared`) makes its remembered keys unfindable, and leaves every other
+    namespace's alone.  Bounded: it keeps :data:`MAX_CLEARED_NAMESPACES` namespaces;
+    a clear past that (or of every namespace) starts over, and its caller then
+    forgets every key."""
+
+    def __init__(self, limit: int = MAX_CLEARED_NAMESPACES) -> None:
+        self._limit = limit
+        self._epochs: dict[str, int] = {}
+
+    def hash(self, key: ChunkKey) -> int:
+        """``key``'s hash in the histories: :func:`key_hash`, salted once its namespace was cleared."""
+        h = key_hash(key)
+        epoch = self._epochs.get(key.namespace)
+        if not epoch:
+            return h
+        z = (h ^ (epoch * 0x9E3779B97F4A7C15)) & _MASK  # splitmix64's finaliser over the salted hash
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
+        return z ^ (z >> 31)
+
+    def cleared(self, namespace: str | None) -> bool:
+        """``namespace`` was cleared (None: every one).  False: its keys cannot be told
+        apart (every namespace cleared, or too many namespaces cleared): forget every key."""
+        if namespace is None or (namespace not in self._epochs and len(self._epochs) >= self._limit):
+            self._epochs.clear()
+            return False
+        self._epochs[namespace] = self._epochs.get(namespace, 0) + 1
+        return True
+
+
 class Accesses:
     """What the admission rules know of chunk accesses: a sketch of their
-    frequency (``frequency``), and which chunks in memory were reused (``reused``)."""
+    frequency (``frequency``), and which chunks in memory were reused (``reused``).
+    ``epochs``: the namespaces' clears, shared with :class:`SentKeys` (a new one if None)."""
 
-    def __init__(self, sketch: FrequencySketch | None, track_reuse: bool, history_keys: int = HISTORY_KEYS):
+    def __init__(
+        self,
+        sketch: FrequencySketch | None,
+        track_reuse: bool,
+        history_keys: int = HISTORY_KEYS,
+        epochs: ClearEpochs | None = None,
+    ):
         self.sketch = sketch
         self.track_reuse = track_reuse
+        self._epochs = epochs if epochs is not None else ClearEpochs()
         self._reused: set[ChunkKey] = set()  # in memory, and read or put again since stored
         self._gone_limit = history_keys
-        self._gone = KeyHistory(history_keys, with_values=False)  # key hashes that left memory
+        self._gone = KeyHistory(history_keys, with_values=False)  # key hashes (salted) that left memory
 
     def stored(self, key: ChunkKey) -> None:
         """``key`` was put and stored in memory (a chunk remembered as gone: a reuse)."""
         h = key_hash(key)
         if self.sketch is not None:
             self.sketch.increment(h)
-        if self.track_reuse and self._gone.pop(h):
+        if self.track_reuse and self._gone.pop(self._epochs.hash(key)):
             self._reused.add(key)
 
     def accessed(self, key: ChunkKey, resident: bool = True) -> None:
@@ -94,20 +146,23 @@ class Accesses:
         if self.track_reuse:
             if resident:
                 self._reused.add(key)
-            elif h not in self._gone:
-                self._gone.add(h)
+            else:
+                salted = self._epochs.hash(key)
+                if salted not in self._gone:
+                    self._gone.add(salted)
 
     def left_memory(self, key: ChunkKey) -> None:
         if self.track_reuse:
             self._reused.discard(key)
-            self._gone.add(key_hash(key))
+            self._gone.add(self._epochs.hash(key))
 
     def forget(self, key: ChunkKey | None) -> None:
-        """``key`` was deleted (None: a clear, every key): a later put of it is a first put."""
+        """``key`` was deleted (None: every key, a clear of every namespace): a later
+        put of it is a first put.  A clear of one namespace is :class:`ClearEpochs`' job."""
         if key is None:
             self._gone = KeyHistory(self._gone_limit, with_values=False)
         else:
-            self._gone.pop(key_hash(key))
+            self._gone.pop(self._epochs.hash(key))
 
     def reused(self, key: ChunkKey) -> bool:
         return key in self._reused
@@ -167,25 +222,28 @@ class SentKeys:
 
     _FRESH = 1023  # units of ttl_s / 1024
 
-    def __init__(self, ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic, epochs: ClearEpochs | None = None
+    ):
         self._unit = ttl_s / 1024 if ttl_s > 0 else 0.0
         self._clock = clock
+        self._epochs = epochs if epochs is not None else ClearEpochs()  # keys under salted hashes
         self._keys = KeyHistory(HISTORY_KEYS, with_values=self._unit > 0)
 
     def _stamp(self) -> int:
         return int(self._clock() / self._unit) % 0xFFFF + 1  # 1..65535; 0 means absent
 
     def add(self, key: ChunkKey) -> None:
-        self._keys.add(key_hash(key), self._stamp() if self._unit else 1)
+        self._keys.add(self._epochs.hash(key), self._stamp() if self._unit else 1)
 
     def discard(self, key: ChunkKey) -> None:
-        self._keys.pop(key_hash(key))
+        self._keys.pop(self._epochs.hash(key))
 
     def clear(self) -> None:
         self._keys = KeyHistory(HISTORY_KEYS, with_values=self._unit > 0)
 
     def __contains__(self, key: object) -> bool:
-        h = key_hash(key)  # type: ignore[arg-type]
+        h = self._epochs.hash(key)  # type: ignore[arg-type]
         if not self._unit:
             return h in self._keys
         stamp = self._keys.get(h)
@@ -204,11 +262,12 @@ class StoreAdmission:
     def __init__(self, disk_mode: str, remote_mode: str | None, sketch_width: int = 1 << 16, remote_ttl_s: float = 0.0):
         modes = {disk_mode, remote_mode}
         sketch = FrequencySketch(sketch_width) if "frequency" in modes else None
-        self.accesses = Accesses(sketch, track_reuse="reused" in modes)
+        self._epochs = ClearEpochs()  # one namespace's clear forgets its keys in both histories
+        self.accesses = Accesses(sketch, track_reuse="reused" in modes, epochs=self._epochs)
         self.disk = TierAdmission("disk", disk_mode, self.accesses)
         self.remote = TierAdmission("redis", remote_mode, self.accesses) if remote_mode is not None else None
         self._owed: dict[ChunkKey, int] = {}  # in memory, not (yet) admitted to Redis: key -> bytes
-        self._sent = SentKeys(remote_ttl_s)  # queued for or read from Redis
+        self._sent = SentKeys(remote_ttl_s, epochs=self._epochs)  # queued for or read from Redis
 
     # -- Redis ---------------------------------------------------------------------
     def stored(self, key: ChunkKey, nbytes: int) -> bool:
@@ -246,15 +305,20 @@ class StoreAdmission:
         if self.remote is not None and self.remote.mode != "always":
             self._sent.add(key)
 
-    def deleted(self, key: ChunkKey | None) -> None:
-        """``key`` was deleted from every tier, Redis too (None: a clear): it is no
-        longer sent, so a later store of it goes to Redis again when admitted, and
-        that store is a first put, not a reuse."""
+    def deleted(self, key: ChunkKey) -> None:
+        """``key`` was deleted from every tier, Redis too: it is no longer sent, so a
+        later store of it goes to Redis again when admitted, and that store is a
+        first put, not a reuse."""
         self.accesses.forget(key)
-        if key is None:
-            self._sent.clear()  # a clear: forget every key sent
-        else:
-            self._sent.discard(key)
+        self._sent.discard(key)
+
+    def cleared(self, namespace: str | None) -> None:
+        """``namespace`` was cleared from every tier, Redis too (None: every namespace):
+        as :meth:`deleted` for each of its keys, and only its keys; called after the
+        tiers' clears (the keys that left memory in them are forgotten too)."""
+        if not self._epochs.cleared(namespace):
+            self.accesses.forget(None)
+            self._sent.clear()
 
     # -- disk, and leaving memory ----------------------------------------------------
     def spill(self, key: ChunkKey, nbytes: int, victim: Callable[[], ChunkKey | None], final: bool) -> bool:

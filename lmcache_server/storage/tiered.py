@@ -229,7 +229,7 @@ class TieredStore(TieredPuts, TieredLookup, TieredPromotion):
             if tier is self.remote:
                 remote_removed = removed
         if self.admission is not None:
-            self.admission.deleted(None)
+            self.admission.cleared(namespace)  # that namespace's keys only
         return max(len(keys), remote_removed)
 
     async def pin(self, namespace: str, digests: Sequence[bytes]) -> list[bool]:

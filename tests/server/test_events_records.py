@@ -16,6 +16,7 @@ real ZeroMQ sockets:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from lmcache_client.keys import chunk_keys, chunk_tokens
 from lmcache_client.protocol import PutStatus
 from lmcache_server.events import keep
 from lmcache_server.events.blocks import block_hashes
+from lmcache_server.storage.chunkfile import encode_record
 
 from ..conftest import Daemon, RedisServer, wait_for
 from .events_router import RouterIndex
@@ -225,3 +227,41 @@ def test_a_chunk_put_again_while_only_the_disk_holds_it_is_announced_in_memory_a
     router = RouterIndex(BLOCK).apply(replay(daemon))
     assert list(router.state()) == [(f"kv@node-a@{MODEL}", "CPU")]
     assert sum(len(b) for b in router.state().values()) == 2 * CHUNK // BLOCK
+
+
+def test_a_record_with_more_than_one_chunks_token_ids_is_served_but_not_announced(
+    daemon_factory: Callable[..., Daemon], redis_server: RedisServer
+) -> None:
+    """Issue 39 item 9: a record in Redis (or on disk) may claim up to 2**20 token ids
+    while a put carries exactly one chunk's.  A record whose ids hash to its key but
+    are four chunks' worth (a whole number of blocks), and one whose ids are one
+    chunk of the daemon's but not of its namespace's ``c<N>``, are served, and not
+    announced; a record of one chunk's ids is announced as before."""
+    a, b = two_nodes(daemon_factory, redis_server)
+    tokens = [(i * 29) % 50_000 for i in range(CHUNK)]
+    keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+    with a.client(namespace=NS) as c:
+        assert c.put(keys, [os.urandom(4096)], tokens=toks) == [PutStatus.STORED]
+    written_to_redis(redis_server, 1)
+    r = redis_of(redis_server)
+    (name,) = r.keys("lmcache:*")
+    prefix = name.rsplit(b":", 1)[0] + b":"  # the key prefix and NS's tag (storage/remote/link.py)
+    long_ids = [(i * 31) % 50_000 for i in range(4 * CHUNK)]
+    (long_key,), (long_tok,) = chunk_keys(long_ids, 4 * CHUNK), chunk_tokens(long_ids, 4 * CHUNK)
+    payload = os.urandom(4096)
+    r.set(prefix + long_key.hex().encode(), bytes(encode_record(NS, long_key, payload, long_tok)))
+    small_ns = NS.replace(f"|c{CHUNK}", f"|c{CHUNK // 4}")  # names chunks of 64 tokens
+    ids = [(i * 37) % 50_000 for i in range(CHUNK)]
+    (other_key,), (other_tok,) = chunk_keys(ids, CHUNK), chunk_tokens(ids, CHUNK)
+    small_prefix = name[: -(16 + 1 + 64)] + hashlib.sha256(small_ns.encode()).hexdigest()[:16].encode() + b":"
+    r.set(small_prefix + other_key.hex().encode(), bytes(encode_record(small_ns, other_key, payload, other_tok)))
+    with b.client(namespace=NS) as c:
+        got = c.get([keys[0], long_key])
+        assert got[1] is not None and bytes(got[1]) == payload  # served, promoted
+        assert c.get([other_key], namespace=small_ns)[0] is not None
+        assert c.lookup([keys[0], long_key]).tiers == ["memory", "memory"]
+        stats = dict(wait_for(lambda: (s := quiet(c))["announced_chunks"] + s["skipped_chunks"] >= 3 and s))
+        assert (stats["announced_chunks"], stats["skipped_chunks"]) == (1, 2)
+    _, router = bootstrap(b)
+    ((_, blocks),) = router.state().items()
+    assert len(blocks) == CHUNK // BLOCK  # one chunk's blocks: the put's, not the long record's

@@ -31,8 +31,9 @@ import zmq
 from lmcache_client.keys import chunk_keys, chunk_tokens
 from lmcache_client.protocol import PutStatus
 from lmcache_server.config import ConfigError, load_config
+from lmcache_server.events.wire import END_SEQ
 
-from ..conftest import Daemon, free_port
+from ..conftest import Daemon, free_port, wait_for
 from ..integrations.vllm.vllm_harness.fixtures import vllm_python  # noqa: F401 - a fixture
 from .events_router import Frames, RouterIndex, snapshot
 from .test_events import BLOCK, CHUNK, MODEL, NS, decode_with_vllm, events_daemon, quiet, replay
@@ -209,8 +210,12 @@ def test_snapshot_and_heartbeat_config_is_checked() -> None:
         load_config(environ=env, overrides={"events_endpoint": "tcp://127.0.0.1:1", "events_heartbeat_s": "often"})
     with pytest.raises(ConfigError, match="events_snapshot_endpoint.*unset unless events_endpoint"):
         load_config(environ=env, overrides={"events_snapshot_endpoint": "tcp://127.0.0.1:1"})
+    for bad in (0, -1, 3601, "long"):
+        with pytest.raises(ConfigError, match="events_snapshot_timeout_s"):
+            load_config(environ=env, overrides={"events_snapshot_timeout_s": bad})
     config = load_config(environ=env, overrides={"events_endpoint": "tcp://127.0.0.1:1"})
     assert config.events_heartbeat_s == 1.0 and config.events_snapshot_endpoint is None
+    assert config.events_snapshot_timeout_s == 60.0
 
 
 def test_an_exposed_snapshot_endpoint_needs_allow_insecure(daemon_factory: Callable[..., Daemon]) -> None:
@@ -218,3 +223,60 @@ def test_an_exposed_snapshot_endpoint_needs_allow_insecure(daemon_factory: Calla
         daemon_factory(
             events_endpoint=f"tcp://127.0.0.1:{free_port()}", events_snapshot_endpoint=f"tcp://*:{free_port()}"
         )
+
+
+def test_a_slow_snapshot_reader_loses_the_slot_at_the_deadline_and_the_next_is_answered(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Issue 39 item 9: the endpoint answers one snapshot at a time, and a reader that takes
+    ten batches every 0.5 s (never stalling for ``STALL_S``; over a minute for this
+    snapshot) held that slot for as long as it liked: the second reader waited for it.
+    Now ``events_snapshot_timeout_s`` (4 s here) bounds each snapshot: the slow reader
+    loses the rest (no end marker) and the second reader gets its whole snapshot.  One
+    event per batch, 2,000 chunks of 1,024 five-byte token ids: ~12 MB of batches, more
+    than ZeroMQ and the kernel queue (~2 MB) for a reader that does not keep up."""
+    chunk = 1024
+    ns = NS.replace(f"|c{CHUNK}", f"|c{chunk}")
+    daemon = snapshot_daemon(
+        daemon_factory,
+        chunk_size=chunk,
+        events_batch_max_events=1,
+        events_snapshot_timeout_s=4.0,
+        max_local_cpu_size="64MiB",
+    )
+    rng = random.Random(39)
+    n = 2000
+    with daemon.client(namespace=ns) as c:
+        for _ in range(n // 200):
+            ids = [rng.randrange(1 << 28, 1 << 31) for _i in range(200 * chunk)]
+            keys, toks = chunk_keys(ids, chunk), chunk_tokens(ids, chunk)
+            assert c.put(keys, [b"x" * 64] * len(keys), tokens=toks) == [PutStatus.STORED] * len(keys)
+        quiet(c, announced_chunks=n)
+    stop = threading.Event()
+    slow_got: list[bytes] = []
+
+    def slow_reader() -> None:
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.setsockopt(zmq.RCVBUF, 4096)
+            sock.connect(daemon.snapshot)  # type: ignore[attr-defined]
+            sock.send_multipart([b"", b""])
+            while not stop.wait(0.5):  # ten batches every half second: it never stalls for STALL_S
+                for _ in range(10):
+                    if sock.poll(100):
+                        slow_got.append(sock.recv_multipart()[2])
+
+    thread = threading.Thread(target=slow_reader, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: slow_got)  # its snapshot has begun
+        meta, frames = snapshot(daemon.snapshot, timeout_ms=30_000)  # type: ignore[attr-defined]
+        assert meta["chunks"] == n and len(frames) == n  # the second reader's, whole
+        assert END_SEQ not in slow_got  # the slow one lost the rest
+        with daemon.client(namespace=ns) as c:
+            stats = c.stats()["events"]
+            assert stats["snapshots_timed_out"] == 1 and stats["snapshots"] == 1
+    finally:
+        stop.set()
+        thread.join(10)

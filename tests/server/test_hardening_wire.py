@@ -7,7 +7,11 @@
   at once; a small header that nests containers outside the known fields is
   MALFORMED (item 8);
 - replay requesters that never read cost the daemon a bounded amount of
-  memory, not a copy of the replay buffer each (item 9).
+  memory, not a copy of the replay buffer each (item 9);
+- the header limit is bounded whatever ``max_keys_per_request`` (issue 39 item
+  9): a 4.7 MB header is refused undecoded at the largest setting, and the
+  largest legitimate header (keys and a uint64 per key, a 512-byte namespace)
+  fits at every setting.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import zmq
 from lmcache_client import calls
 from lmcache_client.errors import ServerError
 from lmcache_client.keys import ROOT_KEY, ChunkTokens, chain_key, chunk_keys, chunk_tokens, pack_tokens
-from lmcache_client.protocol import ErrorCode, PutStatus, decode_reply
+from lmcache_client.protocol import MAX_HEADER_BYTES, MAX_KEYS_PER_REQUEST, ErrorCode, PutStatus, decode_reply
+from lmcache_server.config import ConfigError, load_config
 
 from ..conftest import Daemon, free_port, wait_for
 
@@ -221,3 +226,63 @@ def test_replay_requesters_that_never_read_cost_a_bounded_amount_of_memory(
                 seqs.append(int.from_bytes(seq, "big"))
             assert seqs == list(range(first, first + len(seqs))) and len(seqs) > 1000
         ctx.term()
+
+
+# -- issue 39 item 9: the header limit does not grow with max_keys_per_request ----------
+LONG_NS = "m|" + "x" * 510  # a namespace at its longest: 512 bytes
+
+
+def _largest_header(request_id: int, keys: int) -> bytes:
+    """A lookup as long as a legitimate header gets: ``keys`` keys, a uint64 per key (a
+    bind's slot offsets in a pool over 4 GiB), the longest namespace."""
+    header = {"v": 1, "op": "lookup", "id": request_id, "ns": LONG_NS, "keys": [b"k" * 32] * keys}
+    return msgpack.packb({**header, "slots": [2**63] * keys}, use_bin_type=True)
+
+
+def test_the_largest_legitimate_header_fits_the_default_limit(wire_daemon: Daemon) -> None:
+    """Before: 40 bytes a key + 4 KiB (167,936 bytes at 4096 keys) left no room for a
+    bind's slot offsets past 4 GiB (43 bytes a key): TOO_LARGE for a legitimate request."""
+    header = _largest_header(12, 4096)
+    assert len(header) > 167_936
+    sock = _raw(wire_daemon.address)
+    try:
+        reply = _ask(sock, header)
+        assert reply.ok and reply.id == 12 and reply.fields["hits"] == 0
+    finally:
+        sock.close()
+
+
+def test_the_header_limit_does_not_grow_with_max_keys_per_request(daemon_factory: Callable[..., Daemon]) -> None:
+    """Before: the limit was 40 bytes per allowed key, and max_keys_per_request went to
+    2**20 (a 42 MB header limit): a 4.7 MB header was decoded, 467 ms and +324 MiB.  Now
+    max_keys_per_request stops at MAX_KEYS_PER_REQUEST and the limit at MAX_HEADER_BYTES:
+    that header is refused undecoded with TOO_LARGE, and the daemon keeps serving."""
+    env: dict[str, str] = {}
+    for too_many in (MAX_KEYS_PER_REQUEST + 1, 1 << 17, 1 << 20):
+        with pytest.raises(ConfigError, match=f"max_keys_per_request.*1..{MAX_KEYS_PER_REQUEST}"):
+            load_config(environ=env, overrides={"max_keys_per_request": too_many})
+    daemon = daemon_factory(max_keys_per_request=MAX_KEYS_PER_REQUEST)
+    assert daemon.proc is not None
+    bomb = msgpack.packb({"v": 1, "op": "lookup", "id": 13, "ns": NS, "keys": [], "sizes": [[]] * 4_700_000})
+    assert len(bomb) > 4_700_000
+    sock = _raw(daemon.address)
+    try:
+        assert _ask(sock, msgpack.packb({"v": 1, "op": "ping", "id": 1})).ok  # connected and warm
+        before = _rss(daemon.proc.pid)
+        took = []
+        for _ in range(3):  # the best of three: a loaded host may stall any one try
+            t0 = time.perf_counter()
+            reply = _ask(sock, bomb)
+            took.append(time.perf_counter() - t0)
+            assert not reply.ok and reply.code == ErrorCode.TOO_LARGE and reply.id == 13
+            assert reply.message == f"header is {len(bomb)} bytes, limit {MAX_HEADER_BYTES}"
+        grown = _rss(daemon.proc.pid) - before
+        print(f"4.7 MB header refused in {took} s; daemon RSS {grown / 2**20:+.1f} MiB")
+        assert min(took) < 0.1 and grown < 64 << 20, (took, grown)  # before: 467 ms, +324 MiB
+        reply = _ask(sock, _largest_header(14, MAX_KEYS_PER_REQUEST))  # the largest legitimate one fits
+        assert reply.ok and reply.id == 14
+        with daemon.client(namespace=NS) as c:  # and the daemon keeps serving
+            assert c.put([b"p" * 32], [b"payload"]) == [PutStatus.STORED]
+            assert bytes(c.get([b"p" * 32])[0]) == b"payload"  # type: ignore[arg-type]
+    finally:
+        sock.close()

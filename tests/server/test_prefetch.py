@@ -24,7 +24,7 @@ from lmcache_client import PutStatus
 from lmcache_client.calls import lookup as calls_lookup
 from lmcache_client.protocol import KEY_BYTES, PROTOCOL_VERSION, ErrorCode
 from lmcache_server.server.admission import ByteBudget
-from lmcache_server.server.prefetch import Prefetcher
+from lmcache_server.server.prefetch import Prefetcher, owner_of
 from lmcache_server.storage import ChunkKey, TieredStore
 
 from ..conftest import NAMESPACE, Daemon, RedisServer, disk_stats, wait_for
@@ -225,6 +225,8 @@ def test_lookup_with_prefetch_moves_redis_chunks_into_memory(
 
 # -- the prefetcher in-process: one prefetch per key, close ---------------------------------
 NS = "ns"
+A = owner_of(b"conn-1", [b"k" * 32])
+"""An owner for the in-process tests that start prefetches and cancel none."""
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
@@ -243,13 +245,13 @@ def test_a_second_prefetch_of_keys_being_prefetched_starts_nothing() -> None:
         budget = ByteBudget(64 * MiB)
         prefetcher = Prefetcher(store, budget)
         keys = [os.urandom(32) for _ in range(3)]
-        prefetcher.start(NS, keys, ["disk"] * 3)
-        prefetcher.start(NS, keys, ["disk"] * 3)
-        prefetcher.start(NS, [keys[0], os.urandom(32)], ["disk", None])
+        prefetcher.start(NS, keys, ["disk"] * 3, A)
+        prefetcher.start(NS, keys, ["disk"] * 3, A)
+        prefetcher.start(NS, [keys[0], os.urandom(32)], ["disk", None], A)
         assert prefetcher.stats()["running"] == 1
         await asyncio.get_running_loop().run_in_executor(None, disk.started.wait, 30)
         assert budget.in_use == prefetcher.held_bytes == 3 * MiB  # the bytes being read
-        prefetcher.start(NS, keys, ["disk"] * 3)
+        prefetcher.start(NS, keys, ["disk"] * 3, A)
         assert prefetcher.stats()["running"] == 1
         disk.go.set()
         await _until(lambda: not prefetcher.stats()["running"])
@@ -258,7 +260,7 @@ def test_a_second_prefetch_of_keys_being_prefetched_starts_nothing() -> None:
         assert budget.in_use == 0
         assert all(memory.peek(ChunkKey(NS, k)) for k in keys)
         # Memory holds them now: a new start promotes nothing.
-        prefetcher.start(NS, keys, ["disk"] * 3)
+        prefetcher.start(NS, keys, ["disk"] * 3, A)
         await _until(lambda: not prefetcher.stats()["running"])
         assert (c.prefetches, c.chunks) == (1, 3)
         await prefetcher.close()
@@ -274,11 +276,11 @@ def test_close_cancels_running_prefetches_and_gives_everything_back() -> None:
         store = TieredStore(memory, disk)  # type: ignore[arg-type]
         budget = ByteBudget(64 * MiB)
         prefetcher = Prefetcher(store, budget)
-        prefetcher.start(NS, [os.urandom(32) for _ in range(2)], ["disk", "disk"])
+        prefetcher.start(NS, [os.urandom(32) for _ in range(2)], ["disk", "disk"], A)
         await asyncio.get_running_loop().run_in_executor(None, disk.started.wait, 30)
         await prefetcher.close()
         assert prefetcher.stats()["running"] == 0 and budget.in_use == 0 and prefetcher.held_bytes == 0
-        prefetcher.start(NS, [os.urandom(32)], ["disk"])  # closed: starts nothing, declines nothing
+        prefetcher.start(NS, [os.urandom(32)], ["disk"], A)  # closed: starts nothing, declines nothing
         assert prefetcher.stats()["running"] == 0 and prefetcher.counters.declined == 0
         disk.go.set()
         # The reads' room goes back once their threads are done; nothing became visible.
@@ -348,24 +350,89 @@ def test_a_prefetch_shared_by_two_requests_runs_until_both_cancel() -> None:
         budget = ByteBudget(64 * MiB)
         prefetcher = Prefetcher(store, budget)
         keys = [os.urandom(32) for _ in range(3)]
-        prefetcher.start(NS, keys, ["disk"] * 3)  # request a
-        prefetcher.start(NS, keys[:2], ["disk"] * 2)  # request b shares a's prefix: joins
+        a, b = owner_of(b"conn-1", keys), owner_of(b"conn-1", keys[:2])
+        prefetcher.start(NS, keys, ["disk"] * 3, a)  # request a
+        prefetcher.start(NS, keys[:2], ["disk"] * 2, b)  # request b shares a's prefix: joins
         await asyncio.get_running_loop().run_in_executor(None, disk.started.wait, 30)
-        assert prefetcher.cancel(NS, [os.urandom(32)]) == 0  # nothing of it runs
-        assert prefetcher.cancel(NS, keys) == 0  # a gives up; b still wants it
+        assert prefetcher.cancel(NS, [os.urandom(32)], a) == 0  # nothing of it runs
+        assert prefetcher.cancel(NS, keys, a) == 0  # a gives up; b still wants it
         assert prefetcher.stats()["running"] == 1 and budget.in_use == 3 * MiB
-        assert prefetcher.cancel(NS, keys[:2]) == 1  # b too: cancelled
+        assert prefetcher.cancel(NS, keys[:2], b) == 1  # b too: cancelled
         await _until(lambda: not prefetcher.stats()["running"])
         assert budget.in_use == prefetcher.held_bytes == 0 and prefetcher.counters.cancelled == 1
-        assert prefetcher.cancel(NS, keys) == 0  # gone: a late cancel does nothing
+        assert prefetcher.cancel(NS, keys, a) == 0  # gone: a late cancel does nothing
         disk.go.set()
         await _until(lambda: memory.allocator.allocated_bytes == 0)
         assert memory.chunks == 0 and prefetcher.counters.chunks == 0
         # The keys are free again: a new lookup starts a new prefetch of them.
-        prefetcher.start(NS, keys, ["disk"] * 3)
+        prefetcher.start(NS, keys, ["disk"] * 3, a)
         await _until(lambda: not prefetcher.stats()["running"])
         assert prefetcher.counters.chunks == 3 and prefetcher.counters.prefetches == 2
         await prefetcher.close()
         await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_cancel_takes_back_only_its_own_requests_join() -> None:
+    """Issue 39 item 9: a cancel once took one owner from every prefetch holding its
+    keys, whoever sent it; now it takes back only the join of the same connection's
+    lookup of the same keys, and a lookup repeated by a parked request joins once."""
+
+    async def scenario() -> None:
+        memory = memory_tier()
+        disk = SlowDisk(MiB)
+        store = TieredStore(memory, disk)  # type: ignore[arg-type]
+        budget = ByteBudget(64 * MiB)
+        prefetcher = Prefetcher(store, budget)
+        keys = [os.urandom(32) for _ in range(2)]
+        mine, other_reader = owner_of(b"conn-1", keys), owner_of(b"conn-2", keys)
+        prefetcher.start(NS, keys, ["disk"] * 2, mine)
+        prefetcher.start(NS, keys, ["disk"] * 2, mine)  # the parked request looks up again
+        await asyncio.get_running_loop().run_in_executor(None, disk.started.wait, 30)
+        assert prefetcher.cancel(NS, keys, other_reader) == 0  # not its join
+        assert prefetcher.cancel(NS, keys, other_reader) == 0  # nor the next time
+        assert prefetcher.stats()["running"] == 1
+        assert prefetcher.cancel(NS, keys, mine) == 1  # its own request: one cancel is enough
+        await _until(lambda: not prefetcher.stats()["running"])
+        assert prefetcher.counters.cancelled == 1
+        disk.go.set()
+        await _until(lambda: memory.allocator.allocated_bytes == 0)
+        await prefetcher.close()
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_another_reader_cannot_cancel_a_prefetch_it_did_not_join(
+    daemon_factory: Callable[..., Daemon], redis_server: RedisServer
+) -> None:
+    """Through the daemon (issue 39 item 9): two connections read the same namespace;
+    the second's ``cancel_prefetch`` of the first's keys leaves the first's prefetch
+    running; the first's own cancel stops it, once, however often it looked up."""
+    keys = [os.urandom(KEY_BYTES) for _ in range(2)]
+    data = [os.urandom(256 * KiB) for _ in keys]
+    daemon = daemon_factory(remote_url=redis_server.url)
+    with daemon.client() as c:
+        for k, d in zip(keys, data):
+            assert c.put([k], [d]) == [PutStatus.STORED]
+        wait_for(lambda: (r := c.stats()["tiers"]["redis"])["stores"] >= 2 and r["queued_writes"] == 0)
+    assert daemon.stop() == 0
+    link = SlowLink(redis_server.port, down_rate=64 * KiB)  # ~8 s for the two chunks
+    slow = daemon_factory(remote_url=f"redis://127.0.0.1:{link.port}", remote_timeout_s=60)
+    try:
+        with slow.client() as owner, slow.client() as other:
+            wait_for(lambda: owner.stats()["tiers"]["redis"]["up"])
+            assert owner.lookup(keys, prefetch=True).tiers == ["redis"] * 2
+            wait_for(lambda: prefetch_stats(owner)["held_bytes"] > 0)  # reading through the link
+            assert owner.lookup(keys, prefetch=True).hit_chunks == 2  # looked up again: joins once
+            for _ in range(3):
+                assert other.lookup(keys, cancel_prefetch=True).hit_chunks == 2
+            stats = prefetch_stats(owner)
+            assert (stats["cancelled"], stats["running"]) == (0, 1)  # still running for its owner
+            assert owner.lookup(keys, cancel_prefetch=True).hit_chunks == 2
+            stats = dict(wait_for(lambda: (s := prefetch_stats(owner))["running"] == 0 and s))
+            assert (stats["cancelled"], stats["held_bytes"], stats["prefetched_chunks"]) == (1, 0, 0)
+            assert [bytes(g) for g in other.get(keys)] == data
+    finally:
+        link.close()

@@ -108,3 +108,13 @@ def test_disk_files_keep_long_token_ids_past_one_block_and_the_scan_reads_them(t
         read_record(path, ChunkKey(NS, long_key))
     found, removed = scan(tmp_path, tokens=True)
     assert removed == 1 and long_key not in {e[1].digest for e in found}
+
+
+def test_the_chunk_size_a_namespace_names() -> None:
+    """What the announcer compares a record's token count with (issue 39 item 9)."""
+    from lmcache_client.namespace import Namespace, chunk_size_of
+
+    assert chunk_size_of(NS) == 256
+    assert chunk_size_of(Namespace("m", "bf16", 2, 1, 64, 16, tenant="c9").wire()) == 16
+    assert chunk_size_of("c16|bfloat16") is None  # the model id is never read as one
+    assert chunk_size_of("opaque") is None and chunk_size_of("m|c|cx|c٣") is None

@@ -26,7 +26,14 @@ from lmcache_server.storage.policy import LRUPolicy
 from lmcache_server.storage.policy.history import key_hash
 from lmcache_server.storage.policy.sketch import MAX_COUNT, FrequencySketch
 from lmcache_server.storage.remote import RedisTier
-from lmcache_server.storage.tieradmission import MODES, Accesses, SentKeys, StoreAdmission, TierAdmission
+from lmcache_server.storage.tieradmission import (
+    MODES,
+    Accesses,
+    ClearEpochs,
+    SentKeys,
+    StoreAdmission,
+    TierAdmission,
+)
 
 from ..conftest import RedisServer
 
@@ -357,3 +364,57 @@ def test_with_a_redis_ttl_a_reused_chunk_goes_to_redis_again_after_it_expired(
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_clear_of_one_namespace_forgets_only_its_keys(tmp_path: Path, redis_server: RedisServer) -> None:
+    """Issue 39 item 9: a ``clear`` of one namespace reset the admission state of every
+    namespace (the keys sent to Redis, the keys remembered after leaving memory), so
+    another namespace's chunks were written to Redis a second time.  Now only the
+    cleared namespace's keys are forgotten."""
+
+    async def scenario() -> None:
+        store = await tiers(tmp_path, redis_server.url, StoreAdmission("reused", "reused"))
+        other = "other"
+        kept, kept_data = chunks(2)
+        gone, gone_data = chunks(1)
+        for d, payload in zip(kept, kept_data):
+            assert await store.put_many(other, [d], [payload]) == [PutStatus.STORED]
+        await put(store, gone, gone_data)
+        for ns, digests in ((other, kept), (NS, gone)):  # reused: each queued for Redis once
+            got = await store.get_many(ns, digests)
+            for c in got:
+                assert c is not None
+                c.release()
+        assert await store.flush(10.0)
+        assert store.stats()["tiers"]["redis"]["admitted"] == 3
+        assert await store.clear(NS) == 1
+        for _ in range(2):  # reads of the other namespace's chunks, still in memory: sent already
+            got = await store.get_many(other, kept)
+            assert [bytes(c.data) for c in got if c is not None] == kept_data
+            for c in got:
+                if c is not None:
+                    c.release()
+        assert await store.flush(10.0)
+        assert store.stats()["tiers"]["redis"]["admitted"] == 3, "the other namespace's chunks were sent again"
+        # The cleared namespace's keys are forgotten: put again, a first put; read, sent again.
+        await put(store, gone, gone_data)
+        assert await read(store, gone) == gone_data
+        assert (await written(store, gone))[1] == set(gone)
+        assert store.stats()["tiers"]["redis"]["admitted"] == 4
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_clear_epochs_keep_namespaces_apart_within_their_bound() -> None:
+    a, b = ChunkKey("a", b"k" * 32), ChunkKey("b", b"k" * 32)
+    sent = SentKeys(epochs=(epochs := ClearEpochs(limit=2)))
+    sent.add(a)
+    sent.add(b)
+    assert epochs.cleared("a")
+    assert a not in sent and b in sent  # a's clear forgets a's keys only
+    sent.add(a)
+    assert a in sent
+    assert epochs.cleared("b") and b not in sent and a in sent
+    assert not epochs.cleared("c")  # a third namespace: past the bound, the caller forgets all
+    assert not epochs.cleared(None)  # a clear of every namespace, too

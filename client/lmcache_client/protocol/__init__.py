@@ -1,10 +1,21 @@
 """Wire protocol v1 (one definition, imported by the server too).
 
-- codes: PROTOCOL_VERSION, KEY_BYTES, Op, ErrorCode, PutStatus
+- codes: PROTOCOL_VERSION, KEY_BYTES, Op, ErrorCode, PutStatus, the header limit
+  (MAX_KEYS_PER_REQUEST, MAX_HEADER_BYTES, header_limit)
 - messages: encode/decode of request and reply frames, ProtocolError, Limits
 """
 
-from .codes import KEY_BYTES, MAX_NAMESPACE_BYTES, PROTOCOL_VERSION, ErrorCode, Op, PutStatus
+from .codes import (
+    KEY_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_KEYS_PER_REQUEST,
+    MAX_NAMESPACE_BYTES,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Op,
+    PutStatus,
+    header_limit,
+)
 from .messages import (
     Limits,
     ProtocolError,
@@ -19,6 +30,8 @@ from .messages import (
 
 __all__ = [
     "KEY_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_KEYS_PER_REQUEST",
     "MAX_NAMESPACE_BYTES",
     "PROTOCOL_VERSION",
     "ErrorCode",
@@ -33,4 +46,5 @@ __all__ = [
     "encode_error",
     "encode_reply",
     "encode_request",
+    "header_limit",
 ]

@@ -16,6 +16,37 @@ KEY_BYTES = 32
 MAX_NAMESPACE_BYTES = 512
 """Longest namespace, in UTF-8 bytes."""
 
+MAX_KEYS_PER_REQUEST = 16384
+"""The largest ``max_keys_per_request`` a server may be configured with: what bounds
+the header limit (:func:`header_limit`), whatever the configuration."""
+
+HEADER_BYTES_PER_KEY = 2 + KEY_BYTES + 9
+"""The most a legitimate header spends per key: the key as msgpack bin 8 (``c4 20``
+and 32 bytes), and one integer per key in ``sizes`` (alloc) or ``slots`` (bind)
+at its longest (a uint64: ``cf`` and 8 bytes; offsets in a pool over 4 GiB)."""
+
+HEADER_FIXED_BYTES = 4096
+"""What a legitimate header spends on everything else, with room: the map and its
+two per-key arrays' headers (3 + 2 x 5), a namespace at its longest (3 + 512), the
+shared-memory segment's name (a path, at most 255 + 2) and the dozen small fields
+(name and value, at most ~30 bytes each)."""
+
+
+def header_limit(max_keys: int) -> int:
+    """The header frame limit for a server taking ``max_keys`` keys per request: the
+    largest legitimate header (:data:`HEADER_BYTES_PER_KEY` per key, plus
+    :data:`HEADER_FIXED_BYTES`), at least 64 KiB, and never more than
+    :data:`MAX_HEADER_BYTES` (ValueError past :data:`MAX_KEYS_PER_REQUEST`)."""
+    if not 1 <= max_keys <= MAX_KEYS_PER_REQUEST:
+        raise ValueError(f"max_keys must be 1..{MAX_KEYS_PER_REQUEST}, not {max_keys}")
+    return max(64 * 1024, HEADER_BYTES_PER_KEY * max_keys + HEADER_FIXED_BYTES)
+
+
+MAX_HEADER_BYTES = HEADER_BYTES_PER_KEY * MAX_KEYS_PER_REQUEST + HEADER_FIXED_BYTES
+"""The longest header any server decodes (708,608 bytes): a header costs the decoder
+about 100 ns and up to ~70 bytes of Python objects per byte, so this bounds what one
+header can cost (a 4.7 MB header of empty arrays took 467 ms and 324 MiB)."""
+
 
 class Op(str, enum.Enum):
     """Operation names, sent as the header's ``op`` string."""

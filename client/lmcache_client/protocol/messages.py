@@ -28,7 +28,7 @@ from typing import Any
 
 import msgpack
 
-from .codes import KEY_BYTES, MAX_NAMESPACE_BYTES, PROTOCOL_VERSION, ErrorCode, Op
+from .codes import KEY_BYTES, MAX_HEADER_BYTES, MAX_NAMESPACE_BYTES, PROTOCOL_VERSION, ErrorCode, Op
 
 _U64_MAX = 2**64 - 1
 
@@ -60,7 +60,7 @@ class ProtocolError(Exception):
 class Limits:
     """Input limits the server enforces while decoding (all inclusive)."""
 
-    max_header_bytes: int = 1 << 20
+    max_header_bytes: int = MAX_HEADER_BYTES
     max_keys: int = 4096
     max_message_bytes: int = 1 << 30
 
