@@ -52,6 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lmcache_client.keys import chain_key, request_root
+from lmcache_client.namespace import chunk_size_of
 
 from ..events.announcer import MEDIUM
 from ..events.remote import REMOTE
@@ -83,13 +84,6 @@ class _Request:
     root: bytes
     namespace: str | None
     model: str | None
-
-
-def _chunk_size_of(namespace: str) -> int | None:
-    for field in namespace.split("|"):
-        if len(field) > 1 and field[0] == "c" and field[1:].isdigit():
-            return int(field[1:])
-    return None
 
 
 def _int(text: str) -> int:
@@ -198,7 +192,7 @@ class Query:
         steps = MAX_STEPS
         out = []
         for ns in namespaces:
-            size = _chunk_size_of(ns) or self.chunk_size
+            size = chunk_size_of(ns) or self.chunk_size
             chain = chains.setdefault(size, _Chain(request.tokens, size, request.root))
             entry, used = await self._walk(ns, chain, steps)
             steps -= used
