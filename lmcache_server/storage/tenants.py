@@ -16,7 +16,8 @@ memory tier also counts each tenant's pinned extents here (``account_pinned``)
 to bound them by the tenant's share of the pinnable room (storage/memory/index.py).
 
 Primitives: :func:`tenant_of`, :class:`TenantQuotas` (``limit_for``, ``used``,
-``account``, ``pinned``, ``account_pinned``, ``stats``).
+``account``, ``reserved``, ``account_reserved``, ``pinned``, ``account_pinned``,
+``stats``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class TenantQuotas:
         self.limits = dict(limits or {})
         self._used: dict[str, int] = {}
         self._pinned: dict[str, int] = {}
+        self._reserved: dict[str, int] = {}
         self.evictions: dict[str, int] = {t: 0 for t in self.limits}
 
     def __bool__(self) -> bool:
@@ -59,6 +61,14 @@ class TenantQuotas:
 
     def used(self, tenant: str) -> int:
         return self._used.get(tenant, 0)
+
+    def reserved(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s chunks being written (memory tier: room reserved, not yet committed)."""
+        return self._reserved.get(tenant, 0)
+
+    def account_reserved(self, namespace: str, nbytes: int) -> None:
+        """Add (a reservation) or, negative, remove (its commit or abort) bytes of a chunk of ``namespace``."""
+        _add(self._reserved, self._tenant(namespace), nbytes)
 
     def pinned(self, tenant: str) -> int:
         """Bytes of ``tenant``'s pinned chunks (memory tier: their extents)."""

@@ -117,7 +117,7 @@ class TierEviction(ChunkIndex):
         def not_theirs(k: ChunkKey) -> bool:
             return self._is_leased(k) or tenant_of(k.namespace) != tenant
 
-        while self.quotas.used(tenant) + size > limit:
+        while self.quotas.used(tenant) + self.quotas.reserved(tenant) + size > limit:
             victim = self.policy.victim(not_theirs)
             if victim is None:
                 return False

@@ -119,8 +119,18 @@ class MemoryTier(TierEviction):
                 self.counters.rejections += 1
             return PutStatus.NO_SPACE
         reservation = Reservation(key, offset, size, parent, self.pool.view[offset : offset + size])
+        self._charge(reservation)
         self._claims[key] = reservation
         return reservation
+
+    def _charge(self, reservation: Reservation) -> None:
+        """Reserve ``reservation``'s extent in its tenant's quota until it commits or is aborted."""
+        reservation.charged = extent_of(reservation.size)
+        self.quotas.account_reserved(reservation.key.namespace, reservation.charged)
+
+    def _discharge(self, reservation: Reservation) -> None:
+        self.quotas.account_reserved(reservation.key.namespace, -reservation.charged)
+        reservation.charged = 0
 
     def _unclaim(self, reservation: Reservation) -> None:
         if self._claims.get(reservation.key) is reservation:
@@ -165,6 +175,7 @@ class MemoryTier(TierEviction):
         """Phase two: make a filled reservation visible (EXISTS if the key was stored meanwhile)."""
         r = reservation
         self._unclaim(r)
+        self._discharge(r)
         if r.key in self._index:
             self.allocator.free(r.offset, r.size)
             return PutStatus.EXISTS
@@ -179,6 +190,7 @@ class MemoryTier(TierEviction):
 
     def abort_store(self, reservation: Reservation) -> None:
         self._unclaim(reservation)
+        self._discharge(reservation)
         self.allocator.free(reservation.offset, reservation.size)
 
     def reserve_room(self, size: int) -> Reservation | None:
@@ -202,7 +214,9 @@ class MemoryTier(TierEviction):
         refused = self._refusal(key, room.size, parent)
         if refused is not None:
             return refused
-        return Reservation(_canonical(key), room.offset, room.size, parent, room.view)
+        bound = Reservation(_canonical(key), room.offset, room.size, parent, room.view)
+        self._charge(bound)
+        return bound
 
     def lease(self, key: ChunkKey) -> Chunk | None:
         """A leased view of a stored chunk without counting a hit or touching recency."""
