@@ -220,7 +220,10 @@ class ConfigFields:
     )
     max_keys_per_request: int = v.field(4096, v.int_in(1, 1 << 20), "an integer 1..1048576", "Keys in one request.")
     max_pinned_fraction: float = v.field(
-        0.5, v.float_in(0.0, 1.0), "a number from 0 to 1", "Share of the memory pool that pinned chunks may fill."
+        0.5,
+        v.float_in(0.0, 1.0),
+        "a number from 0 to 1",
+        "Share of the memory pool that pinned chunks may fill, and of its memory quota a tenant's pins may fill.",
     )
     zmq_hwm: int = v.field(
         256,

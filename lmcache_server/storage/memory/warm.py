@@ -75,8 +75,11 @@ def adopt(tier: WarmTier, chunks: Sequence[tuple[ChunkKey, int, int, bool]], hel
     """Make an empty ``tier`` take over a pool left by a clean stop: ``chunks`` as
     :func:`snapshot` gave them (inserted in that order: the policy keeps it) and
     the extents ``(offset, size)`` of leases carried over, allocated until given
-    back (``abort_store``, or the release of :func:`held_chunk`).  ValueError
-    when the tier is not empty or extents overlap or leave the pool."""
+    back (``abort_store``, or the release of :func:`held_chunk`).  Each chunk is
+    charged as ``tier`` charges (its extent, under this configuration's quotas
+    and pin bounds): a chunk pinned before past those bounds is adopted
+    unpinned (evictable).  ValueError when the tier is not empty or extents
+    overlap or leave the pool."""
     if tier._index:
         raise ValueError("only an empty memory tier can adopt a pool")
     extents = [(offset, extent_of(size)) for _, offset, size, _ in chunks]
@@ -98,7 +101,8 @@ def adopt(tier: WarmTier, chunks: Sequence[tuple[ChunkKey, int, int, bool]], hel
     if unpinned:
         logger.warning(
             "warm restart: %d chunks pinned before the restart were adopted unpinned "
-            "(past max_pinned_fraction or their tenant's share of it)", unpinned
+            "(past max_pinned_fraction or their tenant's share of it)",
+            unpinned,
         )
     tier.counters.adopted = len(chunks)
 
