@@ -26,7 +26,9 @@ def test_matches_documented_algorithm() -> None:
     assert chain_key(k0, [11, 12, 13, 14]) == k1
 
 
-@pytest.mark.parametrize(("length", "full", "tail"), [(1, 0, False), (2, 0, True), (8, 2, False), (9, 2, False), (10, 2, True)])
+@pytest.mark.parametrize(
+    ("length", "full", "tail"), [(1, 0, False), (2, 0, True), (8, 2, False), (9, 2, False), (10, 2, True)]
+)
 def test_prompt_keys_store_a_tail_of_two_tokens_or_more(length: int, full: int, tail: bool) -> None:
     """A prompt's stored keys: its full chunks', then its tail's unless that is one token
     (the prompt's last, which the engine always computes) or none."""
