@@ -32,8 +32,7 @@ from typing import Any
 from ..errors import ClientError
 from ..keys import ChunkTokens
 from ..protocol import PutStatus
-from ..shm import FillFn, UseFn, copy_frame, flush_fill
-from ..shmget import flush_use
+from ..shm import FillFn, UseFn, copy_frame, flush_fill, flush_use
 from .coded import CodedChunks
 from .transferroute import DEFAULT_MAX_BATCH_BYTES as DEFAULT_MAX_BATCH_BYTES  # re-exported: callers import it here
 from .transferroute import DEFAULT_MAX_BATCH_KEYS as DEFAULT_MAX_BATCH_KEYS

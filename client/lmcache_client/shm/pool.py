@@ -31,7 +31,7 @@ import stat
 import time
 from typing import Any
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("lmcache_client.shmpool")  # the logger these lines always had
 
 SAME_CLOCK_TOLERANCE_S = 1.0
 """The daemon's clock reading in hello may differ from ours by at most this much

@@ -19,12 +19,12 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import calls
-from .errors import ServerError
-from .protocol import PutStatus
-from .shmflow import Ask, Flow, Tell, _in_time, owner
-from .shmpool import SharedPool
-from .shmstaged import _commit_staging, _put_staged, _retire_staged
+from .. import calls
+from ..errors import ServerError
+from ..protocol import PutStatus
+from .flows import Ask, Flow, Tell, _in_time, owner
+from .pool import SharedPool
+from .staged import _commit_staging, _put_staged, _retire_staged
 
 logger = logging.getLogger("lmcache_client.shm")  # the logger these lines always had
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from . import calls
-from .errors import ServerError
-from .protocol import ErrorCode, PutStatus
-from .shmflow import Ask, Flow, Tell, _in_time, owner
-from .shmpool import SharedPool, StagedSlots
+from .. import calls
+from ..errors import ServerError
+from ..protocol import ErrorCode, PutStatus
+from .flows import Ask, Flow, Tell, _in_time, owner
+from .pool import SharedPool, StagedSlots
 
 
 def parting(pool: SharedPool) -> list[int]:
