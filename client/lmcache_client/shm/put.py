@@ -2,7 +2,7 @@
 
 :func:`put_flow` copies the caller's payloads into the pool, :func:`fill_flow`
 hands each reserved slot to a ``fill(i, view)`` callback (one copy in all, the
-caller's).  Both first try the staged slots (:mod:`lmcache_client.shmstaged`,
+caller's).  Both first try the staged slots (:mod:`lmcache_client.shm.staged`,
 one round trip); otherwise ``alloc`` reserves a slot per chunk under a write
 lease, the bytes are written, and ``commit`` makes them visible.  A write lease
 whose commit (or an alloc whose grant) never got an answer is remembered as
