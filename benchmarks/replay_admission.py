@@ -36,7 +36,7 @@ most any admission rule could save at that hit rate.
 Each eviction from memory is a spill: a chunk on disk already is not written;
 otherwise the disk's admission decides, and a chunk admitted is written to
 disk (evicting the disk policy's victims).  The admission calls are the
-daemon's own, in the daemon's order (:class:`~lmcache_server.storage.tieradmission.StoreAdmission`:
+daemon's own, in the daemon's order (:class:`~lmcache_server.storage.tiered.StoreGate`:
 ``stored``, ``accessed``, ``uplinked``, ``from_remote``, ``spill`` with the
 disk's next victim when the disk is full, ``evicted``, ``removed``), with the
 sketch sized as the daemon sizes it for these capacities.  Not modelled: the
@@ -70,11 +70,11 @@ from policy_sim import DEFAULT_TRACE, Counts, Request, capacities_from, distinct
 
 from lmcache_server.storage.base import ChunkKey  # noqa: E402
 from lmcache_server.storage.policy import EvictionPolicy, make_policy  # noqa: E402
-from lmcache_server.storage.tieradmission import (  # noqa: E402
+from lmcache_server.storage.tiered.gate import (  # noqa: E402
     MODES,
     Accesses,
-    StoreAdmission,
-    TierAdmission,
+    StoreGate,
+    TierGate,
     sketch_width_for,
 )
 
@@ -106,14 +106,14 @@ class FutureUse:
         return bisect.bisect_right(uses, self.now) < len(uses)
 
 
-class OracleRule(TierAdmission):
+class OracleRule(TierGate):
     """A tier's admission that knows the future (``reused``'s bookkeeping, :class:`FutureUse`'s verdict)."""
 
     def __init__(self, tier: str, accesses: Accesses, future: FutureUse):
         super().__init__(tier, "reused", accesses)
         self.future = future
 
-    def admits(self, key: ChunkKey, victim: Callable[[], ChunkKey | None] | None = None) -> bool:
+    def passes(self, key: ChunkKey, victim: Callable[[], ChunkKey | None] | None = None) -> bool:
         return self.future.again(key)
 
 
@@ -136,7 +136,7 @@ class TierModel:
         self.disk: set[ChunkKey] = set()
         self.redis: set[ChunkKey] = set()
         disk_mode, _, remote_mode = ("reused" if mode == ORACLE else mode).partition("/")
-        self.admission = StoreAdmission(
+        self.admission = StoreGate(
             disk_mode, remote_mode or disk_mode, sketch_width=sketch_width_for((memory_cap + disk_cap) * block_bytes)
         )
         self.future: FutureUse | None = None

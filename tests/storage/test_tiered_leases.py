@@ -47,6 +47,9 @@ class FailingTier:
             release()
         return False
 
+    def connect_store(self, *hooks: Any) -> None:
+        """The store's hooks (a removal, token ids): nothing to tell here."""
+
     async def close(self) -> None:
         pass
 
@@ -83,6 +86,9 @@ class SlowDisk:
         assert out is not None
         await asyncio.get_running_loop().run_in_executor(None, self._read, out)
         return Chunk(out, self.name)
+
+    def connect_store(self, *hooks: Any) -> None:
+        """The store's hooks (a removal, token ids): nothing to tell here."""
 
     async def close(self) -> None:
         pass

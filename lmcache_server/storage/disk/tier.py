@@ -123,14 +123,22 @@ class DiskTier(DiskLifecycle):
         self._lock_fd: int | None = None  # the spill directory's lock (see open)
         self.on_removed: Callable[[ChunkKey], None] | None = None
         """Called when a chunk is no longer readable here (dropped, deleted, a spill
-        not written); set by the tiered store."""
+        not written); see :meth:`connect_store`."""
         self.tokens_of: Callable[[ChunkKey], ChunkTokens | None] | None = None
-        """A chunk's token ids, written into its record (KV events); set by the tiered store."""
+        """A chunk's token ids, written into its record (KV events); see :meth:`connect_store`."""
         self.scan_tokens = False
         """Keep the token ids a start's scan finds in the records (in :attr:`found_tokens`,
         for the KV-event announcer); set before :meth:`open`."""
         self.found_tokens: list[tuple[ChunkKey, ChunkTokens]] = []
         """What the start's scan found with token ids (oldest first); taken by the announcer."""
+
+    def connect_store(
+        self, removed: Callable[[ChunkKey], None], tokens_of: Callable[[ChunkKey], ChunkTokens | None]
+    ) -> None:
+        """The tiered store that holds this tier: ``removed`` is told each chunk no longer
+        readable here, ``tokens_of`` gives a chunk's token ids for its record."""
+        self.on_removed = removed
+        self.tokens_of = tokens_of
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         async with self._io:

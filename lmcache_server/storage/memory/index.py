@@ -86,9 +86,9 @@ class ChunkIndex:
         self.policy = policy if policy is not None else LRUPolicy()
         self.on_evict = on_evict
         self.on_removed: Callable[[ChunkKey], None] | None = None
-        """Called after a chunk leaves the index (evicted, deleted, cleared); set by the tiered store."""
-        self.spill_ahead_bytes = 0  # set by the tiered store when a disk tier takes spills
-        self.lends_spills = False  # set by the tiered store when a disk tier takes spills
+        """Called after a chunk leaves the index (evicted, deleted, cleared); see :meth:`connect_store`."""
+        self.spill_ahead_bytes = 0  # see connect_store: when a disk tier takes spills
+        self.lends_spills = False  # see connect_store: when a disk tier takes spills
         self.dying_bytes = 0  # extents of removed chunks still leased (being sent or spilled)
         self.lent_bytes = 0  # of which lent to the spill: back once the disk has them
         self._room: asyncio.Event | None = None  # set when a dying extent is freed
@@ -109,6 +109,20 @@ class ChunkIndex:
         self.leased_chunks = 0
         self.evictable_bytes = 0  # extents of indexed chunks neither leased nor pinned
         self.keep_segment = False  # leave the shared segment at close: its index was written
+
+    def connect_store(
+        self,
+        evict: Callable[[ChunkKey, Chunk, bool], bool],
+        removed: Callable[[ChunkKey], None],
+        spill_ahead_bytes: int | None,
+    ) -> None:
+        """The tiered store that holds this tier: ``evict`` takes each victim, ``removed``
+        is told each chunk that leaves; ``spill_ahead_bytes`` None: no disk takes spills,
+        else victims are lent to it, that many bytes ahead (:mod:`.eviction`)."""
+        self.on_evict = evict
+        self.on_removed = removed
+        self.lends_spills = spill_ahead_bytes is not None
+        self.spill_ahead_bytes = spill_ahead_bytes or 0
 
     def _touch(self, key: ChunkKey, found: int | _Entry) -> None:
         """Tell the policy of a hit on ``found`` (``key``'s entry) unless it is pinned."""

@@ -58,9 +58,11 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from lmcache_client.keys import ChunkTokens
 
 from ...config import redact
 from ...supervisor import Supervisor
@@ -319,6 +321,17 @@ class RedisTier(RedisCarryover, RedisWriter):
         return chunk
 
     # -- removal -------------------------------------------------------------------
+    def connect_store(self, tokens_of: Callable[[ChunkKey], ChunkTokens | None]) -> None:
+        """The tiered store that holds this tier: ``tokens_of`` gives a chunk's token ids
+        for its record."""
+        self.tokens_of = tokens_of
+
+    def deleting(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` are about to be deleted from every tier: the listener forgets them
+        first (their leaving memory then is no move to Redis)."""
+        if self.listener is not None:
+            self.listener.gone(keys)
+
     async def delete(self, key: ChunkKey) -> bool:
         """Remove ``key`` from Redis and from the write queue (while down: once it is back)."""
         if self.listener is not None:
