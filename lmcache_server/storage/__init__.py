@@ -21,8 +21,8 @@ imports only ``config`` and ``supervisor``.  Code outside a room imports from
 the room's package (``storage.disk``), not from its modules.
 """
 
-from .base import Chunk, ChunkKey, Tier
+from .base import Chunk, ChunkKey, Tier, TierLinks
 from .memory import MemoryPool, MemoryTier, PinningError
 from .tiered import TieredStore
 
-__all__ = ["Chunk", "ChunkKey", "MemoryPool", "MemoryTier", "PinningError", "Tier", "TieredStore"]
+__all__ = ["Chunk", "ChunkKey", "MemoryPool", "MemoryTier", "PinningError", "Tier", "TierLinks", "TieredStore"]

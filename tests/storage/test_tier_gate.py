@@ -20,7 +20,7 @@ import redis
 
 from lmcache_client.protocol import PutStatus
 from lmcache_server.config import ConfigError, load_config
-from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
+from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore, TierLinks
 from lmcache_server.storage.disk import DiskTier
 from lmcache_server.storage.policy import LRUPolicy
 from lmcache_server.storage.policy.history import key_hash
@@ -43,12 +43,13 @@ POOL_CHUNKS = 8  # an 8 MiB pool of 1 MiB chunks
 
 
 async def tiers(tmp_path: Path, url: str, admission: StoreGate | None) -> TieredStore:
-    memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy())
-    disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy())
+    links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+    memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy(), links=links)
+    disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy(), links=links)
     await disk.open()
-    remote = RedisTier(url)
+    remote = RedisTier(url, links=links)
     await remote.open()
-    return TieredStore(memory, disk, remote, gate=admission)
+    return TieredStore(memory, disk, remote, gate=admission, links=links)
 
 
 def chunks(n: int) -> tuple[list[bytes], list[bytes]]:
@@ -273,10 +274,11 @@ def test_a_declined_chunk_is_not_spilled_ahead_and_stays_served_from_memory(
     needs its room."""
 
     async def scenario() -> None:
-        memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy())
-        disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy(), spill_ahead_bytes=MiB)
+        links = TierLinks(spill_ahead_bytes=MiB)
+        memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy(), links=links)
+        disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy(), links=links)
         await disk.open()
-        store = TieredStore(memory, disk, gate=StoreGate(mode, None))
+        store = TieredStore(memory, disk, gate=StoreGate(mode, None), links=links)
         digests, data = chunks(POOL_CHUNKS)
         await put(store, digests, data)  # the last allocation leaves no room: spill ahead
         assert await store.flush(10.0)
@@ -341,10 +343,12 @@ def test_with_a_redis_ttl_a_reused_chunk_goes_to_redis_again_after_it_expired(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     async def scenario() -> None:
-        memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy())
-        remote = RedisTier(redis_server.url, ttl_s=1.0)
+        links = TierLinks()
+        memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy(), links=links)
+        remote = RedisTier(redis_server.url, ttl_s=1.0, links=links)
         await remote.open()
-        store = TieredStore(memory, None, remote, gate=StoreGate("always", "reused", remote_ttl_s=1.0))
+        gate = StoreGate("always", "reused", remote_ttl_s=1.0)
+        store = TieredStore(memory, None, remote, gate=gate, links=links)
         digests, data = chunks(1)
         r = redis.Redis(port=int(redis_server.url.rsplit(":", 1)[1]))
         key = remote.redis_key(ChunkKey(NS, digests[0]))

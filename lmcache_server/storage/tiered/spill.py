@@ -6,13 +6,20 @@ from the pool and released once written, so the spill runs ahead of the puts
 that will need the room) or, when a put waits for its room, copied into the
 target's write-behind queue.
 
-Primitives: :class:`Spill` (``evicted``).
+:class:`StoreListener` is what the store answers on the tiers' links
+(:class:`..base.TierLinks`): memory's victims go to the spill, the tiers'
+removals and the records' token ids to :class:`.residence.Residence`.
+
+Primitives: :class:`Spill` (``evicted``), :class:`StoreListener`.
 """
 
 from __future__ import annotations
 
+from lmcache_client.keys import ChunkTokens
+
 from ..base import Chunk, ChunkKey
 from .gate import StoreGate
+from .residence import Residence
 from .roles import SpillTarget
 
 
@@ -48,3 +55,23 @@ class Spill:
             return disk.enqueue(key, chunk.data, chunk.release)
         disk.enqueue(key, chunk.data)
         return True
+
+
+class StoreListener:
+    """The store's :class:`..base.TierListener`."""
+
+    def __init__(self, spill: Spill, residence: Residence):
+        self._spill = spill
+        self._residence = residence
+
+    def evicted(self, key: ChunkKey, chunk: Chunk, lend: bool) -> bool:
+        return self._spill.evicted(key, chunk, lend)
+
+    def left_memory(self, key: ChunkKey) -> None:
+        self._residence.left_memory(key)
+
+    def left_disk(self, key: ChunkKey) -> None:
+        self._residence.left(key)
+
+    def tokens_of(self, key: ChunkKey) -> ChunkTokens | None:
+        return self._residence.tokens_of(key)

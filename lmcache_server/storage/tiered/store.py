@@ -69,7 +69,7 @@ from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from ...supervisor import Supervisor
-from ..base import Chunk, ChunkKey, Residency
+from ..base import Chunk, ChunkKey, Residency, TierLinks
 from ..memory import Reservation
 from ..offload import Offload
 from ..sizing import Sizing
@@ -80,7 +80,7 @@ from .promotion import Promotion
 from .reads import Reads
 from .residence import Residence
 from .roles import Memory, SpillTarget, Tiers, Uplink
-from .spill import Spill
+from .spill import Spill, StoreListener
 from .stats import StoreStats
 from .upkeep import Upkeep
 from .uplink import Uplinking
@@ -92,7 +92,10 @@ class TieredStore:
     ``events``: told what becomes readable and what leaves (the KV-event announcer).
     ``sizing``: lookups and gets recorded in its windows (:mod:`..sizing`).
     ``record_tokens``: write announced chunks' token ids into their disk and Redis
-    records."""
+    records.  ``links``: the line the tiers were built with (:class:`..base.TierLinks`):
+    the store listens on it for memory's victims (the spill), the tiers' removals and
+    the records' token ids; None: tiers built without one (nothing spills, nothing is
+    told)."""
 
     def __init__(
         self,
@@ -106,6 +109,7 @@ class TieredStore:
         events: Residency | None = None,
         sizing: Sizing | None = None,
         record_tokens: bool = True,
+        links: TierLinks | None = None,
     ):
         tiers = Tiers(memory, disk, remote)
         self.memory = memory
@@ -135,12 +139,8 @@ class TieredStore:
         self.lookup_counters = self._lookups.counters
         self.promotions = self._promotion.counts
         self._spill = Spill(disk, gate)
-        spill_ahead = disk.spill_ahead_bytes if disk is not None else None
-        memory.connect_store(self._spill.evicted, self._residence.left_memory, spill_ahead)
-        if disk is not None:
-            disk.connect_store(self._residence.left, self._residence.tokens_of)
-        if remote is not None:
-            remote.connect_store(self._residence.tokens_of)
+        if links is not None:
+            links.listen(StoreListener(self._spill, self._residence))
 
     # -- writes (.writes) ----------------------------------------------------------------
     def reserve(
