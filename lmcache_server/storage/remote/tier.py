@@ -49,7 +49,7 @@ in :mod:`.carryover` (:class:`.carryover.RedisCarryover`).  :class:`RedisTier`
 builds on the last two (both on the link) and holds the state, the lifecycle,
 the reads and the removals.
 
-Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``requeue``, ``exists_many``, ``value_sizes``,
+Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``requeue``, ``exists_many``, ``value_sizes``, ``deleting``,
 ``delete``, ``clear``, ``flush``, ``stats``, ``close``.
 """
 
