@@ -1,7 +1,7 @@
-"""Admission to the disk and Redis tiers, replayed on a prefix-block trace (issue #27 item 2).
+"""The tier gate (what the disk and Redis tiers take), replayed on a prefix-block trace (issue #27 item 2).
 
 For each memory capacity (``--capacity-pct`` of the trace's distinct blocks) the
-trace is replayed through a model of the three tiers, once per admission mode
+trace is replayed through a model of the three tiers, once per gate mode
 (``always``, ``reused``, ``frequency``, set for both lower tiers), and the script
 reports the token hit rate and the bytes written to disk and to Redis per hit
 token, with each mode's ratios against ``always`` of the same capacity, measured
@@ -31,12 +31,12 @@ daemon side is :class:`lmcache_server.storage.TieredStore`):
 one each (``always/reused``: every evicted chunk to disk, only reused ones to
 Redis), and ``oracle``, an offline bound (no daemon setting):
 both tiers admit exactly the chunks the trace accesses again, so it shows the
-most any admission rule could save at that hit rate.
+most any gate rule could save at that hit rate.
 
 Each eviction from memory is a spill: a chunk on disk already is not written;
-otherwise the disk's admission decides, and a chunk admitted is written to
-disk (evicting the disk policy's victims).  The admission calls are the
-daemon's own, in the daemon's order (:class:`~lmcache_server.storage.tieradmission.StoreAdmission`:
+otherwise the disk's gate decides, and a chunk passed is written to
+disk (evicting the disk policy's victims).  The gate calls are the
+daemon's own, in the daemon's order (:class:`~lmcache_server.storage.tiered.StoreGate`:
 ``stored``, ``accessed``, ``uplinked``, ``from_remote``, ``spill`` with the
 disk's next victim when the disk is full, ``evicted``, ``removed``), with the
 sketch sized as the daemon sizes it for these capacities.  Not modelled: the
@@ -70,11 +70,11 @@ from policy_sim import DEFAULT_TRACE, Counts, Request, capacities_from, distinct
 
 from lmcache_server.storage.base import ChunkKey  # noqa: E402
 from lmcache_server.storage.policy import EvictionPolicy, make_policy  # noqa: E402
-from lmcache_server.storage.tieradmission import (  # noqa: E402
+from lmcache_server.storage.tiered.gate import (  # noqa: E402
     MODES,
     Accesses,
-    StoreAdmission,
-    TierAdmission,
+    StoreGate,
+    TierGate,
     sketch_width_for,
 )
 
@@ -106,14 +106,14 @@ class FutureUse:
         return bisect.bisect_right(uses, self.now) < len(uses)
 
 
-class OracleRule(TierAdmission):
-    """A tier's admission that knows the future (``reused``'s bookkeeping, :class:`FutureUse`'s verdict)."""
+class OracleRule(TierGate):
+    """A tier's gate that knows the future (``reused``'s bookkeeping, :class:`FutureUse`'s verdict)."""
 
     def __init__(self, tier: str, accesses: Accesses, future: FutureUse):
         super().__init__(tier, "reused", accesses)
         self.future = future
 
-    def admits(self, key: ChunkKey, victim: Callable[[], ChunkKey | None] | None = None) -> bool:
+    def passes(self, key: ChunkKey, victim: Callable[[], ChunkKey | None] | None = None) -> bool:
         return self.future.again(key)
 
 
@@ -125,7 +125,7 @@ class Written:
 
 
 class TierModel:
-    """Memory, disk and Redis of one daemon (see the module), with admission."""
+    """Memory, disk and Redis of one daemon (see the module), with the tier gate."""
 
     def __init__(self, memory_cap: int, disk_cap: int, policy: str, mode: str, block_bytes: int):
         self.memory_cap, self.disk_cap = memory_cap, disk_cap
@@ -136,14 +136,14 @@ class TierModel:
         self.disk: set[ChunkKey] = set()
         self.redis: set[ChunkKey] = set()
         disk_mode, _, remote_mode = ("reused" if mode == ORACLE else mode).partition("/")
-        self.admission = StoreAdmission(
+        self.gate = StoreGate(
             disk_mode, remote_mode or disk_mode, sketch_width=sketch_width_for((memory_cap + disk_cap) * block_bytes)
         )
         self.future: FutureUse | None = None
         if mode == ORACLE:
             self.future = FutureUse(_TRACE, _KEYS)
-            self.admission.disk = OracleRule("disk", self.admission.accesses, self.future)
-            self.admission.remote = OracleRule("redis", self.admission.accesses, self.future)
+            self.gate.disk = OracleRule("disk", self.gate.accesses, self.future)
+            self.gate.remote = OracleRule("redis", self.gate.accesses, self.future)
         self.written = Written()
 
     # -- the tiers -------------------------------------------------------------------
@@ -154,8 +154,8 @@ class TierModel:
         return self.dpolicy.victim(_never) if len(self.disk) >= self.disk_cap else None
 
     def _spill(self, key: ChunkKey) -> None:
-        """TieredStore._spill for an eviction a put waits for (final)."""
-        gate = self.admission
+        """The store's Spill.evicted for an eviction a put waits for (final)."""
+        gate = self.gate
         if key in self.disk:
             gate.evicted(key)
             return
@@ -181,7 +181,7 @@ class TierModel:
             self._spill(victim)
             self.memory.remove(victim)
             self.mpolicy.removed(victim)
-            self.admission.removed(victim)
+            self.gate.removed(victim)
         return True
 
     def _insert(self, key: ChunkKey, parent: ChunkKey | None) -> bool:
@@ -194,11 +194,11 @@ class TierModel:
     def _uplink(self, key: ChunkKey) -> None:
         self.redis.add(key)
         self.written.redis_chunks += 1
-        self.admission.uplinked(key, self.block_bytes)
+        self.gate.uplinked(key, self.block_bytes)
 
     def _accessed(self, key: ChunkKey) -> None:
         resident = key in self.memory
-        if self.admission.accessed(key, resident) and resident:
+        if self.gate.accessed(key, resident) and resident:
             self._uplink(key)
 
     # -- one request -----------------------------------------------------------------
@@ -218,7 +218,7 @@ class TierModel:
                 self.dpolicy.touched(key)
                 self._insert(key, None)  # promoted (no Redis write: not a put)
             elif self._insert(key, None):  # a Redis hit, promoted
-                self.admission.from_remote(key)
+                self.gate.from_remote(key)
         for key in keys:
             self._accessed(key)
 
@@ -231,7 +231,7 @@ class TierModel:
             elif (
                 self.mpolicy.admit(key, 1, parent)
                 and self._insert(key, parent)
-                and self.admission.stored(key, self.block_bytes)
+                and self.gate.stored(key, self.block_bytes)
             ):
                 self._uplink(key)  # stored, and Redis admits it now
             parent = key
@@ -264,7 +264,7 @@ def _cell(cell: tuple[int, str, str, int, int]) -> dict[str, Any]:
     model = TierModel(memory_cap, disk_factor * memory_cap, policy, mode, block_bytes)
     counts = replay(_TRACE, _KEYS, model)
     w = model.written
-    stats = model.admission.stats()
+    stats = model.gate.stats()
     return {
         "memory_blocks": memory_cap,
         "disk_blocks": disk_factor * memory_cap,

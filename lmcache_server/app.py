@@ -52,7 +52,7 @@ from .server.prefetch import Prefetcher
 from .server.query import Query
 from .server.shm import ShmLeases
 from .server.zmq_server import ZmqServer
-from .storage import MemoryPool, MemoryTier, TieredStore
+from .storage import MemoryPool, MemoryTier, TieredStore, TierLinks
 from .storage.disk import DiskTier
 from .storage.memory import ALIGNMENT, Adoption, WarmStart, installation_id
 from .storage.offload import Offload
@@ -62,7 +62,7 @@ from .storage.sizing import Sizing
 from .storage.statefiles import StateDir
 from .storage.statefiles import resolve as resolve_state_dir
 from .storage.tenants import TenantQuotas
-from .storage.tieradmission import StoreAdmission, sketch_width_for
+from .storage.tiered import StoreGate, sketch_width_for
 from .summary import SummaryLog
 from .supervisor import Supervisor
 
@@ -128,8 +128,12 @@ class App:
         supervisor = Supervisor()  # background loops restart after a failure (logged, counted)
         offload = Offload(COPY_THREADS)  # multi-MiB copies and checksums, off the event loop
         policy = make_policy(c.cache_policy, pool.size, ALIGNMENT)
-        memory = MemoryTier(pool, int(c.max_local_cpu_size * c.max_pinned_fraction), policy)
-        memory.quotas = TenantQuotas(c.quotas("memory"))
+        # The line from the tiers to the store (which needs them, as they need it): made first.
+        links = TierLinks(c.spill_ahead_size if c.local_disk is not None else None)
+        memory = MemoryTier(
+            pool, int(c.max_local_cpu_size * c.max_pinned_fraction), policy,
+            links=links, quotas=TenantQuotas(c.quotas("memory")),
+        )  # fmt: skip
         warm_leases = adoption.restore(memory) if adoption is not None else None
         disk = None
         if c.local_disk is not None:
@@ -142,11 +146,11 @@ class App:
                 max_queue_bytes=c.max_spill_queue_size,
                 policy=make_policy(c.cache_policy),
                 direct_io=c.disk_direct_io,
-                spill_ahead_bytes=c.spill_ahead_size,
                 supervisor=supervisor,
+                links=links,
+                quotas=TenantQuotas(c.quotas("disk")),
+                scan_tokens=c.events_endpoint is not None and c.record_tokens,
             )
-            disk.quotas = TenantQuotas(c.quotas("disk"))
-            disk.scan_tokens = c.events_endpoint is not None and c.record_tokens
             await disk.open()
         remote = None
         if c.remote_url is not None:
@@ -161,30 +165,31 @@ class App:
                 offload=offload,
                 supervisor=supervisor,
                 state_path=state_path_for(state),
+                links=links,
             )
             await remote.open()
-        admission = _admission(c, disk, remote)
-        store = TieredStore(memory, disk, remote, offload=offload, supervisor=supervisor, admission=admission)
-        store.record_tokens = c.record_tokens
+        sizing = Sizing(c.sizing_window_chunks) if c.sizing_window_chunks else None
+        context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
+        events = _events(c, context, state)
+        store = TieredStore(
+            memory, disk, remote, offload=offload, supervisor=supervisor, gate=_gate(c, disk, remote),
+            events=events, sizing=sizing, record_tokens=c.record_tokens, links=links,
+        )  # fmt: skip
         if remote is not None:  # writes owed to Redis at the last stop, of chunks adopted again
             remote.requeue(store.uplink_again)
         budget = ByteBudget(c.max_inflight_bytes)
         metrics = ServerMetrics(self.registry)
         self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))
-        if c.sizing_window_chunks:
-            store.sizing = Sizing(c.sizing_window_chunks)
-            self.registry.register(SizingCollector(store.sizing.stats))
+        if sizing is not None:
+            self.registry.register(SizingCollector(sizing.stats))
         self.registry.register(TaskFailureCollector(supervisor.failures))
         prefetcher = Prefetcher(store, budget, supervisor)  # lookups with prefetch: true
         self.registry.register(PrefetchCollector(prefetcher.stats))
-        context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
-        events = _events(c, context, state)
         if events is not None:
-            store.events = events
             if remote is not None and c.events_remote and c.events_encoding == "map":  # the array form: no locality
                 events.remote = RemoteHeld(events, remote, max_chunks=c.events_remote_max_chunks,
                                            ttl_s=c.remote_ttl_s, audit_s=c.events_remote_audit_s)  # fmt: skip
-                remote.listener = events.remote
+                links.hear_remote(events.remote)
             self.registry.register(EventsCollector(events.stats))
         shm = ShmLeases(store, pool, c.shm_lease_timeout_s)
         if warm_leases is not None:
@@ -362,14 +367,14 @@ def _pool(c: ServerConfig, adoption: Adoption | None) -> tuple[MemoryPool, Adopt
     return MemoryPool(c.max_local_cpu_size, c.pin_memory, c.shm_dir if c.shared_memory else None, mode), None
 
 
-def _admission(c: ServerConfig, disk: DiskTier | None, remote: RedisTier | None) -> StoreAdmission | None:
-    """The lower tiers' admission (docs/storage.md); None when every tier takes every chunk."""
+def _gate(c: ServerConfig, disk: DiskTier | None, remote: RedisTier | None) -> StoreGate | None:
+    """The lower tiers' gate (docs/storage.md); None when every tier takes every chunk."""
     disk_mode = c.disk_admission if disk is not None else "always"
     remote_mode = c.remote_admission if remote is not None else None
     if disk_mode == "always" and remote_mode in ("always", None):
         return None
     capacity = c.max_local_cpu_size + (c.max_local_disk_size if disk is not None else 0)
-    return StoreAdmission(disk_mode, remote_mode, sketch_width=sketch_width_for(capacity), remote_ttl_s=c.remote_ttl_s)
+    return StoreGate(disk_mode, remote_mode, sketch_width=sketch_width_for(capacity), remote_ttl_s=c.remote_ttl_s)
 
 
 def _state_dir(c: ServerConfig) -> StateDir | None:

@@ -75,12 +75,7 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
     ],
     "storage": [
         {"storage face": ["lmcache_server.storage"]},  # storage/__init__.py
-        {"storage.tiered": ["lmcache_server.storage.tiered*"]},
-        {
-            "storage.filling": ["lmcache_server.storage.filling*"],
-            "storage.batchread": ["lmcache_server.storage.batchread*"],
-            "storage.tieradmission": ["lmcache_server.storage.tieradmission"],  # which chunks go below memory
-        },
+        {"storage.tiered": ["lmcache_server.storage.tiered*"]},  # the store, its parts and the tier gate
         {
             "storage.memory": ["lmcache_server.storage.memory*"],
             "storage.disk": ["lmcache_server.storage.disk*"],
@@ -113,7 +108,8 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
 
 # A subpackage directly under one of these packages shows only its __init__ to code
 # outside it: lmcache_server.app may import lmcache_server.storage.disk, not
-# lmcache_server.storage.disk.tier.
+# lmcache_server.storage.disk.tier.  The sealed rooms of storage: memory, disk, remote, policy
+# and tiered (the store: code outside imports lmcache_server.storage.tiered, not its modules).
 SEALED: list[str] = ["lmcache_server.storage"]
 
 # Imports no module matching the first pattern may make of a module matching the second

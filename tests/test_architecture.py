@@ -47,7 +47,9 @@ CLEAN = {
     "lmcache_server/app.py": "from .server.handlers import Handlers\nfrom .storage.disk import DiskTier\n",
     "lmcache_server/server/handlers.py": "from ..storage import TieredStore\nclass Handlers: ...\n",
     "lmcache_server/storage/__init__.py": "from .tiered import TieredStore\n",
-    "lmcache_server/storage/tiered.py": "from .disk import DiskTier\nfrom .base import Chunk\nclass TieredStore: ...\n",
+    "lmcache_server/storage/tiered/__init__.py": "from .store import TieredStore\n",
+    "lmcache_server/storage/tiered/store.py": "from ..disk import DiskTier\nfrom ..base import Chunk\n"
+    "class TieredStore: ...\n",
     "lmcache_server/storage/disk/__init__.py": "from .tier import DiskTier\n",
     "lmcache_server/storage/disk/tier.py": "from ..base import Chunk\nfrom ...config import Config\nDiskTier = 1\n",
     "lmcache_server/storage/base.py": "from lmcache_client.protocol import PutStatus\nclass Chunk: ...\n",
@@ -82,20 +84,19 @@ def test_two_modules_importing_each_other_are_a_cycle(tmp_path: Path) -> None:
     lines = violations(
         tmp_path,
         **{
-            "lmcache_server/storage/tiered.py": "from .batchread import read_batch\nclass TieredStore: ...\n",
-            "lmcache_server/storage/batchread.py": "from typing import TYPE_CHECKING\n"
-            "if TYPE_CHECKING:\n    from . import filling\nread_batch = 1\n",
-            "lmcache_server/storage/filling.py": "def fill():\n    from . import batchread\n",
+            "lmcache_server/storage/remote/__init__.py": "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from .. import memory\nRedisTier = 1\n",
+            "lmcache_server/storage/memory/__init__.py": "def fill():\n    from .. import remote\n",
         },
     )
     assert lines == [
-        "lmcache_server/storage/batchread.py:3 imports lmcache_server.storage.filling [TYPE_CHECKING]: "
-        "storage.batchread may not import storage.filling (siblings in storage layer 4)",
-        "lmcache_server/storage/filling.py:2 imports lmcache_server.storage.batchread [in a function]: "
-        "storage.filling may not import storage.batchread (siblings in storage layer 4)",
-        "import cycle: lmcache_server.storage.batchread -> lmcache_server.storage.filling -> "
-        "lmcache_server.storage.batchread (lmcache_server/storage/batchread.py:3 [TYPE_CHECKING]; "
-        "lmcache_server/storage/filling.py:2 [in a function])",
+        "lmcache_server/storage/memory/__init__.py:2 imports lmcache_server.storage.remote [in a function]: "
+        "storage.memory may not import storage.remote (siblings in storage layer 3)",
+        "lmcache_server/storage/remote/__init__.py:3 imports lmcache_server.storage.memory [TYPE_CHECKING]: "
+        "storage.remote may not import storage.memory (siblings in storage layer 3)",
+        "import cycle: lmcache_server.storage.memory -> lmcache_server.storage.remote -> "
+        "lmcache_server.storage.memory (lmcache_server/storage/memory/__init__.py:2 [in a function]; "
+        "lmcache_server/storage/remote/__init__.py:3 [TYPE_CHECKING])",
     ]
 
 
@@ -221,11 +222,11 @@ def test_a_module_in_no_room_and_an_import_of_no_module_are_reported(tmp_path: P
         tmp_path,
         **{
             "lmcache_server/attic.py": "",
-            "lmcache_server/storage/tiered.py": "from .diskfiles import aligned_copy\n",
+            "lmcache_server/storage/tiered/store.py": "from ..diskfiles import aligned_copy\n",
         },
     )
     assert lines == [
         "lmcache_server/attic.py: lmcache_server.attic is in no room of the top layers "
         "(add it to LAYERS in scripts/check_layers.py)",
-        "lmcache_server/storage/tiered.py:1 imports lmcache_server.storage.diskfiles: no such module in the tree",
+        "lmcache_server/storage/tiered/store.py:1 imports lmcache_server.storage.diskfiles: no such module in the tree",
     ]

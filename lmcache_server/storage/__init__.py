@@ -10,20 +10,19 @@ Rooms (each subpackage's docstring says what it owns):
 - ``policy/``: eviction and admission policies;
 - ``memory/``: the pool, its allocator, the memory tier and warm restarts;
 - ``disk/``: the disk tier; ``remote/``: the Redis tier;
-- the tiered store that ties the tiers together (``tiered``, with its puts in
-  ``tieredputs``, its lookups in ``tieredlookup`` and its promotions and
-  prefetches in ``tieredpromote``), with its batched reads
-  (``batchread``) and the fills of reserved chunks (``filling``).
+- ``tiered/``: the tiered store that ties the tiers together (its writes,
+  batched reads, lookups, promotions and prefetches, spill, fills, and the tier
+  gate: which chunks go below memory).
 
 Layering, each floor importing only those below it, never a sibling:
 leaves (base, chunkfile, offload, tenants, sizing, statefiles) <- policy <- memory, disk, remote
-<- filling, batchread <- tiered.  Of the rest of ``lmcache_server`` storage
+<- tiered.  Of the rest of ``lmcache_server`` storage
 imports only ``config`` and ``supervisor``.  Code outside a room imports from
 the room's package (``storage.disk``), not from its modules.
 """
 
-from .base import Chunk, ChunkKey, Tier
+from .base import Chunk, ChunkKey, Tier, TierLinks
 from .memory import MemoryPool, MemoryTier, PinningError
 from .tiered import TieredStore
 
-__all__ = ["Chunk", "ChunkKey", "MemoryPool", "MemoryTier", "PinningError", "Tier", "TieredStore"]
+__all__ = ["Chunk", "ChunkKey", "MemoryPool", "MemoryTier", "PinningError", "Tier", "TierLinks", "TieredStore"]

@@ -11,6 +11,9 @@ Primitives:
 - :class:`Residency`: what the tiered store tells a listener (the KV-event
   announcer) about chunks becoming readable on this node and leaving it;
   :class:`RemoteListener`: what the Redis tier tells it about what Redis holds.
+- :class:`TierLinks`: the line from the tiers to the tiered store that holds
+  them, made before either and handed to both; :class:`TierListener`: what the
+  tiers tell the store on it (memory's victims, removals, records' token ids).
 - :class:`Tier`: ``get`` (miss = None), ``put`` (a PutStatus), ``contains``,
   ``delete``, ``clear``, ``close``, plus ``peek`` and ``stats`` for lookups
   and introspection.  Promotion and spill between tiers live in
@@ -91,6 +94,71 @@ class RemoteListener(Protocol):
     def down(self) -> None:
         """The uplink went down: nothing in Redis can be served until it is back."""
         ...
+
+
+class TierListener(Protocol):
+    """What the tiers tell the tiered store that holds them (:class:`TierLinks`); on the
+    event loop."""
+
+    def evicted(self, key: ChunkKey, chunk: Chunk, lend: bool) -> bool:
+        """Memory evicts ``key``: ``chunk`` is leased to the listener, *lent* when ``lend``
+        (it may keep the lease, the extent is reused once released).  False declines a
+        lent chunk, which then stays in memory."""
+        ...
+
+    def left_memory(self, key: ChunkKey) -> None:
+        """``key`` left memory (evicted, deleted, cleared)."""
+        ...
+
+    def left_disk(self, key: ChunkKey) -> None:
+        """``key`` is no longer readable from the disk (dropped, deleted, a spill not written)."""
+        ...
+
+    def tokens_of(self, key: ChunkKey) -> ChunkTokens | None:
+        """The token ids a record of ``key`` carries below memory (:mod:`.chunkfile`)."""
+        ...
+
+
+class TierLinks:
+    """The line from the tiers to the tiered store that will hold them.  Made before
+    either, it is handed to each tier's constructor (memory, disk, Redis) and then to
+    the store's, which listens on it (:meth:`listen`, once, as it is built): the
+    tiers and the store need each other, and neither is assigned onto the other.
+    Until a store listens (a tier on its own) the tiers tell nobody: an evicted
+    chunk is dropped, a record carries no token ids.
+
+    ``spill_ahead_bytes``: None when no tier below memory takes its spills; else
+    memory lends its victims to the spill and evicts that many bytes ahead
+    (``spill_ahead_size``; see :mod:`.memory.eviction`)."""
+
+    def __init__(self, spill_ahead_bytes: int | None = None) -> None:
+        self.spill_ahead_bytes = spill_ahead_bytes
+        self._listener: TierListener | None = None
+        self._remote: RemoteListener | None = None
+
+    @property
+    def listener(self) -> TierListener | None:
+        return self._listener
+
+    def listen(self, listener: TierListener) -> None:
+        if self._listener is not None:
+            raise ValueError("these tiers are held by a store already")
+        self._listener = listener
+
+    @property
+    def remote(self) -> RemoteListener | None:
+        return self._remote
+
+    def hear_remote(self, listener: RemoteListener) -> None:
+        """What Redis holds is told to ``listener`` by the Redis tier (the KV-event
+        announcer's memory of it, built after the tier: its audits ask the tier)."""
+        if self._remote is not None:
+            raise ValueError("the Redis tier is heard already")
+        self._remote = listener
+
+    def tokens_of(self, key: ChunkKey) -> ChunkTokens | None:
+        """The token ids a record of ``key`` carries (None: nobody listens, or none)."""
+        return self._listener.tokens_of(key) if self._listener is not None else None
 
 
 class Chunk:

@@ -25,7 +25,7 @@ from lmcache_client.calls import lookup as calls_lookup
 from lmcache_client.protocol import KEY_BYTES, PROTOCOL_VERSION, ErrorCode
 from lmcache_server.server.admission import ByteBudget
 from lmcache_server.server.prefetch import Prefetcher, owner_of
-from lmcache_server.storage import ChunkKey, TieredStore
+from lmcache_server.storage import ChunkKey, TieredStore, TierLinks
 
 from ..conftest import NAMESPACE, Daemon, RedisServer, disk_stats, wait_for
 from ..storage._slowlink import SlowLink
@@ -239,9 +239,10 @@ async def _until(predicate: Callable[[], bool]) -> None:
 
 def test_a_second_prefetch_of_keys_being_prefetched_starts_nothing() -> None:
     async def scenario() -> None:
-        memory = memory_tier()
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        memory = memory_tier(links=links)
         disk = SlowDisk(MiB)
-        store = TieredStore(memory, disk)  # type: ignore[arg-type]
+        store = TieredStore(memory, disk, links=links)  # type: ignore[arg-type]
         budget = ByteBudget(64 * MiB)
         prefetcher = Prefetcher(store, budget)
         keys = [os.urandom(32) for _ in range(3)]
@@ -271,9 +272,10 @@ def test_a_second_prefetch_of_keys_being_prefetched_starts_nothing() -> None:
 
 def test_close_cancels_running_prefetches_and_gives_everything_back() -> None:
     async def scenario() -> None:
-        memory = memory_tier()
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        memory = memory_tier(links=links)
         disk = SlowDisk(MiB)
-        store = TieredStore(memory, disk)  # type: ignore[arg-type]
+        store = TieredStore(memory, disk, links=links)  # type: ignore[arg-type]
         budget = ByteBudget(64 * MiB)
         prefetcher = Prefetcher(store, budget)
         prefetcher.start(NS, [os.urandom(32) for _ in range(2)], ["disk", "disk"], A)
@@ -344,9 +346,10 @@ def test_a_prefetch_is_cancelled_when_its_request_gives_it_up(
 
 def test_a_prefetch_shared_by_two_requests_runs_until_both_cancel() -> None:
     async def scenario() -> None:
-        memory = memory_tier()
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        memory = memory_tier(links=links)
         disk = SlowDisk(MiB)
-        store = TieredStore(memory, disk)  # type: ignore[arg-type]
+        store = TieredStore(memory, disk, links=links)  # type: ignore[arg-type]
         budget = ByteBudget(64 * MiB)
         prefetcher = Prefetcher(store, budget)
         keys = [os.urandom(32) for _ in range(3)]
@@ -380,9 +383,10 @@ def test_a_cancel_takes_back_only_its_own_requests_join() -> None:
     lookup of the same keys, and a lookup repeated by a parked request joins once."""
 
     async def scenario() -> None:
-        memory = memory_tier()
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        memory = memory_tier(links=links)
         disk = SlowDisk(MiB)
-        store = TieredStore(memory, disk)  # type: ignore[arg-type]
+        store = TieredStore(memory, disk, links=links)  # type: ignore[arg-type]
         budget = ByteBudget(64 * MiB)
         prefetcher = Prefetcher(store, budget)
         keys = [os.urandom(32) for _ in range(2)]

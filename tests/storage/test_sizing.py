@@ -171,8 +171,7 @@ def test_store_records_lookups_and_gets() -> None:
 
     async def run() -> None:
         memory = MemoryTier(MemoryPool(4 * MiB, "off"), max_pinned_bytes=0)
-        store = TieredStore(memory)
-        store.sizing = Sizing(1000)
+        store = TieredStore(memory, sizing=Sizing(1000))
         a, b, c = (os.urandom(KEY_BYTES) for _ in range(3))
         for digest in (a, c):
             assert await memory.put(ChunkKey("ns", digest), b"x" * 1000) == PutStatus.STORED

@@ -23,7 +23,7 @@ import redis
 import redis.asyncio.connection
 
 from lmcache_client.protocol import PutStatus
-from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
+from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore, TierLinks
 from lmcache_server.storage.disk import DiskTier
 from lmcache_server.storage.disk import tier as disk_module
 from lmcache_server.storage.disk.files import path_for, read_record
@@ -36,8 +36,8 @@ NS = "ns"
 MiB = 1 << 20
 
 
-def memory_tier(size: int = 64 * MiB) -> MemoryTier:
-    return MemoryTier(MemoryPool(size, "off"), max_pinned_bytes=0)
+def memory_tier(size: int = 64 * MiB, links: TierLinks | None = None) -> MemoryTier:
+    return MemoryTier(MemoryPool(size, "off"), max_pinned_bytes=0, links=links)
 
 
 def no_leaks(memory: MemoryTier) -> bool:
@@ -81,9 +81,11 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadsInFlight]:
     yield counter
 
 
-async def disk_only(tmp_path: Path, data: list[bytes], io_threads: int = 2) -> tuple[DiskTier, list[bytes]]:
+async def disk_only(
+    tmp_path: Path, data: list[bytes], io_threads: int = 2, links: TierLinks | None = None
+) -> tuple[DiskTier, list[bytes]]:
     """An open disk tier holding ``data`` (and nothing in memory); their digests."""
-    disk = DiskTier(tmp_path / "spill", 1 << 30, io_threads=io_threads)
+    disk = DiskTier(tmp_path / "spill", 1 << 30, io_threads=io_threads, links=links)
     await disk.open()
     digests = [os.urandom(32) for _ in data]
     for digest, payload in zip(digests, data):
@@ -94,9 +96,10 @@ async def disk_only(tmp_path: Path, data: list[bytes], io_threads: int = 2) -> t
 def test_disk_reads_of_a_batch_run_concurrently(tmp_path: Path, reads: ReadsInFlight) -> None:
     async def scenario() -> None:
         data = [os.urandom(MiB + i) for i in range(6)]
-        disk, digests = await disk_only(tmp_path, data, io_threads=2)
-        memory = memory_tier()
-        store = TieredStore(memory, disk)
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        disk, digests = await disk_only(tmp_path, data, io_threads=2, links=links)
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, disk, links=links)
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == data  # in the order asked
         assert all(c is not None and c.offset is not None for c in chunks)  # promoted into the pool
@@ -113,9 +116,10 @@ def test_disk_reads_of_a_batch_run_concurrently(tmp_path: Path, reads: ReadsInFl
 def test_one_failing_read_releases_the_rest_of_the_batch(tmp_path: Path, reads: ReadsInFlight) -> None:
     async def scenario() -> None:
         data = [os.urandom(MiB) for _ in range(5)]
-        disk, digests = await disk_only(tmp_path, data)
-        memory = memory_tier()
-        store = TieredStore(memory, disk)
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        disk, digests = await disk_only(tmp_path, data, links=links)
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, disk, links=links)
         hot = os.urandom(32)
         assert await store.put_many(NS, [hot], [b"m" * MiB]) == [PutStatus.STORED]
         reads.fail_for = {path_for(disk.root, ChunkKey(NS, digests[2]))}
@@ -141,15 +145,16 @@ def test_one_failing_read_releases_the_rest_of_the_batch(tmp_path: Path, reads: 
 def test_a_damaged_file_in_a_batch_is_a_miss_and_the_rest_are_served(tmp_path: Path, reads: ReadsInFlight) -> None:
     async def scenario() -> None:
         data = [os.urandom(MiB) for _ in range(5)]
-        disk, digests = await disk_only(tmp_path, data)
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        disk, digests = await disk_only(tmp_path, data, links=links)
         path = path_for(disk.root, ChunkKey(NS, digests[1]))
         with open(path, "r+b") as f:  # one payload byte flipped
             f.seek(4096 + 1000)
             byte = f.read(1)
             f.seek(4096 + 1000)
             f.write(bytes([byte[0] ^ 0xFF]))
-        memory = memory_tier()
-        store = TieredStore(memory, disk)
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, disk, links=links)
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == [data[0], None, *data[2:]]
         for c in chunks:
@@ -166,9 +171,10 @@ def test_a_key_repeated_in_a_batch_is_served_each_time(tmp_path: Path, reads: Re
     async def scenario() -> None:
         reads.wait_s = 0.0
         data = [os.urandom(MiB), os.urandom(MiB)]
-        disk, (a, b) = await disk_only(tmp_path, data)
-        memory = memory_tier()
-        store = TieredStore(memory, disk)
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        disk, (a, b) = await disk_only(tmp_path, data, links=links)
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, disk, links=links)
         chunks = await store.get_many(NS, [a, b, a, a])
         assert [bytes(c.data) if c else None for c in chunks] == [data[0], data[1], data[0], data[0]]
         assert reads.reads == 2  # the repeats are memory hits of the promoted chunk
@@ -185,9 +191,10 @@ def test_a_disk_hit_with_no_room_in_the_pool_is_served_from_a_copy(tmp_path: Pat
     async def scenario() -> None:
         reads.wait_s = 0.0
         data = [os.urandom(3 * MiB) for _ in range(3)]
-        disk, digests = await disk_only(tmp_path, data)
-        memory = memory_tier(4 * MiB)  # room for one of them
-        store = TieredStore(memory, disk)
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        disk, digests = await disk_only(tmp_path, data, links=links)
+        memory = memory_tier(4 * MiB, links=links)  # room for one of them
+        store = TieredStore(memory, disk, links=links)
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == data
         assert sum(c is not None and c.offset is not None for c in chunks) == 1  # one promoted
@@ -206,9 +213,9 @@ def command_calls(port: int) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
 
-async def redis_holding(url: str, data: list[bytes]) -> tuple[RedisTier, list[bytes]]:
+async def redis_holding(url: str, data: list[bytes], links: TierLinks | None = None) -> tuple[RedisTier, list[bytes]]:
     """An open Redis tier whose server holds ``data`` (written through the tier's own writer)."""
-    remote = RedisTier(url)
+    remote = RedisTier(url, links=links)
     await remote.open()
     digests = [os.urandom(32) for _ in data]
     for digest, payload in zip(digests, data):
@@ -237,9 +244,10 @@ def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_redis_hits_of_a_batch_are_one_round_trip(redis_server: RedisServer, sends: list[int]) -> None:
     async def scenario() -> None:
         data = [os.urandom(256 * 1024 + i) for i in range(8)]
-        remote, digests = await redis_holding(redis_server.url, data)
-        memory = memory_tier()
-        store = TieredStore(memory, None, remote)
+        links = TierLinks()
+        remote, digests = await redis_holding(redis_server.url, data, links=links)
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, None, remote, links=links)
         before = command_calls(redis_server.port)
         missing = os.urandom(32)
         sent = sends[0]
@@ -269,11 +277,12 @@ def test_a_batch_over_memory_disk_and_redis_keeps_its_order(tmp_path: Path, redi
                                                             sends: list[int]) -> None:  # fmt: skip
     async def scenario() -> None:
         on_redis = [os.urandom(MiB) for _ in range(3)]
-        remote, redis_digests = await redis_holding(redis_server.url, on_redis)
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        remote, redis_digests = await redis_holding(redis_server.url, on_redis, links=links)
         on_disk = [os.urandom(MiB) for _ in range(3)]
-        disk, disk_digests = await disk_only(tmp_path, on_disk)
-        memory = memory_tier()
-        store = TieredStore(memory, disk, remote)
+        disk, disk_digests = await disk_only(tmp_path, on_disk, links=links)
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, disk, remote, links=links)
         hot = os.urandom(32)
         assert await store.put_many(NS, [hot], [b"h" * 1000]) == [PutStatus.STORED]
         gone = os.urandom(32)
@@ -333,15 +342,16 @@ def test_a_read_that_fails_after_its_chunk_was_written_again_keeps_the_new_file(
 def test_damaged_redis_values_in_a_batch_are_misses(redis_server: RedisServer) -> None:
     async def scenario() -> None:
         data = [os.urandom(100_000) for _ in range(4)]
-        remote, digests = await redis_holding(redis_server.url, data)
+        links = TierLinks()
+        remote, digests = await redis_holding(redis_server.url, data, links=links)
         r = redis.Redis(port=redis_server.port)
         damaged = remote.redis_key(ChunkKey(NS, digests[2]))
         value = bytearray(bytes(r.get(damaged)))  # type: ignore[arg-type]
         value[-1] ^= 0xFF
         r.set(damaged, bytes(value))
         r.set(remote.redis_key(ChunkKey(NS, digests[3])), b"not a record")
-        memory = memory_tier()
-        store = TieredStore(memory, None, remote)
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, None, remote, links=links)
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == [data[0], data[1], None, None]
         for c in chunks:
@@ -357,13 +367,14 @@ def test_damaged_redis_values_in_a_batch_are_misses(redis_server: RedisServer) -
 def test_a_redis_key_of_another_type_is_a_miss_left_alone(redis_server: RedisServer) -> None:
     async def scenario() -> None:
         data = [os.urandom(100_000) for _ in range(3)]
-        remote, digests = await redis_holding(redis_server.url, data)
+        links = TierLinks()
+        remote, digests = await redis_holding(redis_server.url, data, links=links)
         r = redis.Redis(port=redis_server.port)
         listed = remote.redis_key(ChunkKey(NS, digests[1]))
         r.delete(listed)
         r.rpush(listed, b"somebody else's list")  # GET answers WRONGTYPE
-        memory = memory_tier()
-        store = TieredStore(memory, None, remote)
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, None, remote, links=links)
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == [data[0], None, data[2]]
         for c in chunks:
@@ -436,9 +447,10 @@ def test_writes_over_a_slow_link_shrink_their_pipelines_instead_of_going_down(re
 def test_redis_cluster_batch_spans_slots(redis_cluster: list[RedisServer]) -> None:
     async def scenario() -> None:
         data = [os.urandom(50_000) for _ in range(12)]
-        remote, digests = await redis_holding(f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", data)
-        memory = memory_tier()
-        store = TieredStore(memory, None, remote)
+        links = TierLinks()
+        remote, digests = await redis_holding(f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", data, links=links)
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, None, remote, links=links)
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == data
         for c in chunks:

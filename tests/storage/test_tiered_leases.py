@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 
 from lmcache_client.protocol import PutStatus
-from lmcache_server.storage import Chunk, ChunkKey, MemoryPool, MemoryTier, TieredStore
+from lmcache_server.storage import Chunk, ChunkKey, MemoryPool, MemoryTier, TieredStore, TierLinks
 
 NS = "ns"
 MiB = 1 << 20
 
 
-def memory_tier(size: int = 16 * MiB) -> MemoryTier:
-    return MemoryTier(MemoryPool(size, "off"), max_pinned_bytes=0)
+def memory_tier(size: int = 16 * MiB, links: TierLinks | None = None) -> MemoryTier:
+    return MemoryTier(MemoryPool(size, "off"), max_pinned_bytes=0, links=links)
 
 
 class FailingTier:
@@ -56,7 +56,6 @@ class SlowDisk:
     in another thread (as the real one reads on its I/O threads)."""
 
     name = "disk"
-    spill_ahead_bytes = 0
 
     def __init__(self, size: int):
         self.size = size
@@ -90,8 +89,9 @@ class SlowDisk:
 
 def test_a_failing_tier_read_releases_the_leases_of_earlier_hits() -> None:
     async def scenario() -> None:
-        memory = memory_tier()
-        store = TieredStore(memory, None, FailingTier())  # type: ignore[arg-type]
+        links = TierLinks()
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, None, FailingTier(), links=links)  # type: ignore[arg-type]
         hit, miss = os.urandom(32), os.urandom(32)
         assert await store.put_many(NS, [hit], [b"h" * MiB]) == [PutStatus.STORED]
         with pytest.raises(TypeError):
@@ -105,9 +105,10 @@ def test_a_failing_tier_read_releases_the_leases_of_earlier_hits() -> None:
 
 def test_a_cancelled_promotion_frees_its_room_only_after_the_disk_read_ends() -> None:
     async def scenario() -> None:
-        memory = memory_tier()
+        links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+        memory = memory_tier(links=links)
         disk = SlowDisk(2 * MiB)
-        store = TieredStore(memory, disk)  # type: ignore[arg-type]
+        store = TieredStore(memory, disk, links=links)  # type: ignore[arg-type]
         before = memory.allocator.allocated_bytes
         reader = asyncio.create_task(store.get_many(NS, [os.urandom(32)]))
         await asyncio.get_running_loop().run_in_executor(None, disk.started.wait, 30)
@@ -137,8 +138,9 @@ def test_a_failed_promotion_gives_its_room_back() -> None:
             raise RuntimeError("planted")
 
     async def scenario() -> Any:
-        memory = memory_tier()
-        store = TieredStore(memory, BrokenDisk(MiB))  # type: ignore[arg-type]
+        links = TierLinks(spill_ahead_bytes=0)
+        memory = memory_tier(links=links)
+        store = TieredStore(memory, BrokenDisk(MiB), links=links)  # type: ignore[arg-type]
         with pytest.raises(RuntimeError):
             await store.get_many(NS, [os.urandom(32)])
         assert memory.allocator.allocated_bytes == 0 and memory.leased_chunks == 0

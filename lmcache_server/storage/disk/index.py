@@ -5,7 +5,7 @@ tenant), eviction to ``max_bytes`` and to each tenant's quota, and removal.
 - An entry holds a chunk's sizes only; its file is ``path_for(root, key)``.
   Entries are shared between the chunks of one size (:func:`_entry`).
 - Every insert, hit and removal is told to the eviction policy; a chunk that
-  is neither indexed nor queued any more is told to ``on_removed``.
+  is neither indexed nor queued any more is told to the store (``links``).
 - A read in flight over a key that is dropped or stored again meanwhile marks
   it changed (``_changed``): a read that then fails found the old file.
 
@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from ..base import ChunkKey
+from ..base import ChunkKey, TierLinks
 from ..policy import EvictionPolicy
 from ..tenants import TenantQuotas, tenant_of
 from .files import HEADER_BLOCK, disk_usage, path_for, unlink
@@ -86,7 +86,7 @@ class DiskIndex:
     quotas: TenantQuotas
     policy: EvictionPolicy
     spills: SpillQueue
-    on_removed: Callable[[ChunkKey], None] | None
+    links: TierLinks
     stored_bytes: int
     disk_bytes: int
     _index: dict[ChunkKey, _Entry]
@@ -128,9 +128,10 @@ class DiskIndex:
 
     # -- removal -------------------------------------------------------------------
     def _left(self, key: ChunkKey) -> None:
-        """Tell ``on_removed`` when ``key`` is neither indexed nor queued any more."""
-        if self.on_removed is not None and key not in self._index and key not in self.spills:
-            self.on_removed(key)
+        """Tell the store (``links``) when ``key`` is neither indexed nor queued any more."""
+        listener = self.links.listener
+        if listener is not None and key not in self._index and key not in self.spills:
+            listener.left_disk(key)
 
     def _add(self, key: ChunkKey, entry: _Entry) -> None:
         namespace = sys.intern(key.namespace)  # one string per namespace, not one per chunk

@@ -61,7 +61,7 @@ from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from ...supervisor import Supervisor
-from ..base import Chunk, ChunkKey
+from ..base import Chunk, ChunkKey, TierLinks
 from ..chunkfile import CorruptRecord
 from ..policy import EvictionPolicy, LRUPolicy
 from ..tenants import TenantQuotas
@@ -88,8 +88,10 @@ class DiskTier(DiskLifecycle):
         retry_s: float = 30.0,
         policy: EvictionPolicy | None = None,
         direct_io: bool = True,
-        spill_ahead_bytes: int = 0,
         supervisor: Supervisor | None = None,
+        links: TierLinks | None = None,
+        quotas: TenantQuotas | None = None,
+        scan_tokens: bool = False,
     ):
         self.root = root
         self.max_bytes = max_bytes
@@ -97,10 +99,9 @@ class DiskTier(DiskLifecycle):
         self.retry_s = retry_s
         self.direct_io = direct_io  # asked for
         self.direct = False  # in use: asked for and the filesystem takes O_DIRECT (see open)
-        self.spill_ahead_bytes = spill_ahead_bytes  # how far ahead the memory tier lends us chunks
         self.counters = DiskCounters()
-        self.quotas = TenantQuotas()
-        """Per-tenant limits on bytes on disk (``tenant_quotas``); set before :meth:`open`."""
+        self.quotas = quotas if quotas is not None else TenantQuotas()
+        """Per-tenant limits on bytes on disk (``tenant_quotas``)."""
         self.policy = policy if policy is not None else LRUPolicy()
         self.degraded: str | None = None
         self._degraded_at = 0.0
@@ -121,14 +122,13 @@ class DiskTier(DiskLifecycle):
         self._supervisor = supervisor if supervisor is not None else Supervisor()
         self._opened = False
         self._lock_fd: int | None = None  # the spill directory's lock (see open)
-        self.on_removed: Callable[[ChunkKey], None] | None = None
-        """Called when a chunk is no longer readable here (dropped, deleted, a spill
-        not written); set by the tiered store."""
-        self.tokens_of: Callable[[ChunkKey], ChunkTokens | None] | None = None
-        """A chunk's token ids, written into its record (KV events); set by the tiered store."""
-        self.scan_tokens = False
+        self.links = links if links is not None else TierLinks()
+        """The store that holds the tier is told on it when a chunk is no longer readable
+        here (dropped, deleted, a spill not written), and gives a chunk's token ids for its
+        record (KV events) (:class:`..base.TierLinks`)."""
+        self.scan_tokens = scan_tokens
         """Keep the token ids a start's scan finds in the records (in :attr:`found_tokens`,
-        for the KV-event announcer); set before :meth:`open`."""
+        for the KV-event announcer)."""
         self.found_tokens: list[tuple[ChunkKey, ChunkTokens]] = []
         """What the start's scan found with token ids (oldest first); taken by the announcer."""
 
@@ -253,7 +253,7 @@ class DiskTier(DiskLifecycle):
         if disk_bytes > self.max_bytes:
             return PutStatus.TOO_LARGE
         path = path_for(self.root, key)
-        tokens = self.tokens_of(key) if self.tokens_of is not None else None
+        tokens = self.links.tokens_of(key)
         try:
             written = await self._run(write_record, path, key, data, self.fsync, self.direct, tokens)
         except OSError as err:

@@ -18,6 +18,7 @@ Code outside this room imports the names below from ``storage.memory``.
 
 from .allocator import ALIGNMENT, extent_of
 from .entry import UNBOUND, Reservation
+from .index import PinRoom
 from .pool import MemoryPool, PinningError, remove_stale_segments
 from .tier import MemoryTier
 from .warmadopt import Adoption
@@ -33,6 +34,7 @@ __all__ = [
     "KeptSegment",
     "MemoryPool",
     "MemoryTier",
+    "PinRoom",
     "PinningError",
     "Reservation",
     "WarmStart",

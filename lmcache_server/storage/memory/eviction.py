@@ -5,9 +5,10 @@ spill), waiting for lent room, and the tenants' quotas (one layer of
 - A put that does not fit evicts the policy's victims until it does; leased and
   pinned chunks are never victims, and ``evictable_bytes`` says in O(1) whether
   evicting could make room at all.
-- With a disk tier the victims are *lent* to the spill (``on_evict(key, chunk,
-  True)``): their extents come back once written, and :meth:`TierEviction.room_coming`
-  / :meth:`TierEviction.wait_for_room` let a put wait for them.
+- With a disk tier the victims are *lent* to the spill (``evicted(key, chunk,
+  True)`` on the tier's :class:`..base.TierLinks`): their extents come back once
+  written, and :meth:`TierEviction.room_coming` / :meth:`TierEviction.wait_for_room`
+  let a put wait for them.
 - A tenant over its quota evicts its own chunks first; the quota counts extents
   (bytes held in the pool), never payload bytes.
 
@@ -86,9 +87,10 @@ class TierEviction(ChunkIndex):
 
     def _evict(self, entry: _Entry, lend: bool) -> bool:
         """Evict ``entry`` (False: the receiver declined a lent chunk; it stays)."""
-        if self.on_evict is not None:
+        listener = self.links.listener
+        if listener is not None:
             chunk = self._lease(entry)
-            taken = self.on_evict(entry.key, chunk, lend)
+            taken = listener.evicted(entry.key, chunk, lend)
             if not lend:
                 chunk.release()
             elif not taken:

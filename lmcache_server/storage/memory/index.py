@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
 
-from ..base import Chunk, ChunkKey
+from ..base import Chunk, ChunkKey, TierLinks
 from ..policy import EvictionPolicy, LRUPolicy
 from ..tenants import TenantQuotas
 from .allocator import ExtentAllocator, extent_of
@@ -78,23 +77,24 @@ class ChunkIndex:
         pool: MemoryPool,
         max_pinned_bytes: int,
         policy: EvictionPolicy | None = None,
-        on_evict: Callable[[ChunkKey, Chunk, bool], bool] | None = None,
+        *,
+        links: TierLinks | None = None,
+        quotas: TenantQuotas | None = None,
     ):
         self.pool = pool
         self.allocator = ExtentAllocator(pool.size, track_sizes=False)  # the entries keep the sizes
         self.max_pinned_bytes = max_pinned_bytes
         self.policy = policy if policy is not None else LRUPolicy()
-        self.on_evict = on_evict
-        self.on_removed: Callable[[ChunkKey], None] | None = None
-        """Called after a chunk leaves the index (evicted, deleted, cleared); set by the tiered store."""
-        self.spill_ahead_bytes = 0  # set by the tiered store when a disk tier takes spills
-        self.lends_spills = False  # set by the tiered store when a disk tier takes spills
+        self.links = links if links is not None else TierLinks()
+        """The store that holds the tier is told of victims and removals on it (:class:`..base.TierLinks`)."""
+        self.spill_ahead_bytes = self.links.spill_ahead_bytes or 0  # how far ahead victims are lent
+        self.lends_spills = self.links.spill_ahead_bytes is not None  # a disk tier takes the spills
         self.dying_bytes = 0  # extents of removed chunks still leased (being sent or spilled)
         self.lent_bytes = 0  # of which lent to the spill: back once the disk has them
         self._room: asyncio.Event | None = None  # set when a dying extent is freed
         self.counters = TierCounters()
-        self.quotas = TenantQuotas()
-        """Per-tenant byte limits (``tenant_quotas``); set by the composition root."""
+        self.quotas = quotas if quotas is not None else TenantQuotas()
+        """Per-tenant byte limits (``tenant_quotas``)."""
         self._index: dict[ChunkKey, int | _Entry] = {}
         # Keys with a store under way (prepare_store until complete_store or
         # abort_store): the first reservation of a key claims it, so a second
@@ -175,8 +175,9 @@ class ChunkIndex:
             self.dying_bytes += entry.extent
         else:
             self.allocator.free(entry.offset, entry.extent)
-        if self.on_removed is not None:
-            self.on_removed(entry.key)
+        listener = self.links.listener
+        if listener is not None:
+            listener.left_memory(entry.key)
 
     def _account_pin(self, key: ChunkKey, extent: int, sign: int) -> None:
         """A pin (+1) or its end (-1, unpinned or removed) of a chunk holding

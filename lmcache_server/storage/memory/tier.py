@@ -13,14 +13,15 @@
   may fill at most ``max_pinned_bytes`` of the pool, each tenant with a quota
   at most its share (:meth:`.index.ChunkIndex.pin_room`); a pin is charged the
   chunk's extent, the bytes it holds in the pool.
-- ``on_evict(key, chunk, lend)`` is called with a leased :class:`Chunk` of each
+- The store that holds the tier listens on its links (:class:`..base.TierLinks`):
+  ``evicted(key, chunk, lend)`` is called with a leased :class:`Chunk` of each
   evicted entry, so the tiered store can spill it to a lower tier.  When a put
   is waiting for the room (``lend`` False) the receiver copies what it needs
   and the lease ends on return.  With ``spill_ahead_bytes`` set, the tier also
   evicts *ahead*, after an allocation, until that many bytes are free or on
   their way out; those chunks are *lent* (``lend`` True): the receiver may keep
   the lease, e.g. to write the bytes to disk straight from the pool, and the
-  extent is reused only after it releases it.  ``on_evict`` returning False
+  extent is reused only after it releases it.  ``evicted`` returning False
   declines a lent chunk, which then stays stored.
 
 Accounting is exact: ``stored_bytes`` counts payload bytes, ``allocated_bytes``
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 class MemoryTier(TierEviction):
     """The memory tier (see the module); its constructor and state are
-    :class:`.index.ChunkIndex`'s: ``MemoryTier(pool, max_pinned_bytes, policy, on_evict)``."""
+    :class:`.index.ChunkIndex`'s: ``MemoryTier(pool, max_pinned_bytes, policy, links=, quotas=)``."""
 
     name = "memory"
 

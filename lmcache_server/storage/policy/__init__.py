@@ -2,10 +2,10 @@
 
 A tier owns the bytes; a policy only orders keys (the primitives are listed in
 :mod:`.base`).  This room holds the policy interface and the classic policies
-(``base``: :class:`EvictionPolicy`, :class:`LRUPolicy`, :class:`LFUDAPolicy`),
+(``base``: :class:`EvictionPolicy`; ``lru``: :class:`LRUPolicy`; ``lfuda``: :class:`LFUDAPolicy`),
 the adaptive admission built on lfuda (``adaptive``), the compact frequency
 history both keep of evicted keys (``history``), the count-min sketch of accesses
-the lower tiers' ``frequency`` admission reads (``sketch``), and here the factory that
+the tier gate's ``frequency`` mode reads (``sketch``), and here the factory that
 picks one by its ``cache_policy`` name (:func:`make_policy`, :data:`POLICIES`).
 It imports only the storage leaves (``storage/base.py``).  Others use the
 names below.
@@ -16,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .adaptive import AdaptivePolicy
-from .base import EvictionPolicy, LFUDAPolicy, LRUPolicy
+from .base import EvictionPolicy
 from .history import KeyHistory, key_hash
+from .lfuda import LFUDAPolicy
+from .lru import LRUPolicy
 from .sketch import FrequencySketch
 
 __all__ = [

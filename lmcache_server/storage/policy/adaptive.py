@@ -68,8 +68,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from ..base import ChunkKey
-from .base import LFUDAPolicy, _slot
 from .history import KeyHistory, key_hash
+from .lfuda import LFUDAPolicy, _slot
 
 _EXPERT_GHOST_FACTOR = 2
 _DECAY_CACHEFULS = 4

@@ -1,6 +1,6 @@
 """A count-min sketch of chunk accesses: TinyLFU's frequency estimate, in bounded memory.
 
-The lower tiers' ``frequency`` admission (:mod:`..tieradmission`) asks how often
+The lower tiers' ``frequency`` gate (:mod:`..tiered.gate`) asks how often
 a chunk was used lately, for chunks the memory tier no longer holds too, so
 the estimate cannot live in per-chunk state.  The sketch is ``ROWS`` rows of
 ``width`` one-byte counters (a ``bytearray``: ``ROWS x width`` bytes, fixed at

@@ -22,7 +22,8 @@
 - Reads: only on a memory and disk miss; the misses of one batch are one
   round trip (a pipeline of GETs; on a cluster split per node by redis-py),
   each reply bounded by ``remote_timeout_s``; records are verified off the loop.
-- KV events: ``listener`` (:class:`..base.RemoteListener`) is told what Redis
+- KV events: ``listener`` (:class:`..base.RemoteListener`, heard on the tier's
+  :class:`..base.TierLinks`) is told what Redis
   acknowledged (the writer), what reads and EXISTS found or missed, deletes,
   clears and outages, so that a chunk that leaves the local tiers can be
   announced as held in Redis (docs/events.md, "Media and locality").
@@ -48,7 +49,7 @@ in :mod:`.carryover` (:class:`.carryover.RedisCarryover`).  :class:`RedisTier`
 builds on the last two (both on the link) and holds the state, the lifecycle,
 the reads and the removals.
 
-Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``requeue``, ``exists_many``, ``value_sizes``,
+Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``requeue``, ``exists_many``, ``value_sizes``, ``deleting``,
 ``delete``, ``clear``, ``flush``, ``stats``, ``close``.
 """
 
@@ -64,7 +65,7 @@ from typing import Any
 
 from ...config import redact
 from ...supervisor import Supervisor
-from ..base import Chunk, ChunkKey, RemoteListener
+from ..base import Chunk, ChunkKey, RemoteListener, TierLinks
 from ..chunkfile import CorruptRecord, decode_record
 from ..offload import Offload
 from ..statefiles import StateDir
@@ -104,6 +105,7 @@ class RedisTier(RedisCarryover, RedisWriter):
         offload: Offload | None = None,
         supervisor: Supervisor | None = None,
         state_path: Path | None = None,
+        links: TierLinks | None = None,
     ):
         super().__init__(
             url,
@@ -119,8 +121,8 @@ class RedisTier(RedisCarryover, RedisWriter):
         self._offload = offload if offload is not None else Offload(1, "lmcache-redis")
         self._own_offload = offload is None
         self.queue = WriteQueue(max_queue_bytes)
-        self.tokens_of = None
-        self.listener: RemoteListener | None = None  # told what Redis holds (KV events); set by the app
+        self.links = links if links is not None else TierLinks()  # token ids for records (KV events)
+        self._stopped = False
         self._tasks: list[asyncio.Task[None]] = []
         self._building: set[asyncio.Task[None]] = set()
         self._writing: list[Write] | None = None
@@ -153,7 +155,7 @@ class RedisTier(RedisCarryover, RedisWriter):
         return self.queue.idle() and self._writing is None and not self._building and not self._removing
 
     async def close(self) -> None:
-        self.listener = None  # a stop is no outage: nothing more to announce
+        self._stopped = True  # a stop is no outage: nothing more to announce
         for task in [*self._tasks, self._probing, *self._building]:
             if task is not None:
                 task.cancel()
@@ -319,6 +321,17 @@ class RedisTier(RedisCarryover, RedisWriter):
         return chunk
 
     # -- removal -------------------------------------------------------------------
+    @property
+    def listener(self) -> RemoteListener | None:
+        """Told what Redis holds (KV events): the listener heard on ``links``, until the tier stops."""
+        return None if self._stopped else self.links.remote
+
+    def deleting(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` are about to be deleted from every tier: the listener forgets them
+        first (their leaving memory then is no move to Redis)."""
+        if self.listener is not None:
+            self.listener.gone(keys)
+
     async def delete(self, key: ChunkKey) -> bool:
         """Remove ``key`` from Redis and from the write queue (while down: once it is back)."""
         if self.listener is not None:

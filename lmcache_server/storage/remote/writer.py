@@ -3,7 +3,7 @@ write-behind, pipelined.
 
 - ``enqueue`` queues a chunk (:class:`.queue.WriteQueue`, bounded by bytes;
   full -> dropped and counted) and builds its record (checksum and copy, with
-  the chunk's token ids when ``tokens_of`` knows them) off the event loop
+  the chunk's token ids when the store knows them, ``links``) off the event loop
   (:mod:`..offload`); a request never waits.
 - One background task (``_write_loop``) first sends the removals Redis is owed,
   then the queued writes in pipelines of at most ``BATCH_WRITES`` writes and
@@ -29,7 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
-from ..base import ChunkKey, RemoteListener
+from ..base import ChunkKey, TierLinks
 from ..chunkfile import encode_record
 from ..offload import Offload
 from .link import ERRORS, RedisLink
@@ -55,9 +55,9 @@ class RedisWriter(RedisLink):
     _building: set[asyncio.Task[None]]
     _writing: list[Write] | None
     _removing: int
-    listener: RemoteListener | None
-    tokens_of: Callable[[ChunkKey], ChunkTokens | None] | None
-    """A chunk's token ids, written into its record (KV events); set by the tiered store."""
+    _stopped: bool
+    links: TierLinks
+    """Gives a chunk's token ids, written into its record (KV events)."""
 
     # -- writes --------------------------------------------------------------------
     def accepts(self, size: int) -> bool:
@@ -81,7 +81,7 @@ class RedisWriter(RedisLink):
             if release is not None:
                 release()
             return True
-        tokens = self.tokens_of(key) if self.tokens_of is not None else None
+        tokens = self.links.tokens_of(key)
         task = asyncio.get_running_loop().create_task(self._build(write, data, release, tokens))
         self._building.add(task)
         task.add_done_callback(self._building.discard)
@@ -166,8 +166,9 @@ class RedisWriter(RedisLink):
         for write in batch:
             self.counters.stores += 1
             self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
-        if self.listener is not None and self.up:  # Redis holds them now (unless deleted meanwhile)
-            self.listener.written([w.key for w in batch if not w.cancelled], sent_at)
+        listener = None if self._stopped else self.links.remote  # (none once the tier stopped)
+        if listener is not None and self.up:  # Redis holds them now (unless deleted meanwhile)
+            listener.written([w.key for w in batch if not w.cancelled], sent_at)
 
     async def _send_removals(self) -> None:
         clears, deletes = self.queue.take_removals()

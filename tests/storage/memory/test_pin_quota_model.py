@@ -67,9 +67,7 @@ def digest(i: int, size: int) -> bytes:
 
 
 def new_tier(pool: MemoryPool) -> MemoryTier:
-    tier = MemoryTier(pool, MAX_PINNED, LRUPolicy())
-    tier.quotas = TenantQuotas(QUOTAS)  # as app.py does, before a warm restart's adoption
-    return tier
+    return MemoryTier(pool, MAX_PINNED, LRUPolicy(), quotas=TenantQuotas(QUOTAS))  # as app.py builds it
 
 
 def entries(tier: MemoryTier) -> list[tuple[ChunkKey, int, bool]]:
@@ -250,8 +248,7 @@ def test_an_older_daemons_pins_are_charged_by_extent_at_a_warm_restart(caplog: p
     brings it back within its quota."""
     mib = 1 << 20
     pool = MemoryPool(64 * mib, "off")
-    tier = MemoryTier(pool, 32 * mib, LRUPolicy())  # max_pinned_fraction 0.5
-    tier.quotas = TenantQuotas({"acme": mib})
+    tier = MemoryTier(pool, 32 * mib, LRUPolicy(), quotas=TenantQuotas({"acme": mib}))  # max_pinned_fraction 0.5
     acme = "model|tenant=acme"
     rows = [(ChunkKey(acme, digest(i, 1)), i * PAGE, 1, True) for i in range(16384)]
     tier.adopt(rows, [])

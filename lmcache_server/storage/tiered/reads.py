@@ -1,17 +1,18 @@
 """A get of many keys through the tiers, each lower tier read for the whole batch at once.
 
-The tiered store's ``get_many`` is written here, in passes over the batch:
+The tiered store's ``get_many`` is written here (:class:`Reads`, a part of
+:class:`.store.TieredStore`), in passes over the batch:
 
 1. memory: each key (after any fill of it by a put has ended) is leased from
    the pool, or is a miss (each distinct key, hit or miss, is recorded in the
-   sizing telemetry's ``get`` window when it is on, :mod:`.sizing`);
+   sizing telemetry's ``get`` window when it is on, :mod:`..sizing`);
 2. disk: every memory miss the disk holds is read straight into reserved pool
    memory, all of them at once: the disk tier's I/O threads
    (``disk_io_threads``) read that many files concurrently;
 3. the lower tiers again, in order, for what is still missing: the disk (a
    hit there with no room in the pool is served from a copy), read
    concurrently; then Redis, every key in one round trip
-   (:meth:`.remote.RedisTier.get_many`), its hits promoted into the pool
+   (:meth:`..remote.RedisTier.get_many`), its hits promoted into the pool
    concurrently (copies off the event loop).
 
 Results keep the keys' order.  A key repeated within the batch is read once
@@ -22,7 +23,10 @@ released and the first error propagates; a cancelled batch cancels its reads
 (a read into the pool gives its room back once its thread is done, see
 :func:`.filling.fill_reservation`) and releases whatever they still return.
 
-Primitives: :func:`read_batch`, over any :class:`Tiers` (the tiered store is one).
+A key hit in any tier is told to the gate (``accessed``).
+
+Primitives: :class:`Reads` (``get_many``), :func:`read_batch`, over any :class:`Source`
+(a :class:`Reads` is one).
 """
 
 from __future__ import annotations
@@ -31,11 +35,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from .base import Chunk, ChunkKey, Tier
-from .disk import DiskTier
-from .memory import MemoryTier
-from .remote import RedisTier
-from .sizing import Sizing
+from ..base import Chunk, ChunkKey, Tier
+from ..sizing import Sizing
+from .roles import Memory, SpillTarget, Tiers, Uplink
 
 
 class Fills(Protocol):
@@ -44,29 +46,70 @@ class Fills(Protocol):
     async def filled(self, key: ChunkKey) -> None: ...
 
 
-class Tiers(Protocol):
-    """What a batch read needs of the tiered store: its tiers, its fills and its
-    promotions (:class:`.tiered.TieredStore` is one; it passes itself in)."""
+class Promotes(Protocol):
+    """The copies of lower-tier hits into the pool (:class:`.promotion.Promotion` is one)."""
+
+    async def promote(self, tier: str, key: ChunkKey, chunk: Chunk) -> Chunk: ...
+
+    async def promote_from_disk(self, disk: SpillTarget, key: ChunkKey) -> Chunk | None: ...
+
+
+class Source(Protocol):
+    """What a batch read needs: the tiers, the fills, the promotions and the sizing
+    telemetry (:class:`Reads` is one)."""
 
     @property
-    def memory(self) -> MemoryTier: ...
+    def memory(self) -> Memory: ...
     @property
-    def disk(self) -> DiskTier | None: ...
+    def disk(self) -> SpillTarget | None: ...
     @property
-    def remote(self) -> RedisTier | None: ...
+    def remote(self) -> Uplink | None: ...
     @property
     def lower(self) -> list[Tier]: ...
     @property
     def filling(self) -> Fills: ...
     @property
     def sizing(self) -> Sizing | None: ...
-
-    async def promote(self, tier: str, key: ChunkKey, chunk: Chunk) -> Chunk: ...
-
-    async def promote_from_disk(self, disk: DiskTier, key: ChunkKey) -> Chunk | None: ...
+    @property
+    def promotion(self) -> Promotes: ...
 
 
-async def read_batch(store: Tiers, keys: Sequence[ChunkKey]) -> list[Chunk | None]:
+class Reads:
+    """The store's gets; ``accessed``: told each key hit (None: no gate to tell)."""
+
+    def __init__(
+        self,
+        tiers: Tiers,
+        filling: Fills,
+        promotion: Promotes,
+        sizing: Sizing | None,
+        accessed: Callable[[ChunkKey], None] | None,
+    ):
+        self.memory = tiers.memory
+        self.disk = tiers.disk
+        self.remote = tiers.remote
+        self.lower = tiers.lower
+        self.filling = filling
+        self.promotion = promotion
+        self.sizing = sizing
+        self._accessed = accessed
+
+    async def get_many(self, namespace: str, digests: Sequence[bytes]) -> list[Chunk | None]:
+        """One Chunk per hit (release each: memory hits are leased), None per miss,
+        in the order asked.  Each lower tier is read for the whole batch at once:
+        disk reads run concurrently (up to the disk's I/O threads), Redis is one
+        round trip.  If a tier read fails, the leases already taken are released
+        before the error propagates."""
+        keys = [ChunkKey(namespace, d) for d in digests]
+        chunks = await read_batch(self, keys)
+        if self._accessed is not None:
+            for key, chunk in zip(keys, chunks):
+                if chunk is not None:
+                    self._accessed(key)
+        return chunks
+
+
+async def read_batch(store: Source, keys: Sequence[ChunkKey]) -> list[Chunk | None]:
     """One Chunk per hit (release each), None per miss, in the order of ``keys``."""
     out: list[Chunk | None] = [None] * len(keys)
     first: dict[ChunkKey, int] = {}
@@ -88,7 +131,7 @@ async def read_batch(store: Tiers, keys: Sequence[ChunkKey]) -> list[Chunk | Non
             )
         disk = store.disk
         if disk is not None and missing:
-            await _each(out, missing, lambda i: store.promote_from_disk(disk, keys[i]))
+            await _each(out, missing, lambda i: store.promotion.promote_from_disk(disk, keys[i]))
             missing = [i for i in missing if out[i] is None]
         for tier in store.lower:
             if not missing:
@@ -108,35 +151,35 @@ async def read_batch(store: Tiers, keys: Sequence[ChunkKey]) -> list[Chunk | Non
     return out
 
 
-def _read_and_promote(store: Tiers, tier: Tier, keys: Sequence[ChunkKey]) -> Callable[[int], Awaitable[Chunk | None]]:
+def _read_and_promote(store: Source, tier: Tier, keys: Sequence[ChunkKey]) -> Callable[[int], Awaitable[Chunk | None]]:
     async def read(i: int) -> Chunk | None:
         chunk = await tier.get(keys[i])
-        return None if chunk is None else await store.promote(tier.name, keys[i], chunk)
+        return None if chunk is None else await store.promotion.promote(tier.name, keys[i], chunk)
 
     return read
 
 
-async def _from_remote(store: Tiers, keys: Sequence[ChunkKey], out: list[Chunk | None], missing: list[int]) -> None:
+async def _from_remote(store: Source, keys: Sequence[ChunkKey], out: list[Chunk | None], missing: list[int]) -> None:
     """Redis: every missing key in one round trip, then the hits promoted concurrently."""
     remote = store.remote
     assert remote is not None
     found = await remote.get_many([keys[i] for i in missing])
     hits = {i: chunk for i, chunk in zip(missing, found) if chunk is not None}
     # (the hits are copies, leased nowhere: one that a failed batch never promotes just goes)
-    await _each(out, list(hits), lambda i: store.promote(remote.name, keys[i], hits[i]))
+    await _each(out, list(hits), lambda i: store.promotion.promote(remote.name, keys[i], hits[i]))
 
 
-async def _one(store: Tiers, key: ChunkKey) -> Chunk | None:
+async def _one(store: Source, key: ChunkKey) -> Chunk | None:
     """A repeated key of the batch: its first occurrence was just read (and promoted
     when there was room), so it is read again the same way, on its own."""
     chunk = await store.memory.get(key)
     if chunk is None and store.disk is not None:
-        chunk = await store.promote_from_disk(store.disk, key)
+        chunk = await store.promotion.promote_from_disk(store.disk, key)
     if chunk is None:
         for tier in store.lower:
             if tier is store.remote:
                 [chunk] = await store.remote.get_many([key])
-                chunk = None if chunk is None else await store.promote(tier.name, key, chunk)
+                chunk = None if chunk is None else await store.promotion.promote(tier.name, key, chunk)
             else:
                 chunk = await _read_and_promote(store, tier, [key])(0)
             if chunk is not None:

@@ -1,5 +1,5 @@
-"""The tiered store's writes (:class:`TieredPuts`, a base of :class:`.tiered.TieredStore`):
-the two-phase put and its variants, and the uplink of what is stored.
+"""The tiered store's writes (:class:`Writes`, a part of :class:`.store.TieredStore`):
+the two-phase put and its variants.
 
 - ``reserve`` (phase one) takes room in the pool for each chunk, invisible
   until ``commit`` (phase two) makes it readable and queues it for Redis;
@@ -10,13 +10,14 @@ the two-phase put and its variants, and the uplink of what is stored.
   chunks are *filling* meanwhile (:mod:`.filling`).
 - A shared-memory writer puts into room staged ahead (``stage``), bound to its
   keys and committed at once (``bind``).
-- Admission (:mod:`.tieradmission`): a commit, and a put of a key stored or
-  filling, tell it; Redis gets a chunk when it admits it (``always``: at commit).
+- The tier gate (:mod:`.gate`): a commit, and a put of a key stored or
+  filling, tell it; Redis gets a chunk when it passes it (``always``: at commit;
+  the queueing is :mod:`.uplink`'s).
 - KV events: a put with token ids is announced when its chunk becomes
   readable, or at once when the chunk was stored before without them.
 
-Primitives: :class:`TieredPuts` (``reserve``, ``reserve_waiting``, ``stage``, ``bind``,
-``commit``, ``abort``, ``prepare_puts``, ``put_many``, ``uplink_again``), ``ROOM_WAIT_S``.
+Primitives: :class:`Commit` (phase two), :class:`Writes` (``reserve``, ``reserve_waiting``,
+``stage``, ``bind``, ``abort``, ``prepare_puts``, ``put_many``, ``accessed``), ``ROOM_WAIT_S``.
 """
 
 from __future__ import annotations
@@ -29,29 +30,58 @@ from typing import Any
 from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
-from .base import ChunkKey, Residency
+from ..base import ChunkKey
+from ..memory import Reservation
 from .filling import Filling
-from .memory import MemoryTier, Reservation
-from .remote import RedisTier
-from .tieradmission import StoreAdmission
-from .tieredpromote import in_memory
+from .gate import StoreGate
+from .residence import Residence
+from .roles import Memory
+from .uplink import Uplinking
 
 ROOM_WAIT_S = 5.0
 """How long a put waits for room that spills being written will free."""
 
 
-class TieredPuts:
-    """The writes of :class:`.tiered.TieredStore`; the store's ``__init__`` sets the
-    attributes below."""
+class Commit:
+    """Phase two of a put: the filled reservation becomes visible, is announced and
+    is queued for Redis (the fills of :mod:`.filling` and a shared-memory bind call it)."""
 
-    memory: MemoryTier
-    remote: RedisTier | None
-    filling: Filling
-    events: Residency | None
-    admission: StoreAdmission | None
+    def __init__(self, memory: Memory, residence: Residence, uplinking: Uplinking):
+        self._memory = memory
+        self._residence = residence
+        self._uplinking = uplinking
 
-    def _unannounced(self, key: ChunkKey) -> bool:
-        return self.events is not None and not self.events.announced(key)
+    def __call__(self, reservation: Reservation) -> PutStatus:
+        status = self._memory.complete_store(reservation)
+        if status is PutStatus.STORED:
+            key = reservation.key
+            self._residence.in_memory(
+                key, reservation.tokens, self._memory.name
+            )  # first: its Redis record carries them
+            self._uplinking.stored(key, reservation.size)
+        reservation.tokens = None
+        return status
+
+
+class Writes:
+    """The store's writes: ``commit`` is :class:`Commit` (also the fills'), ``filling``
+    the puts still copying in."""
+
+    def __init__(
+        self,
+        memory: Memory,
+        filling: Filling,
+        commit: Commit,
+        residence: Residence,
+        uplinking: Uplinking,
+        gate: StoreGate | None,
+    ):
+        self._memory = memory
+        self._filling = filling
+        self.commit = commit
+        self._residence = residence
+        self._uplinking = uplinking
+        self._gate = gate
 
     def reserve(
         self,
@@ -72,18 +102,18 @@ class TieredPuts:
         parent: ChunkKey | None = None
         for i, (digest, size) in enumerate(zip(digests, sizes)):
             key = ChunkKey(namespace, digest)
-            if key in reserved or key in self.filling:
+            if key in reserved or key in self._filling:
                 if key not in reserved:
-                    self._accessed(key)  # put again while the first put's copy runs
+                    self.accessed(key)  # put again while the first put's copy runs
                 out.append(PutStatus.EXISTS)
                 continue
-            reservation = self.memory.prepare_store(key, size, parent)
+            reservation = self._memory.prepare_store(key, size, parent)
             told = self._told(tokens, i)
             if isinstance(reservation, Reservation):
                 reserved.add(key)
                 reservation.tokens = told
             elif reservation is PutStatus.EXISTS:
-                self._accessed(key)
+                self.accessed(key)
                 self._announce_stored_before(key, told)
             out.append(reservation)
             parent = key
@@ -91,13 +121,14 @@ class TieredPuts:
 
     def _told(self, tokens: Sequence[ChunkTokens | None] | None, i: int) -> ChunkTokens | None:
         """Chunk ``i``'s token ids, when the put sent them and KV events are on."""
-        return tokens[i] if tokens is not None and self.events is not None else None
+        return tokens[i] if tokens is not None and self._residence.events is not None else None
 
     def _announce_stored_before(self, key: ChunkKey, told: ChunkTokens | None) -> None:
         """A put with token ids found ``key`` stored before without them (an older
         client, a warm restart): announce it now."""
-        if told is not None and self._unannounced(key):
-            self.events.stored(key, told, self.memory.name)  # type: ignore[union-attr]
+        events = self._residence.events
+        if told is not None and events is not None and not events.announced(key):
+            events.stored(key, told, self._memory.name)
 
     async def reserve_waiting(
         self,
@@ -111,12 +142,12 @@ class TieredPuts:
         outcomes = self.reserve(namespace, digests, sizes, tokens)
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
-            coming = self.memory.room_coming
+            coming = self._memory.room_coming
             waiting = [i for i, o in enumerate(outcomes) if o is PutStatus.NO_SPACE and coming(sizes[i])]
             if not waiting:
                 break
-            if not await self.memory.wait_for_room(deadline - time.monotonic()):
-                self.memory.counters.rejections += len(waiting)  # gave up: a refusal after all
+            if not await self._memory.wait_for_room(deadline - time.monotonic()):
+                self._memory.counters.rejections += len(waiting)  # gave up: a refusal after all
                 break
             for i in waiting:
                 one = None if tokens is None else tokens[i : i + 1]
@@ -128,10 +159,10 @@ class TieredPuts:
         slots, invisible and never evicted): one per size, or None (nothing kept)
         when the pool cannot hold them all now."""
         rooms: list[Reservation] = []
-        if sum(sizes) > self.memory.allocator.capacity:
+        if sum(sizes) > self._memory.allocator.capacity:
             return None
         for size in sizes:
-            room = self.memory.reserve_room(size)
+            room = self._memory.reserve_room(size)
             if room is None:
                 for r in rooms:
                     self.abort(r)
@@ -156,12 +187,12 @@ class TieredPuts:
         parent: ChunkKey | None = None
         for i, (digest, room) in enumerate(zip(digests, rooms)):
             key = ChunkKey(namespace, digest)
-            if key in self.filling:
-                self._accessed(key)
+            if key in self._filling:
+                self.accessed(key)
                 out.append(PutStatus.EXISTS)
                 continue
             told = self._told(tokens, i)
-            bound = self.memory.bind_room(room, key, parent)
+            bound = self._memory.bind_room(room, key, parent)
             if isinstance(bound, Reservation):
                 bound.tokens = told
                 if taken is not None:
@@ -169,57 +200,20 @@ class TieredPuts:
                 out.append(self.commit(bound))
             else:
                 if bound is PutStatus.EXISTS:
-                    self._accessed(key)
+                    self.accessed(key)
                     self._announce_stored_before(key, told)
                 out.append(bound)
             parent = key
         return out
 
-    def commit(self, reservation: Reservation) -> PutStatus:
-        """Phase two: the filled reservation becomes visible, and is queued for Redis."""
-        status = self.memory.complete_store(reservation)
-        if status is PutStatus.STORED:
-            key = reservation.key
-            in_memory(self.events, key, reservation.tokens, self.memory.name)  # first: its Redis record carries them
-            if self.admission is None:
-                if self.remote is not None:
-                    self._uplink(key)
-            elif self.admission.stored(key, reservation.size) and self._uplink(key):
-                self.admission.uplinked(key, reservation.size)
-        reservation.tokens = None
-        return status
-
-    def _uplink(self, key: ChunkKey) -> bool:
-        """Queue a stored chunk for Redis; leased until its record is built (off the loop).
-        False: memory does not hold it, or the queue is full (dropped, counted)."""
-        assert self.remote is not None
-        lease = self.memory.lease(key)
-        return lease is not None and self.remote.enqueue(key, lease.data, lease.release)
-
-    def _accessed(self, key: ChunkKey) -> None:
-        """``key`` was read or put again: tell admission, and queue it for Redis if
-        admitted now."""
-        admission = self.admission
-        if admission is None:
-            return
-        resident = self.memory.peek(key) or key in self.filling
-        if admission.accessed(key, resident) and self.remote is not None:
-            lease = self.memory.lease(key)
-            if lease is not None:
-                size = lease.nbytes
-                if self.remote.enqueue(key, lease.data, lease.release):
-                    admission.uplinked(key, size)
-
-    def uplink_again(self, key: ChunkKey) -> bool:
-        """Queue ``key`` for Redis if memory holds it (True); for writes a previous
-        daemon owed Redis (:meth:`.RedisTier.requeue`)."""
-        if self.remote is None:
-            return False
-        lease = self.memory.lease(key)
-        return lease is not None and self.remote.enqueue(key, lease.data, lease.release)
+    def accessed(self, key: ChunkKey) -> None:
+        """``key`` was read or put again: tell the gate, and queue it for Redis if
+        the gate passes it now."""
+        if self._gate is not None:
+            self._uplinking.accessed(key, self._memory.peek(key) or key in self._filling)
 
     def abort(self, reservation: Reservation) -> None:
-        self.memory.abort_store(reservation)
+        self._memory.abort_store(reservation)
 
     async def prepare_puts(
         self,
@@ -239,20 +233,20 @@ class TieredPuts:
         observe the gap, while ZeroMQ's I/O thread already receives the
         client's next request and the event loop serves others.
         """
-        if self.filling:
+        if self._filling:
             # One generation of copies at a time: this put's reply waits until the
             # earlier puts' chunks are in (milliseconds), so a client streaming
             # puts faster than they are copied is slowed down rather than piling
             # up payloads, and those chunks are evictable again before this
             # put asks for room.
-            await self.filling.wait()
+            await self._filling.wait()
         sources = [memoryview(p).cast("B") for p in payloads]
         outcomes = await self.reserve_waiting(namespace, digests, [src.nbytes for src in sources], tokens)
         pending = [(r, src) for r, src in zip(outcomes, sources) if isinstance(r, Reservation)]
         statuses = [PutStatus.STORED if isinstance(r, Reservation) else r for r in outcomes]
 
         def finish() -> asyncio.Future[None] | None:
-            return self.filling.start(pending) if pending else None
+            return self._filling.start(pending) if pending else None
 
         return statuses, finish
 

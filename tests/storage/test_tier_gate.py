@@ -20,19 +20,19 @@ import redis
 
 from lmcache_client.protocol import PutStatus
 from lmcache_server.config import ConfigError, load_config
-from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
+from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore, TierLinks
 from lmcache_server.storage.disk import DiskTier
 from lmcache_server.storage.policy import LRUPolicy
 from lmcache_server.storage.policy.history import key_hash
 from lmcache_server.storage.policy.sketch import MAX_COUNT, FrequencySketch
 from lmcache_server.storage.remote import RedisTier
-from lmcache_server.storage.tieradmission import (
+from lmcache_server.storage.tiered.gate import (
     MODES,
     Accesses,
     ClearEpochs,
     SentKeys,
-    StoreAdmission,
-    TierAdmission,
+    StoreGate,
+    TierGate,
 )
 
 from ..conftest import RedisServer
@@ -42,13 +42,14 @@ MiB = 1 << 20
 POOL_CHUNKS = 8  # an 8 MiB pool of 1 MiB chunks
 
 
-async def tiers(tmp_path: Path, url: str, admission: StoreAdmission | None) -> TieredStore:
-    memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy())
-    disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy())
+async def tiers(tmp_path: Path, url: str, admission: StoreGate | None) -> TieredStore:
+    links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
+    memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy(), links=links)
+    disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy(), links=links)
     await disk.open()
-    remote = RedisTier(url)
+    remote = RedisTier(url, links=links)
     await remote.open()
-    return TieredStore(memory, disk, remote, admission=admission)
+    return TieredStore(memory, disk, remote, gate=admission, links=links)
 
 
 def chunks(n: int) -> tuple[list[bytes], list[bytes]]:
@@ -87,7 +88,7 @@ def test_always_writes_every_evicted_chunk_to_disk_and_every_chunk_to_redis(
     tmp_path: Path, redis_server: RedisServer, admission: str | None
 ) -> None:
     async def scenario() -> None:
-        gate = None if admission is None else StoreAdmission(admission, admission)
+        gate = None if admission is None else StoreGate(admission, admission)
         store = await tiers(tmp_path, redis_server.url, gate)
         digests, data = chunks(12)
         await put(store, digests, data)
@@ -106,7 +107,7 @@ def test_always_writes_every_evicted_chunk_to_disk_and_every_chunk_to_redis(
 
 def test_reused_writes_only_chunks_read_or_put_again(tmp_path: Path, redis_server: RedisServer) -> None:
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreAdmission("reused", "reused"))
+        store = await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused"))
         digests, data = chunks(16)
         first, second = digests[:8], digests[8:]
         await put(store, first, data[:8])  # the pool is full, nothing evicted yet
@@ -132,7 +133,7 @@ def test_reused_writes_only_chunks_read_or_put_again(tmp_path: Path, redis_serve
 
 def test_a_chunk_dropped_unreused_and_put_again_counts_as_reused(tmp_path: Path, redis_server: RedisServer) -> None:
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreAdmission("reused", "reused"))
+        store = await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused"))
         digests, data = chunks(9)
         await put(store, digests, data)  # digests[0] is evicted, unread: dropped
         assert await read(store, digests[:1]) == [None]
@@ -146,14 +147,14 @@ def test_a_chunk_dropped_unreused_and_put_again_counts_as_reused(tmp_path: Path,
 
 def test_frequency_admits_chunks_used_twice(tmp_path: Path, redis_server: RedisServer) -> None:
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreAdmission("frequency", "frequency"))
+        store = await tiers(tmp_path, redis_server.url, StoreGate("frequency", "frequency"))
         digests, data = chunks(16)
         await put(store, digests[:8], data[:8])
         assert await read(store, digests[:2]) == data[:2]  # two accesses each: a put and a get
         await put(store, digests[8:], data[8:])
         on_disk, in_redis = await written(store, digests)
         assert on_disk == set(digests[:2]) and in_redis == set(digests[:2])
-        assert store.stats()["tiers"]["disk"]["sketch_bytes"] == store.admission.accesses.sketch.nbytes  # type: ignore[union-attr]
+        assert store.stats()["tiers"]["disk"]["sketch_bytes"] == store.gate.accesses.sketch.nbytes  # type: ignore[union-attr]
         await store.close()
 
     asyncio.run(scenario())
@@ -161,7 +162,7 @@ def test_frequency_admits_chunks_used_twice(tmp_path: Path, redis_server: RedisS
 
 def test_frequency_against_a_full_disk_compares_with_its_victim(tmp_path: Path, redis_server: RedisServer) -> None:
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreAdmission("frequency", "always"))
+        store = await tiers(tmp_path, redis_server.url, StoreGate("frequency", "always"))
         assert store.disk is not None
         store.disk.max_bytes = 2 * (MiB + 4096)  # room for two chunk files
         digests, data = chunks(12)
@@ -205,18 +206,18 @@ def test_sketch_memory_is_bounded_and_ages() -> None:
 
 def test_rule_needs_two_accesses_and_to_beat_the_victim() -> None:
     accesses = Accesses(FrequencySketch(1 << 10), track_reuse=False)
-    rule = TierAdmission("disk", "frequency", accesses)
+    rule = TierGate("disk", "frequency", accesses)
     a, b = ChunkKey(NS, b"a" * 32), ChunkKey(NS, b"b" * 32)
     accesses.stored(a)
-    assert not rule.admits(a)  # one access
+    assert not rule.passes(a)  # one access
     accesses.accessed(a)
-    assert rule.admits(a) and rule.admits(a, lambda: None)  # two, and the tier has room
+    assert rule.passes(a) and rule.passes(a, lambda: None)  # two, and the tier has room
     for _ in range(3):
         accesses.accessed(b)
-    assert not rule.admits(a, lambda: b)  # 2 against 3
-    assert rule.admits(b, lambda: a)
+    assert not rule.passes(a, lambda: b)  # 2 against 3
+    assert rule.passes(b, lambda: a)
     with pytest.raises(ValueError, match="always, reused, frequency"):
-        TierAdmission("disk", "sometimes", accesses)
+        TierGate("disk", "sometimes", accesses)
 
 
 @pytest.mark.parametrize("key", ["disk_admission", "remote_admission"])
@@ -273,10 +274,11 @@ def test_a_declined_chunk_is_not_spilled_ahead_and_stays_served_from_memory(
     needs its room."""
 
     async def scenario() -> None:
-        memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy())
-        disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy(), spill_ahead_bytes=MiB)
+        links = TierLinks(spill_ahead_bytes=MiB)
+        memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy(), links=links)
+        disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy(), links=links)
         await disk.open()
-        store = TieredStore(memory, disk, admission=StoreAdmission(mode, None))
+        store = TieredStore(memory, disk, gate=StoreGate(mode, None), links=links)
         digests, data = chunks(POOL_CHUNKS)
         await put(store, digests, data)  # the last allocation leaves no room: spill ahead
         assert await store.flush(10.0)
@@ -297,7 +299,7 @@ def test_a_chunk_deleted_then_stored_and_reused_again_goes_to_redis_again(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreAdmission("reused", "reused"))
+        store = await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused"))
         digests, data = chunks(2)
         for clear in (False, True):
             await put(store, digests, data)
@@ -341,10 +343,12 @@ def test_with_a_redis_ttl_a_reused_chunk_goes_to_redis_again_after_it_expired(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     async def scenario() -> None:
-        memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy())
-        remote = RedisTier(redis_server.url, ttl_s=1.0)
+        links = TierLinks()
+        memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy(), links=links)
+        remote = RedisTier(redis_server.url, ttl_s=1.0, links=links)
         await remote.open()
-        store = TieredStore(memory, None, remote, admission=StoreAdmission("always", "reused", remote_ttl_s=1.0))
+        gate = StoreGate("always", "reused", remote_ttl_s=1.0)
+        store = TieredStore(memory, None, remote, gate=gate, links=links)
         digests, data = chunks(1)
         r = redis.Redis(port=int(redis_server.url.rsplit(":", 1)[1]))
         key = remote.redis_key(ChunkKey(NS, digests[0]))
@@ -373,7 +377,7 @@ def test_a_clear_of_one_namespace_forgets_only_its_keys(tmp_path: Path, redis_se
     cleared namespace's keys are forgotten."""
 
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreAdmission("reused", "reused"))
+        store = await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused"))
         other = "other"
         kept, kept_data = chunks(2)
         gone, gone_data = chunks(1)

@@ -23,17 +23,18 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from lmcache_client.protocol import PutStatus
 
-from ..supervisor import Supervisor
-from .base import ChunkKey
-from .memory import MemoryTier, Reservation
-from .offload import SMALL_BYTES, Offload, memcopy
+from ...supervisor import Supervisor
+from ..base import ChunkKey
+from ..memory import Reservation
+from ..offload import SMALL_BYTES, Offload, memcopy
+from .roles import Memory
 
 logger = logging.getLogger(__name__)
 
 
 class Filling:
     def __init__(
-        self, memory: MemoryTier, offload: Offload, commit: Callable[[Reservation], PutStatus], supervisor: Supervisor
+        self, memory: Memory, offload: Offload, commit: Callable[[Reservation], PutStatus], supervisor: Supervisor
     ):
         self.memory = memory
         self.offload = offload
@@ -135,7 +136,7 @@ def _copy_pairs(pairs: list[tuple[memoryview, memoryview]]) -> None:
         memcopy(dst, src)
 
 
-async def fill_reservation(memory: MemoryTier, reservation: Reservation, fill: Awaitable[bool]) -> PutStatus | None:
+async def fill_reservation(memory: Memory, reservation: Reservation, fill: Awaitable[bool]) -> PutStatus | None:
     """Run ``fill`` (it writes ``reservation.view``, possibly from another thread)
     and make the chunk visible if it returns True; None when it did not."""
     task = asyncio.ensure_future(fill)
@@ -156,7 +157,7 @@ async def fill_reservation(memory: MemoryTier, reservation: Reservation, fill: A
     return memory.complete_store(reservation)
 
 
-def _abandoned(memory: MemoryTier, reservation: Reservation, fill: asyncio.Future[bool]) -> None:
+def _abandoned(memory: Memory, reservation: Reservation, fill: asyncio.Future[bool]) -> None:
     """The fill of a cancelled read ended: now its room can go back."""
     if not fill.cancelled() and fill.exception() is not None:
         logger.warning("an abandoned read into the pool failed: %s", fill.exception())

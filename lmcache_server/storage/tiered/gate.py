@@ -1,16 +1,18 @@
-"""Admission to the lower tiers: which chunks are worth writing to disk and to Redis.
+"""The tier gate: which chunks are worth writing below memory, to disk and to Redis.
 
-Memory takes every put (its own policy decides, :mod:`.policy`).  Below it each
-lower tier has a mode (``disk_admission``, ``remote_admission``):
+Memory takes every put (its own policy decides, and admits, :mod:`..policy`).  Below
+it each lower tier has a gate, in one of three modes (the config keys keep their
+names: ``disk_admission``, ``remote_admission``; so do the counters in the stats,
+``admitted`` and ``declined``):
 
-- ``always``: every chunk, as before admission existed: a chunk evicted from
+- ``always``: every chunk, as before the gate existed: a chunk evicted from
   memory is spilled to disk; a chunk stored in memory is queued for Redis.
 - ``reused``: only a chunk that was read (a get hit in any tier) since it was
   put, or was put again (a second put while it is in memory, or a put of a
   chunk dropped from memory earlier and remembered in a bounded history of
   keys).
 - ``frequency``: a TinyLFU verdict from a count-min sketch of accesses (puts and
-  get hits; :class:`.policy.sketch.FrequencySketch`): a chunk is admitted when
+  get hits; :class:`..policy.sketch.FrequencySketch`): a chunk passes when
   its estimated frequency is at least 2 and, if the tier is full, greater than
   that of the tier's next victim (the chunk its write would evict).  Redis
   names no victim (its own memory policy and TTL decide), so there the rule is
@@ -19,12 +21,12 @@ lower tier has a mode (``disk_admission``, ``remote_admission``):
 When each tier decides: the disk when memory evicts the chunk (the spill); a
 declined chunk is dropped (counted in ``declined`` and ``declined_bytes``).
 Redis when the chunk is stored in memory and, if declined then, again at each
-later access while memory still holds it: admitted then, it is queued for
-Redis at that moment; a chunk that leaves memory without being admitted is
+later access while memory still holds it: passed then, it is queued for
+Redis at that moment; a chunk that leaves memory without passing is
 counted declined.  Keys already queued for Redis, or read from it, are
 remembered (bounded, :class:`SentKeys`) so that a chunk is not written twice;
 with ``remote_ttl_s`` only for that long, after which Redis has dropped the
-chunk and a later access that admits it writes it again.
+chunk and a later access that passes it writes it again.
 
 A delete forgets its keys; a ``clear`` of one namespace forgets that
 namespace's keys and no other's (:class:`ClearEpochs`): the histories keep
@@ -33,14 +35,14 @@ with the number of times it was cleared, and a clear moves its salt on (the old
 entries are never found again and age out).  A clear of every namespace, or of
 more distinct namespaces than :data:`MAX_CLEARED_NAMESPACES`, forgets every key.
 
-The tiered store calls :class:`StoreAdmission` at those points (``stored``,
+The tiered store calls :class:`StoreGate` at those points (``stored``,
 ``accessed``, ``uplinked``, ``from_remote``, ``spill``, ``evicted``, ``removed``,
-``deleted``); :class:`TierAdmission` is one
+``deleted``); :class:`TierGate` is one
 tier's rule and counters, :class:`Accesses` what both rules know of accesses.
 
-Primitives: ``MODES``, :func:`sketch_width_for`, :class:`AdmissionCounters`, :class:`Accesses`,
-:class:`TierAdmission` (``admits``, ``count``), :class:`SentKeys`, :class:`ClearEpochs`,
-:class:`StoreAdmission`.
+Primitives: ``MODES``, :func:`sketch_width_for`, :class:`GateCounters`, :class:`Accesses`,
+:class:`TierGate` (``passes``, ``count``), :class:`SentKeys`, :class:`ClearEpochs`,
+:class:`StoreGate`.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .base import ChunkKey
-from .policy import FrequencySketch, KeyHistory, key_hash
+from ..base import ChunkKey
+from ..policy import FrequencySketch, KeyHistory, key_hash
 
 MODES = ("always", "reused", "frequency")
 """The values of ``disk_admission`` and ``remote_admission``."""
@@ -69,7 +71,7 @@ def sketch_width_for(capacity_bytes: int) -> int:
 
 
 @dataclasses.dataclass
-class AdmissionCounters:
+class GateCounters:
     admitted: int = 0
     declined: int = 0
     declined_bytes: int = 0  # payload bytes not written to the tier
@@ -109,7 +111,7 @@ class ClearEpochs:
 
 
 class Accesses:
-    """What the admission rules know of chunk accesses: a sketch of their
+    """What the gates' rules know of chunk accesses: a sketch of their
     frequency (``frequency``), and which chunks in memory were reused (``reused``).
     ``epochs``: the namespaces' clears, shared with :class:`SentKeys` (a new one if None)."""
 
@@ -171,7 +173,7 @@ class Accesses:
         return self.sketch.estimate(key_hash(key)) if self.sketch is not None else 0
 
 
-class TierAdmission:
+class TierGate:
     """One lower tier's rule (``mode``, one of :data:`MODES`) and its counters."""
 
     def __init__(self, tier: str, mode: str, accesses: Accesses):
@@ -180,9 +182,9 @@ class TierAdmission:
         self.tier = tier
         self.mode = mode
         self.accesses = accesses
-        self.counters = AdmissionCounters()
+        self.counters = GateCounters()
 
-    def admits(self, key: ChunkKey, victim: Callable[[], ChunkKey | None] | None = None) -> bool:
+    def passes(self, key: ChunkKey, victim: Callable[[], ChunkKey | None] | None = None) -> bool:
         """Whether ``key`` deserves a write to the tier now (nothing counted).
         ``victim``: the chunk the write would evict from the tier (None: it fits)."""
         if self.mode == "always":
@@ -255,8 +257,8 @@ class SentKeys:
         return False
 
 
-class StoreAdmission:
-    """The tiered store's admission: the disk's and Redis' rules over shared
+class StoreGate:
+    """The tiered store's gates: the disk's and Redis' rules over shared
     :class:`Accesses`.  ``remote_mode`` None: no Redis tier."""
 
     def __init__(self, disk_mode: str, remote_mode: str | None, sketch_width: int = 1 << 16, remote_ttl_s: float = 0.0):
@@ -264,8 +266,8 @@ class StoreAdmission:
         sketch = FrequencySketch(sketch_width) if "frequency" in modes else None
         self._epochs = ClearEpochs()  # one namespace's clear forgets its keys in both histories
         self.accesses = Accesses(sketch, track_reuse="reused" in modes, epochs=self._epochs)
-        self.disk = TierAdmission("disk", disk_mode, self.accesses)
-        self.remote = TierAdmission("redis", remote_mode, self.accesses) if remote_mode is not None else None
+        self.disk = TierGate("disk", disk_mode, self.accesses)
+        self.remote = TierGate("redis", remote_mode, self.accesses) if remote_mode is not None else None
         self._owed: dict[ChunkKey, int] = {}  # in memory, not (yet) admitted to Redis: key -> bytes
         self._sent = SentKeys(remote_ttl_s, epochs=self._epochs)  # queued for or read from Redis
 
@@ -276,7 +278,7 @@ class StoreAdmission:
         remote = self.remote
         if remote is None:
             return False
-        if remote.mode == "always" or (key not in self._sent and remote.admits(key)):
+        if remote.mode == "always" or (key not in self._sent and remote.passes(key)):
             return True
         self._owed[key] = nbytes
         return False
@@ -289,7 +291,7 @@ class StoreAdmission:
         remote = self.remote
         if remote is None or remote.mode == "always":
             return False
-        return key not in self._sent and remote.admits(key)
+        return key not in self._sent and remote.passes(key)
 
     def uplinked(self, key: ChunkKey, nbytes: int) -> None:
         """``key`` was queued for Redis (counted admitted, remembered as sent)."""
@@ -322,9 +324,9 @@ class StoreAdmission:
 
     # -- disk, and leaving memory ----------------------------------------------------
     def spill(self, key: ChunkKey, nbytes: int, victim: Callable[[], ChunkKey | None], final: bool) -> bool:
-        """Whether the chunk memory evicts goes to disk; counted when admitted, or
+        """Whether the chunk memory evicts goes to disk; counted when passed, or
         when declined and ``final`` (a declined *lent* chunk stays in memory)."""
-        admitted = self.disk.admits(key, victim)
+        admitted = self.disk.passes(key, victim)
         if admitted or final:
             self.disk.count(admitted, nbytes)
         return admitted

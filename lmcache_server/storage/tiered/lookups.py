@@ -1,4 +1,4 @@
-"""The tiered store's lookups (:class:`TieredLookup`, a base of :class:`.tiered.TieredStore`):
+"""The tiered store's lookups (:class:`Lookups`, a part of :class:`.store.TieredStore`):
 which tier holds each key, without touching recency.
 
 - The local tiers (memory, a chunk still filling counts as memory, then disk)
@@ -7,11 +7,11 @@ which tier holds each key, without touching recency.
 - ``lookup`` answers the leading-hit count and the fastest tier per key and
   counts it (:class:`LookupCounters`); ``lookup_now`` answers without waiting
   when no key needs Redis.
-- With sizing telemetry on (``sizing``, :mod:`.sizing`), each lookup's keys are
+- With sizing telemetry on (``sizing``, :mod:`..sizing`), each lookup's keys are
   recorded in its ``lookup`` window, a memory hit being a key of the leading
   hit run found in memory.
 
-Primitives: :class:`TieredLookup` (``lookup``, ``lookup_now``, ``exists``), :class:`LookupCounters`.
+Primitives: :class:`Lookups` (``where``, ``lookup``, ``lookup_now``, ``exists``), :class:`LookupCounters`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import cast
 
-from .base import ChunkKey, Tier
+from ..base import ChunkKey
+from ..sizing import Sizing
 from .filling import Filling
-from .memory import MemoryTier
-from .remote import RedisTier
-from .sizing import Sizing
+from .roles import Tiers
 
 
 @dataclasses.dataclass
@@ -34,22 +33,19 @@ class LookupCounters:
     chunks_hit: int = 0
 
 
-class TieredLookup:
-    """The lookups of :class:`.tiered.TieredStore`; the store's ``__init__`` sets the
-    attributes below."""
+class Lookups:
+    """Which tier holds each key; ``counters`` counts the lookups."""
 
-    memory: MemoryTier
-    remote: RedisTier | None
-    filling: Filling
-    tiers: list[Tier]
-    lookup_counters: LookupCounters
-    sizing: Sizing | None
+    def __init__(self, tiers: Tiers, filling: Filling, sizing: Sizing | None):
+        self.memory = tiers.memory
+        self.remote = tiers.remote
+        self.tiers = tiers.all
+        self.filling = filling
+        self.sizing = sizing
+        self.counters = LookupCounters()
 
     def where(self, key: ChunkKey) -> str | None:
         """The fastest local tier holding ``key`` (None: none does)."""
-        return self._where(key)
-
-    def _where(self, key: ChunkKey) -> str | None:
         if key in self.filling:
             return self.memory.name
         return next((t.name for t in self.tiers if t.peek(key)), None)
@@ -98,7 +94,7 @@ class TieredLookup:
         self, namespace: str, digests: Sequence[bytes], tiers: list[str | None]
     ) -> tuple[int, list[str | None]]:
         hits = len(tiers) if None not in tiers else tiers.index(None)
-        c = self.lookup_counters
+        c = self.counters
         c.lookups += 1
         c.chunks_asked += len(tiers)
         c.chunks_hit += hits

@@ -1,12 +1,12 @@
-"""The tiered store's promotions (:class:`TieredPromotion`, a base of :class:`.tiered.TieredStore`):
+"""The tiered store's promotions (:class:`Promotion`, a part of :class:`.store.TieredStore`):
 copying chunks of a lower tier (disk, Redis) into memory.
 
 - ``fill_from_disk`` reads a disk chunk straight into reserved pool memory (one
   copy); ``fill_from`` copies a chunk already read from a lower tier into the
   pool, off the event loop.  Both answer with the memory tier's status (STORED:
   promoted and counted in ``promotions``; EXISTS: memory holds it already; a
-  refusal: no room), so a get (``promote``, ``promote_from_disk`` in
-  :mod:`.tiered`) and a prefetch share one way into memory.
+  refusal: no room), so a get (``promote``, ``promote_from_disk``: the pool
+  copy, leased, for :mod:`.reads`) and a prefetch share one way into memory.
 - ``prefetch_sizes`` / ``prefetch``: what a lookup with ``prefetch`` asks for
   (docs/protocol.md §5.5): the keys that a lower tier holds and memory does not,
   their sizes (the disk's index; Redis: one STRLEN round trip), and the promotion
@@ -18,8 +18,8 @@ copying chunks of a lower tier (disk, Redis) into memory.
 A cancelled promotion gives its room back once the thread writing into it has
 finished (:func:`.filling.fill_reservation`).
 
-Primitives: :func:`in_memory`, :class:`TieredPromotion` (``fill_from``, ``fill_from_disk``,
-``prefetch_sizes``, ``prefetch``).
+Primitives: :class:`Promotion` (``fill_from``, ``fill_from_disk``, ``promote``,
+``promote_from_disk``, ``prefetch_sizes``, ``prefetch``, ``counts``).
 """
 
 from __future__ import annotations
@@ -27,41 +27,29 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Sequence
 
-from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
-from .base import Chunk, ChunkKey, Residency
-from .disk import DiskTier
+from ..base import Chunk, ChunkKey
+from ..memory import Reservation
+from ..offload import Offload
 from .filling import Filling, fill_reservation
-from .memory import MemoryTier, Reservation
-from .offload import Offload
-from .remote import RedisTier
-from .tieradmission import StoreAdmission
+from .gate import StoreGate
+from .residence import Residence
+from .roles import SpillTarget, Tiers, Uplink
 
 
-def in_memory(events: Residency | None, key: ChunkKey, tokens: ChunkTokens | None, memory: str) -> None:
-    """``key`` became readable in memory (a put, a promotion): announced with ``tokens``
-    when it was not, else its medium is memory's again (it was only on disk or in Redis)."""
-    if events is None:
-        return
-    if tokens is not None:
-        events.stored(key, tokens, memory)  # (nothing when announced already)
-    if events.announced(key):
-        events.moved(key, memory)  # (nothing when announced in memory)
+class Promotion:
+    """Copies into memory; ``counts``: promotions per lower tier's name."""
 
-
-class TieredPromotion:
-    """The promotions of :class:`.tiered.TieredStore`; the store's ``__init__`` sets the
-    attributes below."""
-
-    memory: MemoryTier
-    disk: DiskTier | None
-    remote: RedisTier | None
-    filling: Filling
-    offload: Offload
-    promotions: dict[str, int]
-    admission: StoreAdmission | None
-    events: Residency | None
+    def __init__(self, tiers: Tiers, filling: Filling, offload: Offload, residence: Residence, gate: StoreGate | None):
+        self.memory = tiers.memory
+        self.disk = tiers.disk
+        self.remote = tiers.remote
+        self.filling = filling
+        self.offload = offload
+        self.residence = residence
+        self.gate = gate
+        self.counts: dict[str, int] = {t.name: 0 for t in tiers.lower}
 
     async def fill_from(self, tier: str, key: ChunkKey, chunk: Chunk) -> PutStatus | None:
         """Copy ``chunk`` (read from ``tier``) into the pool, off the loop: STORED when
@@ -77,13 +65,13 @@ class TieredPromotion:
 
         status = await fill_reservation(self.memory, reservation, fill())
         if status is PutStatus.STORED:
-            self.promotions[tier] += 1
-            in_memory(self.events, key, chunk.tokens, self.memory.name)  # its record's ids announce it
-            if self.admission is not None and self.remote is not None and tier == self.remote.name:
-                self.admission.from_remote(key)  # Redis holds it: no write owed
+            self.counts[tier] += 1
+            self.residence.in_memory(key, chunk.tokens, self.memory.name)  # its record's ids announce it
+            if self.gate is not None and self.remote is not None and tier == self.remote.name:
+                self.gate.from_remote(key)  # Redis holds it: no write owed
         return status
 
-    async def fill_from_disk(self, disk: DiskTier, key: ChunkKey) -> PutStatus | None:
+    async def fill_from_disk(self, disk: SpillTarget, key: ChunkKey) -> PutStatus | None:
         """Read a disk chunk straight into reserved pool memory (one copy): STORED when
         promoted, the memory tier's refusal when there is no room, None when the disk
         does not hold it (or its read failed)."""
@@ -99,9 +87,28 @@ class TieredPromotion:
 
         status = await fill_reservation(self.memory, reservation, fill())
         if status is PutStatus.STORED:
-            self.promotions[disk.name] += 1
-            in_memory(self.events, key, None, self.memory.name)
+            self.counts[disk.name] += 1
+            self.residence.in_memory(key, None, self.memory.name)
         return status
+
+    async def promote(self, tier: str, key: ChunkKey, chunk: Chunk) -> Chunk:
+        """Copy a lower-tier hit into the pool (off the loop) and serve the pool copy,
+        leased like any memory hit (zero-copy and shared-memory replies need it
+        there); the hit as read when there is no room."""
+        status = await self.fill_from(tier, key, chunk)
+        promoted = self.memory.lease(key) if status in (PutStatus.STORED, PutStatus.EXISTS) else None
+        if promoted is None:
+            return chunk
+        chunk.release()
+        return promoted
+
+    async def promote_from_disk(self, disk: SpillTarget, key: ChunkKey) -> Chunk | None:
+        """Read a disk chunk straight into reserved pool memory (one copy, then a
+        zero-copy send); None if it is not on disk or there is no room."""
+        status = await self.fill_from_disk(disk, key)
+        if status is not None and status not in (PutStatus.STORED, PutStatus.EXISTS):
+            return None  # no room
+        return self.memory.lease(key)  # None: not on disk, or its read failed
 
     # -- prefetch --------------------------------------------------------------------
     async def prefetch_sizes(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, int]:
@@ -154,7 +161,7 @@ class TieredPromotion:
         size = self.disk.payload_size(key) or 0
         return size if await self.fill_from_disk(self.disk, key) is PutStatus.STORED else 0
 
-    async def _from_remote(self, remote: RedisTier, keys: Sequence[ChunkKey]) -> list[int]:
+    async def _from_remote(self, remote: Uplink, keys: Sequence[ChunkKey]) -> list[int]:
         found = await remote.get_many(keys)
         hits = [(key, chunk) for key, chunk in zip(keys, found) if chunk is not None]
         statuses = await asyncio.gather(*(self.fill_from(remote.name, k, c) for k, c in hits), return_exceptions=True)
