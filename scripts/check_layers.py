@@ -61,7 +61,7 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
         {
             "config": [
                 "lmcache_server.config",
-                "lmcache_server.configfields",
+                "lmcache_server.serverconfig",
                 "lmcache_server.configvalues",
                 "lmcache_server.kv_codec",
             ],
