@@ -36,6 +36,9 @@ __all__ = ["STAGED_SHARE", "Handlers", "Outcome"]
 
 
 class Handlers:
+    """One method per op; the ops of its parts: ``cache_api`` (pin, prefetch) and
+    ``shm_ops`` (a get under a read lease, alloc, commit, bind, release)."""
+
     def __init__(
         self,
         store: TieredStore,
