@@ -91,7 +91,7 @@ run: setup
 
 ## Run the test suite against real daemon processes (and real redis-server, prometheus, vLLM).
 test: system-deps setup-test setup-vllm setup-sglang setup-dynamo
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 ## The deployment checks alone (make test runs them too): the images built with podman from
 ## the local base (scripts/local-base.sh, once per machine), the CPU compose stack end to end,

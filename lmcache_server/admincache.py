@@ -9,10 +9,11 @@
   root; ``--chunk-size`` defaults to the daemon's.
 - ``namespace NS``: what the namespace holds, per tier, and what of it is pinned.
 
-The keys are the vLLM connector's, computed by its own code: the root is
-:func:`lmcache_client.integrations.vllm.matching.key_root` of a request with that
-salt and tags, then every full chunk's key and the key of the prompt's partial last
-chunk (its tail, when it has two tokens or more), as the connector stores them.  A
+The keys are the vLLM connector's, computed by the engine-neutral code the
+connector calls too (the daemon imports no engine adapter): the root is
+:func:`lmcache_client.keys.request_root` of that salt and tags (no LoRA adapter),
+then :func:`lmcache_client.keys.prompt_keys`: every full chunk's key and the key of
+the prompt's partial last chunk (its tail, when it has two tokens or more).  A
 prompt of more chunks than the daemon takes keys in one request is refused.
 
 Primitives: :func:`add_commands`, :func:`run_command`, :func:`prompt_keys`,
@@ -27,12 +28,10 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from lmcache_client import CacheClient
-from lmcache_client.integrations.vllm.matching import key_root
-from lmcache_client.keys import chunk_keys, tail_key
+from lmcache_client import keys as key_chain
 
 PROMPT_COMMANDS = ("pin", "unpin", "delete", "prefetch")
 MAX_TOKEN_ID = 2**32 - 1
@@ -169,14 +168,9 @@ def prompt_keys(
     """The keys the vLLM connector stores ``tokens``' KV under: each full chunk's, then the tail's."""
     if chunk_size < 1:
         raise PromptError(f"--chunk-size must be positive, got {chunk_size}")
-    request = SimpleNamespace(cache_salt=salt or None, lora_request=None, mm_features=None, prompt_embeds=None)
-    root = key_root(request, _tags(tags))
-    assert root is not None  # only multimodal requests have none
-    keys = chunk_keys(tokens, chunk_size, root)
-    start = len(keys) * chunk_size
-    if len(tokens) - start >= 2:  # the connector's rule: a one-token tail is always recomputed
-        keys.append(tail_key(keys[-1] if keys else root, tokens[start:]))
-    return keys
+    root = key_chain.request_root(None, salt or None, _tags(tags))
+    keys, tail = key_chain.prompt_keys(tokens, chunk_size, root)
+    return keys if tail is None else [*keys, tail]
 
 
 def _keys(args: argparse.Namespace, client: CacheClient) -> list[bytes]:

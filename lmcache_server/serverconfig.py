@@ -231,7 +231,10 @@ class ServerConfig:
         "Keys in one request (it also sets the header limit, docs/protocol.md 8.1).",
     )
     max_pinned_fraction: float = v.field(
-        0.5, v.float_in(0.0, 1.0), "a number from 0 to 1", "Share of the memory pool that pinned chunks may fill."
+        0.5,
+        v.float_in(0.0, 1.0),
+        "a number from 0 to 1",
+        "Share of the memory pool that pinned chunks may fill, and of its memory quota a tenant's pins may fill.",
     )
     zmq_hwm: int = v.field(
         256,

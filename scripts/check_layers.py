@@ -17,7 +17,9 @@ It reads every module of ``lmcache_server`` and ``client/lmcache_client`` with
    its layer (LAYERS below).
 3. code outside a storage subpackage importing one of its inner modules: only the
    subpackage's ``__init__`` is its face (SEALED below).
-4. a module that no room of LAYERS holds, an import of a module that does not
+4. an import FORBIDDEN below names, whatever the layers allow: the daemon never
+   imports an engine adapter (``lmcache_client.integrations``).
+5. a module that no room of LAYERS holds, an import of a module that does not
    exist, and a file that does not parse.
 
 Tests and benchmarks are not checked.  Run: ``python scripts/check_layers.py``
@@ -39,9 +41,8 @@ from pathlib import Path
 #
 # LAYERS[scope] lists that scope's layers, the TOP one first.  A layer is a dict of
 # rooms, room name -> module patterns.  A pattern is a dotted module name, or a prefix
-# ending in "*": "lmcache_server.storage.memory*" holds storage/memory.py and
-# memorywarm.py of the flat layout as well as everything in the storage/memory/
-# subpackage.  The longest matching pattern wins.
+# ending in "*": "lmcache_server.storage.memory*" holds the storage/memory/ subpackage
+# and everything in it.  The longest matching pattern wins.
 # A module may import its own room, and any room of a LOWER layer; never a higher
 # layer, and never another room of its own layer (siblings stay apart).  When both
 # modules sit in the same room and LAYERS has a scope named after that room, the
@@ -81,22 +82,11 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
             "storage.tieradmission": ["lmcache_server.storage.tieradmission"],  # which chunks go below memory
         },
         {
-            "storage.memory": [
-                "lmcache_server.storage.memory*",
-                "lmcache_server.storage.pool*",
-                "lmcache_server.storage.allocator*",
-                "lmcache_server.storage.warmstart*",
-            ],
-            "storage.disk": ["lmcache_server.storage.disk*", "lmcache_server.storage.spillqueue*"],
+            "storage.memory": ["lmcache_server.storage.memory*"],
+            "storage.disk": ["lmcache_server.storage.disk*"],
             "storage.remote": ["lmcache_server.storage.remote*"],
         },
-        {
-            "storage.policy": [
-                "lmcache_server.storage.policy*",
-                "lmcache_server.storage.adaptive*",
-                "lmcache_server.storage.history*",
-            ],
-        },
+        {"storage.policy": ["lmcache_server.storage.policy*"]},
         {
             "storage leaves": [
                 "lmcache_server.storage.base*",
@@ -125,6 +115,13 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
 # outside it: lmcache_server.app may import lmcache_server.storage.disk, not
 # lmcache_server.storage.disk.tier (nor lmcache_server.server.shm.leases).
 SEALED: list[str] = ["lmcache_server.storage", "lmcache_server.server"]
+
+# Imports no module matching the first pattern may make of a module matching the second
+# (patterns as in LAYERS), whatever the layers allow, and why.
+FORBIDDEN: list[tuple[str, str, str]] = [
+    # The admin CLI computes the connector's keys with lmcache_client.keys, as the connector does.
+    ("lmcache_server*", "lmcache_client.integrations*", "the daemon never imports an engine adapter"),
+]
 
 # Which imports form the graph the cycle check walks: "module" (run at import time),
 # "type" (under if TYPE_CHECKING:), "function" (inside a def, run lazily).
@@ -297,6 +294,17 @@ def sealed_rule(source: str, target: str) -> str | None:
     return None
 
 
+def _matches(pattern: str, module: str) -> bool:
+    return module.startswith(pattern.removesuffix("*")) if pattern.endswith("*") else module == pattern
+
+
+def forbidden_rule(source: str, target: str) -> str | None:
+    for importer, imported, why in FORBIDDEN:
+        if _matches(importer, source) and _matches(imported, target):
+            return f"{why} ({importer} may not import {imported})"
+    return None
+
+
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's components of ``graph`` with more than one module, iteratively."""
     index: dict[str, int] = {}
@@ -388,7 +396,8 @@ def check(root: Path) -> tuple[list[str], str]:
         if imp.missing:
             problems.append((shown, imp.line, f"{head}: no such module in the tree"))
             continue
-        for reason in (layer_rule(imp.source, imp.target), sealed_rule(imp.source, imp.target)):
+        rules = (layer_rule, sealed_rule, forbidden_rule)
+        for reason in (rule(imp.source, imp.target) for rule in rules):
             if reason is not None:
                 problems.append((shown, imp.line, f"{head}: {reason}"))
         if imp.kind in CYCLE_KINDS and imp.source != imp.target:

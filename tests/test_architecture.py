@@ -146,6 +146,44 @@ def test_the_client_never_imports_the_daemon(tmp_path: Path) -> None:
     ]
 
 
+def test_the_daemon_never_imports_an_engine_adapter(tmp_path: Path) -> None:
+    """The layers would let the cli import any of lmcache_client; FORBIDDEN keeps the
+    engine adapters out of the daemon, lazy imports included."""
+    lines = violations(
+        tmp_path,
+        **{
+            "lmcache_server/admin.py": "from lmcache_client.integrations.vllm.connector import key_root\n",
+            "lmcache_server/storage/base.py": "def f():\n    from lmcache_client import integrations\n",
+        },
+    )
+    assert lines == [
+        "lmcache_server/admin.py:1 imports lmcache_client.integrations.vllm.connector: the daemon never imports "
+        "an engine adapter (lmcache_server* may not import lmcache_client.integrations*)",
+        "lmcache_server/storage/base.py:2 imports lmcache_client.integrations [in a function]: the daemon never "
+        "imports an engine adapter (lmcache_server* may not import lmcache_client.integrations*)",
+    ]
+
+
+def test_every_pattern_of_the_tables_holds_a_module_of_the_tree() -> None:
+    """No stale pattern (a module of an old layout) stays in LAYERS, SEALED or FORBIDDEN."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_layers", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    check_layers = importlib.util.module_from_spec(spec)
+    sys.modules["check_layers"] = check_layers  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(check_layers)
+    finally:
+        del sys.modules["check_layers"]
+    modules = check_layers.find_modules(ROOT)
+    patterns = [p for scope in check_layers.LAYERS.values() for layer in scope for room in layer.values() for p in room]
+    patterns += [f"{parent}*" for parent in check_layers.SEALED]
+    patterns += [p for rule in check_layers.FORBIDDEN for p in rule[:2]]
+    stale = [p for p in patterns if not any(check_layers._matches(p, m) for m in modules)]
+    assert not stale
+
+
 def test_sibling_rooms_stay_apart(tmp_path: Path) -> None:
     lines = violations(
         tmp_path,

@@ -19,6 +19,9 @@ also folds in the tail's length:
 so a tail key names the exact whole prompt and can never equal the key of a
 full chunk (another domain prefix), nor the tail of another prompt.  The
 prefill/decode handoff stores tails so a decoder computes only the last token.
+A tail of one token is never stored: that token is the prompt's last, which an
+engine always computes to get logits (:func:`prompt_keys`, the one place of
+this rule for the vLLM connector and the admin CLI).
 
 A request whose KV depends on more than its tokens (a LoRA adapter, a
 per-request cache salt) starts its chain from another root:
@@ -26,7 +29,8 @@ per-request cache salt) starts its chain from another root:
 (:func:`salted_root`), so it shares chunks only with requests of the same parts.
 
 Primitives: :func:`chunk_keys` (tokens -> keys), :func:`chain_key` (one step),
-:func:`tail_key` (a prompt's partial last chunk), :func:`salted_root`,
+:func:`tail_key` (a prompt's partial last chunk), :func:`prompt_keys` (a prompt's
+stored keys: its full chunks' and its tail's), :func:`salted_root`, :func:`request_root`,
 :class:`ChunkHasher`, which remembers the chunk size, and :class:`ChunkTokens`
 with :func:`chunk_tokens` and :func:`pack_chunk_tokens`: what a put may say about each chunk's tokens (the
 daemon announces them to KV-aware routers, docs/events.md).
@@ -44,6 +48,9 @@ from .protocol.codes import KEY_BYTES
 KEY_DOMAIN = b"lmcache-chunk-v1"
 TAIL_DOMAIN = b"lmcache-tail-v1"
 ROOT_KEY = bytes(KEY_BYTES)
+MIN_TAIL_TOKENS = 2
+"""A prompt's partial last chunk is stored only from this many tokens: a one-token
+tail holds only the last token, which the engine always recomputes."""
 _MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -140,6 +147,17 @@ def chunk_keys(tokens: Sequence[int] | Iterable[int], chunk_size: int, root: byt
         prev = chain_key(prev, seq[start : start + chunk_size])
         keys.append(prev)
     return keys
+
+
+def prompt_keys(prompt: Sequence[int], chunk_size: int, root: bytes = ROOT_KEY) -> tuple[list[bytes], bytes | None]:
+    """The keys ``prompt``'s KV is stored under: every full chunk's (a chain from
+    ``root``), and its tail's (None unless the prompt ends in a partial chunk of
+    :data:`MIN_TAIL_TOKENS` or more: a one-token tail is always recomputed)."""
+    keys = chunk_keys(prompt, chunk_size, root)
+    start = len(keys) * chunk_size
+    if len(prompt) - start < MIN_TAIL_TOKENS:
+        return keys, None
+    return keys, tail_key(keys[-1] if keys else root, prompt[start:])
 
 
 def chunk_tokens(tokens: Sequence[int] | Iterable[int], chunk_size: int, root: bytes = ROOT_KEY) -> list[ChunkTokens]:

@@ -168,7 +168,8 @@ _TIER_FAMILIES: list[tuple[type, str, str, tuple[str, ...]]] = [
     (_G, "lmcache_tier_used_bytes",
      "Bytes counted against capacity_bytes (allocator extents in memory, 4 KiB blocks on disk).",
      ("allocated_bytes", "disk_bytes")),
-    (_G, "lmcache_tier_pinned_bytes", "Pinned bytes in the tier.", ("pinned_bytes",)),
+    (_G, "lmcache_tier_pinned_bytes", "Bytes pinned chunks hold in the tier (memory: extents, 4 KiB pages).",
+     ("pinned_bytes",)),
     (_G, "lmcache_tier_fragmentation", "1 - largest free extent / free bytes of the tier's allocator.",
      ("fragmentation",)),
 ]  # fmt: skip
@@ -214,7 +215,9 @@ class StoreCollector(Collector):
 def _tenant_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
     """Per-tenant quota use by tier (only tenants named in ``tenant_quotas``)."""
     used = GaugeMetricFamily(
-        "lmcache_tenant_used_bytes", "Bytes a tenant holds in the tier.", labels=["tier", "tenant"]
+        "lmcache_tenant_used_bytes",
+        "Bytes a tenant holds in the tier (memory: extents in the pool, 4 KiB pages).",
+        labels=["tier", "tenant"],
     )
     limit = GaugeMetricFamily(
         "lmcache_tenant_quota_bytes", "The tenant's quota in the tier (tenant_quotas).", labels=["tier", "tenant"]

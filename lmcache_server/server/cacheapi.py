@@ -4,11 +4,14 @@
 the ``stats`` op with ``ns`` (its ``namespace`` map: chunks and bytes per tier,
 pinned chunks and bytes); what needs more than one store call is here:
 
-- ``pin``: the bytes the request would add to the pinned bytes (chunks memory
-  holds unpinned, plus those a lower tier holds, which are promoted first) are
-  checked against ``max_pinned_fraction`` of the memory tier *before* anything
-  is pinned: over it, the request is refused whole with ``PIN_LIMIT``, saying
-  how many bytes it needed and how many are left.  Then the chunks on disk or
+- ``pin``: the bytes the request would add to the pinned bytes (the extents,
+  bytes held in the pool, of chunks memory holds unpinned, plus those a lower
+  tier holds, which are promoted first) are checked against the room left to
+  pin the namespace's chunks *before* anything is pinned: ``max_pinned_fraction``
+  of the memory tier, and of its tenant's memory quota when it has one
+  (storage/memory/index.py ``pin_room``).  Over it, the request is refused
+  whole with ``PIN_LIMIT``, saying how many bytes it needed, how many are
+  left and which bound it met.  Then the chunks on disk or
   in Redis are promoted (as ``prefetch`` does) and every key held in memory is
   pinned.  ``pinned[i]`` is false for a chunk no tier holds, or one the
   in-flight budget or memory had no room to promote.
@@ -29,6 +32,7 @@ from __future__ import annotations
 from lmcache_client.protocol import ErrorCode, ProtocolError, Request
 
 from ..storage import ChunkKey, TieredStore
+from ..storage.memory import extent_of
 from .outcome import Outcome
 from .prefetch import Prefetcher
 
@@ -47,13 +51,14 @@ class CacheApi:
         keys = [ChunkKey(namespace, d) for d in dict.fromkeys(request.keys)]
         in_memory = [cost for cost in map(memory.pin_cost, keys) if cost is not None]
         lower = await self.store.prefetch_sizes(keys)
-        adds = sum(in_memory) + sum(lower.values())
-        left = memory.max_pinned_bytes - memory.pinned_bytes
-        if adds > left:
+        adds = sum(in_memory) + sum(map(extent_of, lower.values()))
+        room = memory.pin_room(namespace)
+        if adds > room.left:
+            of = "the memory tier" if room.tenant is None else f"tenant {room.tenant}'s memory quota"
             message = (
-                f"pinning these chunks needs {adds} more pinned bytes, {max(left, 0)} are left of "
-                f"{memory.max_pinned_bytes} (max_pinned_fraction {self.max_pinned_fraction} of the memory "
-                "tier); nothing was pinned: unpin other chunks or raise max_pinned_fraction"
+                f"pinning these chunks needs {adds} more pinned bytes (held in the pool), {max(room.left, 0)} "
+                f"are left of {room.limit} (max_pinned_fraction {self.max_pinned_fraction} of {of}); "
+                "nothing was pinned: unpin other chunks or raise max_pinned_fraction"
             )
             raise ProtocolError(ErrorCode.PIN_LIMIT, message, request.id)
         promoted = await self.prefetcher.promote_now(namespace, list(k.digest for k in lower)) if lower else None

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from lmcache_client import ChunkHasher, Namespace, chain_key, chunk_keys
-from lmcache_client.keys import KEY_DOMAIN, ROOT_KEY
+from lmcache_client.keys import KEY_DOMAIN, ROOT_KEY, prompt_keys, request_root, tail_key
 
 SCRIPT = "import sys; from lmcache_client import chunk_keys; print(chunk_keys(list(range(1000)), 256)[-1].hex())"
 
@@ -24,6 +24,19 @@ def test_matches_documented_algorithm() -> None:
     k1 = hashlib.sha256(KEY_DOMAIN + k0 + struct.pack("<4I", 11, 12, 13, 14)).digest()
     assert keys == [k0, k1]
     assert chain_key(k0, [11, 12, 13, 14]) == k1
+
+
+@pytest.mark.parametrize(
+    ("length", "full", "tail"), [(1, 0, False), (2, 0, True), (8, 2, False), (9, 2, False), (10, 2, True)]
+)
+def test_prompt_keys_store_a_tail_of_two_tokens_or_more(length: int, full: int, tail: bool) -> None:
+    """A prompt's stored keys: its full chunks', then its tail's unless that is one token
+    (the prompt's last, which the engine always computes) or none."""
+    prompt = list(range(100, 100 + length))
+    root = request_root(None, "salt")
+    keys, tail_k = prompt_keys(prompt, 4, root)
+    assert keys == chunk_keys(prompt, 4, root) and len(keys) == full
+    assert tail_k == (tail_key(keys[-1] if keys else root, prompt[full * 4 :]) if tail else None)
 
 
 def test_prefix_dependence() -> None:

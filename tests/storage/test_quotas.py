@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmcache_client import Namespace, PutStatus, calls
+from lmcache_client import ErrorCode, Namespace, PutStatus, ServerError, calls
 
 from ..conftest import Daemon, wait_for
 
@@ -75,6 +75,53 @@ def test_quota_never_evicts_leased_chunks(daemon_factory: Callable[..., Daemon])
         assert reader._run(calls.release([grant.lease])) == [True]
         assert writer.put([k], [data(k)], namespace=acme) == [PutStatus.STORED]
         assert sum(writer.exists(held, namespace=acme)) == 1
+
+
+def test_a_one_byte_pin_flood_stops_at_the_tenants_share(daemon_factory: Callable[..., Daemon]) -> None:
+    """Issue 39 item 3: every chunk holds at least one 4 KiB page of the pool, so
+    quotas and pins charge that extent.  Before, a tenant with a 1 MiB quota
+    pinned 16,384 one-byte chunks (16 KiB of payload) and filled the whole
+    64 MiB pool: every other tenant's put was NO_SPACE.  Now its pins stop at
+    its share (max_pinned_fraction 0.5 of its quota: 128 pages), it holds at
+    most its quota, and another tenant's puts are stored."""
+    d = daemon_factory(
+        max_local_cpu_size="64MiB", tenant_quotas={"acme": {"memory": "1MiB"}}, cache_policy="lru", warm_restart=True
+    )
+    acme, other = ns("acme"), ns("other")
+    pinned, pins_refused, stored = 0, False, 0
+    with d.client() as c:
+        for batch in range(16384 // 64):
+            keys = [key(f"flood-{batch}", i) for i in range(64)]
+            statuses = c.put(keys, [b"x"] * len(keys), namespace=acme)
+            assert set(statuses) <= {PutStatus.STORED, PutStatus.NO_SPACE}
+            stored += statuses.count(PutStatus.STORED)
+            for k in keys:  # one at a time, as a flood that wants every pin it can get
+                if pins_refused:
+                    break
+                try:
+                    pinned += sum(c.pin([k], namespace=acme))
+                except ServerError as err:
+                    assert err.code == ErrorCode.PIN_LIMIT and "tenant acme's memory quota" in err.message
+                    pins_refused = True
+        assert pinned == 128 and stored == 16384  # unpinned, its own chunks make room for its next ones
+        listing = c.stats(namespace=acme)["namespace"]
+        assert (listing["pinned_chunks"], listing["pinned_bytes"]) == (128, 128 * 4096)
+        tenants = c.stats()["tiers"]["memory"]["tenants"]
+        assert tenants["acme"]["used_bytes"] == MiB  # 256 one-byte chunks: 256 pages held in the pool
+        # Another tenant fills the rest of the pool.
+        theirs = [key("other", i) for i in range(62)]
+        for k in theirs:
+            assert c.put([k], [data(k)], namespace=other) == [PutStatus.STORED]
+    # The pins survive a warm restart, charged the same.
+    assert d.stop() == 0
+    d.start()
+    with d.client() as c:
+        listing = c.stats(namespace=acme)["namespace"]
+        assert (listing["pinned_chunks"], listing["pinned_bytes"]) == (128, 128 * 4096)
+        assert c.stats()["tiers"]["memory"]["tenants"]["acme"]["used_bytes"] == MiB
+        assert c.exists(theirs, namespace=other) == [True] * 62
+        k = key("other-after", 0)
+        assert c.put([k], [data(k)], namespace=other) == [PutStatus.STORED]
 
 
 def test_disk_quota_evicts_within_the_tenant(daemon_factory: Callable[..., Daemon], tmp_path: Path) -> None:

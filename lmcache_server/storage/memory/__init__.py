@@ -1,7 +1,9 @@
 """The memory tier and what it stands on: the pool, its allocator, warm restarts.
 
 - ``pool``: the shared-memory segment (:class:`MemoryPool`), pinned when it can be;
-- ``allocator``: best-fit extents of ``ALIGNMENT`` bytes inside it;
+- ``allocator``: best-fit extents of ``ALIGNMENT`` bytes inside it
+  (``extent_of(size)``: the bytes a chunk of ``size`` holds in the pool, what
+  quotas and pins charge);
 - ``entry``: the compact per-chunk record (offset and size packed in one int);
 - ``tier``: :class:`MemoryTier`, the chunks in the pool: reads, reservations
   (the two-phase write), pins; built on ``eviction`` (allocation, eviction,
@@ -14,7 +16,7 @@ It imports the storage leaves and :mod:`..policy`, never the disk or Redis tier.
 Code outside this room imports the names below from ``storage.memory``.
 """
 
-from .allocator import ALIGNMENT
+from .allocator import ALIGNMENT, extent_of
 from .entry import UNBOUND, Reservation
 from .pool import MemoryPool, PinningError, remove_stale_segments
 from .tier import MemoryTier
@@ -34,6 +36,7 @@ __all__ = [
     "PinningError",
     "Reservation",
     "WarmStart",
+    "extent_of",
     "installation_id",
     "remove_stale_segments",
 ]

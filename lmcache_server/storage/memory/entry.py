@@ -87,6 +87,9 @@ class Reservation:
     view: memoryview
     tokens: ChunkTokens | None = None
     """The chunk's token ids, when its put sent them (announced at commit, then dropped)."""
+    charged: int = 0
+    """Bytes (its extent) reserved in its tenant's quota until it commits or is aborted,
+    so that the chunks of one batch cannot each pass the quota check alone."""
 
 
 UNBOUND = ChunkKey("", b"")

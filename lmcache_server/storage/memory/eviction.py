@@ -8,7 +8,8 @@ spill), waiting for lent room, and the tenants' quotas (one layer of
 - With a disk tier the victims are *lent* to the spill (``on_evict(key, chunk,
   True)``): their extents come back once written, and :meth:`TierEviction.room_coming`
   / :meth:`TierEviction.wait_for_room` let a put wait for them.
-- A tenant over its quota evicts its own chunks first.
+- A tenant over its quota evicts its own chunks first; the quota counts extents
+  (bytes held in the pool), never payload bytes.
 
 Primitives: :class:`TierEviction` (``room_coming``, ``wait_for_room``, ``_allocate``,
 ``_evict``, ``_within_quota``).
@@ -20,7 +21,7 @@ import asyncio
 
 from ..base import ChunkKey
 from ..tenants import tenant_of
-from .allocator import aligned
+from .allocator import extent_of
 from .entry import Entry as _Entry
 from .index import ChunkIndex
 
@@ -30,7 +31,7 @@ class TierEviction(ChunkIndex):
 
     def room_coming(self, size: int) -> bool:
         """Whether chunks lent to the spill will free room for ``size`` bytes once written."""
-        return bool(self.lent_bytes) and self.allocator.free_bytes + self.lent_bytes >= aligned(size)
+        return bool(self.lent_bytes) and self.allocator.free_bytes + self.lent_bytes >= extent_of(size)
 
     async def wait_for_room(self, timeout_s: float) -> bool:
         """Wait until an extent of a removed chunk is freed (False: ``timeout_s`` passed first)."""
@@ -102,19 +103,21 @@ class TierEviction(ChunkIndex):
         return True
 
     def _within_quota(self, key: ChunkKey, size: int) -> bool:
-        """Evict the key's tenant's own chunks until ``size`` more bytes fit its
-        quota (storage/tenants.py); False when they cannot."""
+        """Evict the key's tenant's own chunks until a chunk of ``size`` payload
+        bytes fits its quota (storage/tenants.py), charged its extent (the bytes
+        it will hold in the pool); False when they cannot."""
         found = self.quotas.limit_for(key.namespace)
         if found is None:
             return True
         tenant, limit = found
+        size = extent_of(size)
         if size > limit:
             return False
 
         def not_theirs(k: ChunkKey) -> bool:
             return self._is_leased(k) or tenant_of(k.namespace) != tenant
 
-        while self.quotas.used(tenant) + size > limit:
+        while self.quotas.used(tenant) + self.quotas.reserved(tenant) + size > limit:
             victim = self.policy.victim(not_theirs)
             if victim is None:
                 return False
@@ -126,4 +129,4 @@ class TierEviction(ChunkIndex):
         """Whether evicting every evictable chunk would free enough bytes (O(1):
         ``evictable_bytes`` is kept current; asked when pinned or leased chunks
         make the answer uncertain)."""
-        return self.allocator.free_bytes + self.evictable_bytes >= aligned(size)
+        return self.allocator.free_bytes + self.evictable_bytes >= extent_of(size)

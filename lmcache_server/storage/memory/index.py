@@ -10,12 +10,23 @@ removal, and the byte accounts (one layer of :class:`.tier.MemoryTier`).
 - :meth:`ChunkIndex._remove` takes a chunk out of the index, the policy and the
   accounts; :meth:`ChunkIndex._account` keeps ``stored_bytes``, the tenants' and
   the namespaces' counts.
+- What a chunk is charged, in its tenant's quota and in the pinned bytes, is its
+  *extent* (``extent_of(size)``: the payload rounded up to 4 KiB pages), the
+  bytes it holds in the pool: charged payload bytes, one-byte chunks would hold
+  4096 times a quota or the pin limit.  ``stored_bytes`` and the namespaces'
+  byte counts stay payload bytes (what was stored).
+- Pins have two bounds (:meth:`ChunkIndex.pin_room`): all pinned extents
+  together at most ``max_pinned_bytes`` (``max_pinned_fraction`` of the pool),
+  and each tenant with a memory quota at most its *share*, the same fraction
+  of its quota, so that one tenant cannot take the pinnable room and keeps
+  part of its quota for chunks that come and go.
 
 Every attribute of the tier is set here, in :meth:`ChunkIndex.__init__` (the
 tier's constructor); :mod:`.eviction` and :mod:`.tier` build on this class.
 
 Primitives: :class:`ChunkIndex` (``_entry``, ``_pack``, ``_lease``, ``_release``,
-``_remove``, ``_account``, ``_touch``, ``_is_leased``), :class:`TierCounters`.
+``_remove``, ``_account``, ``_account_pin``, ``pin_room``, ``_touch``,
+``_is_leased``), :class:`PinRoom`, :class:`TierCounters`.
 """
 
 from __future__ import annotations
@@ -45,6 +56,16 @@ class TierCounters:
     skipped: int = 0
     adopted: int = 0  # chunks taken over from the daemon before a warm restart
     replaced_wrong_size: int = 0  # stored chunks replaced by a put of another size
+
+
+@dataclasses.dataclass(frozen=True)
+class PinRoom:
+    """How many more bytes (extents) a namespace's chunks may pin, and the bound that says so."""
+
+    left: int
+    limit: int
+    tenant: str | None
+    """The tenant whose share is the tighter bound; None: the pool-wide ``max_pinned_bytes``."""
 
 
 class ChunkIndex:
@@ -83,8 +104,8 @@ class ChunkIndex:
         """key -> its entry: a packed int while neither leased nor pinned (storage/memory/entry.py)."""
         self._by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
         self.stored_bytes = 0
-        self.pinned_bytes = 0
-        self._pinned_by_namespace: dict[str, list[int]] = {}  # ns -> [pinned chunks, pinned payload bytes]
+        self.pinned_bytes = 0  # extents of pinned chunks
+        self._pinned_by_namespace: dict[str, list[int]] = {}  # ns -> [pinned chunks, their extents]
         self.leased_chunks = 0
         self.evictable_bytes = 0  # extents of indexed chunks neither leased nor pinned
         self.keep_segment = False  # leave the shared segment at close: its index was written
@@ -143,7 +164,7 @@ class ChunkIndex:
     def _remove(self, entry: _Entry) -> None:
         del self._index[entry.key]
         if entry.pinned:
-            self._account_pin(entry.key, entry.size, -1)
+            self._account_pin(entry.key, entry.extent, -1)
         else:
             self.policy.removed(entry.key)
             if not entry.leases:
@@ -157,23 +178,40 @@ class ChunkIndex:
         if self.on_removed is not None:
             self.on_removed(entry.key)
 
-    def _account_pin(self, key: ChunkKey, size: int, sign: int) -> None:
-        """A pin (+1) or its end (-1, unpinned or removed) in ``pinned_bytes`` and per namespace."""
-        self.pinned_bytes += sign * size
+    def _account_pin(self, key: ChunkKey, extent: int, sign: int) -> None:
+        """A pin (+1) or its end (-1, unpinned or removed) of a chunk holding
+        ``extent`` bytes of the pool, in ``pinned_bytes``, per namespace and per tenant."""
+        self.pinned_bytes += sign * extent
+        self.quotas.account_pinned(key.namespace, sign * extent)
         counts = self._pinned_by_namespace.setdefault(key.namespace, [0, 0])
         counts[0] += sign
-        counts[1] += sign * size
+        counts[1] += sign * extent
         if not counts[0]:
             del self._pinned_by_namespace[key.namespace]
 
     def pinned_in(self, namespace: str) -> tuple[int, int]:
-        """The pinned chunks of ``namespace`` and their payload bytes."""
+        """The pinned chunks of ``namespace`` and the bytes they hold in the pool (extents)."""
         counts = self._pinned_by_namespace.get(namespace, (0, 0))
         return counts[0], counts[1]
 
+    def pin_room(self, namespace: str) -> PinRoom:
+        """The room left to pin chunks of ``namespace``: the tighter of the pool-wide
+        ``max_pinned_bytes`` and, for a tenant with a quota here, its share (see the module)."""
+        room = PinRoom(self.max_pinned_bytes - self.pinned_bytes, self.max_pinned_bytes, None)
+        found = self.quotas.limit_for(namespace)
+        if found is not None:
+            tenant, quota = found
+            share = min(quota * self.max_pinned_bytes // self.pool.size, self.max_pinned_bytes)
+            left = share - self.quotas.pinned(tenant)
+            if left < room.left:
+                room = PinRoom(left, share, tenant)
+        return room
+
     def _account(self, key: ChunkKey, size: int, sign: int) -> None:
+        """A chunk of ``size`` payload bytes stored (+1) or removed (-1): payload bytes
+        in ``stored_bytes`` and the namespace's count, its extent in its tenant's."""
         self.stored_bytes += sign * size
-        self.quotas.account(key.namespace, sign * size)
+        self.quotas.account(key.namespace, sign * extent_of(size))
         counts = self._by_namespace.setdefault(key.namespace, [0, 0])
         counts[0] += sign
         counts[1] += sign * size

@@ -10,7 +10,9 @@
   Eviction skips leased chunks; deleting one hides it at once and frees its
   bytes when the last lease ends, so bytes are never overwritten under a reader.
 - Pinned chunks are taken out of the policy altogether (never evicted) and
-  may fill at most ``max_pinned_bytes``.
+  may fill at most ``max_pinned_bytes`` of the pool, each tenant with a quota
+  at most its share (:meth:`.index.ChunkIndex.pin_room`); a pin is charged the
+  chunk's extent, the bytes it holds in the pool.
 - ``on_evict(key, chunk, lend)`` is called with a leased :class:`Chunk` of each
   evicted entry, so the tiered store can spill it to a lower tier.  When a put
   is waiting for the room (``lend`` False) the receiver copies what it needs
@@ -22,7 +24,8 @@
   declines a lent chunk, which then stays stored.
 
 Accounting is exact: ``stored_bytes`` counts payload bytes, ``allocated_bytes``
-what the allocator handed out (payload rounded up to 4 KiB pages), and
+what the allocator handed out (payload rounded up to 4 KiB pages: extents),
+``pinned_bytes`` and the tenants' quotas the extents of their chunks, and
 ``evictable_bytes`` the extents of stored chunks neither leased nor pinned, kept
 up to date on every change so that a put under pressure asks in O(1) whether
 evicting could make room at all.
@@ -116,8 +119,18 @@ class MemoryTier(TierEviction):
                 self.counters.rejections += 1
             return PutStatus.NO_SPACE
         reservation = Reservation(key, offset, size, parent, self.pool.view[offset : offset + size])
+        self._charge(reservation)
         self._claims[key] = reservation
         return reservation
+
+    def _charge(self, reservation: Reservation) -> None:
+        """Reserve ``reservation``'s extent in its tenant's quota until it commits or is aborted."""
+        reservation.charged = extent_of(reservation.size)
+        self.quotas.account_reserved(reservation.key.namespace, reservation.charged)
+
+    def _discharge(self, reservation: Reservation) -> None:
+        self.quotas.account_reserved(reservation.key.namespace, -reservation.charged)
+        reservation.charged = 0
 
     def _unclaim(self, reservation: Reservation) -> None:
         if self._claims.get(reservation.key) is reservation:
@@ -162,6 +175,7 @@ class MemoryTier(TierEviction):
         """Phase two: make a filled reservation visible (EXISTS if the key was stored meanwhile)."""
         r = reservation
         self._unclaim(r)
+        self._discharge(r)
         if r.key in self._index:
             self.allocator.free(r.offset, r.size)
             return PutStatus.EXISTS
@@ -176,6 +190,7 @@ class MemoryTier(TierEviction):
 
     def abort_store(self, reservation: Reservation) -> None:
         self._unclaim(reservation)
+        self._discharge(reservation)
         self.allocator.free(reservation.offset, reservation.size)
 
     def reserve_room(self, size: int) -> Reservation | None:
@@ -199,7 +214,9 @@ class MemoryTier(TierEviction):
         refused = self._refusal(key, room.size, parent)
         if refused is not None:
             return refused
-        return Reservation(_canonical(key), room.offset, room.size, parent, room.view)
+        bound = Reservation(_canonical(key), room.offset, room.size, parent, room.view)
+        self._charge(bound)
+        return bound
 
     def lease(self, key: ChunkKey) -> Chunk | None:
         """A leased view of a stored chunk without counting a hit or touching recency."""
@@ -223,38 +240,41 @@ class MemoryTier(TierEviction):
 
     # -- pins ----------------------------------------------------------------------
     def pin(self, key: ChunkKey) -> bool:
+        """Keep ``key`` from eviction until unpinned (True also when it was pinned
+        already); False when memory does not hold it or its extent does not fit
+        the room left to pin (:meth:`pin_room`)."""
         found = self._index.get(key)
         if found is None:
             return False
         if not isinstance(found, int) and found.pinned:
             return True
         size = unpack(found)[1] if isinstance(found, int) else found.size
-        if self.pinned_bytes + size > self.max_pinned_bytes:
+        if extent_of(size) > self.pin_room(key.namespace).left:
             return False
         entry = self._entry(key, found)
         entry.pinned = True
-        self._account_pin(key, entry.size, +1)
+        self._account_pin(key, entry.extent, +1)
         if not entry.leases:
             self.evictable_bytes -= entry.extent
         self.policy.removed(key)
         return True
 
     def pin_cost(self, key: ChunkKey) -> int | None:
-        """Payload bytes pinning ``key`` would add to ``pinned_bytes``: 0 when it
-        is pinned already, None when memory does not hold it."""
+        """Bytes pinning ``key`` would add to ``pinned_bytes`` (its extent): 0 when
+        it is pinned already, None when memory does not hold it."""
         found = self._index.get(key)
         if found is None:
             return None
         if isinstance(found, int):
-            return unpack(found)[1]
-        return 0 if found.pinned else found.size
+            return extent_of(unpack(found)[1])
+        return 0 if found.pinned else found.extent
 
     def unpin(self, key: ChunkKey) -> bool:
         entry = self._index.get(key)
         if entry is None or isinstance(entry, int) or not entry.pinned:
             return False
         entry.pinned = False
-        self._account_pin(entry.key, entry.size, -1)
+        self._account_pin(entry.key, entry.extent, -1)
         if not entry.leases:
             self.evictable_bytes += entry.extent
         self.policy.inserted(entry.key, entry.size, None)

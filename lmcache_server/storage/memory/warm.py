@@ -10,14 +10,17 @@ not import the tier).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Protocol
 
 from ..base import Chunk, ChunkKey
 from ..policy import EvictionPolicy
-from .allocator import ExtentAllocator, aligned
+from .allocator import ExtentAllocator, extent_of
 from .entry import Entry, canonical, pack, packable, shared, unpack
 from .pool import MemoryPool
+
+logger = logging.getLogger(__name__)
 
 
 class AdoptedCount(Protocol):
@@ -72,25 +75,35 @@ def adopt(tier: WarmTier, chunks: Sequence[tuple[ChunkKey, int, int, bool]], hel
     """Make an empty ``tier`` take over a pool left by a clean stop: ``chunks`` as
     :func:`snapshot` gave them (inserted in that order: the policy keeps it) and
     the extents ``(offset, size)`` of leases carried over, allocated until given
-    back (``abort_store``, or the release of :func:`held_chunk`).  ValueError
-    when the tier is not empty or extents overlap or leave the pool."""
+    back (``abort_store``, or the release of :func:`held_chunk`).  Each chunk is
+    charged as ``tier`` charges (its extent, under this configuration's quotas
+    and pin bounds): a chunk pinned before past those bounds is adopted
+    unpinned (evictable).  ValueError when the tier is not empty or extents
+    overlap or leave the pool."""
     if tier._index:
         raise ValueError("only an empty memory tier can adopt a pool")
-    extents = [(offset, aligned(size)) for _, offset, size, _ in chunks]
+    extents = [(offset, extent_of(size)) for _, offset, size, _ in chunks]
     tier.allocator = ExtentAllocator.with_used(
-        tier.pool.size, extents + [(o, aligned(n)) for o, n in held], track_sizes=False
+        tier.pool.size, extents + [(o, extent_of(n)) for o, n in held], track_sizes=False
     )
     index = tier._index
+    unpinned = 0
     for key, offset, size, pinned in chunks:
         if key in index:
             raise ValueError(f"chunk {key.digest.hex()} is listed twice")
         key = canonical(key)
-        index[key] = pack(offset, size) if packable(offset, size) else Entry(key, offset, shared(size), aligned(size))
-        tier.evictable_bytes += aligned(size)
+        index[key] = pack(offset, size) if packable(offset, size) else Entry(key, offset, shared(size), extent_of(size))
+        tier.evictable_bytes += extent_of(size)
         tier.policy.inserted(key, size, None)
-        tier._account(key, size, +1)
-        if pinned:
-            tier.pin(key)
+        tier._account(key, size, +1)  # charged as this daemon charges: extents, this config's quotas
+        if pinned and not tier.pin(key):  # re-checked: past this config's pin room it stays, unpinned
+            unpinned += 1
+    if unpinned:
+        logger.warning(
+            "warm restart: %d chunks pinned before the restart were adopted unpinned "
+            "(past max_pinned_fraction or their tenant's share of it)",
+            unpinned,
+        )
     tier.counters.adopted = len(chunks)
 
 
@@ -102,7 +115,7 @@ def held_chunk(tier: WarmTier, offset: int, size: int, held: dict[int, Entry] | 
     extent, leased once per slot, so the extent is freed exactly once."""
     entry = held.get(offset) if held is not None else None
     if entry is None:
-        entry = Entry(ChunkKey("", b""), offset, size, aligned(size), dead=True)
+        entry = Entry(ChunkKey("", b""), offset, size, extent_of(size), dead=True)
         tier.dying_bytes += entry.extent
         if held is not None:
             held[offset] = entry

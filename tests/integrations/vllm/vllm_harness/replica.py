@@ -20,7 +20,9 @@ KV cache manager on/off; absent: vLLM decides), ``kv_transfer_params`` (every
 request's, the per-request control), ``pause_before`` (a file to wait
 for before the run starts, and ``pause_after_prompt`` an index after which
 ``SPEC_DIR/<name>.paused`` is written and ``<name>.resume`` awaited: the test
-kills or restarts the daemon in between).
+kills or restarts the daemon in between), ``may_refuse`` (True: an LLM that fails to start is
+recorded as ``start_error``, the text of the whole exception chain, and the process goes on;
+put such a run last in its process).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +151,13 @@ def run_one(entry: dict[str, Any], spec_dir: Path) -> dict[str, Any]:
     if entry.get("hma") is not None:
         kwargs["disable_hybrid_kv_cache_manager"] = not entry["hma"]
     started = time.monotonic()
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)
+    except Exception as err:
+        if not entry.get("may_refuse"):
+            raise
+        text = "".join(traceback.format_exception(err))
+        return {"name": entry["name"], "start_error": text, "prompts": []}
     result: dict[str, Any] = {"name": entry["name"], "startup_s": time.monotonic() - started, "prompts": []}
     result["kv_cache"] = _kv_cache(llm)
     extra_args = {"kv_transfer_params": entry["kv_transfer_params"]} if entry.get("kv_transfer_params") else None
