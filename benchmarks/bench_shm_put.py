@@ -38,7 +38,7 @@ MIB = 1 << 20
 
 def _counting(client: CacheClient, counts: collections.Counter[str]) -> None:
     """Count every request ``client`` sends (answered or told), by op."""
-    run, tell = client._run, client._tell
+    run, tell = client._conn.run, client._conn.tell
 
     def counted_run(call: Any, timeout_s: float | None = None) -> Any:
         counts[call.op.value] += 1
@@ -48,8 +48,8 @@ def _counting(client: CacheClient, counts: collections.Counter[str]) -> None:
         counts[call.op.value] += 1
         tell(call)
 
-    client._run = counted_run  # type: ignore[method-assign]
-    client._tell = counted_tell  # type: ignore[method-assign]
+    client._conn.run = counted_run  # type: ignore[method-assign]
+    client._conn.tell = counted_tell  # type: ignore[method-assign]
 
 
 def main() -> int:

@@ -205,7 +205,7 @@ def stats(namespace: str | None = None) -> Call[dict[str, Any]]:
     return Call(Op.STATS, lambda r, _: dict(_field(r, "stats")), namespace)
 
 
-# -- the shared-memory data path (see shm.py) ------------------------------------------
+# -- the shared-memory data path (see lmcache_client.shm) ------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ShmGrant:
     """A get or alloc answered with pool locations under a lease."""
@@ -289,7 +289,7 @@ def release(leases: Sequence[int]) -> Call[list[bool]]:
     return Call(Op.RELEASE, _bool_list("released"), fields={"leases": list(leases)})
 
 
-# -- staged slots: a shared-memory put in one round trip (see shm.py) -----------------
+# -- staged slots: a shared-memory put in one round trip (see lmcache_client.shm) -----------------
 @dataclasses.dataclass(frozen=True)
 class Staged:
     """Pool slots bound to no key yet, under a write lease (a commit's ``staged`` field)."""

@@ -19,31 +19,30 @@ Zero-copy data ops for callers that make or consume the bytes themselves:
 ``put_with(keys, sizes, fill)`` and ``get_with(keys, use)`` (over shared
 memory ``fill``/``use`` see the pool slots themselves).
 
-The transport (socket, round trip, fail-open breaker) is
-:class:`~lmcache_client.connection.Connection`; the shared-memory plumbing
-:class:`~lmcache_client.clientshm.SharedMemoryPath`; this module holds the
-client's set-up, its lifecycle and the ops.
+The client is a front object: its keyword arguments become one
+:class:`~lmcache_client.options.ClientOptions`, from which it builds its two
+parts, the transport (:class:`~lmcache_client.connection.Connection`: socket,
+round trip, fail-open breaker) and the same-host path
+(:class:`~lmcache_client.shm.SharedMemoryPath`: the mapped pool and its
+flows, driven over that connection); this module holds the ops.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
 from . import calls, shm
 from .calls import LookupResult
-from .clientshm import SharedMemoryPath
-from .connection import COPY_THRESHOLD, DEFAULT_ADDRESS, namespace_string, new_dealer, unavailable
-from .curve import CurveKeys
+from .connection import COPY_THRESHOLD, DEFAULT_ADDRESS, Connection, namespace_string, new_dealer, unavailable
 from .failopen import FailOpen
-from .handshake import HandshakeWatch
 from .keys import chunk_keys
 from .namespace import Namespace
+from .options import ClientOptions
 from .protocol import PutStatus
+from .shm import SharedMemoryPath, SharedPool
 
 __all__ = [
     "COPY_THRESHOLD",
@@ -55,8 +54,10 @@ __all__ = [
     "unavailable",
 ]
 
+T = TypeVar("T")
 
-class CacheClient(SharedMemoryPath):
+
+class CacheClient:
     """Blocking client of one lmcache-server daemon.
 
     ``namespace`` (a :class:`Namespace` or its wire string) is the default for
@@ -82,44 +83,99 @@ class CacheClient(SharedMemoryPath):
         max_backoff_s: float = 30.0,
         probe_timeout_s: float = 0.25,
     ):
-        self.address = address
-        # auth: curve daemons: the daemon's public key and this client's secret
-        # key, each as Z85 text or a key file path (docs/security.md).
-        self._curve = CurveKeys.from_options(server_public_key, client_secret_key)
-        self.namespace = namespace_string(namespace)
-        self.chunk_size = chunk_size or (namespace.chunk_size if isinstance(namespace, Namespace) else None)
-        self.timeout_s = timeout_s
-        self._hwm = hwm
-        self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] | None = None
-        self._handshakes: HandshakeWatch | None = None
-        self._reset()
-        self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
-        self._fail = FailOpen(
-            fail_open,
+        options = ClientOptions.parse(
             address,
+            namespace,
+            timeout_s=timeout_s,
+            fail_open=fail_open,
+            chunk_size=chunk_size,
+            hwm=hwm,
+            shared_memory=shared_memory,
+            copy_threads=copy_threads,
+            staged_puts=staged_puts,
+            server_public_key=server_public_key,
+            client_secret_key=client_secret_key,
+            client_name="lmcache-client-py",
             backoff_s=backoff_s,
             max_backoff_s=max_backoff_s,
-            probe_timeout_s=min(probe_timeout_s, timeout_s),
+            probe_timeout_s=probe_timeout_s,
         )
-        self.shared_memory = shared_memory
-        """Use the daemon's pool directly when it offers it and this process can map it."""
-        # copy_threads: how many threads a large shared-memory copy is split over.
-        # staged_puts: a stream of shared-memory puts is one round trip each, into
-        # pool slots staged for it (shm.py); False: every put is alloc+commit.
-        self._mapping = shm.Mapping(copy_threads, staged_puts)
+        self.address = options.address
+        self.namespace = options.namespace
+        self.chunk_size = options.chunk_size
+        self._conn = Connection(options, context)
+        self._shm = SharedMemoryPath(options, self._conn)
 
     # -- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
-        self._let_go()
-        self._unmap()
-        self._close_socket()
+        self._shm.let_go()
+        self._shm.unmap()
+        self._conn.close()
 
     def __enter__(self) -> CacheClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- the parts, as the client's callers see them -------------------------------
+    @property
+    def timeout_s(self) -> float:
+        """A request's timeout (settable)."""
+        return self._conn.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._conn.timeout_s = value
+
+    @property
+    def shared_memory(self) -> bool:
+        """Use the daemon's pool directly when it offers it and this process can map it."""
+        return self._shm.enabled
+
+    @shared_memory.setter
+    def shared_memory(self, value: bool) -> None:
+        self._shm.enabled = value
+
+    @property
+    def failures(self) -> int:
+        """Requests that found the daemon unreachable (answered fail-open or raised)."""
+        return self._conn.breaker.failures
+
+    @property
+    def busy_replies(self) -> int:
+        """Requests the daemon answered BUSY (a miss when failing open)."""
+        return self._conn.breaker.busy_replies
+
+    @property
+    def short_circuited(self) -> int:
+        """Data ops answered as a miss by the open circuit breaker, without a request."""
+        return self._conn.breaker.short_circuited
+
+    @property
+    def fail_open_stats(self) -> dict[str, Any]:
+        """failures, busy_replies, short_circuited, outages and whether the daemon is down now."""
+        return self._conn.breaker.stats()
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether data ops go through the daemon's mapped pool (probes the daemon once)."""
+        return self._shm.uses_shared_memory()
+
+    def pin_shared_pool(self) -> bool:
+        """Page-lock this process's mapping of the daemon's pool for CUDA DMA
+        (``cudaHostRegister``); False when there is no mapped pool or CUDA refuses."""
+        return self._shm.pin_shared_pool()
+
+    def _run(self, call: calls.Call[T], timeout_s: float | None = None) -> T:
+        return self._conn.run(call, timeout_s)
+
+    def _shared_pool(self) -> SharedPool | None:
+        return self._shm.shared_pool()
+
+    @property
+    def _pool(self) -> SharedPool | None:
+        return self._shm.pool
 
     def _ns(self, namespace: Namespace | str | None) -> str:
         ns = namespace_string(namespace) or self.namespace
@@ -154,7 +210,7 @@ class CacheClient(SharedMemoryPath):
         call = calls.put(ns, keys, payloads, tokens)
         if sum(memoryview(p).nbytes for p in payloads) < shm.PUT_MIN_BYTES:
             return self._run(call)
-        return self._over_shm(
+        return self._shm.over_shm(
             lambda pool: shm.put_flow(pool, ns, keys, payloads, tokens),
             lambda: self._run(call),
             lambda: [PutStatus.FAILED] * len(keys),
@@ -165,7 +221,7 @@ class CacheClient(SharedMemoryPath):
 
         On the daemon's host the bytes are copied once out of its pool."""
         ns = self._ns(namespace)
-        return self._over_shm(
+        return self._shm.over_shm(
             lambda pool: shm.get_flow(pool, ns, keys, None),
             lambda: self._run(calls.get(ns, keys)),
             lambda: [None] * len(keys),
@@ -235,7 +291,7 @@ class CacheClient(SharedMemoryPath):
         def frames() -> list[PutStatus | int]:
             return self._run(calls.put(ns, keys, [tensor_bytes(t) for t in tensors]))
 
-        return self._over_shm(
+        return self._shm.over_shm(
             lambda pool: shm.put_flow(pool, ns, keys, tensors),
             frames,
             lambda: [PutStatus.FAILED] * len(keys),
@@ -269,7 +325,7 @@ class CacheClient(SharedMemoryPath):
             shm.flush_fill(fill)
             return self._run(calls.put(ns, keys, bufs, tokens))
 
-        return self._over_shm(
+        return self._shm.over_shm(
             lambda pool: shm.fill_flow(pool, ns, keys, sizes, fill, tokens),
             frames,
             lambda: [PutStatus.FAILED] * len(keys),
@@ -294,7 +350,7 @@ class CacheClient(SharedMemoryPath):
             bufs: list[Any] = self._run(calls.get(ns, keys))
             return shm.use_frames(bufs, use, nbytes=nbytes, prefix=prefix)
 
-        return self._over_shm(
+        return self._shm.over_shm(
             lambda pool: shm.use_flow(pool, ns, keys, use, nbytes=nbytes, prefix=prefix),
             frames,
             lambda: [False] * len(keys),
@@ -316,7 +372,7 @@ class CacheClient(SharedMemoryPath):
             bufs = self._run(calls.get(ns, keys))
             return [buf is not None and shm.copy_frame(buf, dest) for dest, buf in zip(out, bufs)]
 
-        return self._over_shm(
+        return self._shm.over_shm(
             lambda pool: shm.get_flow(pool, ns, keys, out),
             frames,
             lambda: [False] * len(keys),

@@ -6,9 +6,9 @@ replaced, so nothing stale is ever read.  Every call goes through the fail-open
 breaker (:mod:`lmcache_client.failopen`).  :func:`new_dealer`,
 :func:`unavailable` and :func:`namespace_string` serve the asyncio client too.
 
-Primitives: :class:`Connection` (the transport half of
-:class:`~lmcache_client.client.CacheClient`: ``_run``, ``_tell``, the fail-open
-counters), :func:`new_dealer`, :func:`unavailable`, :func:`namespace_string`,
+Primitives: :class:`Connection` (the transport part of
+:class:`~lmcache_client.client.CacheClient`: ``run``, ``tell``, ``close``,
+``breaker_says_miss``, its ``breaker``), :func:`new_dealer`, :func:`unavailable`, :func:`namespace_string`,
 :data:`DEFAULT_ADDRESS`, :data:`COPY_THRESHOLD`.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -24,9 +23,10 @@ import zmq
 from .calls import Call
 from .curve import CurveKeys
 from .errors import DaemonUnavailable
-from .failopen import MISS, PROBE, FailOpen
+from .failopen import MISS, PROBE
 from .handshake import HandshakeWatch
 from .namespace import Namespace
+from .options import ClientOptions, request_ids
 from .protocol import Op, decode_reply, encode_request
 
 logger = logging.getLogger("lmcache_client.client")  # the logger these lines always had
@@ -71,41 +71,28 @@ def unavailable(what: str, handshakes: HandshakeWatch | None) -> DaemonUnavailab
 
 
 class Connection:
-    """The socket, the request ids and the fail-open breaker of a
-    :class:`~lmcache_client.client.CacheClient` (which sets these attributes up)."""
+    """The sync client's socket, its request ids and its fail-open breaker."""
 
-    address: str
-    timeout_s: float
-    _curve: CurveKeys | None
-    _hwm: int
-    _ctx: zmq.Context[Any]
-    _sock: zmq.Socket[Any] | None
-    _handshakes: HandshakeWatch | None
-    _ids: Iterator[int]
-    _fail: FailOpen
-
-    @property
-    def failures(self) -> int:
-        """Requests that found the daemon unreachable (answered fail-open or raised)."""
-        return self._fail.failures
+    def __init__(self, options: ClientOptions, context: zmq.Context[Any] | None = None):
+        self.address = options.address
+        self.timeout_s = options.timeout_s
+        """A request's timeout unless the call names another (settable)."""
+        self.breaker = options.breaker()
+        """The fail-open breaker, which also counts failures, BUSY replies and short circuits."""
+        self._curve = options.curve
+        self._hwm = options.hwm
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket[Any] | None = None
+        self._handshakes: HandshakeWatch | None = None
+        self._ids = request_ids()
+        self._reset()
 
     @property
-    def busy_replies(self) -> int:
-        """Requests the daemon answered BUSY (a miss when failing open)."""
-        return self._fail.busy_replies
+    def is_open(self) -> bool:
+        """Whether the socket is still there (not closed)."""
+        return self._sock is not None
 
-    @property
-    def short_circuited(self) -> int:
-        """Data ops answered as a miss by the open circuit breaker, without a request."""
-        return self._fail.short_circuited
-
-    @property
-    def fail_open_stats(self) -> dict[str, Any]:
-        """failures, busy_replies, short_circuited, outages and whether the daemon is down now."""
-        return self._fail.stats()
-
-    # -- transport -----------------------------------------------------------------
-    def _close_socket(self) -> None:
+    def close(self) -> None:
         if self._handshakes is not None:
             self._handshakes.close()
             self._handshakes = None
@@ -114,7 +101,7 @@ class Connection:
             self._sock = None
 
     def _reset(self) -> None:
-        self._close_socket()
+        self.close()
         self._sock, self._handshakes = new_dealer(self._ctx, self.address, self._hwm, self._curve, watch=True)
 
     def _roundtrip(self, frames: list[Any], request_id: int, timeout_s: float) -> tuple[Any, list[Any]]:
@@ -156,33 +143,36 @@ class Connection:
                 logger.warning("a zero-copy send to %s is still pending; resetting the socket", self.address)
         self._reset()
 
-    def _run(self, call: Call[T], timeout_s: float | None = None) -> T:
-        if self._breaker_says_miss(call):
-            return self._fail.short_circuit(call)
+    def run(self, call: Call[T], timeout_s: float | None = None) -> T:
+        """Send ``call`` and return its parsed answer (fail-open: its miss when the daemon is out)."""
+        if self.breaker_says_miss(call):
+            return self.breaker.short_circuit(call)
         request_id = next(self._ids) & (2**64 - 1)
         frames = encode_request(call.op, request_id, call.namespace, call.keys, call.payloads, **call.fields)
         try:
             reply, payloads = self._roundtrip(frames, request_id, timeout_s or self.timeout_s)
         except DaemonUnavailable as err:
-            return self._fail.failed(call, err)
-        return self._fail.answered(call, reply, payloads)
+            return self.breaker.failed(call, err)
+        return self.breaker.answered(call, reply, payloads)
 
-    def _breaker_says_miss(self, call: Call[Any]) -> bool:
+    def breaker_says_miss(self, call: Call[Any]) -> bool:
         """Whether the open breaker answers ``call`` as a miss (probing first when due)."""
-        gate = self._fail.gate(call)
+        gate = self.breaker.gate(call)
         if gate == MISS:
             return True
         if gate == PROBE:
             request_id = next(self._ids) & (2**64 - 1)
             try:
-                reply, _ = self._roundtrip(encode_request(Op.PING, request_id), request_id, self._fail.probe_timeout_s)
+                reply, _ = self._roundtrip(
+                    encode_request(Op.PING, request_id), request_id, self.breaker.probe_timeout_s
+                )
             except DaemonUnavailable:
                 reply = None
-            if not self._fail.probe_answered(reply):
+            if not self.breaker.probe_answered(reply):
                 return True
         return False
 
-    def _tell(self, call: Call[Any]) -> None:
+    def tell(self, call: Call[Any]) -> None:
         """Send without waiting for the reply (the next round trip drops it)."""
         if self._sock is None:
             return

@@ -13,8 +13,9 @@ decoded before a caller sees them, under the codec's own namespace; the
 callers' raw payloads and callbacks stay as they are.
 
 Where each op goes (namespace, codec, batch size, failures as misses) is
-:mod:`.transferroute`'s :class:`~.transferroute.TransferRoute`, which
-:class:`ChunkTransfer` builds on.
+:mod:`.transferroute`'s :class:`~.transferroute.TransferRoute`: a
+:class:`ChunkTransfer` builds one from its arguments and holds it (``route``);
+its own attributes ``client``, ``namespace``, ``errors``, ... read the route.
 
 Primitive: :class:`ChunkTransfer` with ``lookup``, ``get_prefix``,
 ``get_prefix_into``, ``get_prefix_with``, ``put`` and ``put_with`` (the
@@ -29,12 +30,14 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..client import CacheClient
 from ..errors import ClientError
 from ..keys import ChunkTokens
+from ..namespace import Namespace
 from ..protocol import PutStatus
-from ..shm import FillFn, UseFn, copy_frame, flush_fill
-from ..shmget import flush_use
-from .coded import CodedChunks
+from ..shm import FillFn, UseFn, copy_frame, flush_fill, flush_use
+from .coded import CodecBinding, CodedChunks
+from .layout import ChunkLayout
 from .transferroute import DEFAULT_MAX_BATCH_BYTES as DEFAULT_MAX_BATCH_BYTES  # re-exported: callers import it here
 from .transferroute import DEFAULT_MAX_BATCH_KEYS as DEFAULT_MAX_BATCH_KEYS
 from .transferroute import TransferRoute
@@ -42,7 +45,7 @@ from .transferroute import TransferRoute
 logger = logging.getLogger(__name__)
 
 
-class ChunkTransfer(TransferRoute):
+class ChunkTransfer:
     """Reads and writes whole chunks of ``chunk_bytes`` bytes in one namespace.
 
     ``codec_layout``: the payloads' shape (``namespace`` must then be a
@@ -53,6 +56,74 @@ class ChunkTransfer(TransferRoute):
     ``codec``: a codec spec (``"int8:group=64"``, ``"none"``) that overrides the
     daemon's announcement (an engine-side setting; ValueError if invalid)."""
 
+    def __init__(
+        self,
+        client: CacheClient,
+        namespace: Namespace | str,
+        chunk_bytes: int,
+        *,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        max_batch_keys: int = DEFAULT_MAX_BATCH_KEYS,
+        codec_layout: ChunkLayout | None = None,
+        lossy_ok: bool = True,
+        codec: str | None = None,
+    ):
+        self.route = TransferRoute(
+            client,
+            namespace,
+            chunk_bytes,
+            max_batch_bytes=max_batch_bytes,
+            max_batch_keys=max_batch_keys,
+            codec_layout=codec_layout,
+            lossy_ok=lossy_ok,
+            codec=codec,
+        )
+        """Where the next op goes (namespace, codec, batch size) and its failures."""
+
+    # -- the route, as the transfer's callers see it ---------------------------------
+    @property
+    def client(self) -> CacheClient:
+        return self.route.client
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.route.chunk_bytes
+
+    @property
+    def batch_keys(self) -> int:
+        """Keys per request."""
+        return self.route.batch_keys
+
+    @property
+    def raw_namespace(self) -> str:
+        """The namespace of raw chunks (the codec's adds ``codec=<tag>``)."""
+        return self.route.raw_namespace
+
+    @property
+    def namespace(self) -> str:
+        """The namespace chunks go to: the codec's once it is known, else the raw one."""
+        return self.route.namespace
+
+    @property
+    def errors(self) -> int:
+        """Client errors turned into misses (daemon down, refused requests)."""
+        return self.route.errors
+
+    @property
+    def codec_errors(self) -> int:
+        """Stored chunks that did not decode (each one a miss)."""
+        return self.route.codec_errors
+
+    def binding(self) -> CodecBinding | None:
+        """The codec binding (asked from the daemon's hello on first use)."""
+        return self.route.binding()
+
+    def wants_tokens(self, tokens: Sequence[ChunkTokens | None] | None = None) -> bool:
+        """Whether puts should carry token ids (:meth:`.TransferRoute.wants_tokens`)."""
+        return self.route.wants_tokens(tokens)
+
+    # -- ops ---------------------------------------------------------------------------
+
     def lookup(self, keys: Sequence[bytes], *, prefetch: bool = False) -> int:
         """How many leading ``keys`` the daemon holds (0 when it cannot be asked)."""
         return len(self.lookup_tiers(keys, prefetch=prefetch))
@@ -60,7 +131,7 @@ class ChunkTransfer(TransferRoute):
     def lookup_tiers(self, keys: Sequence[bytes], *, prefetch: bool = False) -> list[str]:
         """The tier holding each of the leading ``keys`` the daemon holds.  ``prefetch``:
         the daemon then promotes those on disk or in Redis into memory (docs/protocol.md 5.5)."""
-        namespace, _ = self._route()
+        namespace, _ = self.route.target()
         tiers: list[str] = []
         if namespace is None:
             return tiers
@@ -69,7 +140,7 @@ class ChunkTransfer(TransferRoute):
             try:
                 result = self.client.lookup(batch, namespace=namespace, prefetch=prefetch)
             except ClientError as err:
-                self._failed("lookup", err)
+                self.route.failed("lookup", err)
                 return tiers
             tiers.extend(str(t) for t in result.tiers[: result.hit_chunks])
             if result.hit_chunks < len(batch):
@@ -80,20 +151,20 @@ class ChunkTransfer(TransferRoute):
         """Give up the prefetches a :meth:`lookup_tiers` of ``keys`` with ``prefetch`` joined
         (it answered ``hits`` leading hits): the same batches, each a lookup with
         ``cancel_prefetch`` (docs/protocol.md 5.5).  Failures are counted, never raised."""
-        namespace, _ = self._route()
+        namespace, _ = self.route.target()
         if namespace is None:
             return
         for start in range(0, min(len(keys), hits + 1), self.batch_keys):
             try:
                 self.client.lookup(keys[start : start + self.batch_keys], namespace=namespace, cancel_prefetch=True)
             except ClientError as err:
-                self._failed("lookup", err)
+                self.route.failed("lookup", err)
                 return
 
     def get_prefix(self, keys: Sequence[bytes]) -> list[Any]:
         """Payloads (read-only buffers) of the leading ``keys`` that are stored with the
         right size; stops at the first miss, failure or wrong-sized payload."""
-        namespace, coded = self._route()
+        namespace, coded = self.route.target()
         out: list[Any] = []
         if namespace is None:
             return out
@@ -102,7 +173,7 @@ class ChunkTransfer(TransferRoute):
             try:
                 bufs = self.client.get(batch, namespace=namespace)
             except ClientError as err:
-                self._failed("get", err)
+                self.route.failed("get", err)
                 return out
             for buf in bufs:
                 if buf is None:
@@ -132,7 +203,7 @@ class ChunkTransfer(TransferRoute):
         size, or one that does not decode, stops the prefix there."""
         if len(keys) != len(out):
             raise ValueError(f"{len(keys)} keys but {len(out)} destinations")
-        namespace, coded = self._route()
+        namespace, coded = self.route.target()
         if namespace is None:
             return 0
         if coded is not None:
@@ -144,7 +215,7 @@ class ChunkTransfer(TransferRoute):
             try:
                 hits = self.client.get_into(batch, dests, namespace=namespace)
             except ClientError as err:
-                self._failed("get", err)
+                self.route.failed("get", err)
                 return done
             except ValueError:  # a stored chunk of another size: find it, keep what leads up to it
                 return done + self._copy_prefix(batch, dests)
@@ -161,7 +232,7 @@ class ChunkTransfer(TransferRoute):
         Where ``use`` has a ``flush()``, the views stay valid until it is called: once
         per batch of keys, before their leases are released (raw chunks; a decoded
         chunk lives in scratch memory, so ``flush()`` follows each use)."""
-        namespace, coded = self._route()
+        namespace, coded = self.route.target()
         if namespace is None:
             return 0
         if coded is not None:
@@ -188,7 +259,7 @@ class ChunkTransfer(TransferRoute):
             try:
                 used = self.client.get_with(batch, shifted, nbytes=self.chunk_bytes, prefix=True, namespace=namespace)
             except ClientError as err:
-                self._failed("get", err)
+                self.route.failed("get", err)
                 return done
             run = next((i for i, u in enumerate(used) if not u), len(used))
             done += run
@@ -213,7 +284,7 @@ class ChunkTransfer(TransferRoute):
             try:
                 used = self.client.get_with(batch, stepped, prefix=True, namespace=namespace)
             except ClientError as err:
-                self._failed("get", err)
+                self.route.failed("get", err)
                 return done
             run = min(bad[0], next((i for i, u in enumerate(used) if not u), len(used)))
             done += run
@@ -229,7 +300,7 @@ class ChunkTransfer(TransferRoute):
         Where ``fill`` has a ``flush()`` it may write the views as late as that call:
         once per batch of keys, before they are committed (with a codec: after each
         chunk, which is encoded at once)."""
-        namespace, coded = self._route()
+        namespace, coded = self.route.target()
         if namespace is None:
             return 0
         if tokens is not None and not self.wants_tokens(tokens):
@@ -260,9 +331,9 @@ class ChunkTransfer(TransferRoute):
                         batch, [self.chunk_bytes] * len(batch), shifted, namespace=namespace, tokens=batch_tokens
                     )
             except ClientError as err:
-                self._failed("put", err)
+                self.route.failed("put", err)
                 if tokens is not None:
-                    self._events = None  # a daemon restarted without events refuses them: ask again
+                    self.route.forget_events()  # a daemon restarted without events refuses them: ask again
                 continue
             stored += sum(s in (PutStatus.STORED, PutStatus.EXISTS) for s in statuses)
         return stored
@@ -270,7 +341,7 @@ class ChunkTransfer(TransferRoute):
     def get_one_with(self, key: bytes, nbytes: int, use: UseFn) -> bool:
         """Call ``use(0, view)`` with the chunk under ``key`` if it is stored with exactly
         ``nbytes`` bytes (a prompt's partial last chunk); True when it was used."""
-        namespace, coded = self._route()
+        namespace, coded = self.route.target()
         if namespace is None:
             return False
         if coded is not None:
@@ -286,14 +357,14 @@ class ChunkTransfer(TransferRoute):
         try:
             used = self.client.get_with([key], use, nbytes=nbytes, prefix=True, namespace=namespace)
         except ClientError as err:
-            self._failed("get", err)
+            self.route.failed("get", err)
             return False
         return bool(used and used[0])
 
     def put_one_with(self, key: bytes, nbytes: int, fill: FillFn) -> bool:
         """Store one chunk of ``nbytes`` bytes (a prompt's partial last chunk) that
         ``fill(0, view)`` writes in place; True when it is stored now or was already."""
-        namespace, coded = self._route()
+        namespace, coded = self.route.target()
         if namespace is None:
             return False
         try:
@@ -303,7 +374,7 @@ class ChunkTransfer(TransferRoute):
             else:
                 [status] = self.client.put_with([key], [nbytes], fill, namespace=namespace)
         except ClientError as err:
-            self._failed("put", err)
+            self.route.failed("put", err)
             return False
         return status in (PutStatus.STORED, PutStatus.EXISTS)
 
@@ -323,7 +394,7 @@ class ChunkTransfer(TransferRoute):
         (one per key) are sent when the daemon publishes KV events."""
         if len(keys) != len(payloads):
             raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
-        namespace, coded = self._route()
+        namespace, coded = self.route.target()
         if namespace is None:
             return 0
         if tokens is not None and not self.wants_tokens(tokens):
@@ -339,9 +410,9 @@ class ChunkTransfer(TransferRoute):
                     tokens=None if tokens is None else tokens[batch],
                 )
             except ClientError as err:
-                self._failed("put", err)
+                self.route.failed("put", err)
                 if tokens is not None:
-                    self._events = None  # a daemon restarted without events refuses them: ask again
+                    self.route.forget_events()  # a daemon restarted without events refuses them: ask again
                 continue
             stored += sum(s in (PutStatus.STORED, PutStatus.EXISTS) for s in statuses)
         return stored

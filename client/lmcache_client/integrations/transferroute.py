@@ -1,14 +1,14 @@
 """Where a chunk transfer's ops go: the client, the namespace and the KV codec.
 
-Every op of :class:`~.transfer.ChunkTransfer` starts here: the namespace and
+A :class:`~.transfer.ChunkTransfer` holds one route; every op starts here: the namespace and
 codec path it goes to (with a ``codec_layout``, the codec the daemon announces,
 asked from its ``hello`` on first use; :mod:`.coded`), whether puts carry
 token ids (the daemon publishes KV events), how many keys one request takes,
 and a client failure turned into a counted, logged miss.
 
-Primitives: :class:`TransferRoute` (``binding``, ``wants_tokens``,
-``namespace``, ``codec_errors``, ``errors``), ``DEFAULT_MAX_BATCH_BYTES``,
-``DEFAULT_MAX_BATCH_KEYS``.
+Primitives: :class:`TransferRoute` (``target``, ``binding``, ``wants_tokens``,
+``forget_events``, ``failed``, ``namespace``, ``codec_errors``, ``errors``),
+``DEFAULT_MAX_BATCH_BYTES``, ``DEFAULT_MAX_BATCH_KEYS``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ DEFAULT_MAX_BATCH_KEYS = 256
 
 
 class TransferRoute:
-    """The namespace and codec path of a :class:`~.transfer.ChunkTransfer`'s next op
-    (its constructor's arguments are documented there)."""
+    """The namespace and codec path of a :class:`~.transfer.ChunkTransfer`'s next op,
+    and its failures counted as misses (the constructor's arguments are documented
+    at :class:`~.transfer.ChunkTransfer`, which builds its route from them)."""
 
     def __init__(
         self,
@@ -125,19 +126,25 @@ class TransferRoute:
             try:
                 hello = self.client.hello()
             except ClientError as err:
-                self._failed("hello", err)
+                self.failed("hello", err)
                 return None
             base, layout, lossy_ok = self._codec_args
             self._binding = CodecBinding.resolve(hello.get("codec"), base, layout, lossy_ok=lossy_ok)
         return self._binding
 
-    def _route(self) -> tuple[str | None, CodedChunks | None]:
+    def forget_events(self) -> None:
+        """Ask again whether the daemon publishes KV events (a put carrying token ids
+        failed: a daemon restarted without events refuses them)."""
+        self._events = None
+
+    def target(self) -> tuple[str | None, CodedChunks | None]:
         """(namespace, codec path) for the next op; namespace None: a miss, store nothing."""
         binding = self.binding()
         if binding is None:
             return None, None
         return binding.namespace, binding.coded
 
-    def _failed(self, op: str, err: ClientError) -> None:
+    def failed(self, op: str, err: ClientError) -> None:
+        """Count and log a client failure of ``op``, which the caller answers as a miss."""
         self.errors += 1
         logger.warning("lmcache %s failed (%s); treating it as a miss", op, err)

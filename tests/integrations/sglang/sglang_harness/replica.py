@@ -86,7 +86,7 @@ def storage_config(**overrides: Any) -> Any:
 
 
 def uses_shm(backend: Any) -> bool:
-    return any(c._mapping.pool is not None for c in backend._clients)
+    return any(c._pool is not None for c in backend._clients)
 
 
 # -- role a --------------------------------------------------------------------------------

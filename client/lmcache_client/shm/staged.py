@@ -5,7 +5,7 @@ next put, under a write lease of its own; a later put whose sizes match copies
 straight into those slots and sends one ``bind`` (bind to keys and commit),
 whose reply stages fresh slots in place of those consumed.  A put that does not
 fit them (or finds their lease near its deadline, or refused) takes
-alloc+commit instead (:mod:`lmcache_client.shmput`), with the same results.
+alloc+commit instead (:mod:`lmcache_client.shm.put`), with the same results.
 
 Primitives: :func:`_put_staged` (a put into staged slots, None when it cannot
 be made so), :func:`_retire_staged`, :func:`_commit_staging` (commit, asking
@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from . import calls
-from .errors import ServerError
-from .protocol import ErrorCode, PutStatus
-from .shmflow import Ask, Flow, Tell, _in_time, owner
-from .shmpool import SharedPool, StagedSlots
+from .. import calls
+from ..errors import ServerError
+from ..protocol import ErrorCode, PutStatus
+from .flows import Ask, Flow, Tell, _in_time, owner
+from .pool import SharedPool, StagedSlots
 
 
 def parting(pool: SharedPool) -> list[int]:

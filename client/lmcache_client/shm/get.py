@@ -17,9 +17,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import calls
-from .shmflow import Ask, Flow, Tell, _in_time
-from .shmpool import SharedPool, _check_tensor, _flat_bytes
+from .. import calls
+from .flows import Ask, Flow, Tell, _in_time
+from .pool import SharedPool, _check_tensor, _flat_bytes
 
 logger = logging.getLogger("lmcache_client.shm")  # the logger these lines always had
 
@@ -90,7 +90,7 @@ def get_flow(pool: SharedPool, namespace: str, keys: Sequence[bytes], out: Seque
 def copy_frame(buf: Any, dest: Any) -> bool:
     """Copy a received payload into ``dest`` (a tensor, CPU or CUDA, or a writable buffer)."""
     if hasattr(dest, "data_ptr"):
-        from .tensors import copy_into
+        from ..tensors import copy_into
 
         if dest.device.type == "cpu":
             copy_into(dest, buf)

@@ -19,9 +19,9 @@ import time
 from collections.abc import Generator
 from typing import Any
 
-from .calls import Call
-from .protocol import ErrorCode
-from .shmpool import SharedPool
+from ..calls import Call
+from ..protocol import ErrorCode
+from .pool import SharedPool
 
 DEADLINE_MARGIN_S = 0.5
 """A copy must end this long before its lease's deadline to count without confirmation."""
@@ -52,7 +52,7 @@ def on_failure(err: Exception, fail_open: bool) -> str:
     REMAP (the daemon restarted: map its new segment and try again), MISS
     (answer like a miss: an expired lease, or BUSY/draining/unreachable when
     failing open) or RAISE."""
-    from .errors import DaemonUnavailable, ServerError
+    from ..errors import DaemonUnavailable, ServerError
 
     if isinstance(err, ServerError):
         if err.code == ErrorCode.STALE_SEGMENT:

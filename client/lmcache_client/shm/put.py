@@ -2,7 +2,7 @@
 
 :func:`put_flow` copies the caller's payloads into the pool, :func:`fill_flow`
 hands each reserved slot to a ``fill(i, view)`` callback (one copy in all, the
-caller's).  Both first try the staged slots (:mod:`lmcache_client.shmstaged`,
+caller's).  Both first try the staged slots (:mod:`lmcache_client.shm.staged`,
 one round trip); otherwise ``alloc`` reserves a slot per chunk under a write
 lease, the bytes are written, and ``commit`` makes them visible.  A write lease
 whose commit (or an alloc whose grant) never got an answer is remembered as
@@ -19,12 +19,12 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import calls
-from .errors import ServerError
-from .protocol import PutStatus
-from .shmflow import Ask, Flow, Tell, _in_time, owner
-from .shmpool import SharedPool
-from .shmstaged import _commit_staging, _put_staged, _retire_staged
+from .. import calls
+from ..errors import ServerError
+from ..protocol import PutStatus
+from .flows import Ask, Flow, Tell, _in_time, owner
+from .pool import SharedPool
+from .staged import _commit_staging, _put_staged, _retire_staged
 
 logger = logging.getLogger("lmcache_client.shm")  # the logger these lines always had
 

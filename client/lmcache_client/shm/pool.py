@@ -1,4 +1,4 @@
-"""This process's mapping of a daemon's shared-memory pool (see shm.py for the flows).
+"""This process's mapping of a daemon's shared-memory pool (see the package docstring for the flows).
 
 :class:`SharedPool`: the mapped segment and the copies in and out of it (split
 over threads when large, DMA for CUDA tensors once registered);
@@ -31,7 +31,7 @@ import stat
 import time
 from typing import Any
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("lmcache_client.shmpool")  # the logger these lines always had
 
 SAME_CLOCK_TOLERANCE_S = 1.0
 """The daemon's clock reading in hello may differ from ours by at most this much
@@ -122,7 +122,14 @@ class SharedPool:
     """This process's mapping of a daemon's pool segment."""
 
     def __init__(
-        self, path: str, size: int, segment: str, lease_timeout_s: float, same_clock: bool, copy_threads: int = 1
+        self,
+        path: str,
+        size: int,
+        segment: str,
+        lease_timeout_s: float,
+        same_clock: bool,
+        copy_threads: int = 1,
+        staged_puts: bool = True,
     ):
         fd = open_segment(path, size, segment)
         try:
@@ -141,7 +148,7 @@ class SharedPool:
         self._copiers: concurrent.futures.ThreadPoolExecutor | None = None
         self.unsettled: list[int] = []
         """Write leases whose commit may not have reached the daemon (see _commit)."""
-        self.staged_puts = True
+        self.staged_puts = staged_puts
         """Use staged slots for puts (False: every put is alloc+commit)."""
         self.staged: StagedSlots | None = None
         """This process's staged slots in this pool (see put_flow)."""
@@ -153,7 +160,7 @@ class SharedPool:
         self.streaming = False
 
     @classmethod
-    def open(cls, offer: Any, copy_threads: int = 1) -> SharedPool | None:
+    def open(cls, offer: Any, copy_threads: int = 1, staged_puts: bool = True) -> SharedPool | None:
         """Map the segment a hello reply offers; None when this process cannot
         (another host, another user, no shared /dev/shm) or will not (the file
         named is not a pool segment: :func:`open_segment`): use payload frames."""
@@ -164,7 +171,7 @@ class SharedPool:
             if not isinstance(path, str) or type(size) is not int or size <= 0 or not isinstance(segment, str):
                 raise TypeError(f"malformed shared-memory offer {offer!r}")
             same_clock = abs(float(offer["clock"]) - time.monotonic()) < SAME_CLOCK_TOLERANCE_S
-            return cls(path, size, segment, float(offer["lease_timeout_s"]), same_clock, copy_threads)
+            return cls(path, size, segment, float(offer["lease_timeout_s"]), same_clock, copy_threads, staged_puts)
         except SegmentRefused as err:
             if str(offer.get("path")) not in _refused:
                 _refused.add(str(offer.get("path")))
@@ -324,9 +331,7 @@ class Mapping:
         """Map what a hello reply offers (once: a concurrent second probe keeps the first)."""
         if not self.probed:
             self.probed = True
-            self.pool = SharedPool.open(offer, self.copy_threads)
-            if self.pool is not None:
-                self.pool.staged_puts = self.staged_puts
+            self.pool = SharedPool.open(offer, self.copy_threads, self.staged_puts)
         return self.pool
 
     def drop(self) -> None:

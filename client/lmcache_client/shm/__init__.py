@@ -36,42 +36,49 @@ Zero-copy variants for callers that produce or consume the bytes themselves
 before committing, :func:`use_flow` hands each leased hit to ``use(i, view)``
 before releasing.
 
-Where each job lives: :mod:`~lmcache_client.shmpool` (the mapping),
-:mod:`~lmcache_client.shmflow` (what a flow yields, failures, the lease owner),
-:mod:`~lmcache_client.shmget` (the get flows), :mod:`~lmcache_client.shmput`
-(the put flows) and :mod:`~lmcache_client.shmstaged` (the staged-slot stream).
-This module is their face: the names below are importable from here.
+Where each job lives (this package is the client's same-host room):
+:mod:`~lmcache_client.shm.path` (a client's path: the mapping and the flows
+driven over its connection, sync and asyncio), :mod:`~lmcache_client.shm.pool`
+(the mapping), :mod:`~lmcache_client.shm.flows` (what a flow yields, failures,
+the lease owner), :mod:`~lmcache_client.shm.get` (the get flows),
+:mod:`~lmcache_client.shm.put` (the put flows) and
+:mod:`~lmcache_client.shm.staged` (the staged-slot stream).  This module is
+their face: the names below are importable from here.
 
-Primitives: :class:`SharedPool`, :func:`get_flow`, :func:`put_flow`,
-:func:`fill_flow`, :func:`use_flow`, :class:`Ask`, :class:`Tell`.
+Primitives: :class:`SharedMemoryPath`, :class:`AsyncSharedMemoryPath`,
+:class:`SharedPool`, :func:`get_flow`, :func:`put_flow`, :func:`fill_flow`,
+:func:`use_flow`, :class:`Ask`, :class:`Tell`.
 """
 
 from __future__ import annotations
 
-from .shmflow import DEADLINE_MARGIN_S as DEADLINE_MARGIN_S
-from .shmflow import MISS as MISS
-from .shmflow import RAISE as RAISE
-from .shmflow import REMAP as REMAP
-from .shmflow import Ask as Ask
-from .shmflow import Flow as Flow
-from .shmflow import Tell as Tell
-from .shmflow import on_failure as on_failure
-from .shmflow import owner as owner
-from .shmget import UseFn as UseFn
-from .shmget import copy_frame as copy_frame
-from .shmget import get_flow as get_flow
-from .shmget import use_flow as use_flow
-from .shmget import use_frames as use_frames
-from .shmpool import PARALLEL_COPY_MIN_BYTES as PARALLEL_COPY_MIN_BYTES
-from .shmpool import SAME_CLOCK_TOLERANCE_S as SAME_CLOCK_TOLERANCE_S
-from .shmpool import Mapping as Mapping
-from .shmpool import SharedPool as SharedPool
-from .shmpool import StagedSlots as StagedSlots
-from .shmput import PUT_MIN_BYTES as PUT_MIN_BYTES
-from .shmput import FillFn as FillFn
-from .shmput import fill_flow as fill_flow
-from .shmput import flush_fill as flush_fill
-from .shmput import put_flow as put_flow
-from .shmstaged import WriteFn as WriteFn
-from .shmstaged import _put_staged as _put_staged  # for tests/test_hardening_leases.py
-from .shmstaged import parting as parting
+from .flows import DEADLINE_MARGIN_S as DEADLINE_MARGIN_S
+from .flows import MISS as MISS
+from .flows import RAISE as RAISE
+from .flows import REMAP as REMAP
+from .flows import Ask as Ask
+from .flows import Flow as Flow
+from .flows import Tell as Tell
+from .flows import on_failure as on_failure
+from .flows import owner as owner
+from .get import UseFn as UseFn
+from .get import copy_frame as copy_frame
+from .get import flush_use as flush_use
+from .get import get_flow as get_flow
+from .get import use_flow as use_flow
+from .get import use_frames as use_frames
+from .path import AsyncSharedMemoryPath as AsyncSharedMemoryPath
+from .path import SharedMemoryPath as SharedMemoryPath
+from .pool import PARALLEL_COPY_MIN_BYTES as PARALLEL_COPY_MIN_BYTES
+from .pool import SAME_CLOCK_TOLERANCE_S as SAME_CLOCK_TOLERANCE_S
+from .pool import Mapping as Mapping
+from .pool import SharedPool as SharedPool
+from .pool import StagedSlots as StagedSlots
+from .put import PUT_MIN_BYTES as PUT_MIN_BYTES
+from .put import FillFn as FillFn
+from .put import fill_flow as fill_flow
+from .put import flush_fill as flush_fill
+from .put import put_flow as put_flow
+from .staged import WriteFn as WriteFn
+from .staged import _put_staged as _put_staged  # for tests/server/shm/test_hardening_leases.py
+from .staged import parting as parting
