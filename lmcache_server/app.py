@@ -43,10 +43,10 @@ from .metrics import (
     TaskFailureCollector,
 )
 from .security import QueryAccess, Security
-from .server.admission import ByteBudget
 from .server.endpointlocks import EndpointLocks, bound_endpoints
 from .server.handlers import Handlers
 from .server.http import HttpEndpoint
+from .server.inflight import ByteBudget
 from .server.monitor import ConnectionMonitor
 from .server.prefetch import Prefetcher
 from .server.query import Query

@@ -1,8 +1,9 @@
-"""Server configuration: one typed, frozen dataclass, validated once at the edge.
+"""Server configuration: one typed, frozen record, loaded and validated once at the edge.
 
-Sources, lowest to highest precedence:
+The record is :class:`.serverconfig.ServerConfig` (a field per key, importable
+from here); this module builds it.  Sources, lowest to highest precedence:
 
-1. built-in defaults (the field defaults of :mod:`.configfields`),
+1. built-in defaults (the field defaults of :mod:`.serverconfig`),
 2. the YAML file given by ``--config`` (or ``LMCACHE_CONFIG``, or LMCache's
    own name for it, ``LMCACHE_CONFIG_FILE``),
 3. environment variables ``LMCACHE_<KEY>`` (e.g. ``LMCACHE_MAX_LOCAL_CPU_SIZE=8GiB``),
@@ -14,9 +15,11 @@ environment is shared (a Kubernetes Service named ``lmcache`` injects
 ``LMCACHE_PORT=tcp://...`` into every pod; engine-side LMCache variables such
 as ``LMCACHE_USE_EXPERIMENTAL`` sit next to ours).  A bad value raises
 :class:`ConfigError` naming the key, the value, where it came from and what was
-expected (the keys, their defaults and parsers live in :mod:`.configfields`,
-the value parsers in :mod:`.configvalues`).  Primitives: :class:`ServerConfig`,
-:func:`load_config`, :func:`parse_size`.
+expected (the keys, their defaults and parsers live in :mod:`.serverconfig`,
+the value parsers in :mod:`.configvalues`); then the keys are checked against
+each other (:func:`check_across_keys`).  Primitives: :func:`load_config`,
+:func:`check_across_keys`, :func:`set_overrides`, :class:`ConfigError`,
+:data:`FIELDS`, and (re-exported) :class:`ServerConfig`, :func:`parse_size`.
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ from typing import Any
 
 import yaml
 
-from .configfields import ConfigFields
 from .configvalues import disk_path as disk_path  # re-exported: callers import these from here
 from .configvalues import parse_listen_address as parse_listen_address
 from .configvalues import parse_size as parse_size
 from .configvalues import redact as redact
-from .kv_codec import CodecSettingError, resolve_codec
+from .kv_codec import CodecSettingError
+from .serverconfig import ServerConfig as ServerConfig  # re-exported: code imports the record from here
 
 logger = logging.getLogger(__name__)
 
@@ -57,79 +60,42 @@ class ConfigError(ValueError):
         self.expected = expected
 
 
-@dataclasses.dataclass(frozen=True)
-class ServerConfig(ConfigFields):
-    """Every setting of the daemon (the keys: :class:`.configfields.ConfigFields`), checked across keys."""
-
-    def __post_init__(self) -> None:
-        # Keys whose tiers are not built yet are refused, never silently ignored.
-        if self.local_disk is not None and self.max_local_disk_size < 1 << 20:
-            raise ConfigError(
-                "max_local_disk_size", self.max_local_disk_size, "a size of at least 1 MiB when local_disk is set"
-            )
-        try:
-            codec = resolve_codec(self.kv_codec, self.kv_codec_params, self.remote_serde)
-        except CodecSettingError as err:
-            value = dict(self.kv_codec_params) if err.key == "kv_codec_params" else self.kv_codec
-            raise ConfigError(err.key, value, err.expected) from None
-        object.__setattr__(self, "_codec", codec)
-        if not self.local_cpu:
-            raise ConfigError("local_cpu", False, "true: every chunk passes through the memory tier")
-        if self.max_message_size > self.max_inflight_bytes:
-            raise ConfigError(
-                "max_message_size", self.max_message_size, f"at most max_inflight_bytes ({self.max_inflight_bytes})"
-            )
-        if self.auth == "curve":
-            for key in ("server_secret_key_file", "client_keys_file"):
-                if getattr(self, key) is None:
-                    raise ConfigError(key, None, "a file path when auth is curve (see docs/security.md)")
-        else:
-            for key in ("max_key_inflight_requests", "max_key_inflight_bytes"):
-                if getattr(self, key):
-                    raise ConfigError(key, getattr(self, key), "0 unless auth is curve (a client key names the client)")
-        if self.chunk_size % self.events_block_size:
-            raise ConfigError(
-                "events_block_size", self.events_block_size, f"a divisor of chunk_size ({self.chunk_size})"
-            )
-        for key in ("events_replay_endpoint", "events_snapshot_endpoint"):
-            if getattr(self, key) is not None and self.events_endpoint is None:
-                raise ConfigError(key, getattr(self, key), "unset unless events_endpoint is set")
-        object.__setattr__(self, "log_level", self.log_level.upper())
-
-    @property
-    def codec(self) -> Any:
-        """The effective :class:`~lmcache_client.codec.CodecSpec` clients encode with; ``None``: raw."""
-        return self.__dict__["_codec"]
-
-    def quotas(self, tier: str) -> dict[str, int]:
-        """``tenant_quotas`` of one tier ("memory" or "disk"): tenant -> bytes."""
-        index = 1 if tier == "memory" else 2
-        return {q[0]: q[index] for q in self.tenant_quotas if q[index] is not None}  # type: ignore[misc]
-
-    def summary(self) -> str:
-        """One log line with the effective settings."""
-        gib = 1024**3
-        return (
-            f"listen={','.join(self.listen)} auth={self.auth}{' (allow_insecure)' if self.allow_insecure else ''} "
-            f"memory={self.max_local_cpu_size / gib:.2f}GiB "
-            f"policy={self.cache_policy} chunk_size={self.chunk_size} "
-            f"disk={self.local_disk or 'off'}"
-            f"{f' ({self.max_local_disk_size / gib:.2f}GiB)' if self.local_disk else ''} "
-            f"remote={redact(self.remote_url) if self.remote_url else 'off'} "
-            f"{self._admission_summary()}"
-            f"metrics={'off' if not self.metrics_port else f'http://{self.metrics_host}:{self.metrics_port}'} "
-            f"events={self.events_endpoint or 'off'} "
-            f"kv_codec={self.codec.tag if self.codec is not None else 'none'} "
-            f"max_message={self.max_message_size >> 20}MiB inflight_budget={self.max_inflight_bytes >> 20}MiB"
-        )
-
-    def _admission_summary(self) -> str:
-        if self.disk_admission == self.remote_admission == "always":
-            return ""
-        return f"admission=disk:{self.disk_admission},redis:{self.remote_admission} "
-
-
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+
+
+def check_across_keys(config: ServerConfig) -> None:
+    """Refuse what no single key's parser can see: keys whose tiers are not built yet,
+    settings that contradict each other, the codec setting (:class:`ConfigError`)."""
+    c = config
+    # Keys whose tiers are not built yet are refused, never silently ignored.
+    if c.local_disk is not None and c.max_local_disk_size < 1 << 20:
+        raise ConfigError(
+            "max_local_disk_size", c.max_local_disk_size, "a size of at least 1 MiB when local_disk is set"
+        )
+    try:
+        _ = c.codec  # resolved (and kept) on first use
+    except CodecSettingError as err:
+        value = dict(c.kv_codec_params) if err.key == "kv_codec_params" else c.kv_codec
+        raise ConfigError(err.key, value, err.expected) from None
+    if not c.local_cpu:
+        raise ConfigError("local_cpu", False, "true: every chunk passes through the memory tier")
+    if c.max_message_size > c.max_inflight_bytes:
+        raise ConfigError(
+            "max_message_size", c.max_message_size, f"at most max_inflight_bytes ({c.max_inflight_bytes})"
+        )
+    if c.auth == "curve":
+        for key in ("server_secret_key_file", "client_keys_file"):
+            if getattr(c, key) is None:
+                raise ConfigError(key, None, "a file path when auth is curve (see docs/security.md)")
+    else:
+        for key in ("max_key_inflight_requests", "max_key_inflight_bytes"):
+            if getattr(c, key):
+                raise ConfigError(key, getattr(c, key), "0 unless auth is curve (a client key names the client)")
+    if c.chunk_size % c.events_block_size:
+        raise ConfigError("events_block_size", c.events_block_size, f"a divisor of chunk_size ({c.chunk_size})")
+    for key in ("events_replay_endpoint", "events_snapshot_endpoint"):
+        if getattr(c, key) is not None and c.events_endpoint is None:
+            raise ConfigError(key, getattr(c, key), "unset unless events_endpoint is set")
 
 
 def _parse_env_value(raw: str) -> Any:
@@ -194,7 +160,8 @@ def load_config(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ServerConfig:
-    """Merge defaults, file, ``LMCACHE_*`` env and overrides; validate; return the config.
+    """Merge defaults, file, ``LMCACHE_*`` env and overrides; parse each value, build
+    the record and check its keys against each other; return it.
 
     Unknown keys in the file or ``overrides`` raise :class:`ConfigError`;
     unknown ``LMCACHE_*`` variables are logged once (WARNING) and ignored.
@@ -227,5 +194,6 @@ def load_config(
         except (ValueError, TypeError):
             raise ConfigError(key, value, spec.metadata["expected"], source) from None
     config = ServerConfig(**values)
+    check_across_keys(config)
     _warn_unknown_env(unknown_env)
     return config

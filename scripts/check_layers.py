@@ -62,7 +62,7 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
         {
             "config": [
                 "lmcache_server.config",
-                "lmcache_server.configfields",
+                "lmcache_server.serverconfig",
                 "lmcache_server.configvalues",
                 "lmcache_server.kv_codec",
             ],
@@ -108,9 +108,10 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
 
 # A subpackage directly under one of these packages shows only its __init__ to code
 # outside it: lmcache_server.app may import lmcache_server.storage.disk, not
-# lmcache_server.storage.disk.tier.  The sealed rooms of storage: memory, disk, remote, policy
-# and tiered (the store: code outside imports lmcache_server.storage.tiered, not its modules).
-SEALED: list[str] = ["lmcache_server.storage"]
+# lmcache_server.storage.disk.tier (nor lmcache_server.server.shm.leases).  The sealed rooms of
+# storage: memory, disk, remote, policy and tiered (the store: code outside imports
+# lmcache_server.storage.tiered, not its modules); of the server: shm.
+SEALED: list[str] = ["lmcache_server.storage", "lmcache_server.server"]
 
 # Imports no module matching the first pattern may make of a module matching the second
 # (patterns as in LAYERS), whatever the layers allow, and why.

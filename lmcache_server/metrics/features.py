@@ -1,7 +1,7 @@
 """The Prometheus collectors of the daemon's optional parts, read at scrape time from
 each part's ``stats`` (so they can never drift from it):
 
-:class:`ShmCollector` (shared-memory leases, server/shm.py), :class:`TaskFailureCollector`
+:class:`ShmCollector` (shared-memory leases, server/shm/), :class:`TaskFailureCollector`
 (failures of supervised background tasks and of requests that hit a bug),
 :class:`PrefetchCollector` (lookups with prefetch, server/prefetch.py),
 :class:`EventsCollector` (KV events, events/), :class:`SizingCollector` (the hit
@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 
 class ShmCollector(Collector):
-    """Exports the shared-memory lease table's counters (server/shm.py) at scrape time."""
+    """Exports the shared-memory lease table's counters (server/shm/) at scrape time."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]):
         self.stats = stats

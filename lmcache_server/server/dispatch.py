@@ -1,4 +1,4 @@
-"""From a received message to its handler, for :class:`.zmq_server.ZmqServer`.
+"""From a received message to its handler, a part of :class:`.zmq_server.ZmqServer`.
 
 Per message: split the envelope -> decode and validate the header (errors
 become error replies) -> access check (with ``auth: curve``: the connection's
@@ -8,9 +8,9 @@ task cap; BUSY when spent) -> a handler task -> one reply.  A lookup that local
 tiers answer is answered at once, without a task.  A message over the frame
 cap gets TOO_LARGE, a dispatch that fails INTERNAL.
 
-Primitives: :class:`RequestDispatch` (``_dispatch``, ``_reply_internal``,
-``_run``), the layer of the server class between its receive loop and its
-replies, and :func:`split_envelope`.
+Primitives: :class:`Dispatch` (``on_message``, ``reply_internal``,
+``refuse_new``, ``tasks``), the server's part between its receive loop and its
+replies (:class:`.replies.Replies`), and :func:`split_envelope`.
 """
 
 from __future__ import annotations
@@ -22,17 +22,18 @@ from typing import Any
 
 import zmq
 
-from lmcache_client.protocol import ErrorCode, Limits, Op, ProtocolError, decode_request
+from lmcache_client.protocol import ErrorCode, Limits, Op, ProtocolError, decode_request, header_limit
 
 from ..config import ServerConfig
+from ..metrics import ServerMetrics
 from ..security import Security
 from ..security.access import namespace_view
 from ..supervisor import Supervisor
-from .admission import ClientLedger
 from .handlers import Handlers
-from .outgoing import Owners
+from .inflight import ByteBudget, ClientLedger
+from .outgoing import Owners, SentReplies
 from .outgoing import release as _release
-from .replies import ReplySender
+from .replies import Replies
 from .tokens import take_tokens
 
 logger = logging.getLogger("lmcache_server.server.zmq_server")  # the server's log lines keep their logger name
@@ -53,26 +54,65 @@ def split_envelope(frames: list[Any]) -> tuple[list[bytes], list[Any]]:
     return [frames[0].bytes], frames[1:]
 
 
-class RequestDispatch(ReplySender):
-    """The request side of the server; the attributes are set by ``ZmqServer.__init__``."""
+class Dispatch:
+    """The request part of the server: admission, access, a handler task, its reply."""
 
-    config: ServerConfig
-    supervisor: Supervisor
-    security: Security
-    clients: ClientLedger
-    keys: ClientLedger | None
-    max_frames: int
-    handlers: Handlers
-    limits: Limits
-    draining: bool
-    _tasks: set[asyncio.Task[None]]
+    def __init__(
+        self,
+        config: ServerConfig,
+        handlers: Handlers,
+        budget: ByteBudget,
+        metrics: ServerMetrics,
+        security: Security,
+        supervisor: Supervisor,
+        replies: Replies,
+        sent: SentReplies,
+    ):
+        self.config = config
+        self.handlers = handlers
+        self.budget = budget
+        self.metrics = metrics
+        self.security = security
+        self.supervisor = supervisor
+        self.replies = replies
+        self.sent = sent
+        """Zero-copy replies still being sent: swept before each request."""
+        self.clients = ClientLedger(config.max_client_inflight_requests, config.max_client_inflight_bytes)
+        # Limits over all connections of one client key (auth: curve), when set.
+        key_limited = config.max_key_inflight_requests or config.max_key_inflight_bytes
+        self.keys = (
+            ClientLedger(config.max_key_inflight_requests or 1 << 62, config.max_key_inflight_bytes or 1 << 62)
+            if key_limited and security.enabled
+            else None
+        )
+        # A valid request has at most one payload frame per key and a tokens
+        # frame; the envelope (routing id, REQ delimiter) comes on top.  Frames
+        # beyond are dropped as they arrive, so a message of millions of empty
+        # frames costs no Python objects.
+        self.max_frames = config.max_keys_per_request + 2
+        self.limits = Limits(
+            # Keys, one integer per key and small fields only: token ids travel in a
+            # frame of their own (server/tokens.py), so no header needs more, events on
+            # or off; and never more than MAX_HEADER_BYTES whatever the configuration:
+            # a msgpack object bomb decodes at most this many bytes' objects.
+            max_header_bytes=header_limit(config.max_keys_per_request),
+            max_keys=config.max_keys_per_request,
+            max_message_bytes=config.max_message_size,
+        )
+        self.draining = False
+        self.tasks: set[asyncio.Task[None]] = set()
+        """The handler tasks running now."""
 
-    def _dispatch(self, frames: list[Any], dropped_frames: int = 0) -> None:
+    def refuse_new(self) -> None:
+        """Answer SHUTTING_DOWN to every request from now on (the server drains)."""
+        self.draining = True
+
+    def on_message(self, frames: list[Any], dropped_frames: int = 0) -> None:
         started = time.perf_counter()
-        if self.replies:
+        if self.sent:
             # Release finished sends first, so a request never sees a chunk
             # still leased by a reply its client has already received.
-            self.replies.sweep()
+            self.sent.sweep()
         envelope, body = split_envelope(frames)
         if dropped_frames:
             self._refuse_frames(envelope, body, dropped_frames, started)
@@ -83,7 +123,7 @@ class RequestDispatch(ReplySender):
             logger.debug("refused a request: %s", err)
             if err.limit is not None:
                 self.metrics.limit_violations.labels(err.limit).inc()
-            self._reply_error(envelope, err.request_id, err.code, err.message, "invalid", started)
+            self.replies.reply_error(envelope, err.request_id, err.code, err.message, "invalid", started)
             return
         op = request.op.value
         scoped = False  # a stats reply cut down to the client's namespace
@@ -95,17 +135,19 @@ class RequestDispatch(ReplySender):
             denied = self.security.check(user_id, request)
             if denied is not None:
                 self.metrics.forbidden.labels(user_id or "").inc()
-                self._reply_error(envelope, request.id, ErrorCode.FORBIDDEN, denied, op, started)
+                self.replies.reply_error(envelope, request.id, ErrorCode.FORBIDDEN, denied, op, started)
                 return
             scoped = request.op is Op.STATS and not self.security.sees_everything(user_id)
         if "tokens" in request.fields:
             try:
                 take_tokens(request, self.config.chunk_size)
             except ProtocolError as err:
-                self._reply_error(envelope, request.id, err.code, err.message, op, started)
+                self.replies.reply_error(envelope, request.id, err.code, err.message, op, started)
                 return
         if self.draining:
-            self._reply_error(envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started)
+            self.replies.reply_error(
+                envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started
+            )
             return
         size = request.payload_bytes
         owners: Owners = ((self.clients, envelope[0]),)
@@ -123,7 +165,7 @@ class RequestDispatch(ReplySender):
             self.metrics.limit_violations.labels(over).inc()
             whose = "this client key's" if over.startswith("key_") else "this connection's"
             message = f"{whose} in-flight limit is spent ({over}); retry"
-            self._reply_error(envelope, request.id, ErrorCode.BUSY, message, op, started)
+            self.replies.reply_error(envelope, request.id, ErrorCode.BUSY, message, op, started)
             return
         held = self.clients.in_flight(envelope[0])[1] - size  # the connection's bytes before this request
         if size and held and size > self.budget.share(held):
@@ -131,19 +173,19 @@ class RequestDispatch(ReplySender):
             self.metrics.busy.inc()
             self.metrics.limit_violations.labels("fair_share").inc()
             message = "this connection holds its share of the in-flight budget; retry"
-            self._reply_error(envelope, request.id, ErrorCode.BUSY, message, op, started)
+            self.replies.reply_error(envelope, request.id, ErrorCode.BUSY, message, op, started)
             return
-        if len(self._tasks) >= MAX_CONCURRENT_REQUESTS or not self.budget.try_acquire(size):
+        if len(self.tasks) >= MAX_CONCURRENT_REQUESTS or not self.budget.try_acquire(size):
             _release(owners, size)
             self.metrics.busy.inc()
-            self._reply_error(envelope, request.id, ErrorCode.BUSY, "in-flight budget spent; retry", op, started)
+            self.replies.reply_error(envelope, request.id, ErrorCode.BUSY, "in-flight budget spent; retry", op, started)
             return
         if request.op is Op.LOOKUP and self._answer_now(envelope, request, started, owners):
             return
         self.metrics.received_bytes.inc(size)
         task = asyncio.get_running_loop().create_task(self._run(envelope, request, size, started, scoped, owners))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def _answer_now(self, envelope: list[bytes], request: Any, started: float, owners: Owners) -> bool:
         """Answer an admitted request in the receive loop when its handler needs no
@@ -153,7 +195,7 @@ class RequestDispatch(ReplySender):
             outcome = self.handlers.lookup_now(request, envelope[0])
         except ProtocolError as err:  # a bad field (prefetch): its error reply, as from a task
             _release(owners, 0)
-            self._reply_error(envelope, request.id, err.code, err.message, request.op.value, started)
+            self.replies.reply_error(envelope, request.id, err.code, err.message, request.op.value, started)
             return True
         except BaseException:
             _release(owners, 0)
@@ -161,10 +203,10 @@ class RequestDispatch(ReplySender):
         if outcome is None:
             return False
         _release(owners, 0)  # done: nothing of it stays in flight
-        self._reply(envelope, request.id, outcome, request.op.value, started, ())
+        self.replies.reply(envelope, request.id, outcome, request.op.value, started, ())
         return True
 
-    def _reply_internal(self, frames: list[Any]) -> None:
+    def reply_internal(self, frames: list[Any]) -> None:
         """INTERNAL for a message whose dispatch failed (its id, when it can be read)."""
         try:
             envelope, body = split_envelope(frames)
@@ -174,7 +216,7 @@ class RequestDispatch(ReplySender):
             except ProtocolError as err:
                 request_id = err.request_id
             started = time.perf_counter()
-            self._reply_error(envelope, request_id, ErrorCode.INTERNAL, "internal error", "invalid", started)
+            self.replies.reply_error(envelope, request_id, ErrorCode.INTERNAL, "internal error", "invalid", started)
         except Exception:
             logger.exception("could not even answer INTERNAL to a failed request")
 
@@ -187,12 +229,12 @@ class RequestDispatch(ReplySender):
             if err.code != ErrorCode.PAYLOAD_MISMATCH:
                 if err.limit is not None:
                     self.metrics.limit_violations.labels(err.limit).inc()
-                self._reply_error(envelope, err.request_id, err.code, err.message, "invalid", started)
+                self.replies.reply_error(envelope, err.request_id, err.code, err.message, "invalid", started)
                 return
             request_id = err.request_id
         self.metrics.limit_violations.labels("frames").inc()
         message = f"message has {len(body) + dropped} frames, limit {self.max_frames} (header + one per key + tokens)"
-        self._reply_error(envelope, request_id, ErrorCode.TOO_LARGE, message, "invalid", started)
+        self.replies.reply_error(envelope, request_id, ErrorCode.TOO_LARGE, message, "invalid", started)
 
     async def _run(
         self, envelope: list[bytes], request: Any, size: int, started: float, scoped: bool, owners: Owners
@@ -224,7 +266,7 @@ class RequestDispatch(ReplySender):
             if scoped:
                 outcome.fields["stats"] = namespace_view(outcome.fields["stats"])
             release_share()  # the connection's share ends with the answer
-            pending = self._reply(envelope, request.id, outcome, op, started, owners)
+            pending = self.replies.reply(envelope, request.id, outcome, op, started, owners)
             # A put's payload frames are copied into the pool after the reply:
             # they stay in the server's budget until that is done.
             if pending is not None and not pending.done():
@@ -235,15 +277,17 @@ class RequestDispatch(ReplySender):
         except ProtocolError as err:
             if err.code == ErrorCode.BUSY:
                 self.metrics.busy.inc()
-            self._reply_error(envelope, request.id, err.code, err.message, op, started)
+            self.replies.reply_error(envelope, request.id, err.code, err.message, op, started)
         except asyncio.CancelledError:
-            self._reply_error(envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started)
+            self.replies.reply_error(
+                envelope, request.id, ErrorCode.SHUTTING_DOWN, "server is shutting down", op, started
+            )
             release_budget()
             release_share()
             raise
         except Exception as err:
             self.supervisor.failed(f"request {op}", err)
-            self._reply_error(envelope, request.id, ErrorCode.INTERNAL, "internal error", op, started)
+            self.replies.reply_error(envelope, request.id, ErrorCode.INTERNAL, "internal error", op, started)
         release_budget()
         release_share()
 

@@ -5,8 +5,9 @@ the leased chunks to send; the server releases those once ZeroMQ has sent
 them.  Refusals are raised as ProtocolError and become one error reply.
 
 The shared-memory ops (a get under a read lease, alloc, commit, bind,
-release) are in shmhandlers.py, which :class:`Handlers` builds on; what a
-handler returns, :class:`Outcome`, is in outcome.py (importable from here).
+release) are a part :class:`Handlers` builds and holds: :class:`.shm.ShmOps`
+(shm/ops.py); what a handler returns, :class:`Outcome`, is in outcome.py
+(importable from here).
 A lookup with ``prefetch: true`` starts its prefetch once its reply is sent
 (prefetch.py); one with ``cancel_prefetch: true`` gives up the prefetches of its keys.
 The operator's ``pin`` and ``prefetch`` ops are in cacheapi.py.
@@ -24,18 +25,20 @@ from lmcache_client.protocol import KEY_BYTES, PROTOCOL_VERSION, ErrorCode, Op, 
 from .. import __version__
 from ..config import ServerConfig
 from ..storage import TieredStore
-from .admission import ByteBudget
 from .cacheapi import CacheApi
-from .outcome import Outcome
+from .inflight import ByteBudget
+from .outcome import Outcome, namespace_of, reply_cap
 from .prefetch import Prefetcher, cancel_flag, owner_of, prefetch_flag
-from .shm import ShmLeases
-from .shmhandlers import STAGED_SHARE, ShmHandlers
+from .shm import STAGED_SHARE, ShmLeases, ShmOps
 from .tokens import parse_tokens
 
 __all__ = ["STAGED_SHARE", "Handlers", "Outcome"]
 
 
-class Handlers(ShmHandlers):
+class Handlers:
+    """One method per op; the ops of its parts: ``cache_api`` (pin, prefetch) and
+    ``shm_ops`` (a get under a read lease, alloc, commit, bind, release)."""
+
     def __init__(
         self,
         store: TieredStore,
@@ -52,11 +55,8 @@ class Handlers(ShmHandlers):
         self.cache_api = CacheApi(store, self.prefetcher, config.max_pinned_fraction)
         """The operator's ``pin`` (promotion, bound) and ``prefetch`` ops (cacheapi.py)."""
         self.shm = shm if shm is not None and shm.enabled else None
-        pool = store.memory.allocator.capacity
-        self.shm_reserve_cap = min(max(config.max_message_size, pool // 4), pool // 2)
-        """Bytes all shared-memory write leases may hold reserved at once."""
-        self.shm_stage_cap = pool // STAGED_SHARE
-        """Bytes all staged slots together may hold (within shm_reserve_cap)."""
+        self.shm_ops = ShmOps(store, config, budget, self.shm)
+        """The shared-memory ops: get under a read lease, alloc, commit, bind, release (shm/ops.py)."""
         self.started_at = time.time()
         self._table: dict[Op, Callable[[Request], Awaitable[Outcome]]] = {
             Op.HELLO: self.hello,
@@ -71,17 +71,17 @@ class Handlers(ShmHandlers):
             Op.PREFETCH: self.cache_api.prefetch,
             Op.UNPIN: self.unpin,
             Op.STATS: self.stats,
-            Op.ALLOC: self.alloc,
-            Op.COMMIT: self.commit,
-            Op.RELEASE: self.release,
-            Op.BIND: self.bind,
+            Op.ALLOC: self.shm_ops.alloc,
+            Op.COMMIT: self.shm_ops.commit,
+            Op.RELEASE: self.shm_ops.release,
+            Op.BIND: self.shm_ops.bind,
         }
 
     async def handle(
         self, request: Request, reply_share: Callable[[], int] | None = None, peer: bytes = b""
     ) -> Outcome:
         """Answer ``request``; ``reply_share()`` says how many reply payload bytes
-        the requesting connection may take now (its fair share, see admission.py);
+        the requesting connection may take now (its fair share, see inflight.py);
         ``peer``: the connection's routing id (whose prefetches a lookup joins or cancels)."""
         if request.op is Op.GET:
             return await self.get(request, reply_share)
@@ -123,17 +123,17 @@ class Handlers(ShmHandlers):
 
     async def put(self, request: Request) -> Outcome:
         tokens = parse_tokens(request)
-        statuses, finish = await self.store.prepare_puts(self._ns(request), request.keys, request.payloads, tokens)
+        statuses, finish = await self.store.prepare_puts(namespace_of(request), request.keys, request.payloads, tokens)
         return Outcome({"status": [int(s) for s in statuses]}, after_reply=finish)
 
     async def get(self, request: Request, reply_share: Callable[[], int] | None = None) -> Outcome:
         if request.fields.get("shm") is not None:
-            return await self.get_shm(request, reply_share)
-        chunks = await self.store.get_many(self._ns(request), request.keys)
+            return await self.shm_ops.get(request, reply_share)
+        chunks = await self.store.get_many(namespace_of(request), request.keys)
         # A reply's payload bytes never exceed max_message_size, nor the
         # connection's fair share of the budget: hits past it are answered as
         # misses (the client recomputes them, or asks again).
-        cap = self._reply_cap(reply_share)
+        cap = reply_cap(self.config.max_message_size, reply_share)
         total = trimmed = 0
         for i, chunk in enumerate(chunks):
             if chunk is None:
@@ -154,21 +154,21 @@ class Handlers(ShmHandlers):
     async def lookup(self, request: Request, peer: bytes = b"") -> Outcome:
         self._cancel(request, peer)
         prefetch = prefetch_flag(request)
-        hits, tiers = await self.store.lookup(self._ns(request), request.keys)
+        hits, tiers = await self.store.lookup(namespace_of(request), request.keys)
         return self._looked_up(request, hits, tiers, prefetch, peer)
 
     def _cancel(self, request: Request, peer: bytes) -> None:
         """``cancel_prefetch: true``: give up the prefetches this connection's lookup
         of the same keys joined (never another request's)."""
         if cancel_flag(request):
-            self.prefetcher.cancel(self._ns(request), request.keys, owner_of(peer, request.keys))
+            self.prefetcher.cancel(namespace_of(request), request.keys, owner_of(peer, request.keys))
 
     def lookup_now(self, request: Request, peer: bytes = b"") -> Outcome | None:
         """A lookup answered in the receive loop, without a task (None: it must
         wait for Redis; use :meth:`handle`)."""
         self._cancel(request, peer)
         prefetch = prefetch_flag(request)
-        found = self.store.lookup_now(self._ns(request), request.keys)
+        found = self.store.lookup_now(namespace_of(request), request.keys)
         return None if found is None else self._looked_up(request, *found, prefetch, peer)
 
     def _looked_up(self, request: Request, hits: int, tiers: list[str | None], prefetch: bool, peer: bytes) -> Outcome:
@@ -177,7 +177,7 @@ class Handlers(ShmHandlers):
         if prefetch and any(t != memory for t in tiers[:hits]):
             # After the reply: the engine learns what is cached first, then the lower
             # tiers' chunks move up while its request is parked.
-            namespace, keys, found = self._ns(request), request.keys[:hits], tiers[:hits]
+            namespace, keys, found = namespace_of(request), request.keys[:hits], tiers[:hits]
             owner = owner_of(peer, request.keys)  # all its keys: what its cancel will send
 
             def start() -> None:
@@ -187,10 +187,10 @@ class Handlers(ShmHandlers):
         return outcome
 
     async def exists(self, request: Request) -> Outcome:
-        return Outcome({"exists": await self.store.exists(self._ns(request), request.keys)})
+        return Outcome({"exists": await self.store.exists(namespace_of(request), request.keys)})
 
     async def delete(self, request: Request) -> Outcome:
-        return Outcome({"deleted": await self.store.delete(self._ns(request), request.keys)})
+        return Outcome({"deleted": await self.store.delete(namespace_of(request), request.keys)})
 
     async def clear(self, request: Request) -> Outcome:
         if request.namespace is None and request.fields.get("all") is not True:
@@ -198,7 +198,7 @@ class Handlers(ShmHandlers):
         return Outcome({"removed": await self.store.clear(request.namespace)})
 
     async def unpin(self, request: Request) -> Outcome:
-        return Outcome({"unpinned": await self.store.unpin(self._ns(request), request.keys)})
+        return Outcome({"unpinned": await self.store.unpin(namespace_of(request), request.keys)})
 
     async def stats(self, request: Request) -> Outcome:
         stats = self.store.stats(request.namespace)

@@ -1,6 +1,7 @@
-"""What a request handler returns: the reply fields and what travels or happens with them.
+"""What a request handler returns: the reply fields and what travels or happens with them,
+and the two helpers every handler uses (the request's namespace, the reply cap).
 
-Primitives: :class:`Outcome`.
+Primitives: :class:`Outcome`, :func:`namespace_of`, :func:`reply_cap`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+
+from lmcache_client.protocol import Request
 
 from ..storage import Chunk
 
@@ -29,3 +32,16 @@ class Outcome:
     """Work to start right after the reply is queued, before any other request
     runs (a put's copy into the pool: it overlaps the client's next transfer).
     It may return a future: the request's bytes stay counted in flight until it is done."""
+
+
+def namespace_of(request: Request) -> str:
+    """The namespace of a data op (decode_request guarantees it has one)."""
+    namespace: str | None = request.namespace
+    assert namespace is not None
+    return namespace
+
+
+def reply_cap(max_message_size: int, reply_share: Callable[[], int] | None) -> int:
+    """Payload bytes a reply may carry: ``max_message_size``, and at most the
+    connection's fair share of the budget now (``reply_share()``) when given."""
+    return max_message_size if reply_share is None else min(max_message_size, reply_share())

@@ -16,7 +16,7 @@ import asyncio
 import zmq
 
 from ..storage import Chunk
-from .admission import ByteBudget, ClientLedger
+from .inflight import ByteBudget, ClientLedger
 
 Owners = tuple[tuple[ClientLedger, bytes], ...]
 """The ledgers a request counts in: its connection's, and its client key's when keys are limited."""

@@ -60,7 +60,7 @@ from lmcache_client.protocol import ErrorCode, ProtocolError, Request
 
 from ..storage import ChunkKey, TieredStore
 from ..supervisor import Supervisor
-from .admission import ByteBudget
+from .inflight import ByteBudget
 
 logger = logging.getLogger(__name__)
 

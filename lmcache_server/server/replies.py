@@ -1,4 +1,4 @@
-"""Sending replies, for :class:`.zmq_server.ZmqServer`: one reply per request.
+"""Sending replies, a part of :class:`.zmq_server.ZmqServer`: one reply per request.
 
 A success reply is its header frames plus the outcome's chunks: a chunk of at
 least ``ZERO_COPY_THRESHOLD`` bytes goes out straight from the memory pool
@@ -7,15 +7,18 @@ see outgoing.py), a smaller one is copied.  Every send is a plain non-blocking
 ROUTER send; after it the receive loop is woken when a request is queued
 (ZeroMQ's fd is edge-triggered and a send may consume its signal).
 
-Primitives: :class:`ReplySender` (``_reply``, ``_reply_error``, ``_send``), the
-base of the server class, and :func:`_events`.
+Primitives: :class:`Replies` (``reply``, ``reply_error``, ``send``), the
+server's sending part; :class:`Receiving`, the receive loop's state that
+sending reads (the server's receive loop writes it); and :func:`_events`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import zmq
@@ -23,8 +26,8 @@ import zmq
 from lmcache_client.protocol import ErrorCode, encode_error, encode_reply
 
 from ..metrics import ServerMetrics
-from .admission import ByteBudget
 from .handlers import Outcome
+from .inflight import ByteBudget
 from .outgoing import Owners, SentReplies
 
 logger = logging.getLogger("lmcache_server.server.zmq_server")  # the server's log lines keep their logger name
@@ -40,21 +43,37 @@ _send_frame = zmq.backend.Socket.send
 type and ORs enum flags per part (~5 us of ~7 for a reply of three small frames)."""
 
 
-class ReplySender:
-    """The sending side of the server; the attributes are set by ``ZmqServer.__init__``."""
+@dataclasses.dataclass(slots=True, eq=False)
+class Receiving:
+    """What the server's receive loop holds now (zmq_server.py sets it; sending reads it)."""
 
-    _rx: zmq.Socket[Any] | None
-    _broken: asyncio.Future[None] | None
-    _receiving: bool
-    budget: ByteBudget
-    metrics: ServerMetrics
-    replies: SentReplies
+    rx: zmq.Socket[Any] | None = None
+    """The socket both loops use (a shadow of the server's): None before bind and after close."""
+    broken: asyncio.Future[None] | None = None
+    """serve()'s future while it serves: the reader callback fails it when the socket breaks."""
+    in_callback: bool = False
+    """In the reader callback (its sends need no wake-up check: it reads on anyway)."""
 
-    def _schedule_receive(self) -> None:
-        """Run the receive loop again soon (the server's receive loop defines it)."""
-        raise NotImplementedError
 
-    def _reply(
+class Replies:
+    """The sending part of the server: ``wake()`` runs the receive loop again soon
+    (a send may consume the signal of a request queued meanwhile)."""
+
+    def __init__(
+        self,
+        receiving: Receiving,
+        budget: ByteBudget,
+        metrics: ServerMetrics,
+        sent: SentReplies,
+        wake: Callable[[], None],
+    ):
+        self._receiving = receiving
+        self._budget = budget
+        self._metrics = metrics
+        self._sent = sent
+        self._wake = wake
+
+    def reply(
         self, envelope: list[bytes], request_id: int, outcome: Outcome, op: str, started: float, owners: Owners
     ) -> asyncio.Future[None] | None:
         """Send a success reply; returns what ``outcome.after_reply`` returned."""
@@ -63,7 +82,7 @@ class ReplySender:
         except BaseException:
             for chunk in outcome.chunks:
                 chunk.release()
-            self.budget.release(outcome.budget_bytes)
+            self._budget.release(outcome.budget_bytes)
             raise
         tracked: list[zmq.Frame] = []
         for chunk in outcome.chunks:
@@ -73,28 +92,29 @@ class ReplySender:
                 frames.append(frame)
             else:
                 frames.append(bytes(chunk.data))
-        self.metrics.sent_bytes.inc(outcome.budget_bytes + outcome.shm_out_bytes)
+        self._metrics.sent_bytes.inc(outcome.budget_bytes + outcome.shm_out_bytes)
         if outcome.shm_in_bytes:
-            self.metrics.received_bytes.inc(outcome.shm_in_bytes)
-        out = self.replies.start(zmq.MessageTracker(*tracked), outcome.chunks, outcome.budget_bytes, owners)
+            self._metrics.received_bytes.inc(outcome.shm_in_bytes)
+        out = self._sent.start(zmq.MessageTracker(*tracked), outcome.chunks, outcome.budget_bytes, owners)
         pending: asyncio.Future[None] | None = None
         try:
-            self._send(envelope + frames)
+            self.send(envelope + frames)
         finally:
-            self.replies.sent(out, bool(tracked))
+            self._sent.sent(out, bool(tracked))
             if outcome.after_reply is not None:
                 pending = outcome.after_reply()
-        self.metrics.observe(op, "ok", time.perf_counter() - started)
+        self._metrics.observe(op, "ok", time.perf_counter() - started)
         return pending
 
-    def _reply_error(
+    def reply_error(
         self, envelope: list[bytes], request_id: int | None, code: ErrorCode, message: str, op: str, started: float
     ) -> None:
-        self._send(envelope + encode_error(request_id, code, message))
-        self.metrics.observe(op, code.name, time.perf_counter() - started)
+        self.send(envelope + encode_error(request_id, code, message))
+        self._metrics.observe(op, code.name, time.perf_counter() - started)
 
-    def _send(self, frames: list[Any]) -> None:
-        rx = self._rx
+    def send(self, frames: list[Any]) -> None:
+        receiving = self._receiving
+        rx = receiving.rx
         if rx is None:
             return
         # ROUTER sends never block: a peer over its high-water mark loses the
@@ -110,8 +130,8 @@ class ReplySender:
                 _send_frame(rx, frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=False)
         except zmq.ZMQError as err:
             logger.warning("could not send a reply: %s", err)
-        if not self._receiving and self._broken is not None and _events(rx) & _POLLIN:
-            self._schedule_receive()
+        if not receiving.in_callback and receiving.broken is not None and _events(rx) & _POLLIN:
+            self._wake()
 
 
 def _events(sock: zmq.Socket[Any]) -> int:

@@ -18,9 +18,11 @@ Lifecycle: :meth:`bind` -> :meth:`serve` (until cancelled) -> :meth:`drain`
 :meth:`close`.
 
 This module owns the socket, the receive loop and that lifecycle; the server
-class builds on two layers of its own: :class:`.dispatch.RequestDispatch` (from
-a message to a handler task and its reply) on :class:`.replies.ReplySender`
-(encoding and sending replies).  Primitives: :class:`ZmqServer`.
+builds and holds two parts: :class:`.dispatch.Dispatch` (from a message to a
+handler task and its reply) and :class:`.replies.Replies` (encoding and sending
+replies), which share :class:`.outgoing.SentReplies` (zero-copy replies still
+being sent) and read the receive loop's state (:class:`.replies.Receiving`).
+Primitives: :class:`ZmqServer`.
 """
 
 from __future__ import annotations
@@ -33,19 +35,17 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
-from lmcache_client.protocol import Limits, header_limit
-
 from ..config import ConfigError, ServerConfig
 from ..metrics import ServerMetrics
 from ..security import Security
 from ..supervisor import Supervisor
-from .admission import ByteBudget, ClientLedger
 from .dispatch import MAX_CONCURRENT_REQUESTS as MAX_CONCURRENT_REQUESTS  # re-exported: docs/protocol.md names it
-from .dispatch import RequestDispatch
+from .dispatch import Dispatch
 from .dispatch import split_envelope as split_envelope
 from .handlers import Handlers
+from .inflight import ByteBudget
 from .outgoing import SentReplies
-from .replies import _NOBLOCK, _POLLIN, _events
+from .replies import _NOBLOCK, _POLLIN, Receiving, Replies, _events
 from .replies import ZERO_COPY_THRESHOLD as ZERO_COPY_THRESHOLD
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,9 @@ many times max_message_size (it must not even allocate it); frames between
 1x and 2x get a TOO_LARGE error reply."""
 
 
-class ZmqServer(RequestDispatch):
+class ZmqServer:
+    """The socket, its receive loop and lifecycle; the parts: :attr:`dispatch`, :attr:`replies`."""
+
     def __init__(
         self,
         config: ServerConfig,
@@ -70,45 +72,19 @@ class ZmqServer(RequestDispatch):
         supervisor: Supervisor | None = None,
     ):
         self.config = config
-        self.supervisor = supervisor if supervisor is not None else Supervisor()
-        self.security = security if security is not None else Security(config, None, None)
-        self.clients = ClientLedger(config.max_client_inflight_requests, config.max_client_inflight_bytes)
-        # Limits over all connections of one client key (auth: curve), when set.
-        key_limited = config.max_key_inflight_requests or config.max_key_inflight_bytes
-        self.keys = (
-            ClientLedger(config.max_key_inflight_requests or 1 << 62, config.max_key_inflight_bytes or 1 << 62)
-            if key_limited and self.security.enabled
-            else None
-        )
-        # A valid request has at most one payload frame per key and a tokens
-        # frame; the envelope (routing id, REQ delimiter) comes on top.  Frames
-        # beyond are dropped as they arrive, so a message of millions of empty
-        # frames costs no Python objects.
-        self.max_frames = config.max_keys_per_request + 2
-        self._rx: zmq.Socket[Any] | None = None
-        self.handlers = handlers
-        self.budget = budget
-        self.metrics = metrics
         self.context = context
-        self.limits = Limits(
-            # Keys, one integer per key and small fields only: token ids travel in a
-            # frame of their own (server/tokens.py), so no header needs more, events on
-            # or off; and never more than MAX_HEADER_BYTES whatever the configuration:
-            # a msgpack object bomb decodes at most this many bytes' objects.
-            max_header_bytes=header_limit(config.max_keys_per_request),
-            max_keys=config.max_keys_per_request,
-            max_message_bytes=config.max_message_size,
-        )
-        self.sock: zmq.asyncio.Socket | None = None
-        self.draining = False
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.replies = SentReplies(budget)
+        self.supervisor = supervisor if supervisor is not None else Supervisor()
+        security = security if security is not None else Security(config, None, None)
+        self.security = security
+        self.sent = SentReplies(budget)
         """Zero-copy replies still being sent (their chunks stay leased until then)."""
+        self.receiving = Receiving()
+        """The receive loop's socket and state, which sending reads."""
+        self.replies = Replies(self.receiving, budget, metrics, self.sent, self._schedule_receive)
+        self.dispatch = Dispatch(config, handlers, budget, metrics, security, self.supervisor, self.replies, self.sent)
+        self.sock: zmq.asyncio.Socket | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._broken: asyncio.Future[None] | None = None
-        """serve()'s future: the reader callback fails it when the socket breaks."""
-        self._receiving = False  # in the reader callback (its sends need no wake-up check)
         self._again = False  # the reader callback is scheduled to run again
 
     # -- lifecycle -----------------------------------------------------------------
@@ -135,7 +111,7 @@ class ZmqServer(RequestDispatch):
                 )
                 raise ConfigError("listen", address, expected) from None
         self.sock = sock
-        self._rx = zmq.Socket.shadow(sock.underlying)
+        self.receiving.rx = zmq.Socket.shadow(sock.underlying)
 
     async def serve(self) -> None:
         """Receive and dispatch requests until cancelled.
@@ -145,33 +121,36 @@ class ZmqServer(RequestDispatch):
         re-raises what broke it."""
         assert self.sock is not None, "bind() first"
         if self._sweeper is None:
-            self._sweeper = self.supervisor.spawn("reply_sweeper", self.replies.run)
-        assert self._rx is not None
+            self._sweeper = self.supervisor.spawn("reply_sweeper", self.sent.run)
+        receiving = self.receiving
+        assert receiving.rx is not None
         loop = asyncio.get_running_loop()
         broken: asyncio.Future[None] = loop.create_future()
         self._loop = loop
-        self._broken = broken
-        fd = cast(int, self._rx.getsockopt(zmq.FD))
+        receiving.broken = broken
+        fd = cast(int, receiving.rx.getsockopt(zmq.FD))
         loop.add_reader(fd, self._on_readable)
         try:
             self._on_readable()  # what queued before the reader was installed
             await broken
         finally:
             # A serve() started after this one was cancelled (drain's) owns the reader now.
-            if self._broken is broken:
-                self._broken = None
-                if self._rx is not None:
+            if receiving.broken is broken:
+                receiving.broken = None
+                if receiving.rx is not None:
                     loop.remove_reader(fd)
 
     def _on_readable(self) -> None:
         """Receive and dispatch what is queued, at most RECV_BURST requests per call
         (then again after the handlers made ready meanwhile)."""
         self._again = False
-        rx = self._rx
-        broken = self._broken
+        receiving = self.receiving
+        rx = receiving.rx
+        broken = receiving.broken
         if rx is None or broken is None or broken.done():
             return
-        self._receiving = True
+        dispatch = self.dispatch
+        receiving.in_callback = True
         try:
             for n in range(RECV_BURST):
                 # Past the first message, EVENTS says whether another is queued (it
@@ -186,35 +165,34 @@ class ZmqServer(RequestDispatch):
                     if _events(rx) & _POLLIN:
                         continue
                     return
-                frames, dropped = self._receive_rest(first)
+                frames, dropped = self._receive_rest(rx, first)
                 try:
-                    self._dispatch(frames, dropped)
+                    dispatch.on_message(frames, dropped)
                 except Exception as err:
                     # A bug (an accounting assert, say) costs this request, not the daemon.
                     self.supervisor.failed("dispatch", err)
-                    self._reply_internal(frames)
+                    dispatch.reply_internal(frames)
             self._schedule_receive()  # a long burst: let the handlers run first
         except Exception as err:  # the socket itself failed: serve() raises it
             if not broken.done():
                 broken.set_exception(err)
         finally:
-            self._receiving = False
+            receiving.in_callback = False
 
     def _schedule_receive(self) -> None:
         if not self._again and self._loop is not None:
             self._again = True
             self._loop.call_soon(self._on_readable)
 
-    def _receive_rest(self, first: zmq.Frame) -> tuple[list[zmq.Frame], int]:
+    def _receive_rest(self, rx: zmq.Socket[Any], first: zmq.Frame) -> tuple[list[zmq.Frame], int]:
         """The other parts of the message ``first`` began (ZeroMQ delivers all of
         them at once), keeping at most the frame cap; returns (frames, dropped)."""
-        assert self._rx is not None
         frames = [first]
-        keep = self.max_frames + 2  # + routing id and a REQ delimiter
+        keep = self.dispatch.max_frames + 2  # + routing id and a REQ delimiter
         dropped = 0
         part = first
         while part.more:
-            part = self._rx.recv(_NOBLOCK, copy=False)
+            part = rx.recv(_NOBLOCK, copy=False)
             if len(frames) < keep:
                 frames.append(part)
             else:
@@ -223,17 +201,18 @@ class ZmqServer(RequestDispatch):
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests, let in-flight ones finish; True if all did in time."""
-        self.draining = True
+        tasks = self.dispatch.tasks
+        self.dispatch.refuse_new()
         refuser = asyncio.get_running_loop().create_task(self.serve())
         deadline = time.monotonic() + timeout_s
         try:
-            while (self._tasks or self.replies) and time.monotonic() < deadline:
+            while (tasks or self.sent) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         finally:
             refuser.cancel()
-        clean = not self._tasks and not self.replies
+        clean = not tasks and not self.sent
         # Cancelled handlers reply SHUTTING_DOWN; let them run before the socket closes.
-        stragglers = list(self._tasks)
+        stragglers = list(tasks)
         for task in stragglers:
             task.cancel()
         await asyncio.gather(*stragglers, return_exceptions=True)
@@ -242,11 +221,12 @@ class ZmqServer(RequestDispatch):
     def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._broken is not None and self._loop is not None and self._rx is not None:
-            self._loop.remove_reader(cast(int, self._rx.getsockopt(zmq.FD)))
-            self._broken = None
-        self._rx = None  # a shadow: closing self.sock closes it
+        receiving = self.receiving
+        if receiving.broken is not None and self._loop is not None and receiving.rx is not None:
+            self._loop.remove_reader(cast(int, receiving.rx.getsockopt(zmq.FD)))
+            receiving.broken = None
+        receiving.rx = None  # a shadow: closing self.sock closes it
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
-        self.replies.close()
+        self.sent.close()

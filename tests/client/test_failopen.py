@@ -20,7 +20,7 @@ from lmcache_client import CacheClient, DaemonUnavailable, PutStatus
 from lmcache_client.protocol import KEY_BYTES
 
 from ..conftest import NAMESPACE, Daemon, wait_for
-from ..server.test_admission import _STALLED_READER
+from ..server.test_inflight import _STALLED_READER
 
 MiB = 1 << 20
 

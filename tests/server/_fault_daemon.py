@@ -5,8 +5,8 @@ supervision of what a bug would break is tested by planting one:
 
     python tests/server/_fault_daemon.py FAULT python -m lmcache_server --config PATH
 
-(the daemon fixture's ``prefix``).  FAULT is ``dispatch-assert`` (admission
-raises an accounting AssertionError for a put whose payload is 777 bytes) or
+(the daemon fixture's ``prefix``).  FAULT is ``dispatch-assert`` (the client
+ledger raises an accounting AssertionError for a put whose payload is 777 bytes) or
 ``disk-writer`` (the first two spill writes raise RuntimeError).
 """
 
@@ -17,16 +17,16 @@ from typing import Any
 
 
 def _dispatch_assert() -> None:
-    from lmcache_server.server import admission
+    from lmcache_server.server import inflight
 
-    admit = admission.ClientLedger.try_admit
+    admit = inflight.ClientLedger.try_admit
 
     def try_admit(self: Any, peer: bytes, nbytes: int) -> str | None:
         if nbytes == 777:
             raise AssertionError("client ledger released more than it counted")
         return admit(self, peer, nbytes)
 
-    admission.ClientLedger.try_admit = try_admit  # type: ignore[method-assign]
+    inflight.ClientLedger.try_admit = try_admit  # type: ignore[method-assign]
 
 
 def _disk_writer() -> None:

@@ -23,7 +23,7 @@ import zmq
 from lmcache_client import PutStatus
 from lmcache_client.calls import lookup as calls_lookup
 from lmcache_client.protocol import KEY_BYTES, PROTOCOL_VERSION, ErrorCode
-from lmcache_server.server.admission import ByteBudget
+from lmcache_server.server.inflight import ByteBudget
 from lmcache_server.server.prefetch import Prefetcher, owner_of
 from lmcache_server.storage import ChunkKey, TieredStore, TierLinks
 

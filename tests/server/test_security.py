@@ -34,7 +34,7 @@ from lmcache_client.curve import (
 )
 from lmcache_client.protocol import KEY_BYTES
 from lmcache_server.config import ConfigError, load_config
-from lmcache_server.server.admission import ClientLedger
+from lmcache_server.server.inflight import ClientLedger
 
 from ..conftest import NAMESPACE, Daemon, wait_for
 from ._zmtp import RawDealer

@@ -2,7 +2,7 @@
 
 With ``shm_dir`` set (the default is /dev/shm) the pool is a file in that
 tmpfs, ``lmcache-pool-<pid>-<token>``, created owner-only (0600) and mapped
-shared, so that clients on this host can map it too (see server/shm.py and
+shared, so that clients on this host can map it too (see server/shm/leases.py and
 docs/protocol.md, "Shared memory").  The random token in the name is what a
 client proves it mapped the right segment with; the file is unlinked at close,
 and segments left by a daemon that died are removed at the next start.  A

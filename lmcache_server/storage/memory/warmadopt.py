@@ -1,6 +1,6 @@
 """Adopting a warm index (storage/memory/warmstart.py): the new daemon's empty
 memory tier takes over the chunks of the index, and the shared-memory leases
-alive at the stop are handed to server/shm.py (read leases with their chunks,
+alive at the stop are handed to server/shm/leases.py (read leases with their chunks,
 write slots with their reservations).
 
 Primitives: :class:`Adoption` (``restore``), :class:`WarmMemory`.
@@ -42,7 +42,7 @@ class Adoption:
         self, memory: WarmMemory, now: float | None = None
     ) -> tuple[list[tuple[int, float, list[Chunk]]], list[tuple[int, float, dict[str, int] | None, list[Reservation]]]]:
         """Fill the (new, empty) ``memory`` tier from the index; returns the leases
-        for server/shm.py to take over: read leases still alive ``(lease,
+        for server/shm/leases.py to take over: read leases still alive ``(lease,
         deadline, chunks)`` and write slots ``(lease, since, owner, reservations)``."""
         now = time.monotonic() if now is None else now
         reads, writes, held = _leases_kept(self.index, now)

@@ -7,7 +7,7 @@ BLAKE2b digest of the body:
 - every stored chunk: namespace, digest, offset, size, pinned; in the
   eviction policy's order (next victim first), so the order survives.
   Frequencies of ``lfuda``/``adaptive`` start again at one;
-- the shared-memory leases alive at the stop (server/shm.py): read leases
+- the shared-memory leases alive at the stop (server/shm/leases.py): read leases
   (the chunks a client may still be copying out of) and write slots (reserved,
   never committed: a client may still be copying into them).  The next daemon
   keeps a read lease's extents until its deadline (CLOCK_MONOTONIC is the
@@ -56,7 +56,7 @@ class HeldLease:
     """A shared-memory lease alive at a clean stop.
 
     ``deadline``: a read lease's expiry, or when a write slot's quarantine
-    clock starts (server/shm.py); ``owner``: a write lease's owner field."""
+    clock starts (server/shm/leases.py); ``owner``: a write lease's owner field."""
 
     lease: int
     write: bool

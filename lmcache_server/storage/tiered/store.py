@@ -5,7 +5,7 @@ Tiers are ordered fastest first: memory, then disk, then Redis.
 - Reads fall through the tiers in order; a hit below memory is *promoted*
   (copied into memory) and served from the bytes just read.  A batch reads
   each lower tier for all its keys at once: the disk files concurrently, Redis
-  in one round trip (:mod:`.batchread`).
+  in one round trip (:mod:`.reads`).
 - Writes go to memory.  A chunk evicted from memory *spills* to disk through
   the disk tier's bounded write-behind queue (never blocking the request);
   every chunk stored is also queued for Redis, so other nodes see it.

@@ -11,8 +11,8 @@ import hashlib
 import os
 from collections.abc import Iterator
 
-from lmcache_server.server import shm as shm_module
 from lmcache_server.server.shm import ShmLeases
+from lmcache_server.server.shm import leases as shm_module
 from lmcache_server.storage import Chunk, ChunkKey, MemoryPool, MemoryTier, TieredStore
 from lmcache_server.storage.memory import UNBOUND, Reservation
 from lmcache_server.storage.memory.allocator import ALIGNMENT, aligned
@@ -43,7 +43,7 @@ KEY_OF = {digest(i): i for i in range(64)}
 
 
 class FakeClock:
-    """Stands in for the ``time`` module of server/shm.py (only ``monotonic`` is used)."""
+    """Stands in for the ``time`` module of server/shm/leases.py (only ``monotonic`` is used)."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -109,17 +109,17 @@ def live_chunks(memory: MemoryTier) -> Iterator[tuple[ChunkKey, int, int]]:
 
 def reservations(shm: ShmLeases) -> Iterator[tuple[str, Reservation]]:
     """Every write slot the lease table holds (live, staged or quarantined)."""
-    for lease, w in shm._writes.items():
+    for lease, w in shm.table.writes.items():
         for r in w.reservations:
             yield f"write lease {lease}", r
-    for lease, q in shm._quarantine.items():
+    for lease, q in shm.table.quarantine.items():
         for r in q.write.reservations:
             yield f"quarantined lease {lease}", r
 
 
 def read_chunks(shm: ShmLeases) -> Iterator[tuple[int, int, Chunk]]:
     """``(lease, position, chunk)`` of every chunk a read lease holds."""
-    for lease, r in shm._reads.items():
+    for lease, r in shm.table.reads.items():
         for i, chunk in enumerate(r.chunks):
             yield lease, i, chunk
 

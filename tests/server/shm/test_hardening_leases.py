@@ -46,7 +46,7 @@ def test_a_fault_while_restaging_keeps_the_committed_chunk_off_the_lease() -> No
 
     with mock.patch.object(d.store, "stage", broken), pytest.raises(RuntimeError):
         d.shm.bind(lease, NS, [digest(1)], [room.offset], None, 0)
-    assert room.offset not in [r.offset for r in d.shm._writes[lease].reservations]
+    assert room.offset not in [r.offset for r in d.shm.table.writes[lease].reservations]
     d.shm.release([lease])
     while d.memory.allocator.free_bytes >= size_of(1):  # take every free extent (no eviction)
         r = d.memory.reserve_room(size_of(1))

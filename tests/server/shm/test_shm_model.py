@@ -1,6 +1,6 @@
 """A model-based test of the shared-memory lease state machine (issue 29, Also).
 
-Hypothesis drives one daemon's real in-process classes (server/shm.py
+Hypothesis drives one daemon's real in-process classes (server/shm/
 ShmLeases over a TieredStore, MemoryTier and MemoryPool; a warm restart is
 ``hand_over``, the index through its file format, ``Adoption.restore`` and
 ``take_over`` into a new tier over the same pool) with the steps of clients

@@ -1,4 +1,4 @@
-"""Admission control: in-flight limits that answer BUSY instead of queueing.
+"""In-flight limits: bytes and requests being handled, refused with BUSY instead of queueing.
 
 Primitives: :class:`ByteBudget` (``try_acquire``, ``release``, ``share``,
 ``in_use``), the server-wide byte budget and each holder's fair share of it; :class:`ClientLedger` (``try_admit``,

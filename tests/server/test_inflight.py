@@ -1,4 +1,4 @@
-"""Admission: the in-flight byte budget answers BUSY; clients handle BUSY and limits."""
+"""In-flight limits: the byte budget answers BUSY; clients handle BUSY and limits."""
 
 from __future__ import annotations
 

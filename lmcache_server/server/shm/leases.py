@@ -54,9 +54,10 @@ Lease ids are random 63-bit numbers: a client cannot guess another's.
 
 A warm restart (storage/memory/warmstart.py) keeps the segment, its token and these
 rules: :meth:`ShmLeases.hand_over` and :meth:`ShmLeases.take_over` carry the
-leases to the next daemon (shmwarm.py says how).  The table itself (its
-records, the writer's liveness, what the leases hold, the counters) is
-shmtable.py; this module grants, ends and expires leases.
+leases to the next daemon (warm.py says how).  The table itself (its
+records, the writer's liveness, what the leases hold, the counters) is the
+:class:`.table.LeaseTable` that :class:`ShmLeases` builds and holds; this
+module grants, ends and expires its leases.
 
 Primitives: :class:`ShmLeases` (``offer``, ``check_segment``, ``grant_reads``,
 ``grant_writes``, ``stage``, ``bind``, ``commit``, ``release``, ``release_nonces``, ``sweep``,
@@ -72,19 +73,42 @@ from typing import Any
 
 from lmcache_client.protocol import ErrorCode, ProtocolError, PutStatus
 
-from ..storage import Chunk
-from ..storage.memory import HeldLease, Reservation
-from ..storage.tiered import ROOM_WAIT_S
-from .shmtable import QUARANTINE_FACTOR as QUARANTINE_FACTOR  # re-exported: tests import it from here
-from .shmtable import LeaseTable, Owner, Quarantined, ReadLease, WriteLease
-from .shmwarm import adopted_leases, held_leases
+from ...storage import Chunk, TieredStore
+from ...storage.memory import HeldLease, MemoryPool, Reservation
+from ...storage.tiered import ROOM_WAIT_S
+from .table import QUARANTINE_FACTOR, LeaseTable, Owner, Quarantined, ReadLease, WriteLease
+from .warm import adopted_leases, held_leases
 
 MAX_CANCELLED = 65536
 """Nonces released before their grant remembered at most (each for a couple of lease timeouts)."""
 
 
-class ShmLeases(LeaseTable):
-    """Grants, ends and expires the leases of its table (see the module docstring)."""
+class ShmLeases:
+    """Grants, ends and expires the leases of the table it holds (see the module docstring)."""
+
+    def __init__(self, store: TieredStore, pool: MemoryPool, timeout_s: float):
+        self.store = store
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.table = LeaseTable(store)
+        """The leases, the quarantine, the nonces and the counters (table.py)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.pool.shared
+
+    # -- what the table holds (table.py) -------------------------------------------
+    def reserved_bytes(self) -> int:
+        return self.table.reserved_bytes()
+
+    def tenant_reserved_bytes(self, tenant: str) -> int:
+        return self.table.tenant_reserved_bytes(tenant)
+
+    def staged_bytes(self) -> int:
+        return self.table.staged_bytes()
+
+    def stats(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, **self.table.stats()}
 
     def offer(self) -> dict[str, Any] | None:
         """What the hello reply tells a client about mapping the pool (None: not shared)."""
@@ -110,12 +134,13 @@ class ShmLeases(LeaseTable):
     # -- grants --------------------------------------------------------------------
     def grant_reads(self, chunks: Sequence[Chunk]) -> tuple[int, float]:
         """Keep ``chunks`` (memory-tier, leased) until released or expired: (lease id, deadline)."""
+        t = self.table
         deadline = time.monotonic() + self.timeout_s
-        lease = self._new_id()
+        lease = t.new_id()
         nbytes = sum(c.nbytes for c in chunks)
-        self._reads[lease] = ReadLease(list(chunks), deadline, nbytes)
-        self.counters.read_leases += 1
-        self.counters.read_bytes += nbytes
+        t.reads[lease] = ReadLease(list(chunks), deadline, nbytes)
+        t.counters.read_leases += 1
+        t.counters.read_bytes += nbytes
         return lease, deadline
 
     def grant_writes(
@@ -132,22 +157,23 @@ class ShmLeases(LeaseTable):
         :meth:`release_nonces`): (lease id, deadline).  A nonce already released
         (the client gave up waiting) or in use: the reservations are aborted and
         the grant refused (``UNKNOWN_LEASE``)."""
-        if nonce is not None and (nonce in self._cancelled or nonce in self._nonces):
-            self._cancelled.pop(nonce, None)
+        t = self.table
+        if nonce is not None and (nonce in t.cancelled or nonce in t.nonces):
+            t.cancelled.pop(nonce, None)
             for reservation in reservations:
                 self.store.abort(reservation)
             raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"alloc nonce {nonce!r} was released or is in use", 0)
         deadline = time.monotonic() + self.timeout_s
-        lease = self._new_id()
+        lease = t.new_id()
         if nonce is not None:
-            self._nonces[nonce] = lease
-        self._writes[lease] = WriteLease(
+            t.nonces[nonce] = lease
+        t.writes[lease] = WriteLease(
             list(reservations), deadline, sum(r.size for r in reservations), Owner.parse(owner), staged, tenant
         )
         if staged:
-            self.counters.staged_leases += 1
+            t.counters.staged_leases += 1
         else:
-            self.counters.write_leases += 1
+            t.counters.write_leases += 1
         return lease, deadline
 
     def stage(self, sizes: Sequence[int], owner: Any = None) -> tuple[int, list[Reservation], float] | None:
@@ -176,9 +202,10 @@ class ShmLeases(LeaseTable):
         stages a fresh one of its size in its place (when the pool has room);
         any other status leaves it staged.  The lease's deadline is renewed.
         Returns (one status per key, the fresh slots, the deadline, bytes committed)."""
-        grant = self._writes.get(lease)
+        t = self.table
+        grant = t.writes.get(lease)
         if grant is None:
-            if self._end_quarantine(lease):
+            if t.end_quarantine(lease):
                 raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"staged lease {lease!r} expired", request_id)
             raise ProtocolError(
                 ErrorCode.UNKNOWN_LEASE, f"no staged lease {lease!r} (expired or never granted)", request_id
@@ -192,9 +219,9 @@ class ShmLeases(LeaseTable):
             )
         if time.monotonic() > grant.deadline:
             # Late: refused; its writer is past its copy (one put at a time per lease), so its room is free now.
-            del self._writes[lease]
-            self.counters.expired_staged += 1
-            self._abort(grant)
+            del t.writes[lease]
+            t.counters.expired_staged += 1
+            t.abort(grant)
             raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"staged lease {lease!r} expired", request_id)
         rooms = [at[o] for o in offsets]
         # Each room a key took leaves the lease right away, whatever fails after:
@@ -212,58 +239,60 @@ class ShmLeases(LeaseTable):
             grant.nbytes = sum(r.size for r in grant.reservations)
         grant.deadline = time.monotonic() + self.timeout_s
         nbytes = sum(r.size for r in taken)
-        self.counters.committed_bytes += nbytes
-        self.counters.binds += 1
+        t.counters.committed_bytes += nbytes
+        t.counters.binds += 1
         return statuses, fresh, grant.deadline, nbytes
 
     # -- ends ----------------------------------------------------------------------
     def commit(self, lease: Any, request_id: int) -> tuple[list[PutStatus], int]:
         """Make a write lease's chunks visible, in the order they were allocated:
         (one status per chunk, the bytes committed)."""
-        grant = self._writes.get(lease) if isinstance(lease, int) else None
+        t = self.table
+        grant = t.writes.get(lease) if isinstance(lease, int) else None
         if grant is not None and grant.staged:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"lease {lease!r} holds staged slots: bind them", request_id)
         if grant is not None:
-            del self._writes[lease]
+            del t.writes[lease]
         if grant is None:
-            if isinstance(lease, int) and self._end_quarantine(lease):
+            if isinstance(lease, int) and t.end_quarantine(lease):
                 raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"write lease {lease!r} expired", request_id)
             raise ProtocolError(
                 ErrorCode.UNKNOWN_LEASE, f"no write lease {lease!r} (expired or never granted)", request_id
             )
         if time.monotonic() > grant.deadline:
             # Late: refused, but its writer is past its copy, so its room is free now.
-            self.counters.expired_writes += 1
-            self._abort(grant)
+            t.counters.expired_writes += 1
+            t.abort(grant)
             raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"write lease {lease!r} expired", request_id)
-        self.counters.committed_bytes += grant.nbytes
+        t.counters.committed_bytes += grant.nbytes
         return [self.store.commit(r) for r in grant.reservations], grant.nbytes
 
     def release(self, leases: Sequence[Any]) -> list[bool]:
         """End read leases (and abandon write leases); False for one unknown or expired."""
+        t = self.table
         now = time.monotonic()
         out = []
         for lease in leases:
             if not isinstance(lease, int):
                 out.append(False)
                 continue
-            read = self._reads.pop(lease, None)
+            read = t.reads.pop(lease, None)
             if read is not None:
                 for chunk in read.chunks:
                     chunk.release()
                 # A release after the deadline is late: the client's copy may be torn.
                 late = now > read.deadline
                 if late:
-                    self.counters.expired_reads += 1
+                    t.counters.expired_reads += 1
                 out.append(not late)
                 continue
-            write = self._writes.pop(lease, None)
+            write = t.writes.pop(lease, None)
             if write is not None:
-                self._abort(write)
-                self.counters.aborted_writes += 1
+                t.abort(write)
+                t.counters.aborted_writes += 1
                 out.append(now <= write.deadline)
                 continue
-            if self._end_quarantine(lease):  # a writer whose lease expired is done with it
+            if t.end_quarantine(lease):  # a writer whose lease expired is done with it
                 out.append(False)
                 continue
             # An alloc's nonce (its client never saw the grant): see release_nonces.
@@ -275,19 +304,20 @@ class ShmLeases(LeaseTable):
         alloc whose reply the client never saw); a nonce with no grant yet is
         remembered for a while so that its grant, if it comes, is refused.
         True where a live lease was released."""
+        t = self.table
         now = time.monotonic()
         out = []
         for nonce in nonces:
             if type(nonce) is not int:
                 out.append(False)
                 continue
-            lease = self._nonces.pop(nonce, None)
-            if lease is not None and lease not in self._writes and lease not in self._quarantine:
+            lease = t.nonces.pop(nonce, None)
+            if lease is not None and lease not in t.writes and lease not in t.quarantine:
                 out.append(False)  # committed or released already
                 continue
             if lease is None:
-                if len(self._cancelled) < MAX_CANCELLED:
-                    self._cancelled[nonce] = now + 2 * self.timeout_s + ROOM_WAIT_S
+                if len(t.cancelled) < MAX_CANCELLED:
+                    t.cancelled[nonce] = now + 2 * self.timeout_s + ROOM_WAIT_S
                 out.append(False)
             else:
                 out.append(self.release([lease])[0])
@@ -296,40 +326,41 @@ class ShmLeases(LeaseTable):
     # -- expiry --------------------------------------------------------------------
     def sweep(self, now: float | None = None) -> int:
         """Expire leases past their deadline; returns how many."""
+        t = self.table
         now = time.monotonic() if now is None else now
         expired = 0
-        for lease, read in list(self._reads.items()):
+        for lease, read in list(t.reads.items()):
             if now > read.deadline:
-                del self._reads[lease]
+                del t.reads[lease]
                 for chunk in read.chunks:
                     chunk.release()
-                self.counters.expired_reads += 1
+                t.counters.expired_reads += 1
                 expired += 1
-        for lease, write in list(self._writes.items()):
+        for lease, write in list(t.writes.items()):
             if now > write.deadline:
-                del self._writes[lease]
+                del t.writes[lease]
                 if write.staged:
-                    self.counters.expired_staged += 1
+                    t.counters.expired_staged += 1
                 else:
-                    self.counters.expired_writes += 1
-                self._quarantine[lease] = Quarantined(lease, write, now)
+                    t.counters.expired_writes += 1
+                t.quarantine[lease] = Quarantined(lease, write, now)
                 expired += 1
-        for nonce, lease in list(self._nonces.items()):
-            if lease not in self._writes and lease not in self._quarantine:
-                del self._nonces[nonce]
-        for nonce, until in list(self._cancelled.items()):
+        for nonce, lease in list(t.nonces.items()):
+            if lease not in t.writes and lease not in t.quarantine:
+                del t.nonces[nonce]
+        for nonce, until in list(t.cancelled.items()):
             if now > until:
-                del self._cancelled[nonce]
-        for lease, held in list(self._quarantine.items()):
+                del t.cancelled[nonce]
+        for lease, held in list(t.quarantine.items()):
             owner = held.write.owner
             if owner is not None and owner.observable() and not owner.alive():
-                self._end_quarantine(lease)
+                t.end_quarantine(lease)
             elif now - held.since > QUARANTINE_FACTOR * self.timeout_s:
                 # Every quarantine is bounded, a live owner's too: a writer that
-                # never comes back must not hold the pool (and shm_reserve_cap) forever.
-                del self._quarantine[lease]
-                self._abort(held.write)
-                self.counters.quarantine_timed_out += 1
+                # never comes back must not hold the pool (and the reserve cap of ops.py) forever.
+                del t.quarantine[lease]
+                t.abort(held.write)
+                t.counters.quarantine_timed_out += 1
         return expired
 
     async def run(self) -> None:
@@ -339,10 +370,11 @@ class ShmLeases(LeaseTable):
             await asyncio.sleep(interval)
             self.sweep()
 
-    # -- warm restarts (shmwarm.py) ---------------------------------------------------
+    # -- warm restarts (warm.py) ---------------------------------------------------
     def hand_over(self) -> list[HeldLease]:
         """The leases alive now, for the next daemon (a clean stop); then :meth:`close`."""
-        out = held_leases(self._reads, self._writes, self._quarantine)
+        t = self.table
+        out = held_leases(t.reads, t.writes, t.quarantine)
         self.close()
         return out
 
@@ -353,14 +385,16 @@ class ShmLeases(LeaseTable):
     ) -> None:
         """Leases of the daemon before a warm restart: read leases ``(lease,
         deadline, chunks)`` held until they end, write slots ``(lease, since,
-        owner, reservations)`` quarantined (see shmwarm.py)."""
+        owner, reservations)`` quarantined (see warm.py)."""
+        t = self.table
         adopted, quarantined = adopted_leases(reads, writes)
-        self._reads.update(adopted)
-        self._quarantine.update(quarantined)
+        t.reads.update(adopted)
+        t.quarantine.update(quarantined)
 
     def close(self) -> None:
         """Release every lease (shutdown)."""
-        self.release(list(self._reads) + list(self._writes))
-        for held in self._quarantine.values():
-            self._abort(held.write)
-        self._quarantine.clear()
+        t = self.table
+        self.release(list(t.reads) + list(t.writes))
+        for held in t.quarantine.values():
+            t.abort(held.write)
+        t.quarantine.clear()

@@ -1,13 +1,13 @@
-"""Request handlers for the shared-memory ops: a get under a read lease, alloc,
-commit (with staging), bind and release.
+"""The shared-memory ops: a get under a read lease, alloc, commit (with
+staging), bind and release.
 
 The payloads of these ops never cross the socket: the client reads and writes
-the pool itself, under the leases of server/shm.py, and the replies carry pool
-locations.  :class:`.handlers.Handlers` builds on :class:`ShmHandlers`, which
-also holds the two helpers every handler uses (the request's namespace, the
-reply cap).
+the pool itself, under the leases of leases.py, and the replies carry pool
+locations.  :class:`.handlers.Handlers` builds one :class:`ShmOps` and hands
+it these ops; it also bounds what shared-memory writers may hold reserved
+(``reserve_cap``, ``stage_cap``).
 
-Primitives: :class:`ShmHandlers` (``get_shm``, ``alloc``, ``commit``, ``bind``,
+Primitives: :class:`ShmOps` (``get``, ``alloc``, ``commit``, ``bind``,
 ``release``) and ``STAGED_SHARE``.
 """
 
@@ -19,14 +19,14 @@ from typing import Any
 
 from lmcache_client.protocol import ErrorCode, ProtocolError, PutStatus, Request
 
-from ..config import ServerConfig
-from ..storage import Chunk, TieredStore
-from ..storage.memory import Reservation
-from ..storage.tenants import tenant_of
-from .admission import ByteBudget
-from .outcome import Outcome
-from .shm import ShmLeases
-from .tokens import parse_tokens
+from ...config import ServerConfig
+from ...storage import Chunk, TieredStore
+from ...storage.memory import Reservation
+from ...storage.tenants import tenant_of
+from ..inflight import ByteBudget
+from ..outcome import Outcome, namespace_of, reply_cap
+from ..tokens import parse_tokens
+from .leases import ShmLeases
 
 STAGED_SHARE = 32
 """Staged shared-memory slots (all clients together) hold at most 1/STAGED_SHARE of the
@@ -34,21 +34,20 @@ pool: room held for puts that may not come, so it is kept small; it pays most fo
 small puts anyway (a round trip saved is a larger share of a small put's time)."""
 
 
-class ShmHandlers:
-    """The shared-memory ops of :class:`.handlers.Handlers` (which sets these attributes)."""
+class ShmOps:
+    """The shared-memory ops of :class:`.handlers.Handlers` (``shm``: the lease
+    table, None when the pool is not shared: every op is refused STALE_SEGMENT)."""
 
-    store: TieredStore
-    config: ServerConfig
-    budget: ByteBudget
-    shm: ShmLeases | None
-    shm_reserve_cap: int
-    shm_stage_cap: int
-
-    @staticmethod
-    def _ns(request: Request) -> str:
-        namespace: str | None = request.namespace
-        assert namespace is not None  # decode_request guarantees it for data ops
-        return namespace
+    def __init__(self, store: TieredStore, config: ServerConfig, budget: ByteBudget, shm: ShmLeases | None):
+        self.store = store
+        self.config = config
+        self.budget = budget
+        self.shm = shm
+        pool = store.memory.allocator.capacity
+        self.reserve_cap = min(max(config.max_message_size, pool // 4), pool // 2)
+        """Bytes all shared-memory write leases may hold reserved at once."""
+        self.stage_cap = pool // STAGED_SHARE
+        """Bytes all staged slots together may hold (within reserve_cap)."""
 
     def _shm(self, request: Request) -> ShmLeases:
         """The lease table, after checking the request names this server's segment."""
@@ -57,19 +56,15 @@ class ShmHandlers:
         self.shm.check_segment(request.fields.get("shm"), request.id)
         return self.shm
 
-    def _reply_cap(self, reply_share: Callable[[], int] | None) -> int:
-        cap = self.config.max_message_size
-        return cap if reply_share is None else min(cap, reply_share())
-
-    async def get_shm(self, request: Request, reply_share: Callable[[], int] | None = None) -> Outcome:
+    async def get(self, request: Request, reply_share: Callable[[], int] | None = None) -> Outcome:
         """A get answered with pool locations under a read lease; a hit that is
         not in the pool (no room to promote it) still travels as a payload frame."""
         shm = self._shm(request)
-        chunks = await self.store.get_many(self._ns(request), request.keys)
+        chunks = await self.store.get_many(namespace_of(request), request.keys)
         leased: list[Chunk] = []
         framed: list[Chunk] = []
         locations: list[list[int] | None] = []
-        cap = self._reply_cap(reply_share)
+        cap = reply_cap(self.config.max_message_size, reply_share)
         total = trimmed = 0
         for i, chunk in enumerate(chunks):
             if chunk is None:
@@ -130,10 +125,10 @@ class ShmHandlers:
                 total += size
                 asked.append(i)
                 outcomes.append(PutStatus.NO_SPACE)  # replaced below
-        tenant = tenant_of(self._ns(request))
+        tenant = tenant_of(namespace_of(request))
         self._check_reservation(shm, total, request.id, tenant)
         reserved = await self.store.reserve_waiting(
-            self._ns(request),
+            namespace_of(request),
             [request.keys[i] for i in asked],
             [sizes[i] for i in asked],
             None if tokens is None else [tokens[i] for i in asked],
@@ -164,26 +159,26 @@ class ShmHandlers:
         """Bound what shared-memory writers may hold reserved (an alloc is in no
         byte budget: its payload never crosses the socket): all write leases
         together (with the slots quarantined after an expiry) at most
-        ``shm_reserve_cap`` (one alloc always, when nothing is reserved), so
+        ``reserve_cap`` (one alloc always, when nothing is reserved), so
         allocs can never evict the whole pool and sit on it."""
         reserved = shm.reserved_bytes()
         # Charged to the tenant: one tenant's allocs hold at most half the cap
         # (quarantined slots included), so they cannot make every other tenant BUSY.
         if tenant is not None:
             own = shm.tenant_reserved_bytes(tenant)
-            if own and own + nbytes > self.shm_reserve_cap // 2:
+            if own and own + nbytes > self.reserve_cap // 2:
                 raise ProtocolError(
                     ErrorCode.BUSY,
                     f"tenant {tenant!r} holds {own} bytes of shared-memory write reservations "
-                    f"(at most {self.shm_reserve_cap // 2}); retry",
+                    f"(at most {self.reserve_cap // 2}); retry",
                     request_id,
                 )
         # With nothing reserved any one alloc is admitted (it is at most
         # max_message_size): a writer larger than the cap is slow, never starved.
-        if reserved and reserved + nbytes > self.shm_reserve_cap:
+        if reserved and reserved + nbytes > self.reserve_cap:
             raise ProtocolError(
                 ErrorCode.BUSY,
-                f"shared-memory write reservations spent ({reserved} of {self.shm_reserve_cap} bytes); retry",
+                f"shared-memory write reservations spent ({reserved} of {self.reserve_cap} bytes); retry",
                 request_id,
             )
 
@@ -196,15 +191,12 @@ class ShmHandlers:
         fields: dict[str, Any] = {"status": [int(s) for s in statuses]}
         if stage is not None:
             fields["staged"] = None
-            # Staged room counts against shm_reserve_cap like any write lease, and is
+            # Staged room counts against reserve_cap like any write lease, and is
             # speculative (evicts chunks for a put that may not come), so all of it
             # together stays under 1/32 of the pool; staging is optional: past
             # either cap (or without room) it is declined, not BUSY.
             total = sum(stage)
-            if (
-                shm.reserved_bytes() + total <= self.shm_reserve_cap
-                and shm.staged_bytes() + total <= self.shm_stage_cap
-            ):
+            if shm.reserved_bytes() + total <= self.reserve_cap and shm.staged_bytes() + total <= self.stage_cap:
                 staged = shm.stage(stage, request.fields.get("owner"))
                 if staged is not None:
                     lease, rooms, deadline = staged
@@ -250,8 +242,8 @@ class ShmHandlers:
             or len(set(slots)) != len(slots)
         ):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'slots' must list one distinct slot offset per key", request.id)
-        tokens = parse_tokens(request)
-        statuses, fresh, deadline, nbytes = shm.bind(lease, self._ns(request), request.keys, slots, tokens, request.id)
+        tokens, namespace = parse_tokens(request), namespace_of(request)
+        statuses, fresh, deadline, nbytes = shm.bind(lease, namespace, request.keys, slots, tokens, request.id)
         return Outcome(
             {
                 "status": [int(s) for s in statuses],

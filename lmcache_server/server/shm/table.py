@@ -1,4 +1,4 @@
-"""The shared-memory lease table (server/shm.py grants, ends and expires its leases).
+"""The shared-memory lease table (leases.py grants, ends and expires its leases).
 
 A read lease holds chunks, a write lease holds reservations (pool room, bound
 to a key by its alloc, or to none when staged), and an expired write lease
@@ -20,8 +20,8 @@ import os
 import secrets
 from typing import Any
 
-from ..storage import Chunk, TieredStore
-from ..storage.memory import MemoryPool, Reservation
+from ...storage import Chunk, TieredStore
+from ...storage.memory import Reservation
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -121,65 +121,60 @@ class ShmCounters:
 
 class LeaseTable:
     """The leases of one pool: read leases, write leases, the quarantine and the
-    nonces, with what they hold; :class:`.shm.ShmLeases` grants and ends them."""
+    nonces, with what they hold; :class:`.leases.ShmLeases` grants and ends them."""
 
-    def __init__(self, store: TieredStore, pool: MemoryPool, timeout_s: float):
+    def __init__(self, store: TieredStore):
         self.store = store
-        self.pool = pool
-        self.timeout_s = timeout_s
+        """Where an abandoned write slot goes back (``abort``)."""
         self.counters = ShmCounters()
-        self._reads: dict[int, ReadLease] = {}
-        self._writes: dict[int, WriteLease] = {}
-        self._quarantine: dict[int, Quarantined] = {}
-        self._nonces: dict[int, int] = {}
+        self.reads: dict[int, ReadLease] = {}
+        self.writes: dict[int, WriteLease] = {}
+        self.quarantine: dict[int, Quarantined] = {}
+        self.nonces: dict[int, int] = {}
         """Client-chosen nonce of a live write lease -> its lease id."""
-        self._cancelled: dict[int, float] = {}
+        self.cancelled: dict[int, float] = {}
         """Nonces released before any grant -> until when a late grant under them is refused."""
 
-    @property
-    def enabled(self) -> bool:
-        return self.pool.shared
-
-    def _new_id(self) -> int:
+    def new_id(self) -> int:
         while True:
             lease = secrets.randbits(63)
-            if lease and lease not in self._reads and lease not in self._writes:
+            if lease and lease not in self.reads and lease not in self.writes:
                 return lease
 
-    def _abort(self, write: WriteLease) -> None:
+    def abort(self, write: WriteLease) -> None:
         for reservation in write.reservations:
             self.store.abort(reservation)
 
-    def _end_quarantine(self, lease: int) -> bool:
-        held = self._quarantine.pop(lease, None)
+    def end_quarantine(self, lease: int) -> bool:
+        held = self.quarantine.pop(lease, None)
         if held is None:
             return False
-        self._abort(held.write)
+        self.abort(held.write)
         self.counters.quarantine_released += 1
         return True
 
     def reserved_bytes(self) -> int:
         """Pool bytes write leases hold now (staged slots and quarantined slots included)."""
-        return sum(w.nbytes for w in self._writes.values()) + sum(q.write.nbytes for q in self._quarantine.values())
+        return sum(w.nbytes for w in self.writes.values()) + sum(q.write.nbytes for q in self.quarantine.values())
 
     def tenant_reserved_bytes(self, tenant: str) -> int:
         """Pool bytes the write leases of ``tenant``'s allocs hold now (quarantined ones included)."""
-        held = [w for w in self._writes.values()] + [q.write for q in self._quarantine.values()]
+        held = [w for w in self.writes.values()] + [q.write for q in self.quarantine.values()]
         return sum(w.nbytes for w in held if w.tenant == tenant)
 
     def staged_bytes(self) -> int:
         """Pool bytes held by staged slots now (not counting quarantined ones)."""
-        return sum(w.nbytes for w in self._writes.values() if w.staged)
+        return sum(w.nbytes for w in self.writes.values() if w.staged)
 
     def stats(self) -> dict[str, Any]:
+        """What the leases hold now, and the counters (the front adds ``enabled``)."""
         return {
-            "enabled": self.enabled,
-            "active_read_leases": len(self._reads),
-            "active_write_leases": sum(1 for w in self._writes.values() if not w.staged),
-            "leased_bytes": sum(r.nbytes for r in self._reads.values()),
+            "active_read_leases": len(self.reads),
+            "active_write_leases": sum(1 for w in self.writes.values() if not w.staged),
+            "leased_bytes": sum(r.nbytes for r in self.reads.values()),
             "reserved_bytes": self.reserved_bytes(),
-            "quarantined_bytes": sum(q.write.nbytes for q in self._quarantine.values()),
-            "active_staged_leases": sum(1 for w in self._writes.values() if w.staged),
+            "quarantined_bytes": sum(q.write.nbytes for q in self.quarantine.values()),
+            "active_staged_leases": sum(1 for w in self.writes.values() if w.staged),
             "staged_bytes": self.staged_bytes(),
             **dataclasses.asdict(self.counters),
         }

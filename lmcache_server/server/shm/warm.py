@@ -1,9 +1,9 @@
 """The shared-memory leases across a warm restart (storage/memory/warmstart.py).
 
 A warm restart keeps the segment, its token and the lease rules of
-server/shm.py: at the clean stop :meth:`.shm.ShmLeases.hand_over` lists the
+leases.py: at the clean stop :meth:`.leases.ShmLeases.hand_over` lists the
 leases alive (:func:`held_leases`: the form the warm index stores), and the
-next daemon's :meth:`.shm.ShmLeases.take_over` adopts them
+next daemon's :meth:`.leases.ShmLeases.take_over` adopts them
 (:func:`adopted_leases`): read leases keep their chunks until their deadline,
 and every write slot, expired or not, goes straight into the quarantine under
 its lease id.  Its writer's ``commit`` is refused (``UNKNOWN_LEASE``: a write
@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from ..storage import Chunk
-from ..storage.memory import UNBOUND, HeldLease, HeldSlot, Reservation
-from .shmtable import Owner, Quarantined, ReadLease, WriteLease
+from ...storage import Chunk
+from ...storage.memory import UNBOUND, HeldLease, HeldSlot, Reservation
+from .table import Owner, Quarantined, ReadLease, WriteLease
 
 
 def held_leases(
