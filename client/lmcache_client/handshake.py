@@ -64,11 +64,18 @@ class HandshakeWatch:
         self._events.connect(address)
 
     def reason(self) -> str | None:
-        """Why the last handshake since the last successful one failed; None if none did."""
+        """Why the handshakes since the last successful one failed (the last specific
+        reason, else the last one); None if none did."""
         while self._events.poll(0):
             message = parse_monitor_message(self._events.recv_multipart())
             event = int(message["event"])
-            self._failure = None if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else (event, int(message["value"]))
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failure = None
+            elif event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or self._failure is None:
+                self._failure = (event, int(message["value"]))
+            # A retry that breaks off without detail (the peer closed the connection
+            # mid-handshake) keeps the specific reason an earlier attempt gave: on a
+            # loaded host a refused client often sees one of each, in either order.
         return explain(*self._failure, self.curve) if self._failure else None
 
     def close(self) -> None:
