@@ -96,7 +96,6 @@ class DiskTier:
         scan_tokens: bool = False,
     ):
         self.root = root
-        self.max_bytes = max_bytes
         self.fsync = fsync
         self.retry_s = retry_s
         self.counters = DiskCounters()
@@ -145,6 +144,11 @@ class DiskTier:
     def direct(self) -> bool:
         """Writes with O_DIRECT: asked for and the filesystem takes it (see open)."""
         return self.lifecycle.direct
+
+    @property
+    def max_bytes(self) -> int:
+        """The bound on bytes on disk (the index's)."""
+        return self.index.max_bytes
 
     @property
     def stored_bytes(self) -> int:
@@ -275,7 +279,11 @@ class DiskTier:
 
     def accepts(self, size: int) -> bool:
         """Whether a spill of ``size`` bytes would be queued now (not dropped)."""
-        return not self._degraded_now() and self.spills.fits(size) and disk_usage(HEADER_BLOCK + size) <= self.max_bytes
+        return (
+            not self._degraded_now()
+            and self.spills.fits(size)
+            and disk_usage(HEADER_BLOCK + size) <= self.index.max_bytes
+        )
 
     async def _write_loop(self) -> None:
         while True:
@@ -302,7 +310,7 @@ class DiskTier:
     async def _write(self, key: ChunkKey, data: Any) -> PutStatus:
         size = memoryview(data).nbytes
         disk_bytes = disk_usage(HEADER_BLOCK + size)
-        if disk_bytes > self.max_bytes:
+        if disk_bytes > self.index.max_bytes:
             return PutStatus.TOO_LARGE
         path = path_for(self.root, key)
         tokens = self.links.tokens_of(key)
@@ -320,7 +328,7 @@ class DiskTier:
             return PutStatus.EXISTS
         self.index.add(key, _entry(size, disk_usage(written)))
         self.counters.stores += 1
-        await self.index.shrink_to(self.max_bytes)
+        await self.index.shrink_to(self.index.max_bytes)
         if self.quotas:
             await self.index.shrink_tenant(key.namespace)
         return PutStatus.STORED
@@ -338,7 +346,7 @@ class DiskTier:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "capacity_bytes": self.max_bytes,
+            "capacity_bytes": self.index.max_bytes,
             "stored_bytes": self.stored_bytes,
             "disk_bytes": self.disk_bytes,
             "chunks": len(self.index.entries),
