@@ -164,7 +164,7 @@ def test_frequency_against_a_full_disk_compares_with_its_victim(tmp_path: Path, 
     async def scenario() -> None:
         store = await tiers(tmp_path, redis_server.url, StoreGate("frequency", "always"))
         assert store.disk is not None
-        store.disk.max_bytes = 2 * (MiB + 4096)  # room for two chunk files
+        store.disk.index.max_bytes = 2 * (MiB + 4096)  # room for two chunk files
         digests, data = chunks(12)
         hot, warm, cold = digests[:2], digests[2:3], digests[3:4]
         await put(store, digests[:4], data[:4])

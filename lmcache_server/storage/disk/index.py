@@ -1,4 +1,4 @@
-"""The disk tier's index (:class:`DiskIndex`, a base of :class:`.tier.DiskTier`):
+"""The disk tier's index (:class:`DiskIndex`, a part :class:`.tier.DiskTier` builds and holds):
 which chunks are on disk and their sizes, the byte counts (per namespace and
 tenant), eviction to ``max_bytes`` and to each tenant's quota, and removal.
 
@@ -7,9 +7,10 @@ tenant), eviction to ``max_bytes`` and to each tenant's quota, and removal.
 - Every insert, hit and removal is told to the eviction policy; a chunk that
   is neither indexed nor queued any more is told to the store (``links``).
 - A read in flight over a key that is dropped or stored again meanwhile marks
-  it changed (``_changed``): a read that then fails found the old file.
+  it changed (``changed``): a read that then fails found the old file.
 
-Primitives: :class:`DiskIndex` (``victim_for``, ``delete``, ``clear``, ``keys``, ``namespaces``),
+Primitives: :class:`DiskIndex` (``add``, ``add_many``, ``drop``, ``left``, ``shrink_to``, ``shrink_tenant``,
+``victim_for``, ``delete``, ``clear``, ``keys``, ``namespaces``),
 :class:`DiskCounters`.
 """
 
@@ -77,25 +78,41 @@ def _never(key: ChunkKey) -> bool:
 
 
 class DiskIndex:
-    """The index of :class:`.tier.DiskTier`; the tier's ``__init__`` sets the
-    attributes below."""
+    """The index of :class:`.tier.DiskTier`: the chunks under ``root`` (bounded by
+    ``max_bytes`` and ``quotas``), told to ``policy``; ``spills`` are the chunks
+    queued and not yet written; ``links`` is told when a chunk is no longer
+    readable; files are removed through ``run`` (one hop to the I/O threads)."""
 
-    root: Path
-    max_bytes: int
-    counters: DiskCounters
-    quotas: TenantQuotas
-    policy: EvictionPolicy
-    spills: SpillQueue
-    links: TierLinks
-    stored_bytes: int
-    disk_bytes: int
-    _index: dict[ChunkKey, _Entry]
-    _by_namespace: dict[str, list[int]]
-    _reading: dict[ChunkKey, int]
-    _changed: set[ChunkKey]
-    _run: Callable[..., Awaitable[Any]]  # one hop to the I/O threads
+    def __init__(
+        self,
+        root: Path,
+        max_bytes: int,
+        *,
+        counters: DiskCounters,
+        quotas: TenantQuotas,
+        policy: EvictionPolicy,
+        spills: SpillQueue,
+        links: TierLinks,
+        run: Callable[..., Awaitable[Any]],
+    ):
+        self.root = root
+        self.max_bytes = max_bytes
+        self.counters = counters
+        self.quotas = quotas
+        self.policy = policy
+        self.spills = spills
+        self.links = links
+        self._run = run
+        self.entries: dict[ChunkKey, _Entry] = {}
+        self.by_namespace: dict[str, list[int]] = {}
+        # Keys with reads in flight (how many), and those of them stored or dropped since
+        # a read began: a read that fails then found the old file, and the new one stays.
+        self.reading: dict[ChunkKey, int] = {}
+        self.changed: set[ChunkKey] = set()
+        self.stored_bytes = 0  # payload bytes
+        self.disk_bytes = 0  # as du counts them
 
-    async def _shrink_tenant(self, namespace: str) -> None:
+    async def shrink_tenant(self, namespace: str) -> None:
         """Evict the namespace's tenant's own chunks while it is over its quota."""
         found = self.quotas.limit_for(namespace)
         if found is None:
@@ -106,16 +123,16 @@ class DiskIndex:
             return tenant_of(k.namespace) != tenant
 
         while self.quotas.used(tenant) > limit and (key := self.policy.victim(not_theirs)) is not None:
-            entry = self._index[key]
-            await self._drop(key, entry)
+            entry = self.entries[key]
+            await self.drop(key, entry)
             self.counters.evictions += 1
             self.counters.evicted_bytes += entry.payload_len
             self.quotas.evictions[tenant] += 1
 
-    async def _shrink_to(self, limit: int) -> None:
+    async def shrink_to(self, limit: int) -> None:
         while self.disk_bytes > limit and (key := self.policy.victim(_never)) is not None:
-            entry = self._index[key]
-            await self._drop(key, entry)
+            entry = self.entries[key]
+            await self.drop(key, entry)
             self.counters.evictions += 1
             self.counters.evicted_bytes += entry.payload_len
 
@@ -127,41 +144,41 @@ class DiskIndex:
         return self.policy.victim(_never)
 
     # -- removal -------------------------------------------------------------------
-    def _left(self, key: ChunkKey) -> None:
+    def left(self, key: ChunkKey) -> None:
         """Tell the store (``links``) when ``key`` is neither indexed nor queued any more."""
         listener = self.links.listener
-        if listener is not None and key not in self._index and key not in self.spills:
+        if listener is not None and key not in self.entries and key not in self.spills:
             listener.left_disk(key)
 
-    def _add(self, key: ChunkKey, entry: _Entry) -> None:
+    def add(self, key: ChunkKey, entry: _Entry) -> None:
         namespace = sys.intern(key.namespace)  # one string per namespace, not one per chunk
         if namespace is not key.namespace:
             key = ChunkKey(namespace, key.digest)
-        self._index[key] = entry
-        if key in self._reading:
-            self._changed.add(key)
+        self.entries[key] = entry
+        if key in self.reading:
+            self.changed.add(key)
         self.policy.inserted(key, entry.payload_len, None)
         self.stored_bytes += entry.payload_len
         self.disk_bytes += entry.disk_bytes
         self.quotas.account(key.namespace, entry.disk_bytes)
-        counts = self._by_namespace.setdefault(key.namespace, [0, 0])
+        counts = self.by_namespace.setdefault(key.namespace, [0, 0])
         counts[0] += 1
         counts[1] += entry.payload_len
 
-    def _add_many(self, keys: list[ChunkKey], entries: list[_Entry]) -> None:
-        """:meth:`_add` of each ``(keys[i], entries[i])`` in order, in bulk (a restart
+    def add_many(self, keys: list[ChunkKey], entries: list[_Entry]) -> None:
+        """:meth:`add` of each ``(keys[i], entries[i])`` in order, in bulk (a restart
         from the snapshot: a million entries): the index and the policy take them
         in one call each, the byte counts are summed per namespace and entry.
         ``keys`` carry interned namespaces (storage/disk/snapshot.py)."""
         fresh = dict(zip(keys, entries))
-        if len(fresh) != len(keys) or any(map(self._index.__contains__, keys)):
+        if len(fresh) != len(keys) or any(map(self.entries.__contains__, keys)):
             for key, entry in zip(keys, entries):  # a key twice, or one indexed already: one by one
-                self._add(key, entry)
+                self.add(key, entry)
             return
-        if self._index:
-            self._index.update(fresh)
+        if self.entries:
+            self.entries.update(fresh)
         else:
-            self._index = fresh
+            self.entries = fresh
         inserted_many = getattr(self.policy, "inserted_many", None)
         if inserted_many is not None:
             inserted_many(keys)
@@ -175,26 +192,26 @@ class DiskIndex:
             self.stored_bytes += n * entry.payload_len
             self.disk_bytes += n * entry.disk_bytes
             self.quotas.account(namespace, n * entry.disk_bytes)
-            counts = self._by_namespace.setdefault(namespace, [0, 0])
+            counts = self.by_namespace.setdefault(namespace, [0, 0])
             counts[0] += n
             counts[1] += n * entry.payload_len
 
-    async def _drop(self, key: ChunkKey, entry: _Entry) -> None:
-        if self._index.get(key) is not entry:
+    async def drop(self, key: ChunkKey, entry: _Entry) -> None:
+        if self.entries.get(key) is not entry:
             return
-        del self._index[key]
-        if key in self._reading:
-            self._changed.add(key)
+        del self.entries[key]
+        if key in self.reading:
+            self.changed.add(key)
         self.policy.removed(key)
         self.stored_bytes -= entry.payload_len
         self.disk_bytes -= entry.disk_bytes
         self.quotas.account(key.namespace, -entry.disk_bytes)
-        counts = self._by_namespace[key.namespace]
+        counts = self.by_namespace[key.namespace]
         counts[0] -= 1
         counts[1] -= entry.payload_len
         if counts[0] == 0:
-            del self._by_namespace[key.namespace]
-        self._left(key)
+            del self.by_namespace[key.namespace]
+        self.left(key)
         try:
             await self._run(unlink, path_for(self.root, key))
         except OSError as err:
@@ -202,24 +219,24 @@ class DiskIndex:
 
     async def delete(self, key: ChunkKey) -> bool:
         queued = self.spills.cancel(key)  # the writer skips it
-        entry = self._index.get(key)
+        entry = self.entries.get(key)
         if entry is None:
-            self._left(key)
+            self.left(key)
             return queued
-        await self._drop(key, entry)
+        await self.drop(key, entry)
         return True
 
     async def clear(self, namespace: str | None) -> int:
         queued = self.spills.cancel_namespace(namespace)
         for key in queued:
-            self._left(key)
-        victims = [(k, e) for k, e in self._index.items() if namespace is None or k.namespace == namespace]
+            self.left(key)
+        victims = [(k, e) for k, e in self.entries.items() if namespace is None or k.namespace == namespace]
         for key, entry in victims:
-            await self._drop(key, entry)
+            await self.drop(key, entry)
         return len(set(queued) | {k for k, _ in victims})
 
     def keys(self) -> list[ChunkKey]:
-        return [*self._index, *(k for k in self.spills if k not in self._index)]
+        return [*self.entries, *(k for k in self.spills if k not in self.entries)]
 
     def namespaces(self) -> dict[str, tuple[int, int]]:
-        return {ns: (c[0], c[1]) for ns, c in self._by_namespace.items()}
+        return {ns: (c[0], c[1]) for ns, c in self.by_namespace.items()}

@@ -1,4 +1,4 @@
-"""The disk tier's lifecycle (:class:`DiskLifecycle`, a base of :class:`.tier.DiskTier`):
+"""The disk tier's lifecycle (:class:`DiskLifecycle`, a part :class:`.tier.DiskTier` builds and holds):
 start-up and stop.
 
 - ``open`` locks the spill directory (one daemon per directory: a second one
@@ -21,7 +21,7 @@ import concurrent.futures
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from lmcache_client.keys import ChunkTokens
@@ -36,23 +36,45 @@ from .index import DiskIndex, _entry
 logger = logging.getLogger("lmcache_server.storage.disk.tier")  # the tier's log lines keep their logger name
 
 
-class DiskLifecycle(DiskIndex):
-    """Opening and closing :class:`.tier.DiskTier`; the tier's ``__init__`` sets the
-    attributes below and the tier writes (``_write_loop``, ``_degrade``)."""
+class DiskLifecycle:
+    """Opening and closing :class:`.tier.DiskTier`: its ``index`` (and the
+    directory, the bounds and the spills it holds), the I/O threads (``pool``,
+    ``run``: one hop to them), ``io_threads`` writers (``write_loop``, supervised);
+    ``degrade`` and ``degraded`` are the tier's degraded state."""
 
-    direct_io: bool
-    direct: bool
-    degraded: str | None
-    _pool: concurrent.futures.ThreadPoolExecutor
-    _writers: list[asyncio.Task[None]]
-    _io_threads: int
-    _supervisor: Supervisor
-    _opened: bool
-    _lock_fd: int | None
-    _write_loop: Callable[[], Coroutine[Any, Any, None]]
-    _degrade: Callable[[str], None]
-    scan_tokens: bool
-    found_tokens: list[tuple[ChunkKey, ChunkTokens]]
+    def __init__(
+        self,
+        index: DiskIndex,
+        *,
+        pool: concurrent.futures.ThreadPoolExecutor,
+        run: Callable[..., Awaitable[Any]],
+        supervisor: Supervisor,
+        write_loop: Callable[[], Coroutine[Any, Any, None]],
+        degrade: Callable[[str], None],
+        degraded: Callable[[], str | None],
+        io_threads: int,
+        direct_io: bool,
+        scan_tokens: bool,
+        found_tokens: list[tuple[ChunkKey, ChunkTokens]],
+    ):
+        self.index = index
+        self.root = index.root
+        self.spills = index.spills
+        self.counters = index.counters
+        self._pool = pool
+        self._run = run
+        self._supervisor = supervisor
+        self._write_loop = write_loop
+        self._degrade = degrade
+        self._degraded = degraded
+        self._io_threads = io_threads
+        self.direct_io = direct_io  # asked for
+        self.direct = False  # in use: asked for and the filesystem takes O_DIRECT (see open)
+        self.scan_tokens = scan_tokens
+        self.found_tokens = found_tokens  # what the scan finds with token ids (with scan_tokens)
+        self._writers: list[asyncio.Task[None]] = []
+        self.opened = False
+        self._lock_fd: int | None = None  # the spill directory's lock (see open)
 
     # -- lifecycle -----------------------------------------------------------------
     async def open(self) -> None:
@@ -77,30 +99,30 @@ class DiskLifecycle(DiskIndex):
             snapshot = await self._run(disksnapshot.load, self.root)
             if snapshot is not None:
                 entries = [_entry(payload_len, disk_bytes) for payload_len, disk_bytes in snapshot.sizes]
-                self._add_many(snapshot.keys, list(map(entries.__getitem__, snapshot.size_index)))
+                self.index.add_many(snapshot.keys, list(map(entries.__getitem__, snapshot.size_index)))
                 self.counters.rebuilt_entries = len(snapshot)
                 self.counters.rebuilt_from_snapshot = 1
             else:
                 found, removed = await self._run(scan, self.root, 16, self.scan_tokens)
                 self.counters.corrupt += removed
                 for _, key, _, payload_len, disk_bytes, tokens in found:
-                    self._add(key, _entry(payload_len, disk_bytes))
+                    self.index.add(key, _entry(payload_len, disk_bytes))
                     if tokens is not None:
                         self.found_tokens.append((key, tokens))
                 self.counters.rebuilt_entries = len(found)
-            await self._shrink_to(self.max_bytes)
-            for tenant in list(self.quotas.limits):  # a quota lowered since the last run
-                await self._shrink_tenant(f"|tenant={tenant}")
+            await self.index.shrink_to(self.index.max_bytes)
+            for tenant in list(self.index.quotas.limits):  # a quota lowered since the last run
+                await self.index.shrink_tenant(f"|tenant={tenant}")
         self.counters.rebuild_seconds = round(time.perf_counter() - started, 3)
         logger.info(
             "disk tier at %s: %d chunks, %.1f MiB of %.1f MiB, index rebuilt (%s) in %.2fs, %s writes%s",
-            self.root, len(self._index), self.disk_bytes / 2**20, self.max_bytes / 2**20,
+            self.root, len(self.index.entries), self.index.disk_bytes / 2**20, self.index.max_bytes / 2**20,
             "from snapshot" if self.counters.rebuilt_from_snapshot else "scan", self.counters.rebuild_seconds,
             "direct (O_DIRECT)" if self.direct else "buffered",
-            f" (DEGRADED: {self.degraded})" if self.degraded else "",
+            f" (DEGRADED: {self._degraded()})" if self._degraded() else "",
         )  # fmt: skip
         self._writers = [self._supervisor.spawn("disk_writer", self._write_loop) for _ in range(self._io_threads)]
-        self._opened = True
+        self.opened = True
 
     def _prepare_root(self) -> None:
         if self._lock_fd is None:
@@ -123,8 +145,8 @@ class DiskLifecycle(DiskIndex):
         for task in self._writers:
             task.cancel()
         await asyncio.gather(*self._writers, return_exceptions=True)
-        if self._opened and self.degraded is None:
-            entries = [(key, e.payload_len) for key, e in self._index.items()]
+        if self.opened and self._degraded() is None:
+            entries = [(key, e.payload_len) for key, e in self.index.entries.items()]
             try:
                 await asyncio.get_running_loop().run_in_executor(self._pool, disksnapshot.save, self.root, entries)
             except OSError as err:

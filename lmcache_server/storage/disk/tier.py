@@ -36,10 +36,12 @@ All file I/O runs on a small bounded thread pool (one hop per chunk:
 open+write+fsync+rename, or open+read+verify), which aiofiles' one hop per
 call would multiply.
 
-This module holds :class:`DiskTier`'s state, its reads and its writes; it builds
-on :class:`.lifecycle.DiskLifecycle` (open: the lock and the index rebuilt from
-the snapshot or a scan; flush; close) on :class:`.index.DiskIndex` (the index,
-eviction, removal).
+:class:`DiskTier` is a front that builds and holds its parts: its index
+(``index``, :class:`.index.DiskIndex`: the entries, the byte counts, eviction,
+removal) and its lifecycle (``lifecycle``, :class:`.lifecycle.DiskLifecycle`:
+open with the lock and the index rebuilt from the snapshot or a scan; flush;
+close).  The tier itself holds the I/O threads, the degraded state, the reads
+and the writes.
 
 Primitives: ``open``, ``get``, ``put``, ``enqueue``, ``accepts``, ``peek``, ``peek_many``,
 ``contains``, ``delete``, ``clear``, ``keys``, ``namespaces``, ``stats``, ``flush``, ``close``.
@@ -67,14 +69,14 @@ from ..policy import EvictionPolicy, LRUPolicy
 from ..tenants import TenantQuotas
 from .files import HEADER_BLOCK, disk_usage, path_for, read_record, write_record
 from .index import DiskCounters as DiskCounters  # re-exported
-from .index import _Entry, _entry
+from .index import DiskIndex, _entry
 from .lifecycle import DiskLifecycle
 from .spillqueue import SpillQueue
 
 logger = logging.getLogger(__name__)
 
 
-class DiskTier(DiskLifecycle):
+class DiskTier:
     name = "disk"
 
     def __init__(
@@ -94,43 +96,97 @@ class DiskTier(DiskLifecycle):
         scan_tokens: bool = False,
     ):
         self.root = root
-        self.max_bytes = max_bytes
         self.fsync = fsync
         self.retry_s = retry_s
-        self.direct_io = direct_io  # asked for
-        self.direct = False  # in use: asked for and the filesystem takes O_DIRECT (see open)
         self.counters = DiskCounters()
         self.quotas = quotas if quotas is not None else TenantQuotas()
         """Per-tenant limits on bytes on disk (``tenant_quotas``)."""
         self.policy = policy if policy is not None else LRUPolicy()
         self.degraded: str | None = None
         self._degraded_at = 0.0
-        self._index: dict[ChunkKey, _Entry] = {}
-        self._by_namespace: dict[str, list[int]] = {}
-        # Keys with reads in flight (how many), and those of them stored or dropped since
-        # a read began: a read that fails then found the old file, and the new one stays.
-        self._reading: dict[ChunkKey, int] = {}
-        self._changed: set[ChunkKey] = set()
-        self.stored_bytes = 0  # payload bytes
-        self.disk_bytes = 0  # as du counts them
         self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="lmcache-disk")
         self._io = asyncio.Semaphore(io_threads * 2)
         self.spills = SpillQueue(max_queue_bytes)
         """Spills waiting to be written (readable meanwhile)."""
-        self._writers: list[asyncio.Task[None]] = []
-        self._io_threads = io_threads
-        self._supervisor = supervisor if supervisor is not None else Supervisor()
-        self._opened = False
-        self._lock_fd: int | None = None  # the spill directory's lock (see open)
         self.links = links if links is not None else TierLinks()
         """The store that holds the tier is told on it when a chunk is no longer readable
         here (dropped, deleted, a spill not written), and gives a chunk's token ids for its
         record (KV events) (:class:`..base.TierLinks`)."""
-        self.scan_tokens = scan_tokens
-        """Keep the token ids a start's scan finds in the records (in :attr:`found_tokens`,
-        for the KV-event announcer)."""
         self.found_tokens: list[tuple[ChunkKey, ChunkTokens]] = []
-        """What the start's scan found with token ids (oldest first); taken by the announcer."""
+        """What the start's scan found with token ids (oldest first, with ``scan_tokens``);
+        taken by the announcer."""
+        self.index = DiskIndex(
+            root,
+            max_bytes,
+            counters=self.counters,
+            quotas=self.quotas,
+            policy=self.policy,
+            spills=self.spills,
+            links=self.links,
+            run=self._run,
+        )
+        self.lifecycle = DiskLifecycle(
+            self.index,
+            pool=self._pool,
+            run=self._run,
+            supervisor=supervisor if supervisor is not None else Supervisor(),
+            write_loop=self._write_loop,
+            degrade=self._degrade,
+            degraded=lambda: self.degraded,
+            io_threads=io_threads,
+            direct_io=direct_io,
+            scan_tokens=scan_tokens,
+            found_tokens=self.found_tokens,
+        )
+
+    # -- the parts' state, read by the store, the metrics and the tests ---------------
+    @property
+    def direct(self) -> bool:
+        """Writes with O_DIRECT: asked for and the filesystem takes it (see open)."""
+        return self.lifecycle.direct
+
+    @property
+    def max_bytes(self) -> int:
+        """The bound on bytes on disk (the index's)."""
+        return self.index.max_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.index.stored_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.index.disk_bytes
+
+    # -- lifecycle (:mod:`.lifecycle`) -----------------------------------------------
+    async def open(self) -> None:
+        """Check the directory, rebuild the index from it, start the writers."""
+        await self.lifecycle.open()
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until queued spills are written (True) or the timeout passes."""
+        return await self.lifecycle.flush(timeout_s)
+
+    async def close(self) -> None:
+        """Stop the writers (call :meth:`flush` first to drain them) and leave an
+        index snapshot for a fast restart."""
+        await self.lifecycle.close()
+
+    # -- the index (:mod:`.index`) ---------------------------------------------------
+    def victim_for(self, size: int) -> ChunkKey | None:
+        return self.index.victim_for(size)
+
+    async def delete(self, key: ChunkKey) -> bool:
+        return await self.index.delete(key)
+
+    async def clear(self, namespace: str | None) -> int:
+        return await self.index.clear(namespace)
+
+    def keys(self) -> list[ChunkKey]:
+        return self.index.keys()
+
+    def namespaces(self) -> dict[str, tuple[int, int]]:
+        return self.index.namespaces()
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         async with self._io:
@@ -138,17 +194,17 @@ class DiskTier(DiskLifecycle):
 
     # -- reads ---------------------------------------------------------------------
     def peek(self, key: ChunkKey) -> bool:
-        return key in self._index or key in self.spills
+        return key in self.index.entries or key in self.spills
 
     def peek_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        index, spills = self._index, self.spills
+        index, spills = self.index.entries, self.spills
         return [key in index or key in spills for key in keys]
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [self.peek(k) for k in keys]
 
     def payload_size(self, key: ChunkKey) -> int | None:
-        entry = self._index.get(key)
+        entry = self.index.entries.get(key)
         if entry is not None:
             return entry.payload_len
         pending = self.spills.get(key)
@@ -156,7 +212,7 @@ class DiskTier(DiskLifecycle):
 
     async def get(self, key: ChunkKey, out: memoryview | None = None) -> Chunk | None:
         """The chunk (read into ``out`` when given: exactly payload_size bytes), or None."""
-        entry = self._index.get(key)
+        entry = self.index.entries.get(key)
         if entry is None:
             pending = self.spills.get(key)
             if pending is None or (out is not None and out.nbytes != pending.nbytes):
@@ -168,11 +224,11 @@ class DiskTier(DiskLifecycle):
             self.counters.hits += 1
             return Chunk(copy, self.name)
         path = path_for(self.root, key)
-        self._reading[key] = self._reading.get(key, 0) + 1
+        self.index.reading[key] = self.index.reading.get(key, 0) + 1
         try:
             payload = await self._run(read_record, path, key, out, self.direct)
         except (CorruptRecord, OSError) as err:
-            changed = key in self._changed  # deleted and written again meanwhile: the new file stays
+            changed = key in self.index.changed  # deleted and written again meanwhile: the new file stays
             if isinstance(err, CorruptRecord):
                 logger.warning("disk tier: %s is damaged (%s); %s, answered as a miss",
                                path, err, "rewritten meanwhile" if changed else "removed")  # fmt: skip
@@ -180,16 +236,16 @@ class DiskTier(DiskLifecycle):
             else:
                 logger.warning("disk tier: cannot read %s (%s); answered as a miss", path, err)
             if not changed:
-                await self._drop(key, entry)
+                await self.index.drop(key, entry)
             self.counters.misses += 1
             return None
         finally:
-            left = self._reading.pop(key) - 1
+            left = self.index.reading.pop(key) - 1
             if left:
-                self._reading[key] = left
+                self.index.reading[key] = left
             else:
-                self._changed.discard(key)
-        if key in self._index:
+                self.index.changed.discard(key)
+        if key in self.index.entries:
             self.policy.touched(key)
         self.counters.hits += 1
         return Chunk(payload, self.name)
@@ -205,7 +261,7 @@ class DiskTier(DiskLifecycle):
         """
         view = memoryview(data).cast("B")
         size = view.nbytes
-        if key in self._index or key in self.spills:
+        if key in self.index.entries or key in self.spills:
             if release is not None:
                 release()
             return True
@@ -223,7 +279,11 @@ class DiskTier(DiskLifecycle):
 
     def accepts(self, size: int) -> bool:
         """Whether a spill of ``size`` bytes would be queued now (not dropped)."""
-        return not self._degraded_now() and self.spills.fits(size) and disk_usage(HEADER_BLOCK + size) <= self.max_bytes
+        return (
+            not self._degraded_now()
+            and self.spills.fits(size)
+            and disk_usage(HEADER_BLOCK + size) <= self.index.max_bytes
+        )
 
     async def _write_loop(self) -> None:
         while True:
@@ -239,10 +299,10 @@ class DiskTier(DiskLifecycle):
                         await self.delete(key)
             finally:
                 self.spills.done(key, data, release)
-                self._left(key)
+                self.index.left(key)
 
     async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
-        if key in self._index:
+        if key in self.index.entries:
             self.policy.touched(key)
             return PutStatus.EXISTS
         return await self._write(key, data)
@@ -250,7 +310,7 @@ class DiskTier(DiskLifecycle):
     async def _write(self, key: ChunkKey, data: Any) -> PutStatus:
         size = memoryview(data).nbytes
         disk_bytes = disk_usage(HEADER_BLOCK + size)
-        if disk_bytes > self.max_bytes:
+        if disk_bytes > self.index.max_bytes:
             return PutStatus.TOO_LARGE
         path = path_for(self.root, key)
         tokens = self.links.tokens_of(key)
@@ -264,13 +324,13 @@ class DiskTier(DiskLifecycle):
         if self.degraded:
             logger.info("disk tier writable again; leaving degraded mode")
             self.degraded = None
-        if key in self._index:  # written twice concurrently: keep one
+        if key in self.index.entries:  # written twice concurrently: keep one
             return PutStatus.EXISTS
-        self._add(key, _entry(size, disk_usage(written)))
+        self.index.add(key, _entry(size, disk_usage(written)))
         self.counters.stores += 1
-        await self._shrink_to(self.max_bytes)
+        await self.index.shrink_to(self.index.max_bytes)
         if self.quotas:
-            await self._shrink_tenant(key.namespace)
+            await self.index.shrink_tenant(key.namespace)
         return PutStatus.STORED
 
     def _degrade(self, reason: str) -> None:
@@ -286,10 +346,10 @@ class DiskTier(DiskLifecycle):
 
     def stats(self) -> dict[str, Any]:
         return {
-            "capacity_bytes": self.max_bytes,
+            "capacity_bytes": self.index.max_bytes,
             "stored_bytes": self.stored_bytes,
             "disk_bytes": self.disk_bytes,
-            "chunks": len(self._index),
+            "chunks": len(self.index.entries),
             "queued_spills": len(self.spills),
             "queued_bytes": self.spills.nbytes,
             "direct_io": self.direct,

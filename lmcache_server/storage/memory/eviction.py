@@ -1,6 +1,6 @@
 """The memory tier's room: allocation, eviction (for a put, and ahead for the
-spill), waiting for lent room, and the tenants' quotas (one layer of
-:class:`.tier.MemoryTier`, on :class:`.index.ChunkIndex`).
+spill), waiting for lent room, and the tenants' quotas (a part
+:class:`.tier.MemoryTier` builds and holds, on its :class:`.index.ChunkIndex`).
 
 - A put that does not fit evicts the policy's victims until it does; leased and
   pinned chunks are never victims, and ``evictable_bytes`` says in O(1) whether
@@ -12,8 +12,8 @@ spill), waiting for lent room, and the tenants' quotas (one layer of
 - A tenant over its quota evicts its own chunks first; the quota counts extents
   (bytes held in the pool), never payload bytes.
 
-Primitives: :class:`TierEviction` (``room_coming``, ``wait_for_room``, ``_allocate``,
-``_evict``, ``_within_quota``).
+Primitives: :class:`TierEviction` (``room_coming``, ``wait_for_room``, ``allocate``,
+``_evict``, ``within_quota``).
 """
 
 from __future__ import annotations
@@ -27,29 +27,32 @@ from .entry import Entry as _Entry
 from .index import ChunkIndex
 
 
-class TierEviction(ChunkIndex):
-    """Room for new chunks in a memory tier (see the module)."""
+class TierEviction:
+    """Room for new chunks in a memory tier (see the module), on its ``index``."""
+
+    def __init__(self, index: ChunkIndex):
+        self.index = index
 
     def room_coming(self, size: int) -> bool:
         """Whether chunks lent to the spill will free room for ``size`` bytes once written."""
-        return bool(self.lent_bytes) and self.allocator.free_bytes + self.lent_bytes >= extent_of(size)
+        return bool(self.index.lent_bytes) and self.index.allocator.free_bytes + self.index.lent_bytes >= extent_of(
+            size
+        )
 
     async def wait_for_room(self, timeout_s: float) -> bool:
         """Wait until an extent of a removed chunk is freed (False: ``timeout_s`` passed first)."""
-        if self._room is None:
-            self._room = asyncio.Event()
-        self._room.clear()
+        self.index.room.clear()
         try:
-            await asyncio.wait_for(self._room.wait(), max(timeout_s, 0.0))
+            await asyncio.wait_for(self.index.room.wait(), max(timeout_s, 0.0))
         except TimeoutError:
             return False
         return True
 
-    def _allocate(self, size: int) -> int | None:
-        offset = self.allocator.alloc(size)
+    def allocate(self, size: int) -> int | None:
+        offset = self.index.allocator.alloc(size)
         if offset is None:
             offset = self._evict_for(size)
-        if offset is not None and self.spill_ahead_bytes:
+        if offset is not None and self.index.spill_ahead_bytes:
             self._evict_ahead()
         return offset
 
@@ -59,37 +62,37 @@ class TierEviction(ChunkIndex):
         (written straight from the pool: copying 32 MiB here would stall the
         event loop), so their room comes back only once written: None then, and
         :meth:`room_coming` says the caller may wait for it."""
-        if (self.pinned_bytes or self.leased_chunks) and not self._could_fit(size):
+        if (self.index.pinned_bytes or self.index.leased_chunks) and not self._could_fit(size):
             return None  # refuse without evicting chunks for nothing
-        while not self.room_coming(size) and (key := self.policy.victim(self._is_leased)) is not None:
-            self._evict_lending(self._entry(key))
-            offset = self.allocator.alloc(size)
+        while not self.room_coming(size) and (key := self.index.policy.victim(self.index.is_leased)) is not None:
+            self._evict_lending(self.index.entry(key))
+            offset = self.index.allocator.alloc(size)
             if offset is not None:
                 return offset
         return None
 
     def _evict_lending(self, entry: _Entry) -> None:
         """Evict ``entry``, lent to the spill when a disk tier takes it, else at once."""
-        if not (self.lends_spills and self._evict(entry, lend=True)):
+        if not (self.index.lends_spills and self._evict(entry, lend=True)):
             # A spill declined (queue full): dropped, no copy.  Its lease ended, so the
             # index may hold the entry packed again: evict the index's entry, not a stale copy.
-            self._evict(self._entry(entry.key), lend=False)
+            self._evict(self.index.entry(entry.key), lend=False)
 
     def _evict_ahead(self) -> None:
         """Lend victims to the spill until ``spill_ahead_bytes`` (at most an eighth
         of the pool) are free or on their way out, so that the next puts find
         room without waiting for a copy."""
-        target = min(self.spill_ahead_bytes, self.allocator.capacity // 8)
-        while self.allocator.free_bytes + self.dying_bytes < target:
-            key = self.policy.victim(self._is_leased)
-            if key is None or not self._evict(self._entry(key), lend=True):
+        target = min(self.index.spill_ahead_bytes, self.index.allocator.capacity // 8)
+        while self.index.allocator.free_bytes + self.index.dying_bytes < target:
+            key = self.index.policy.victim(self.index.is_leased)
+            if key is None or not self._evict(self.index.entry(key), lend=True):
                 return
 
     def _evict(self, entry: _Entry, lend: bool) -> bool:
         """Evict ``entry`` (False: the receiver declined a lent chunk; it stays)."""
-        listener = self.links.listener
+        listener = self.index.links.listener
         if listener is not None:
-            chunk = self._lease(entry)
+            chunk = self.index.lease_entry(entry)
             taken = listener.evicted(entry.key, chunk, lend)
             if not lend:
                 chunk.release()
@@ -98,17 +101,17 @@ class TierEviction(ChunkIndex):
                 return False
             elif entry.leases:  # still lent: its extent is freed when the spill is written
                 entry.lent = True
-                self.lent_bytes += entry.extent
-        self._remove(entry)
-        self.counters.evictions += 1
-        self.counters.evicted_bytes += entry.size
+                self.index.lent_bytes += entry.extent
+        self.index.remove(entry)
+        self.index.counters.evictions += 1
+        self.index.counters.evicted_bytes += entry.size
         return True
 
-    def _within_quota(self, key: ChunkKey, size: int) -> bool:
+    def within_quota(self, key: ChunkKey, size: int) -> bool:
         """Evict the key's tenant's own chunks until a chunk of ``size`` payload
         bytes fits its quota (storage/tenants.py), charged its extent (the bytes
         it will hold in the pool); False when they cannot."""
-        found = self.quotas.limit_for(key.namespace)
+        found = self.index.quotas.limit_for(key.namespace)
         if found is None:
             return True
         tenant, limit = found
@@ -117,18 +120,18 @@ class TierEviction(ChunkIndex):
             return False
 
         def not_theirs(k: ChunkKey) -> bool:
-            return self._is_leased(k) or tenant_of(k.namespace) != tenant
+            return self.index.is_leased(k) or tenant_of(k.namespace) != tenant
 
-        while self.quotas.used(tenant) + self.quotas.reserved(tenant) + size > limit:
-            victim = self.policy.victim(not_theirs)
+        while self.index.quotas.used(tenant) + self.index.quotas.reserved(tenant) + size > limit:
+            victim = self.index.policy.victim(not_theirs)
             if victim is None:
                 return False
-            self._evict_lending(self._entry(victim))
-            self.quotas.evictions[tenant] += 1
+            self._evict_lending(self.index.entry(victim))
+            self.index.quotas.evictions[tenant] += 1
         return True
 
     def _could_fit(self, size: int) -> bool:
         """Whether evicting every evictable chunk would free enough bytes (O(1):
         ``evictable_bytes`` is kept current; asked when pinned or leased chunks
         make the answer uncertain)."""
-        return self.allocator.free_bytes + self.evictable_bytes >= extent_of(size)
+        return self.index.allocator.free_bytes + self.index.evictable_bytes >= extent_of(size)

@@ -1,14 +1,14 @@
 """The memory tier's index: its state, the entries of stored chunks, their leases,
-removal, and the byte accounts (one layer of :class:`.tier.MemoryTier`).
+removal, and the byte accounts (a part :class:`.tier.MemoryTier` builds and holds).
 
-- ``_index`` maps each key to its entry: a packed int while the chunk is neither
+- ``entries`` maps each key to its entry: a packed int while the chunk is neither
   leased nor pinned, an :class:`.entry.Entry` object while something needs one
-  (:meth:`ChunkIndex._entry` unpacks, :meth:`ChunkIndex._pack` packs again).
-- A lease (:meth:`ChunkIndex._lease`) hands out a :class:`Chunk` view of the pool;
+  (:meth:`ChunkIndex.entry` unpacks, :meth:`ChunkIndex.repack` packs again).
+- A lease (:meth:`ChunkIndex.lease_entry`) hands out a :class:`Chunk` view of the pool;
   its release frees the extent of a chunk removed meanwhile (``dead``), so bytes
   are never overwritten under a reader.
-- :meth:`ChunkIndex._remove` takes a chunk out of the index, the policy and the
-  accounts; :meth:`ChunkIndex._account` keeps ``stored_bytes``, the tenants' and
+- :meth:`ChunkIndex.remove` takes a chunk out of the index, the policy and the
+  accounts; :meth:`ChunkIndex.account` keeps ``stored_bytes``, the tenants' and
   the namespaces' counts.
 - What a chunk is charged, in its tenant's quota and in the pinned bytes, is its
   *extent* (``extent_of(size)``: the payload rounded up to 4 KiB pages), the
@@ -21,12 +21,12 @@ removal, and the byte accounts (one layer of :class:`.tier.MemoryTier`).
   of its quota, so that one tenant cannot take the pinnable room and keeps
   part of its quota for chunks that come and go.
 
-Every attribute of the tier is set here, in :meth:`ChunkIndex.__init__` (the
-tier's constructor); :mod:`.eviction` and :mod:`.tier` build on this class.
+The state the tier's parts share is here, in :meth:`ChunkIndex.__init__`;
+:class:`.eviction.TierEviction` and :class:`.tier.MemoryTier` hold the index.
 
-Primitives: :class:`ChunkIndex` (``_entry``, ``_pack``, ``_lease``, ``_release``,
-``_remove``, ``_account``, ``_account_pin``, ``pin_room``, ``_touch``,
-``_is_leased``), :class:`PinRoom`, :class:`TierCounters`.
+Primitives: :class:`ChunkIndex` (``entry``, ``repack``, ``lease_entry``, ``release``,
+``remove``, ``account``, ``account_pin``, ``pin_room``, ``touch``,
+``is_leased``), :class:`PinRoom`, :class:`TierCounters`.
 """
 
 from __future__ import annotations
@@ -68,12 +68,12 @@ class PinRoom:
 
 
 class ChunkIndex:
-    """The state of a memory tier and the bookkeeping of its entries (see the module)."""
-
-    name: str
+    """The state of a memory tier and the bookkeeping of its entries (see the module);
+    the chunks it leases are named ``name`` (the tier's)."""
 
     def __init__(
         self,
+        name: str,
         pool: MemoryPool,
         max_pinned_bytes: int,
         policy: EvictionPolicy | None = None,
@@ -81,6 +81,7 @@ class ChunkIndex:
         links: TierLinks | None = None,
         quotas: TenantQuotas | None = None,
     ):
+        self.name = name
         self.pool = pool
         self.allocator = ExtentAllocator(pool.size, track_sizes=False)  # the entries keep the sizes
         self.max_pinned_bytes = max_pinned_bytes
@@ -91,58 +92,57 @@ class ChunkIndex:
         self.lends_spills = self.links.spill_ahead_bytes is not None  # a disk tier takes the spills
         self.dying_bytes = 0  # extents of removed chunks still leased (being sent or spilled)
         self.lent_bytes = 0  # of which lent to the spill: back once the disk has them
-        self._room: asyncio.Event | None = None  # set when a dying extent is freed
+        self.room = asyncio.Event()  # set when a dying extent is freed
         self.counters = TierCounters()
         self.quotas = quotas if quotas is not None else TenantQuotas()
         """Per-tenant byte limits (``tenant_quotas``)."""
-        self._index: dict[ChunkKey, int | _Entry] = {}
+        self.entries: dict[ChunkKey, int | _Entry] = {}
         # Keys with a store under way (prepare_store until complete_store or
         # abort_store): the first reservation of a key claims it, so a second
         # writer is EXISTS at once, whichever path (frames, alloc, staged bind)
         # each takes, and never told STORED for a copy that would lose later.
-        self._claims: dict[ChunkKey, Reservation] = {}
+        self.claims: dict[ChunkKey, Reservation] = {}
         """key -> its entry: a packed int while neither leased nor pinned (storage/memory/entry.py)."""
-        self._by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
+        self.by_namespace: dict[str, list[int]] = {}  # ns -> [chunks, bytes]
         self.stored_bytes = 0
         self.pinned_bytes = 0  # extents of pinned chunks
         self._pinned_by_namespace: dict[str, list[int]] = {}  # ns -> [pinned chunks, their extents]
         self.leased_chunks = 0
         self.evictable_bytes = 0  # extents of indexed chunks neither leased nor pinned
-        self.keep_segment = False  # leave the shared segment at close: its index was written
 
-    def _touch(self, key: ChunkKey, found: int | _Entry) -> None:
+    def touch(self, key: ChunkKey, found: int | _Entry) -> None:
         """Tell the policy of a hit on ``found`` (``key``'s entry) unless it is pinned."""
         if isinstance(found, int):
             self.policy.touched(key)
         elif not found.pinned:
             self.policy.touched(found.key)  # the tier's key object: a policy keeping it adds no copy
 
-    def _entry(self, key: ChunkKey, found: int | _Entry | None = None) -> _Entry:
+    def entry(self, key: ChunkKey, found: int | _Entry | None = None) -> _Entry:
         """``key``'s entry as an object (kept in the index until :meth:`_pack` packs it
-        again); ``found``: ``self._index[key]`` when the caller has it."""
+        again); ``found``: ``self.entries[key]`` when the caller has it."""
         if found is None:
-            found = self._index[key]
+            found = self.entries[key]
         if not isinstance(found, int):
             return found
         offset, size = unpack(found)
-        entry = self._index[key] = _Entry(key, offset, _shared(size), _shared(extent_of(size)))
+        entry = self.entries[key] = _Entry(key, offset, _shared(size), _shared(extent_of(size)))
         return entry
 
-    def _pack(self, entry: _Entry) -> None:
+    def repack(self, entry: _Entry) -> None:
         """Store an indexed entry as one int again once nothing needs its object."""
         if not (entry.leases or entry.pinned or entry.dead) and packable(entry.offset, entry.size):
-            self._index[entry.key] = pack(entry.offset, entry.size)
+            self.entries[entry.key] = pack(entry.offset, entry.size)
 
-    def _lease(self, entry: _Entry) -> Chunk:
+    def lease_entry(self, entry: _Entry) -> Chunk:
         entry.leases += 1
         if entry.leases == 1:
             self.leased_chunks += 1
             if not entry.pinned and not entry.dead:
                 self.evictable_bytes -= entry.extent
         view = self.pool.view[entry.offset : entry.offset + entry.size]
-        return Chunk(view, self.name, lambda: self._release(entry), entry.offset)
+        return Chunk(view, self.name, lambda: self.release(entry), entry.offset)
 
-    def _release(self, entry: _Entry) -> None:
+    def release(self, entry: _Entry) -> None:
         entry.leases -= 1
         if entry.leases == 0:
             self.leased_chunks -= 1
@@ -151,25 +151,24 @@ class ChunkIndex:
                 if entry.lent:
                     self.lent_bytes -= entry.extent
                 self.allocator.free(entry.offset, entry.extent)
-                if self._room is not None:
-                    self._room.set()
+                self.room.set()
             elif not entry.pinned:
                 self.evictable_bytes += entry.extent
-                self._pack(entry)
+                self.repack(entry)
 
-    def _is_leased(self, key: ChunkKey) -> bool:
-        found = self._index[key]
+    def is_leased(self, key: ChunkKey) -> bool:
+        found = self.entries[key]
         return not isinstance(found, int) and found.leases > 0
 
-    def _remove(self, entry: _Entry) -> None:
-        del self._index[entry.key]
+    def remove(self, entry: _Entry) -> None:
+        del self.entries[entry.key]
         if entry.pinned:
-            self._account_pin(entry.key, entry.extent, -1)
+            self.account_pin(entry.key, entry.extent, -1)
         else:
             self.policy.removed(entry.key)
             if not entry.leases:
                 self.evictable_bytes -= entry.extent
-        self._account(entry.key, entry.size, -1)
+        self.account(entry.key, entry.size, -1)
         if entry.leases:
             entry.dead = True
             self.dying_bytes += entry.extent
@@ -179,7 +178,7 @@ class ChunkIndex:
         if listener is not None:
             listener.left_memory(entry.key)
 
-    def _account_pin(self, key: ChunkKey, extent: int, sign: int) -> None:
+    def account_pin(self, key: ChunkKey, extent: int, sign: int) -> None:
         """A pin (+1) or its end (-1, unpinned or removed) of a chunk holding
         ``extent`` bytes of the pool, in ``pinned_bytes``, per namespace and per tenant."""
         self.pinned_bytes += sign * extent
@@ -208,13 +207,13 @@ class ChunkIndex:
                 room = PinRoom(left, share, tenant)
         return room
 
-    def _account(self, key: ChunkKey, size: int, sign: int) -> None:
+    def account(self, key: ChunkKey, size: int, sign: int) -> None:
         """A chunk of ``size`` payload bytes stored (+1) or removed (-1): payload bytes
         in ``stored_bytes`` and the namespace's count, its extent in its tenant's."""
         self.stored_bytes += sign * size
         self.quotas.account(key.namespace, sign * extent_of(size))
-        counts = self._by_namespace.setdefault(key.namespace, [0, 0])
+        counts = self.by_namespace.setdefault(key.namespace, [0, 0])
         counts[0] += sign
         counts[1] += sign * size
         if counts[0] == 0:
-            del self._by_namespace[key.namespace]
+            del self.by_namespace[key.namespace]

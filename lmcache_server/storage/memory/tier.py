@@ -31,11 +31,11 @@ what the allocator handed out (payload rounded up to 4 KiB pages: extents),
 up to date on every change so that a put under pressure asks in O(1) whether
 evicting could make room at all.
 
-The tier is three layers, one job each: :mod:`.index` (:class:`.index.ChunkIndex`:
-the state, entries, leases, removal and accounts), :mod:`.eviction`
-(:class:`.eviction.TierEviction`: allocation, eviction, waiting for lent room,
-quotas) and this module (:class:`MemoryTier`: reads, the two-phase write, pins,
-the warm-restart hooks, stats).
+:class:`MemoryTier` is a front that builds and holds its parts, one job each:
+its ``index`` (:class:`.index.ChunkIndex`: the state, entries, leases, removal
+and accounts) and its ``eviction`` (:class:`.eviction.TierEviction`, on the
+index: allocation, eviction, waiting for lent room, quotas); the tier itself
+does the reads, the two-phase write, pins, the warm-restart hooks and stats.
 
 Primitives: :class:`MemoryTier` (``get``, ``put``, ``prepare_store`` /
 ``complete_store`` / ``abort_store``, ``reserve_room`` / ``bind_room``,
@@ -51,42 +51,126 @@ from typing import Any
 
 from lmcache_client.protocol import PutStatus
 
-from ..base import Chunk, ChunkKey
+from ..base import Chunk, ChunkKey, TierLinks
+from ..policy import EvictionPolicy
+from ..tenants import TenantQuotas
 from . import warm
-from .allocator import extent_of
+from .allocator import ExtentAllocator, extent_of
 from .entry import UNBOUND, Reservation, pack, packable, unpack
 from .entry import Entry as _Entry
 from .entry import canonical as _canonical
 from .eviction import TierEviction
+from .index import ChunkIndex, PinRoom, TierCounters
+from .pool import MemoryPool
 
 logger = logging.getLogger(__name__)
 
 
-class MemoryTier(TierEviction):
-    """The memory tier (see the module); its constructor and state are
-    :class:`.index.ChunkIndex`'s: ``MemoryTier(pool, max_pinned_bytes, policy, links=, quotas=)``."""
+class MemoryTier:
+    """The memory tier (see the module): a front that builds and holds its
+    ``index`` (:class:`.index.ChunkIndex`: the state, entries, leases, removal,
+    accounts) and its ``eviction`` (:class:`.eviction.TierEviction`, on the index)."""
 
     name = "memory"
 
+    def __init__(
+        self,
+        pool: MemoryPool,
+        max_pinned_bytes: int,
+        policy: EvictionPolicy | None = None,
+        *,
+        links: TierLinks | None = None,
+        quotas: TenantQuotas | None = None,
+    ):
+        self.index = ChunkIndex(self.name, pool, max_pinned_bytes, policy, links=links, quotas=quotas)
+        self.eviction = TierEviction(self.index)
+        self.keep_segment = False  # leave the shared segment at close: its index was written
+
+    # -- the index's state, read by the store, the server, the metrics and the tests --
+    @property
+    def pool(self) -> MemoryPool:
+        return self.index.pool
+
+    @property
+    def allocator(self) -> ExtentAllocator:
+        return self.index.allocator
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self.index.policy
+
+    @property
+    def links(self) -> TierLinks:
+        return self.index.links
+
+    @property
+    def counters(self) -> TierCounters:
+        return self.index.counters
+
+    @property
+    def quotas(self) -> TenantQuotas:
+        return self.index.quotas
+
+    @property
+    def max_pinned_bytes(self) -> int:
+        return self.index.max_pinned_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.index.stored_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.index.pinned_bytes
+
+    @property
+    def leased_chunks(self) -> int:
+        return self.index.leased_chunks
+
+    @property
+    def evictable_bytes(self) -> int:
+        return self.index.evictable_bytes
+
+    @property
+    def dying_bytes(self) -> int:
+        return self.index.dying_bytes
+
+    @property
+    def lent_bytes(self) -> int:
+        return self.index.lent_bytes
+
+    def pinned_in(self, namespace: str) -> tuple[int, int]:
+        return self.index.pinned_in(namespace)
+
+    def pin_room(self, namespace: str) -> PinRoom:
+        return self.index.pin_room(namespace)
+
+    # -- room (:mod:`.eviction`) ---------------------------------------------------------
+    def room_coming(self, size: int) -> bool:
+        return self.eviction.room_coming(size)
+
+    async def wait_for_room(self, timeout_s: float) -> bool:
+        return await self.eviction.wait_for_room(timeout_s)
+
     # -- reads ---------------------------------------------------------------------
     async def get(self, key: ChunkKey) -> Chunk | None:
-        found = self._index.get(key)
+        found = self.index.entries.get(key)
         if found is None:
-            self.counters.misses += 1
+            self.index.counters.misses += 1
             return None
-        self.counters.hits += 1
-        self._touch(key, found)
-        return self._lease(self._entry(key, found))
+        self.index.counters.hits += 1
+        self.index.touch(key, found)
+        return self.index.lease_entry(self.index.entry(key, found))
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [k in self._index for k in keys]
+        return [k in self.index.entries for k in keys]
 
     def peek(self, key: ChunkKey) -> bool:
         """Whether ``key`` is stored, without touching recency or counters."""
-        return key in self._index
+        return key in self.index.entries
 
     def peek_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        index = self._index
+        index = self.index.entries
         return [key in index for key in keys]
 
     # -- writes --------------------------------------------------------------------
@@ -111,50 +195,50 @@ class MemoryTier(TierEviction):
         if refused is not None:
             return refused
         key = _canonical(key)
-        offset = self._allocate(size)
-        if offset is not None and not self.pool.commit(offset, size):
-            self.allocator.free(offset, size)  # the shared-memory filesystem is full
+        offset = self.eviction.allocate(size)
+        if offset is not None and not self.index.pool.commit(offset, size):
+            self.index.allocator.free(offset, size)  # the shared-memory filesystem is full
             offset = None
         if offset is None:
-            if not self.room_coming(size):  # else the caller may wait for it (and counts it if not)
-                self.counters.rejections += 1
+            if not self.eviction.room_coming(size):  # else the caller may wait for it (and counts it if not)
+                self.index.counters.rejections += 1
             return PutStatus.NO_SPACE
-        reservation = Reservation(key, offset, size, parent, self.pool.view[offset : offset + size])
+        reservation = Reservation(key, offset, size, parent, self.index.pool.view[offset : offset + size])
         self._charge(reservation)
-        self._claims[key] = reservation
+        self.index.claims[key] = reservation
         return reservation
 
     def _charge(self, reservation: Reservation) -> None:
         """Reserve ``reservation``'s extent in its tenant's quota until it commits or is aborted."""
         reservation.charged = extent_of(reservation.size)
-        self.quotas.account_reserved(reservation.key.namespace, reservation.charged)
+        self.index.quotas.account_reserved(reservation.key.namespace, reservation.charged)
 
     def _discharge(self, reservation: Reservation) -> None:
-        self.quotas.account_reserved(reservation.key.namespace, -reservation.charged)
+        self.index.quotas.account_reserved(reservation.key.namespace, -reservation.charged)
         reservation.charged = 0
 
     def _unclaim(self, reservation: Reservation) -> None:
-        if self._claims.get(reservation.key) is reservation:
-            del self._claims[reservation.key]
+        if self.index.claims.get(reservation.key) is reservation:
+            del self.index.claims[reservation.key]
 
     def _refusal(self, key: ChunkKey, size: int, parent: ChunkKey | None) -> PutStatus | None:
         """Why ``key`` may not be stored (EXISTS, TOO_LARGE, SKIPPED, NO_SPACE over
         its tenant's quota), else None: the checks of a store before it takes room."""
-        existing = self._index.get(key)
+        existing = self.index.entries.get(key)
         if existing is not None and not self._replaced_wrong_size(key, existing, size):
-            self._touch(key, existing)
+            self.index.touch(key, existing)
             return PutStatus.EXISTS
-        if key in self._claims:
+        if key in self.index.claims:
             return PutStatus.EXISTS  # another writer's store of it is under way: first writer wins
         key = _canonical(key)
-        if size > self.allocator.capacity:
-            self.counters.rejections += 1
+        if size > self.index.allocator.capacity:
+            self.index.counters.rejections += 1
             return PutStatus.TOO_LARGE
-        if not self.policy.admit(key, size, parent):
-            self.counters.skipped += 1
+        if not self.index.policy.admit(key, size, parent):
+            self.index.counters.skipped += 1
             return PutStatus.SKIPPED
-        if self.quotas and not self._within_quota(key, size):
-            self.counters.rejections += 1
+        if self.index.quotas and not self.eviction.within_quota(key, size):
+            self.index.counters.rejections += 1
             return PutStatus.NO_SPACE
         return None
 
@@ -166,8 +250,8 @@ class MemoryTier(TierEviction):
         entry_size = unpack(found)[1] if isinstance(found, int) else found.size
         if entry_size == size or (not isinstance(found, int) and (found.leases or found.pinned)):
             return False
-        self._remove(self._entry(key, found))
-        self.counters.replaced_wrong_size += 1
+        self.index.remove(self.index.entry(key, found))
+        self.index.counters.replaced_wrong_size += 1
         logger.warning("chunk %s/%s stored with %d bytes replaced by a put of %d bytes",
                        key.namespace, key.digest.hex()[:16], entry_size, size)  # fmt: skip
         return True
@@ -177,36 +261,36 @@ class MemoryTier(TierEviction):
         r = reservation
         self._unclaim(r)
         self._discharge(r)
-        if r.key in self._index:
-            self.allocator.free(r.offset, r.size)
+        if r.key in self.index.entries:
+            self.index.allocator.free(r.offset, r.size)
             return PutStatus.EXISTS
         key = _canonical(r.key)
-        self._index[key] = pack(r.offset, r.size) if packable(r.offset, r.size) else _Entry(
+        self.index.entries[key] = pack(r.offset, r.size) if packable(r.offset, r.size) else _Entry(
             key, r.offset, r.size, extent_of(r.size))  # fmt: skip
-        self.evictable_bytes += extent_of(r.size)
-        self.policy.inserted(key, r.size, r.parent)
-        self._account(key, r.size, +1)
-        self.counters.stores += 1
+        self.index.evictable_bytes += extent_of(r.size)
+        self.index.policy.inserted(key, r.size, r.parent)
+        self.index.account(key, r.size, +1)
+        self.index.counters.stores += 1
         return PutStatus.STORED
 
     def abort_store(self, reservation: Reservation) -> None:
         self._unclaim(reservation)
         self._discharge(reservation)
-        self.allocator.free(reservation.offset, reservation.size)
+        self.index.allocator.free(reservation.offset, reservation.size)
 
     def reserve_room(self, size: int) -> Reservation | None:
         """Room for ``size`` bytes bound to no key yet (key :data:`UNBOUND`: a staged
         shared-memory slot), evicting as a store would; None when there is none.
         Give it back with :meth:`abort_store`, or :meth:`bind_room` it."""
-        if size > self.allocator.capacity:
+        if size > self.index.allocator.capacity:
             return None
-        offset = self._allocate(size)
-        if offset is not None and not self.pool.commit(offset, size):
-            self.allocator.free(offset, size)
+        offset = self.eviction.allocate(size)
+        if offset is not None and not self.index.pool.commit(offset, size):
+            self.index.allocator.free(offset, size)
             offset = None
         if offset is None:
             return None
-        return Reservation(UNBOUND, offset, size, None, self.pool.view[offset : offset + size])
+        return Reservation(UNBOUND, offset, size, None, self.index.pool.view[offset : offset + size])
 
     def bind_room(self, room: Reservation, key: ChunkKey, parent: ChunkKey | None = None) -> Reservation | PutStatus:
         """:meth:`prepare_store` for ``key`` over ``room`` (from :meth:`reserve_room`):
@@ -221,22 +305,22 @@ class MemoryTier(TierEviction):
 
     def lease(self, key: ChunkKey) -> Chunk | None:
         """A leased view of a stored chunk without counting a hit or touching recency."""
-        found = self._index.get(key)
+        found = self.index.entries.get(key)
         if found is None:
             return None
-        return self._lease(self._entry(key, found))
+        return self.index.lease_entry(self.index.entry(key, found))
 
     async def delete(self, key: ChunkKey) -> bool:
-        found = self._index.get(key)
+        found = self.index.entries.get(key)
         if found is None:
             return False
-        self._remove(self._entry(key, found))
+        self.index.remove(self.index.entry(key, found))
         return True
 
     async def clear(self, namespace: str | None) -> int:
-        victims = [k for k in self._index if namespace is None or k.namespace == namespace]
+        victims = [k for k in self.index.entries if namespace is None or k.namespace == namespace]
         for key in victims:
-            self._remove(self._entry(key))
+            self.index.remove(self.index.entry(key))
         return len(victims)
 
     # -- pins ----------------------------------------------------------------------
@@ -244,26 +328,26 @@ class MemoryTier(TierEviction):
         """Keep ``key`` from eviction until unpinned (True also when it was pinned
         already); False when memory does not hold it or its extent does not fit
         the room left to pin (:meth:`pin_room`)."""
-        found = self._index.get(key)
+        found = self.index.entries.get(key)
         if found is None:
             return False
         if not isinstance(found, int) and found.pinned:
             return True
         size = unpack(found)[1] if isinstance(found, int) else found.size
-        if extent_of(size) > self.pin_room(key.namespace).left:
+        if extent_of(size) > self.index.pin_room(key.namespace).left:
             return False
-        entry = self._entry(key, found)
+        entry = self.index.entry(key, found)
         entry.pinned = True
-        self._account_pin(key, entry.extent, +1)
+        self.index.account_pin(key, entry.extent, +1)
         if not entry.leases:
-            self.evictable_bytes -= entry.extent
-        self.policy.removed(key)
+            self.index.evictable_bytes -= entry.extent
+        self.index.policy.removed(key)
         return True
 
     def pin_cost(self, key: ChunkKey) -> int | None:
         """Bytes pinning ``key`` would add to ``pinned_bytes`` (its extent): 0 when
         it is pinned already, None when memory does not hold it."""
-        found = self._index.get(key)
+        found = self.index.entries.get(key)
         if found is None:
             return None
         if isinstance(found, int):
@@ -271,65 +355,66 @@ class MemoryTier(TierEviction):
         return 0 if found.pinned else found.extent
 
     def unpin(self, key: ChunkKey) -> bool:
-        entry = self._index.get(key)
+        entry = self.index.entries.get(key)
         if entry is None or isinstance(entry, int) or not entry.pinned:
             return False
         entry.pinned = False
-        self._account_pin(entry.key, entry.extent, -1)
+        self.index.account_pin(entry.key, entry.extent, -1)
         if not entry.leases:
-            self.evictable_bytes += entry.extent
-        self.policy.inserted(entry.key, entry.size, None)
-        self._pack(entry)
+            self.index.evictable_bytes += entry.extent
+        self.index.policy.inserted(entry.key, entry.size, None)
+        self.index.repack(entry)
         return True
 
     # -- warm restarts (storage/memory/warmstart.py; the work is in storage/memory/warm.py) --
     def snapshot(self) -> list[tuple[ChunkKey, int, int, bool]]:
         """Every stored chunk as ``(key, offset, size, pinned)``, next victim first
         (pinned chunks last): what the next daemon needs to adopt the pool."""
-        return warm.snapshot(self)
+        return warm.snapshot(self.index)
 
     def adopt(self, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None:
         """Take over a pool left by a clean stop (see :func:`.warm.adopt`)."""
-        warm.adopt(self, chunks, held)
+        warm.adopt(self.index, chunks, held, self.pin)
 
-    def held_chunk(self, offset: int, size: int) -> Chunk:
+    def held_chunk(self, offset: int, size: int, held: dict[int, _Entry] | None = None) -> Chunk:
         """A leased view of a held extent of a read lease whose chunk is gone
-        (deleted or evicted before the restart), freed when the lease ends."""
-        return warm.held_chunk(self, offset, size)
+        (deleted or evicted before the restart), freed when the lease ends
+        (``held``: see :func:`.warm.held_chunk`)."""
+        return warm.held_chunk(self.index, offset, size, held)
 
     # -- introspection -------------------------------------------------------------
     @property
     def chunks(self) -> int:
-        return len(self._index)
+        return len(self.index.entries)
 
     def keys(self) -> list[ChunkKey]:
-        return list(self._index)
+        return list(self.index.entries)
 
     def namespaces(self) -> dict[str, tuple[int, int]]:
-        return {ns: (c[0], c[1]) for ns, c in self._by_namespace.items()}
+        return {ns: (c[0], c[1]) for ns, c in self.index.by_namespace.items()}
 
     def stats(self) -> dict[str, Any]:
-        a = self.allocator
+        a = self.index.allocator
         return {
             "capacity_bytes": a.capacity,
-            "stored_bytes": self.stored_bytes,
+            "stored_bytes": self.index.stored_bytes,
             "allocated_bytes": a.allocated_bytes,
             "free_bytes": a.free_bytes,
             "largest_free_bytes": a.largest_free,
             "free_extents": a.free_extents,
             "fragmentation": round(a.fragmentation, 4),
             "chunks": self.chunks,
-            "pinned_bytes": self.pinned_bytes,
-            "leased_chunks": self.leased_chunks,
-            "evictable_bytes": self.evictable_bytes,
-            "page_locked": self.pool.pinned,
-            "policy": self.policy.name,
-            **(self.policy.stats() if hasattr(self.policy, "stats") else {}),
-            **({"tenants": self.quotas.stats()} if self.quotas else {}),
-            **dataclasses.asdict(self.counters),
+            "pinned_bytes": self.index.pinned_bytes,
+            "leased_chunks": self.index.leased_chunks,
+            "evictable_bytes": self.index.evictable_bytes,
+            "page_locked": self.index.pool.pinned,
+            "policy": self.index.policy.name,
+            **(self.index.policy.stats() if hasattr(self.index.policy, "stats") else {}),
+            **({"tenants": self.index.quotas.stats()} if self.index.quotas else {}),
+            **dataclasses.asdict(self.index.counters),
         }
 
     async def close(self) -> None:
-        self._index.clear()
-        self.evictable_bytes = 0
-        self.pool.close(keep_segment=self.keep_segment)
+        self.index.entries.clear()
+        self.index.evictable_bytes = 0
+        self.index.pool.close(keep_segment=self.keep_segment)

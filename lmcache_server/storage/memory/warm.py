@@ -3,15 +3,15 @@ stored chunks a clean stop leaves, and the adoption of that list by the next
 daemon's tier over the same pool.
 
 Primitives: :func:`snapshot`, :func:`adopt`, :func:`held_chunk`; the tier's
-methods of the same names call them, passing themselves in as a
-:class:`WarmTier` (the tier's state these functions work on; this module does
-not import the tier).
+methods of the same names call them, passing in the tier's index as a
+:class:`WarmTier` (the state these functions work on; this module does not
+import the tier or its index).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ..base import Chunk, ChunkKey
@@ -28,9 +28,10 @@ class AdoptedCount(Protocol):
 
 
 class WarmTier(Protocol):
-    """The parts of :class:`.tier.MemoryTier` a warm restart reads and sets."""
+    """The parts of the memory tier's index (:class:`.index.ChunkIndex`) a warm restart
+    reads and sets."""
 
-    _index: dict[ChunkKey, int | Entry]
+    entries: dict[ChunkKey, int | Entry]
     allocator: ExtentAllocator
     evictable_bytes: int
     dying_bytes: int
@@ -42,17 +43,15 @@ class WarmTier(Protocol):
     @property
     def counters(self) -> AdoptedCount: ...
 
-    def _account(self, key: ChunkKey, size: int, sign: int) -> None: ...
+    def account(self, key: ChunkKey, size: int, sign: int) -> None: ...
 
-    def pin(self, key: ChunkKey) -> bool: ...
-
-    def _lease(self, entry: Entry) -> Chunk: ...
+    def lease_entry(self, entry: Entry) -> Chunk: ...
 
 
 def snapshot(tier: WarmTier) -> list[tuple[ChunkKey, int, int, bool]]:
     """Every chunk ``tier`` stores as ``(key, offset, size, pinned)``, next victim
     first (pinned chunks last)."""
-    index = tier._index
+    index = tier.entries
 
     def unpinned(k: ChunkKey) -> bool:
         found = index.get(k)
@@ -71,22 +70,27 @@ def snapshot(tier: WarmTier) -> list[tuple[ChunkKey, int, int, bool]]:
     return rows
 
 
-def adopt(tier: WarmTier, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None:
+def adopt(
+    tier: WarmTier,
+    chunks: Sequence[tuple[ChunkKey, int, int, bool]],
+    held: Sequence[tuple[int, int]],
+    pin: Callable[[ChunkKey], bool],
+) -> None:
     """Make an empty ``tier`` take over a pool left by a clean stop: ``chunks`` as
     :func:`snapshot` gave them (inserted in that order: the policy keeps it) and
     the extents ``(offset, size)`` of leases carried over, allocated until given
     back (``abort_store``, or the release of :func:`held_chunk`).  Each chunk is
     charged as ``tier`` charges (its extent, under this configuration's quotas
     and pin bounds): a chunk pinned before past those bounds is adopted
-    unpinned (evictable).  ValueError when the tier is not empty or extents
+    unpinned (evictable; ``pin`` pins one, False past those bounds).  ValueError when the tier is not empty or extents
     overlap or leave the pool."""
-    if tier._index:
+    if tier.entries:
         raise ValueError("only an empty memory tier can adopt a pool")
     extents = [(offset, extent_of(size)) for _, offset, size, _ in chunks]
     tier.allocator = ExtentAllocator.with_used(
         tier.pool.size, extents + [(o, extent_of(n)) for o, n in held], track_sizes=False
     )
-    index = tier._index
+    index = tier.entries
     unpinned = 0
     for key, offset, size, pinned in chunks:
         if key in index:
@@ -95,8 +99,8 @@ def adopt(tier: WarmTier, chunks: Sequence[tuple[ChunkKey, int, int, bool]], hel
         index[key] = pack(offset, size) if packable(offset, size) else Entry(key, offset, shared(size), extent_of(size))
         tier.evictable_bytes += extent_of(size)
         tier.policy.inserted(key, size, None)
-        tier._account(key, size, +1)  # charged as this daemon charges: extents, this config's quotas
-        if pinned and not tier.pin(key):  # re-checked: past this config's pin room it stays, unpinned
+        tier.account(key, size, +1)  # charged as this daemon charges: extents, this config's quotas
+        if pinned and not pin(key):  # re-checked: past this config's pin room it stays, unpinned
             unpinned += 1
     if unpinned:
         logger.warning(
@@ -121,4 +125,4 @@ def held_chunk(tier: WarmTier, offset: int, size: int, held: dict[int, Entry] | 
             held[offset] = entry
     elif entry.size != size:
         raise ValueError(f"two leases hold different extents at offset {offset}")
-    return tier._lease(entry)
+    return tier.lease_entry(entry)

@@ -14,21 +14,25 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..base import Chunk, ChunkKey
-from . import warm
 from .entry import Entry, Reservation
-from .pool import Segment
+from .pool import MemoryPool, Segment
 from .warmindex import WarmIndex, _leases_kept
 
 
-class WarmMemory(warm.WarmTier, Protocol):
+class WarmMemory(Protocol):
     """What a warm restart needs of the memory tier (:class:`.tier.MemoryTier` is
     one; this module does not import it)."""
+
+    @property
+    def pool(self) -> MemoryPool: ...
 
     def snapshot(self) -> list[tuple[ChunkKey, int, int, bool]]: ...
 
     def adopt(self, chunks: Sequence[tuple[ChunkKey, int, int, bool]], held: Sequence[tuple[int, int]]) -> None: ...
 
     def lease(self, key: ChunkKey) -> Chunk | None: ...
+
+    def held_chunk(self, offset: int, size: int, held: dict[int, Entry] | None = None) -> Chunk: ...
 
 
 @dataclasses.dataclass
@@ -58,7 +62,7 @@ class Adoption:
             for s in lease.slots:
                 live = at.get(s.offset)
                 found = memory.lease(live[0]) if live is not None and live[1] == s.size else None
-                chunks.append(found if found is not None else warm.held_chunk(memory, s.offset, s.size, gone))
+                chunks.append(found if found is not None else memory.held_chunk(s.offset, s.size, gone))
             read_grants.append((lease.lease, lease.deadline, chunks))
         view = memory.pool.view
         write_grants = [

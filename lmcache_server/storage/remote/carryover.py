@@ -1,12 +1,13 @@
 """What the Redis tier owed Redis at a clean stop, carried to the next start
-(:class:`RedisCarryover`, a base of :class:`.tier.RedisTier`).
+(:class:`RedisCarryover`, a part :class:`.tier.RedisTier` builds and holds).
 
-``open`` takes over the removals and writes the last stop left in
-``state_path`` (:mod:`.pending`): the removals are queued to be sent before
-anything else, the writes wait for :meth:`RedisCarryover.requeue` (after a
-warm restart adopted the chunks).  ``close`` saves what is still owed.
+The tier's ``open`` calls ``load``: it takes over the removals and writes the
+last stop left in ``state_path`` (:mod:`.pending`): the removals are queued to
+be sent before anything else, the writes wait for :meth:`RedisCarryover.requeue`
+(after a warm restart adopted the chunks).  The tier's ``close`` calls ``save``:
+it saves what is still owed.
 
-Primitives: :class:`RedisCarryover` (``requeue``).
+Primitives: :class:`RedisCarryover` (``load``, ``requeue``, ``save``).
 """
 
 from __future__ import annotations
@@ -26,18 +27,20 @@ from .queue import WriteQueue
 logger = logging.getLogger("lmcache_server.storage.remote.tier")  # the tier's log lines keep their logger name
 
 
-class RedisCarryover(RedisLink):
-    """The pending state of :class:`.tier.RedisTier` across a clean stop; the
-    tier's ``__init__`` sets the attributes below."""
+class RedisCarryover:
+    """The pending state of :class:`.tier.RedisTier` across a clean stop: what
+    ``queue`` owes Redis (on ``link``), kept in ``state_path`` (None: not kept)."""
 
-    queue: WriteQueue
-    state_path: Path | None
-    unwritten: list[ChunkKey]
+    def __init__(self, link: RedisLink, queue: WriteQueue, state_path: Path | None):
+        self._link = link
+        self.queue = queue
+        self.state_path = state_path
+        self.unwritten: list[ChunkKey] = []  # writes owed at the last stop: see requeue
 
     def _target(self) -> str:
-        return f"{redact(self.url)} {self.key_prefix}"
+        return f"{redact(self._link.url)} {self._link.key_prefix}"
 
-    def _load_pending(self) -> None:
+    def load(self) -> None:
         if self.state_path is None:
             return
         pending = load_pending(self.state_path, self._target())
@@ -58,14 +61,14 @@ class RedisCarryover(RedisLink):
         if not keys:
             return
         queued = sum(1 for key in keys if not self.queue.removing(key) and enqueue(key))
-        self.counters.dropped_writes += len(keys) - queued
+        self._link.counters.dropped_writes += len(keys) - queued
         logger.log(
             logging.WARNING if queued < len(keys) else logging.INFO,
             "Redis uplink: re-queued %d writes pending at the last stop; %d dropped (no longer held here)",
             queued, len(keys) - queued,
         )  # fmt: skip
 
-    def _save_pending(self) -> None:
+    def save(self) -> None:
         if self.state_path is None:
             return
         clears, deletes, writes = self.queue.pending()

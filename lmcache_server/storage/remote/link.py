@@ -1,7 +1,8 @@
 """The connection side of the Redis uplink (:mod:`.remote`): one redis-py client
 (a single server, TLS, a unix socket, or a Redis Cluster), the daemon's key
 names, the up/down state with its background reconnect, and the raw removal
-commands.  :class:`.remote.RedisTier` builds the tier on it.
+commands.  :class:`.tier.RedisTier` holds one and hands it to its writer
+(:class:`.writer.RedisWriter`) and its carryover (:class:`.carryover.RedisCarryover`).
 
 - Any Redis error a request or the writer meets marks the link down (logged
   once) and drops every pooled connection (they lead to the old server); a
@@ -18,7 +19,7 @@ import dataclasses
 import hashlib
 import logging
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -55,8 +56,8 @@ class RedisLink:
     """A redis-py client with the daemon's key names and an up/down state.
 
     ``up`` is False from a failure until the background probe reaches Redis
-    again; ``_wake`` is set whenever the state changes (the tier's writer waits
-    on it)."""
+    again; ``wake`` is set whenever the state changes (the tier's writer waits
+    on it); ``on_down`` is called after each failure that marks it down."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class RedisLink:
         password: str | None,
         max_backoff_s: float,
         supervisor: Supervisor | None,
+        on_down: Callable[[], None] | None = None,
     ):
         self.url = url
         self.key_prefix = key_prefix
@@ -75,10 +77,11 @@ class RedisLink:
         self.max_backoff_s = max_backoff_s
         self.counters = RemoteCounters()
         self.up = False
-        self._supervisor = supervisor if supervisor is not None else Supervisor()
-        self._client = self._connect(url, username, password)
-        self._wake = asyncio.Event()  # the state (or, for the tier, its queue) changed
-        self._probing: asyncio.Task[None] | None = None
+        self.supervisor = supervisor if supervisor is not None else Supervisor()
+        self._on_down = on_down  # told after each failure that marks the link down
+        self.client = self._connect(url, username, password)
+        self.wake = asyncio.Event()  # the state (or, for the tier, its queue) changed
+        self.probing: asyncio.Task[None] | None = None
 
     def _connect(self, url: str, username: str | None, password: str | None) -> Any:
         kwargs: dict[str, Any] = {
@@ -102,23 +105,25 @@ class RedisLink:
         ns_tag = hashlib.sha256(key.namespace.encode()).hexdigest()[:16]
         return f"{self.key_prefix}{ns_tag}:{key.digest.hex()}".encode()
 
-    def _mark_down(self, err: BaseException) -> None:
-        if self.up or self._probing is None:
+    def mark_down(self, err: BaseException) -> None:
+        if self.up or self.probing is None:
             logger.warning("Redis uplink %s down (%s: %s); serving from memory and disk, retrying",
                            redact(self.url), type(err).__name__, err)  # fmt: skip
         self.up = False
-        self._wake.set()
-        if self._probing is None or self._probing.done():
-            self._probing = self._supervisor.spawn("redis_reconnect", self._reconnect)
+        self.wake.set()
+        if self.probing is None or self.probing.done():
+            self.probing = self.supervisor.spawn("redis_reconnect", self._reconnect)
+        if self._on_down is not None:
+            self._on_down()
 
-    def _failed(self, op: str, err: Exception) -> None:
+    def failed(self, op: str, err: Exception) -> None:
         """A request to Redis failed: the uplink is down.  An error that is not a
         Redis or network error (a client library surprised by a reply, a bug) is
         also logged with its traceback and counted as a task failure; the request
         that asked still gets its miss, never INTERNAL."""
         if not isinstance(err, ERRORS):
-            self._supervisor.failed(f"redis_{op}", err)
-        self._mark_down(err)
+            self.supervisor.failed(f"redis_{op}", err)
+        self.mark_down(err)
 
     async def _drop_connections(self) -> None:
         """Close the idle pooled connections: after an outage they lead to the old
@@ -126,10 +131,10 @@ class RedisLink:
         retried on a fresh connection) by itself: closing them underneath it
         would turn a Redis outage into an error nobody expects."""
         try:
-            if isinstance(self._client, RedisCluster):
-                await self._client.aclose()  # the next command rediscovers the nodes
+            if isinstance(self.client, RedisCluster):
+                await self.client.aclose()  # the next command rediscovers the nodes
             else:
-                await self._client.connection_pool.disconnect(inuse_connections=False)
+                await self.client.connection_pool.disconnect(inuse_connections=False)
         except Exception:  # best effort: a connection that cannot even close is gone
             pass
 
@@ -140,7 +145,7 @@ class RedisLink:
         probe = Retry(ExponentialWithJitterBackoff(cap=self.max_backoff_s, base=0.1), -1, (Exception,))
 
         async def ping() -> None:
-            await asyncio.wait_for(self._client.ping(), self.timeout_s)
+            await asyncio.wait_for(self.client.ping(), self.timeout_s)
 
         async def failed(err: Exception) -> None:
             await self._drop_connections()
@@ -150,36 +155,36 @@ class RedisLink:
         self.up = True
         self.counters.reconnects += 1
         logger.info("Redis uplink %s restored", redact(self.url))
-        self._wake.set()
+        self.wake.set()
 
-    async def _delete_in_redis(self, keys: Sequence[ChunkKey]) -> int:
+    async def delete_in_redis(self, keys: Sequence[ChunkKey]) -> int:
         rkeys = [self.redis_key(k) for k in keys]
         if self._cluster:
             return await asyncio.wait_for(self._unlink(rkeys), self.timeout_s)
-        return int(await asyncio.wait_for(self._client.delete(*rkeys), self.timeout_s))
+        return int(await asyncio.wait_for(self.client.delete(*rkeys), self.timeout_s))
 
-    async def _clear_in_redis(self, namespace: str | None) -> int:
+    async def clear_in_redis(self, namespace: str | None) -> int:
         pattern = self.key_prefix + (
             hashlib.sha256(namespace.encode()).hexdigest()[:16] + ":*" if namespace is not None else "*"
         )
         removed = 0
         batch: list[bytes] = []
-        async for rkey in self._client.scan_iter(match=pattern, count=1000):
+        async for rkey in self.client.scan_iter(match=pattern, count=1000):
             batch.append(rkey)
             if len(batch) >= 500:
-                removed += await self._client.delete(*batch) if not self._cluster else await self._unlink(batch)
+                removed += await self.client.delete(*batch) if not self._cluster else await self._unlink(batch)
                 batch = []
         if batch:
-            removed += await self._client.delete(*batch) if not self._cluster else await self._unlink(batch)
+            removed += await self.client.delete(*batch) if not self._cluster else await self._unlink(batch)
         return removed
 
     @property
     def _cluster(self) -> bool:
-        return isinstance(self._client, RedisCluster)
+        return isinstance(self.client, RedisCluster)
 
     async def _unlink(self, keys: list[bytes]) -> int:
         # Cluster: keys live in different slots, so delete them one by one (pipelined).
-        async with self._client.pipeline(transaction=False) as pipe:
+        async with self.client.pipeline(transaction=False) as pipe:
             for k in keys:
                 pipe.delete(k)
             return sum(await pipe.execute())

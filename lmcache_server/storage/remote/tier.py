@@ -42,12 +42,13 @@
   on a fresh connection (redis-py's ``Retry``) before it counts as a failure.
   The writer and the probe are supervised (:mod:`..supervisor`).
 
-The client, the key names, the up/down state and its reconnect live in
-:mod:`.link` (:class:`.link.RedisLink`); the writes in :mod:`.writer`
-(:class:`.writer.RedisWriter`); what a stop owed Redis, carried to the next start,
-in :mod:`.carryover` (:class:`.carryover.RedisCarryover`).  :class:`RedisTier`
-builds on the last two (both on the link) and holds the state, the lifecycle,
-the reads and the removals.
+:class:`RedisTier` is a front that builds and holds its parts: the client, the
+key names, the up/down state and its reconnect (``link``, :class:`.link.RedisLink`,
+which calls the tier back when it goes down); the write queue (``queue``,
+:class:`.queue.WriteQueue`); the writes (``writer``, :class:`.writer.RedisWriter`,
+on the link and the queue); what a stop owed Redis, carried to the next start
+(``carryover``, :class:`.carryover.RedisCarryover`, on the link and the queue).
+The tier itself holds the lifecycle, the reads and the removals.
 
 Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``requeue``, ``exists_many``, ``value_sizes``, ``deleting``,
 ``delete``, ``clear``, ``flush``, ``stats``, ``close``.
@@ -59,9 +60,11 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from lmcache_client.protocol import PutStatus
 
 from ...config import redact
 from ...supervisor import Supervisor
@@ -71,12 +74,12 @@ from ..offload import Offload
 from ..statefiles import StateDir
 from .carryover import RedisCarryover
 from .link import COMMAND_RETRIES as COMMAND_RETRIES  # re-exported
-from .link import ERRORS
+from .link import ERRORS, RedisLink
 from .link import RemoteCounters as RemoteCounters  # re-exported
-from .queue import Write, WriteQueue
-from .writer import BATCH_BYTES, RedisWriter
+from .queue import WriteQueue
 from .writer import BATCH_WRITES as BATCH_WRITES  # re-exported
 from .writer import POISON_FAILURES as POISON_FAILURES  # re-exported
+from .writer import RedisWriter
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,10 @@ def state_path_for(state: StateDir | None) -> Path | None:
     return None if state is None else state.file("redis-pending", ".json")
 
 
-class RedisTier(RedisCarryover, RedisWriter):
+class RedisTier:
+    """The Redis uplink's front: builds and holds its parts (the link, the write
+    queue, the writer, the carryover) and does the reads and the removals itself."""
+
     name = "redis"
 
     def __init__(
@@ -107,7 +113,7 @@ class RedisTier(RedisCarryover, RedisWriter):
         state_path: Path | None = None,
         links: TierLinks | None = None,
     ):
-        super().__init__(
+        self.link = RedisLink(
             url,
             key_prefix=key_prefix,
             timeout_s=timeout_s,
@@ -115,6 +121,7 @@ class RedisTier(RedisCarryover, RedisWriter):
             password=password,
             max_backoff_s=max_backoff_s,
             supervisor=supervisor,
+            on_down=self._down,
         )
         self.ttl_ms = int(ttl_s * 1000) or None
         self.max_queue_bytes = max_queue_bytes
@@ -124,25 +131,58 @@ class RedisTier(RedisCarryover, RedisWriter):
         self.links = links if links is not None else TierLinks()  # token ids for records (KV events)
         self._stopped = False
         self._tasks: list[asyncio.Task[None]] = []
-        self._building: set[asyncio.Task[None]] = set()
-        self._writing: list[Write] | None = None
-        self._removing = 0  # removals taken from the queue and not yet acknowledged by Redis
-        self.batch_bytes = BATCH_BYTES  # bytes of SETs per pipeline: what the link sends within timeout_s / 2
-        self.state_path = state_path  # what was owed to Redis at a clean stop, for the next start
-        self.unwritten: list[ChunkKey] = []  # writes owed at the last stop: see requeue
+        self.writer = RedisWriter(self.link, self.queue, self._offload, self.links, self._listener, ttl_ms=self.ttl_ms)
+        self.carryover = RedisCarryover(self.link, self.queue, state_path)
+
+    # -- the link's state, read by the store, the metrics and the tests --------------
+    @property
+    def up(self) -> bool:
+        return self.link.up
+
+    @property
+    def counters(self) -> RemoteCounters:
+        return self.link.counters
+
+    @property
+    def url(self) -> str:
+        return self.link.url
+
+    @property
+    def timeout_s(self) -> float:
+        return self.link.timeout_s
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.writer.batch_bytes
+
+    def redis_key(self, key: ChunkKey) -> bytes:
+        return self.link.redis_key(key)
+
+    # -- writes (:mod:`.writer`) and what a stop owed (:mod:`.carryover`) --------------
+    def accepts(self, size: int) -> bool:
+        return self.writer.accepts(size)
+
+    def enqueue(self, key: ChunkKey, data: Any, release: Callable[[], None] | None = None) -> bool:
+        return self.writer.enqueue(key, data, release)
+
+    async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
+        return await self.writer.put(key, data, parent)
+
+    def requeue(self, enqueue: Callable[[ChunkKey], bool]) -> None:
+        self.carryover.requeue(enqueue)
 
     # -- lifecycle -----------------------------------------------------------------
     async def open(self) -> None:
         """Connect (without failing the start if Redis is down), take over what the
         last stop left pending (``state_path``) and start the writer."""
-        self._load_pending()
+        self.carryover.load()
         try:
-            await asyncio.wait_for(self._client.ping(), self.timeout_s)
-            self.up = True
+            await asyncio.wait_for(self.link.client.ping(), self.timeout_s)
+            self.link.up = True
             logger.info("Redis uplink %s connected", redact(self.url))
         except Exception as err:  # a client library surprised by the handshake too: down, never a failed start
-            self._failed("connect", err)
-        self._tasks.append(self._supervisor.spawn("redis_writer", self._write_loop))
+            self.link.failed("connect", err)
+        self._tasks.append(self.link.supervisor.spawn("redis_writer", self.writer.write_loop))
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until queued writes and removals reached Redis (True) or the timeout passes."""
@@ -152,26 +192,26 @@ class RedisTier(RedisCarryover, RedisWriter):
         return self._drained()
 
     def _drained(self) -> bool:
-        return self.queue.idle() and self._writing is None and not self._building and not self._removing
+        return self.queue.idle() and self.writer.idle()
 
     async def close(self) -> None:
         self._stopped = True  # a stop is no outage: nothing more to announce
-        for task in [*self._tasks, self._probing, *self._building]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*[t for t in [*self._tasks, self._probing, *self._building] if t], return_exceptions=True)
-        self._save_pending()  # after the writer put back what it had taken
+        tasks = [t for t in [*self._tasks, self.link.probing, *self.writer.building] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.carryover.save()  # after the writer put back what it had taken
         if self._own_offload:
             self._offload.close()
         try:
-            await self._client.aclose()
+            await self.link.client.aclose()
         except ERRORS:
             pass
 
-    def _mark_down(self, err: BaseException) -> None:
-        super()._mark_down(err)
+    def _down(self) -> None:
+        """The link went down (its ``on_down``): nothing in Redis can be served now."""
         if self.listener is not None:
-            self.listener.down()  # nothing in Redis can be served now
+            self.listener.down()
 
     # -- reads ---------------------------------------------------------------------
     def peek(self, key: ChunkKey) -> bool:
@@ -191,17 +231,17 @@ class RedisTier(RedisCarryover, RedisWriter):
                 it = iter(found)
                 return [False if h else next(it) for h in hidden]
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
+            async with self.link.client.pipeline(transaction=False) as pipe:
                 for key in keys:
                     pipe.exists(self.redis_key(key))
-                found = await asyncio.wait_for(pipe.execute(), self.timeout_s)
+                found = await asyncio.wait_for(pipe.execute(), self.link.timeout_s)
         except Exception as err:
-            self.counters.read_errors += 1
-            self._failed("exists", err)
+            self.link.counters.read_errors += 1
+            self.link.failed("exists", err)
             return [False] * len(keys)
         if not isinstance(found, list) or len(found) != len(keys) or not all(isinstance(n, int) for n in found):
             # A server that speaks RESP but not Redis: answer misses, count it.
-            self.counters.read_errors += 1
+            self.link.counters.read_errors += 1
             logger.warning("Redis uplink: EXISTS answered %.80r; treated as misses", found)
             return [False] * len(keys)
         if self.listener is not None:
@@ -219,16 +259,16 @@ class RedisTier(RedisCarryover, RedisWriter):
         if not asked:
             return [0] * len(keys)
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
+            async with self.link.client.pipeline(transaction=False) as pipe:
                 for key in asked:
                     pipe.strlen(self.redis_key(key))
-                found = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.timeout_s)
+                found = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.link.timeout_s)
         except Exception as err:
-            self.counters.read_errors += 1
-            self._failed("strlen", err)
+            self.link.counters.read_errors += 1
+            self.link.failed("strlen", err)
             return [0] * len(keys)
         if not isinstance(found, list) or len(found) != len(asked):
-            self.counters.read_errors += 1
+            self.link.counters.read_errors += 1
             logger.warning("Redis uplink: STRLEN answered %.80r; treated as misses", found)
             return [0] * len(keys)
         # An error Redis answers for one key (a value of another type): a miss.
@@ -257,36 +297,36 @@ class RedisTier(RedisCarryover, RedisWriter):
         if not keys:
             return []
         if not self.up:
-            self.counters.misses += len(keys)
+            self.link.counters.misses += len(keys)
             return [None] * len(keys)
         if self.queue.pending_removals and any(self.queue.removing(k) for k in keys):
             # Removed here but not yet in Redis (it was down, or the daemon restarted): a miss.
             hidden = [self.queue.removing(k) for k in keys]
-            self.counters.misses += sum(hidden)
+            self.link.counters.misses += sum(hidden)
             rest = [k for k, h in zip(keys, hidden) if not h]
             found = iter(await self.get_many(rest) if rest else [])
             return [None if h else next(found) for h in hidden]
         rkeys = [self.redis_key(k) for k in keys]
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
+            async with self.link.client.pipeline(transaction=False) as pipe:
                 for rkey in rkeys:
                     pipe.get(rkey)
-                values = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.timeout_s * len(keys))
+                values = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.link.timeout_s * len(keys))
         except Exception as err:
-            self.counters.read_errors += 1
-            self._failed("get", err)
-            self.counters.misses += len(keys)
+            self.link.counters.read_errors += 1
+            self.link.failed("get", err)
+            self.link.counters.misses += len(keys)
             return [None] * len(keys)
         if not isinstance(values, list) or len(values) != len(keys):
             # A server that speaks RESP but not Redis: answer misses, count it.
-            self.counters.read_errors += 1
-            self.counters.misses += len(keys)
+            self.link.counters.read_errors += 1
+            self.link.counters.misses += len(keys)
             logger.warning("Redis uplink: a pipeline of %d GETs answered %.80r; treated as misses", len(keys), values)
             return [None] * len(keys)
         refused = [v for v in values if isinstance(v, Exception)]
         if refused:
-            self.counters.read_errors += 1
-            self.counters.misses += len(refused)
+            self.link.counters.read_errors += 1
+            self.link.counters.misses += len(refused)
             logger.warning("Redis uplink: %d of %d GETs answered an error (%s); treated as misses",
                            len(refused), len(keys), refused[0])  # fmt: skip
         chunks = list(await asyncio.gather(*(self._decoded(k, rk, v) for k, rk, v in zip(keys, rkeys, values))))
@@ -302,20 +342,20 @@ class RedisTier(RedisCarryover, RedisWriter):
         if isinstance(value, Exception):
             return None
         if value is None:
-            self.counters.misses += 1
+            self.link.counters.misses += 1
             return None
         try:
             payload, tokens = await self._offload.run(decode_record, value, key.namespace, key.digest)
         except CorruptRecord as err:
             logger.warning("Redis value %r is damaged (%s); deleted, answered as a miss", rkey, err)
-            self.counters.corrupt += 1
-            self.counters.misses += 1
+            self.link.counters.corrupt += 1
+            self.link.counters.misses += 1
             try:
-                await asyncio.wait_for(self._client.delete(rkey), self.timeout_s)
+                await asyncio.wait_for(self.link.client.delete(rkey), self.link.timeout_s)
             except ERRORS:
                 pass
             return None
-        self.counters.hits += 1
+        self.link.counters.hits += 1
         chunk = Chunk(payload, self.name)
         chunk.tokens = tokens
         return chunk
@@ -324,6 +364,9 @@ class RedisTier(RedisCarryover, RedisWriter):
     @property
     def listener(self) -> RemoteListener | None:
         """Told what Redis holds (KV events): the listener heard on ``links``, until the tier stops."""
+        return self._listener()
+
+    def _listener(self) -> RemoteListener | None:
         return None if self._stopped else self.links.remote
 
     def deleting(self, keys: Sequence[ChunkKey]) -> None:
@@ -339,13 +382,13 @@ class RedisTier(RedisCarryover, RedisWriter):
         queued = self.queue.cancel(key)
         if not self.up:
             self.queue.remember_delete(key)
-            self._wake.set()
+            self.link.wake.set()
             return queued
         try:
-            removed = await self._delete_in_redis([key])
+            removed = await self.link.delete_in_redis([key])
         except Exception as err:
             self.queue.remember_delete(key)
-            self._failed("delete", err)
+            self.link.failed("delete", err)
             return queued
         return bool(removed) or queued
 
@@ -357,13 +400,13 @@ class RedisTier(RedisCarryover, RedisWriter):
         queued = self.queue.cancel_namespace(namespace)
         if not self.up:
             self.queue.remember_clear(namespace)
-            self._wake.set()
+            self.link.wake.set()
             return queued
         try:
-            return max(await self._clear_in_redis(namespace), queued)
+            return max(await self.link.clear_in_redis(namespace), queued)
         except Exception as err:
             self.queue.remember_clear(namespace)
-            self._failed("clear", err)
+            self.link.failed("clear", err)
             return queued
 
     def keys(self) -> list[ChunkKey]:
@@ -378,7 +421,7 @@ class RedisTier(RedisCarryover, RedisWriter):
             "url": redact(self.url),
             "queued_writes": len(self.queue),
             "queued_bytes": self.queue.nbytes,
-            "pending_removals": self.queue.pending_removals + self._removing,
+            "pending_removals": self.queue.pending_removals + self.writer.removing,
             "lost_deletes": self.queue.lost_deletes,
             "ttl_s": (self.ttl_ms or 0) / 1000,
             **dataclasses.asdict(self.counters),

@@ -1,11 +1,11 @@
-"""The Redis tier's writes (:class:`RedisWriter`, a base of :class:`.tier.RedisTier`):
-write-behind, pipelined.
+"""The Redis tier's writes (:class:`RedisWriter`, a part :class:`.tier.RedisTier`
+builds and holds): write-behind, pipelined, on the tier's :class:`.link.RedisLink`.
 
 - ``enqueue`` queues a chunk (:class:`.queue.WriteQueue`, bounded by bytes;
   full -> dropped and counted) and builds its record (checksum and copy, with
   the chunk's token ids when the store knows them, ``links``) off the event loop
   (:mod:`..offload`); a request never waits.
-- One background task (``_write_loop``) first sends the removals Redis is owed,
+- One background task (``write_loop``) first sends the removals Redis is owed,
   then the queued writes in pipelines of at most ``BATCH_WRITES`` writes and
   ``batch_bytes`` bytes, sized to what the link sends within half of
   ``timeout_s``.  A write leaves the queue only once Redis acknowledged it; a
@@ -13,7 +13,7 @@ write-behind, pipelined.
   that timed out is halved, not an outage; a write that keeps failing with an
   unexpected error is dropped after ``POISON_FAILURES`` tries.
 
-Primitives: :class:`RedisWriter` (``accepts``, ``enqueue``, ``put``).
+Primitives: :class:`RedisWriter` (``accepts``, ``enqueue``, ``put``, ``write_loop``, ``idle``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
-from ..base import ChunkKey, TierLinks
+from ..base import ChunkKey, RemoteListener, TierLinks
 from ..chunkfile import encode_record
 from ..offload import Offload
 from .link import ERRORS, RedisLink
@@ -44,20 +44,36 @@ BATCH_WRITES, BATCH_BYTES = 64, 32 << 20
 _TIMEOUTS = (TimeoutError, asyncio.TimeoutError, RedisTimeoutError)
 
 
-class RedisWriter(RedisLink):
-    """The writes of :class:`.tier.RedisTier`; the tier's ``__init__`` sets the
-    attributes below."""
+class RedisWriter:
+    """The writes of :class:`.tier.RedisTier`: queued in ``queue``, records built on
+    ``offload`` (with the token ids ``links`` gives, KV events), sent over ``link``;
+    ``listener`` gives who is told what Redis acknowledged (None: nobody, e.g. once
+    the tier stopped)."""
 
-    ttl_ms: int | None
-    queue: WriteQueue
-    batch_bytes: int
-    _offload: Offload
-    _building: set[asyncio.Task[None]]
-    _writing: list[Write] | None
-    _removing: int
-    _stopped: bool
-    links: TierLinks
-    """Gives a chunk's token ids, written into its record (KV events)."""
+    def __init__(
+        self,
+        link: RedisLink,
+        queue: WriteQueue,
+        offload: Offload,
+        links: TierLinks,
+        listener: Callable[[], RemoteListener | None],
+        *,
+        ttl_ms: int | None,
+    ):
+        self._link = link
+        self.queue = queue
+        self._offload = offload
+        self.links = links
+        self._listener = listener
+        self.ttl_ms = ttl_ms
+        self.batch_bytes = BATCH_BYTES  # bytes of SETs per pipeline: what the link sends within timeout_s / 2
+        self.building: set[asyncio.Task[None]] = set()  # records being built off the loop
+        self.writing: list[Write] | None = None  # the batch being sent
+        self.removing = 0  # removals taken from the queue and not yet acknowledged by Redis
+
+    def idle(self) -> bool:
+        """Nothing being built, sent or removed (the queue may still hold writes)."""
+        return self.writing is None and not self.building and not self.removing
 
     # -- writes --------------------------------------------------------------------
     def accepts(self, size: int) -> bool:
@@ -72,7 +88,7 @@ class RedisWriter(RedisLink):
         """
         size = memoryview(data).nbytes
         if not self.queue.fits(size):
-            self.counters.dropped_writes += 1
+            self._link.counters.dropped_writes += 1
             if release is not None:
                 release()
             return False
@@ -83,8 +99,8 @@ class RedisWriter(RedisLink):
             return True
         tokens = self.links.tokens_of(key)
         task = asyncio.get_running_loop().create_task(self._build(write, data, release, tokens))
-        self._building.add(task)
-        task.add_done_callback(self._building.discard)
+        self.building.add(task)
+        task.add_done_callback(self.building.discard)
         return True
 
     async def _build(
@@ -94,20 +110,20 @@ class RedisWriter(RedisLink):
             record = await self._offload.run(encode_record, write.key.namespace, write.key.digest, data, tokens)
         except Exception as err:
             logger.warning("Redis uplink: cannot build the record of a chunk (%s); not written", err)
-            self.counters.dropped_writes += 1
+            self._link.counters.dropped_writes += 1
             self.queue.done(write)
             return
         finally:
             if release is not None:
                 release()
         if self.queue.built(write, record):
-            self._wake.set()
+            self._link.wake.set()
 
-    async def _write_loop(self) -> None:
+    async def write_loop(self) -> None:
         while True:
-            if not self.up or (self.queue.head() is None and not self.queue.pending_removals):
-                self._wake.clear()
-                await self._wake.wait()
+            if not self._link.up or (self.queue.head() is None and not self.queue.pending_removals):
+                self._link.wake.clear()
+                await self._link.wake.wait()
                 continue
             batch: list[Write] = []
             try:
@@ -118,14 +134,14 @@ class RedisWriter(RedisLink):
                     await self._send(batch)
                     self._fit_batches(sum(w.size for w in batch), time.monotonic() - started)
             except ERRORS as err:
-                self.counters.write_errors += 1
+                self._link.counters.write_errors += 1
                 if isinstance(err, _TIMEOUTS) and len(batch) > 1:  # too big for the link in time: not an outage
                     sent = sum(w.size for w in batch)
                     self.batch_bytes = max(1, sent // 2)
                     logger.info("Redis uplink: a pipeline of %d writes (%.1f MiB) timed out; sending at most"
                                 " %.1f MiB a pipeline", len(batch), sent / 2**20, self.batch_bytes / 2**20)  # fmt: skip
                     continue
-                self._mark_down(err)  # the writes stay queued: sent again once Redis is back
+                self._link.mark_down(err)  # the writes stay queued: sent again once Redis is back
             except Exception:
                 # Not a Redis failure: a bug or a reply nothing expects.  The
                 # supervisor logs, counts and restarts the loop; a write that
@@ -134,7 +150,7 @@ class RedisWriter(RedisLink):
                     write.failures += 1
                     if write.failures >= POISON_FAILURES:
                         self.queue.done(write)
-                        self.counters.dropped_writes += 1
+                        self._link.counters.dropped_writes += 1
                 raise
 
     def _fit_batches(self, sent: int, elapsed_s: float) -> None:
@@ -142,50 +158,50 @@ class RedisWriter(RedisLink):
         (redis-py bounds the write of a whole pipeline by ``timeout_s``): a slow link
         gets smaller pipelines instead of timeouts, a fast one BATCH_BYTES."""
         rate = sent / max(elapsed_s, 1e-6)
-        self.batch_bytes = int(min(BATCH_BYTES, max(1, rate * self.timeout_s / 2, self.batch_bytes // 2)))
+        self.batch_bytes = int(min(BATCH_BYTES, max(1, rate * self._link.timeout_s / 2, self.batch_bytes // 2)))
 
     async def _send(self, batch: list[Write]) -> None:
         """SET a batch in one round trip (a pipeline); the writes leave the queue
         only if every one was acknowledged (a SET is idempotent: a batch that
         failed half-way is sent again whole)."""
-        self._writing = batch
+        self.writing = batch
         sent_at = time.monotonic()
         for write in batch:
             write.attempted = True
         try:
             # A memoryview goes out as its own chunk (redis-py's asyncio packer), uncopied.
             if len(batch) == 1:
-                await self._client.set(self.redis_key(batch[0].key), batch[0].record, px=self.ttl_ms)
+                await self._link.client.set(self._link.redis_key(batch[0].key), batch[0].record, px=self.ttl_ms)
             else:
-                async with self._client.pipeline(transaction=False) as pipe:
+                async with self._link.client.pipeline(transaction=False) as pipe:
                     for write in batch:
-                        pipe.set(self.redis_key(write.key), write.record, px=self.ttl_ms)
+                        pipe.set(self._link.redis_key(write.key), write.record, px=self.ttl_ms)
                     await pipe.execute()
         finally:
-            self._writing = None
+            self.writing = None
         for write in batch:
-            self.counters.stores += 1
+            self._link.counters.stores += 1
             self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
-        listener = None if self._stopped else self.links.remote  # (none once the tier stopped)
-        if listener is not None and self.up:  # Redis holds them now (unless deleted meanwhile)
+        listener = self._listener()  # (none once the tier stopped)
+        if listener is not None and self._link.up:  # Redis holds them now (unless deleted meanwhile)
             listener.written([w.key for w in batch if not w.cancelled], sent_at)
 
     async def _send_removals(self) -> None:
         clears, deletes = self.queue.take_removals()
-        self._removing = len(clears) + len(deletes)
+        self.removing = len(clears) + len(deletes)
         try:
             for namespace in list(clears):
-                await self._clear_in_redis(namespace)
+                await self._link.clear_in_redis(namespace)
                 clears.remove(namespace)
             while deletes:
                 batch = deletes[-500:]
-                await self._delete_in_redis(batch)
+                await self._link.delete_in_redis(batch)
                 del deletes[-len(batch) :]
         except BaseException:
             self.queue.put_back(clears, deletes)
             raise
         finally:
-            self._removing = 0
+            self.removing = 0
 
     async def put(self, key: ChunkKey, data: Any, parent: ChunkKey | None = None) -> PutStatus:
         return PutStatus.STORED if self.enqueue(key, bytes(data)) else PutStatus.NO_SPACE

@@ -99,7 +99,7 @@ def new_pool() -> MemoryPool:
 
 def live_chunks(memory: MemoryTier) -> Iterator[tuple[ChunkKey, int, int]]:
     """``(key, offset, size)`` of every chunk the memory tier serves."""
-    for key, found in memory._index.items():
+    for key, found in memory.index.entries.items():
         if isinstance(found, int):
             offset, size = unpack(found)
         else:

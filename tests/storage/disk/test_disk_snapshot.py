@@ -130,9 +130,9 @@ def _tier_keys(root: Path) -> list[tuple[ChunkKey, int]]:
         await tier.open()
         try:
             assert tier.counters.rebuilt_from_snapshot == 1
-            return [(k, tier._index[k].payload_len) for k in tier.policy.order()]
+            return [(k, tier.index.entries[k].payload_len) for k in tier.policy.order()]
         finally:
-            tier._opened = False  # no snapshot written at close
+            tier.lifecycle.opened = False  # no snapshot written at close
             await tier.close()
 
     return asyncio.run(run())

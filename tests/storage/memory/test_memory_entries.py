@@ -31,21 +31,21 @@ def test_an_entry_is_an_object_only_while_leased_or_pinned() -> None:
     payloads = [os.urandom(ALIGNMENT + 100 * i) for i in range(3)]
     for key, data in zip(keys, payloads):
         put(tier, key, data)
-    assert all(isinstance(tier._index[k], int) for k in keys)
+    assert all(isinstance(tier.index.entries[k], int) for k in keys)
     first = asyncio.run(tier.get(keys[0]))
     second = tier.lease(keys[0])
     assert first is not None and second is not None and bytes(first.data) == payloads[0]
-    assert isinstance(tier._index[keys[0]], Entry) and tier.leased_chunks == 1
+    assert isinstance(tier.index.entries[keys[0]], Entry) and tier.leased_chunks == 1
     first.release()
-    assert isinstance(tier._index[keys[0]], Entry)  # still leased once
+    assert isinstance(tier.index.entries[keys[0]], Entry)  # still leased once
     second.release()
-    assert isinstance(tier._index[keys[0]], int) and tier.leased_chunks == 0
+    assert isinstance(tier.index.entries[keys[0]], int) and tier.leased_chunks == 0
     assert tier.evictable_bytes == tier.allocator.allocated_bytes
-    assert tier.pin(keys[1]) and isinstance(tier._index[keys[1]], Entry)
+    assert tier.pin(keys[1]) and isinstance(tier.index.entries[keys[1]], Entry)
     assert tier.pin(keys[1]) and tier.pinned_bytes == 2 * ALIGNMENT  # its extent: ALIGNMENT + 100 bytes hold 2 pages
     assert not tier.pin(keys[2])  # over max_pinned_bytes: stays packed
-    assert isinstance(tier._index[keys[2]], int)
-    assert tier.unpin(keys[1]) and isinstance(tier._index[keys[1]], int) and tier.pinned_bytes == 0
+    assert isinstance(tier.index.entries[keys[2]], int)
+    assert tier.unpin(keys[1]) and isinstance(tier.index.entries[keys[1]], int) and tier.pinned_bytes == 0
     assert not tier.unpin(keys[1])
     for key, data in zip(keys, payloads):
         chunk = asyncio.run(tier.get(key))
@@ -81,8 +81,7 @@ def test_eviction_and_snapshot_see_packed_and_object_entries_alike() -> None:
     assert rows[-1][3] is True and all(r[2] == ALIGNMENT for r in rows)
     assert held is not None
     held.release()
-    fresh = tier_of(4, "lru")
-    fresh.pool = tier.pool
+    fresh = MemoryTier(tier.pool, 5 * ALIGNMENT // 2, make_policy("lru", 4 * ALIGNMENT, 1))
     fresh.adopt(rows, [])
     assert fresh.snapshot() == rows and fresh.pinned_bytes == ALIGNMENT
     assert fresh.allocator.allocated_bytes == 4 * ALIGNMENT and fresh.evictable_bytes == 3 * ALIGNMENT

@@ -67,7 +67,7 @@ def test_put_under_pressure_is_constant_in_the_number_of_chunks(policy: str) -> 
 
 def test_evictable_bytes_follows_leases_pins_and_removals() -> None:
     tier, keys = full_tier(8, "lru")
-    tier.max_pinned_bytes = 8 * ALIGNMENT
+    tier.index.max_pinned_bytes = 8 * ALIGNMENT
     total = 8 * ALIGNMENT
     assert tier.evictable_bytes == total
     lease = tier.lease(keys[0])
@@ -80,7 +80,7 @@ def test_evictable_bytes_follows_leases_pins_and_removals() -> None:
     assert tier.evictable_bytes == total - ALIGNMENT
     leased = tier.lease(keys[2])
     assert leased is not None
-    tier._remove(tier._index[keys[2]])  # deleted while leased: dying, not evictable
+    tier.index.remove(tier.index.entries[keys[2]])  # deleted while leased: dying, not evictable
     assert tier.evictable_bytes == total - 2 * ALIGNMENT
     leased.release()
     assert tier.evictable_bytes == total - 2 * ALIGNMENT  # its extent went back to the allocator

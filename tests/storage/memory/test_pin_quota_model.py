@@ -73,7 +73,7 @@ def new_tier(pool: MemoryPool) -> MemoryTier:
 def entries(tier: MemoryTier) -> list[tuple[ChunkKey, int, bool]]:
     """``(key, size, pinned)`` of every chunk the tier's index holds."""
     out = []
-    for key, found in tier._index.items():
+    for key, found in tier.index.entries.items():
         if isinstance(found, int):
             out.append((key, unpack(found)[1], False))
         else:

@@ -179,7 +179,7 @@ def test_a_snapshot_round_trip_at_scale_keeps_every_entry(tmp_path: Path) -> Non
     async def opened() -> tuple[dict[ChunkKey, tuple[int, int]], int, DiskTier]:
         tier = DiskTier(tmp_path, 1 << 40)
         await tier.open()
-        index = {k: (e.payload_len, e.disk_bytes) for k, e in tier._index.items()}
+        index = {k: (e.payload_len, e.disk_bytes) for k, e in tier.index.entries.items()}
         return index, tier.counters.rebuilt_from_snapshot, tier
 
     async def run() -> None:
@@ -194,7 +194,7 @@ def test_a_snapshot_round_trip_at_scale_keeps_every_entry(tmp_path: Path) -> Non
             assert after[field] == before[field]
         assert tier.namespaces() == {"scale|ns": (n, 100 * n), "scale|other": (500, 5000 * 500)}
         # one namespace string per namespace, not one per entry
-        assert len({id(k.namespace) for k in tier._index}) == 2
+        assert len({id(k.namespace) for k in tier.index.entries}) == 2
         got = await tier.get(ChunkKey("scale|other", (n + 7).to_bytes(32, "little")))
         assert got is not None and got.nbytes == 5000
         await tier.close()
