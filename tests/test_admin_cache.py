@@ -18,7 +18,7 @@ from lmcache_client.integrations.vllm.params import request_params
 from lmcache_server.admincache import prompt_keys
 
 from .conftest import NAMESPACE, Daemon
-from .server.test_security import NS_A, Keys, start_daemon, stop
+from .security.test_security import NS_A, Keys, start_daemon, stop
 from .test_admin import admin
 
 CHUNK = 16

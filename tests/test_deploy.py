@@ -24,7 +24,7 @@ import yaml
 from lmcache_server.config import ServerConfig, load_config
 
 from .conftest import Daemon, free_port
-from .server.test_metrics import exported_names, metric_names, scrape
+from .metrics.test_metrics import exported_names, metric_names, scrape
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

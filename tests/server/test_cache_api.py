@@ -20,7 +20,7 @@ from lmcache_client.protocol import KEY_BYTES
 
 from ..conftest import NAMESPACE, Daemon, RedisServer, disk_stats, wait_for
 from .test_prefetch import park_on_disk
-from .test_security import NS_A, NS_B, Keys, start_daemon, stop
+from ..security.test_security import NS_A, NS_B, Keys, start_daemon, stop
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -30,7 +30,7 @@ from lmcache_server.storage import ChunkKey, TieredStore, TierLinks
 from ..conftest import NAMESPACE, Daemon, RedisServer, disk_stats, wait_for
 from ..storage._slowlink import SlowLink
 from ..storage.test_tiered_leases import SlowDisk, memory_tier
-from .test_metrics import sample, scrape
+from ..metrics.test_metrics import sample, scrape
 
 KiB = 1 << 10
 MiB = 1 << 20

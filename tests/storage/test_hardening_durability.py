@@ -29,7 +29,7 @@ from lmcache_server.config import load_config
 from lmcache_server.storage.memory.warmstart import WarmIndex, boot_id, encode
 
 from ..conftest import SHM_ROOT, Daemon, RedisServer, wait_for
-from .test_redis_tier import redis_key_of
+from .remote.test_redis_tier import redis_key_of
 
 KEY_BYTES = 32
 

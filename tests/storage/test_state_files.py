@@ -35,7 +35,7 @@ from lmcache_server.storage.statefiles import UntrustedFile, private_dir, read_p
 
 from ..conftest import NAMESPACE, Daemon, RedisServer, wait_for
 from ..server.events_router import RouterIndex
-from ..server.test_events import BLOCK, CHUNK, NS, events_daemon, quiet, replay
+from ..events.test_events import BLOCK, CHUNK, NS, events_daemon, quiet, replay
 
 OTHER_UID = 65534  # nobody: "another local user"
 PREFIX = "lmcache:"

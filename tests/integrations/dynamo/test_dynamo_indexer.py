@@ -39,7 +39,7 @@ from lmcache_server.events.announcer import MEDIUM
 
 from ...conftest import Daemon, free_port, wait_for
 from ...server.events_router import snapshot
-from ...server.test_events_query import post
+from ...events.test_events_query import post
 from .indexer import ROOT, DynamoIndexer
 
 MODEL = "test/dynamo-model"

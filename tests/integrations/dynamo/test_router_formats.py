@@ -44,7 +44,7 @@ from lmcache_client.protocol import PutStatus
 from lmcache_server.events.announcer import MEDIUM
 
 from ...conftest import Daemon, wait_for
-from ...server.test_events import events_daemon, quiet, replay
+from ...events.test_events import events_daemon, quiet, replay
 
 MODEL = "test/router-model"
 NS = f"{MODEL}|bfloat16|L1|KV1|D64|tp0of1|c256"

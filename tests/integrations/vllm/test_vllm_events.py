@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 from ...conftest import Daemon, free_port, wait_for
-from ...server.test_events import END_SEQ, decode, decode_with_vllm, events_daemon, events_of, quiet, replay
+from ...events.test_events import END_SEQ, decode, decode_with_vllm, events_daemon, events_of, quiet, replay
 from .vllm_harness.fixtures import Server, doc_command, models, vllm_env, vllm_python  # noqa: F401
 from .vllm_harness.models import prompt_tokens
 

@@ -30,7 +30,7 @@ from lmcache_server.storage.memory.pool import MemoryPool
 from lmcache_server.storage.policy import LRUPolicy
 
 from ...conftest import NAMESPACE, Daemon, wait_for
-from ..test_security import NS_A, Keys, start_daemon, stop
+from ...security.test_security import NS_A, Keys, start_daemon, stop
 
 MiB = 1 << 20
 
@@ -480,7 +480,7 @@ def test_malformed_binds_are_bad_requests_and_the_daemon_keeps_serving(daemon: D
 def test_token_ids_sent_with_a_bind_are_announced(daemon_factory: Callable[..., Daemon]) -> None:
     from lmcache_client.keys import chunk_keys, chunk_tokens
 
-    from ..test_events import CHUNK, NS, events_daemon, prompt, quiet
+    from ...events.test_events import CHUNK, NS, events_daemon, prompt, quiet
 
     d = events_daemon(daemon_factory)
     with d.client(namespace=NS) as c:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from lmcache_client import PutStatus
 
 from ...conftest import chunk_files, disk_stats, wait_for
-from ...server.test_metrics import scrape
+from ...metrics.test_metrics import scrape
 from .test_disk_tier import MiB, keys_and_data
 
 

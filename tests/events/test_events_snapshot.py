@@ -35,7 +35,7 @@ from lmcache_server.events.wire import END_SEQ
 
 from ..conftest import Daemon, free_port, wait_for
 from ..integrations.vllm.vllm_harness.fixtures import vllm_python  # noqa: F401 - a fixture
-from .events_router import Frames, RouterIndex, snapshot
+from ..server.events_router import Frames, RouterIndex, snapshot
 from .test_events import BLOCK, CHUNK, MODEL, NS, decode_with_vllm, events_daemon, quiet, replay
 
 TOPIC = f"kv@node-a@{MODEL}"

@@ -11,7 +11,7 @@ import redis
 from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
 
-from ..conftest import RedisServer, wait_for
+from ...conftest import RedisServer, wait_for
 from .test_redis_tier import drained, remote
 
 

@@ -17,7 +17,7 @@ import redis
 from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
 
-from ..conftest import NAMESPACE, SHM_ROOT, Daemon, RedisServer, wait_for
+from ...conftest import NAMESPACE, SHM_ROOT, Daemon, RedisServer, wait_for
 
 MiB = 1 << 20
 

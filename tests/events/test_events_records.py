@@ -33,7 +33,7 @@ from lmcache_server.events.blocks import block_hashes
 from lmcache_server.storage.chunkfile import encode_record
 
 from ..conftest import Daemon, RedisServer, wait_for
-from .events_router import RouterIndex
+from ..server.events_router import RouterIndex
 from .test_events import BLOCK, CHUNK, MODEL, NS, events_daemon, quiet, replay
 from .test_events_snapshot import bootstrap, snapshot_daemon
 

@@ -44,7 +44,7 @@ from lmcache_server.storage.remote import RedisTier
 
 from ..conftest import Daemon, RedisServer, free_port, wait_for
 from ..integrations.vllm.vllm_harness.fixtures import vllm_python  # noqa: F401 - a fixture
-from .events_router import RouterIndex, snapshot
+from ..server.events_router import RouterIndex, snapshot
 from .test_events import (
     BLOCK,
     CHUNK,

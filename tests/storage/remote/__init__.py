@@ -1,0 +1,1 @@
+"""Tests of lmcache_server.storage.remote: the Redis uplink, its admission, its durability."""
