@@ -1,1 +1,1 @@
-"""Tests of the daemon (lmcache_server.server, security, events, metrics): wire, admission, lifecycle."""
+"""Tests of lmcache_server.server: the wire, in-flight limits, lifecycle, supervision, prefetch, the cache API."""

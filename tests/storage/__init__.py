@@ -1,1 +1,1 @@
-"""Tests of lmcache_server.storage: the tiered store, the Redis tier, quotas, durability."""
+"""Tests of lmcache_server.storage: the tiered store, quotas, sizing, state files; the tiers in memory/, disk/, remote/, policy/."""
