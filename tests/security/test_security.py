@@ -37,8 +37,8 @@ from lmcache_server.config import ConfigError, load_config
 from lmcache_server.server.inflight import ClientLedger
 
 from ..conftest import NAMESPACE, Daemon, wait_for
-from ..server._zmtp import RawDealer
 from ..metrics.test_metrics import sample, scrape
+from ..server._zmtp import RawDealer
 
 NS_A = "m|float16|L2|KV2|D64|tp0of1|c16|tenant=a"
 NS_B = "m|float16|L2|KV2|D64|tp0of1|c16|tenant=b"

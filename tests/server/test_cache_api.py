@@ -19,8 +19,8 @@ from lmcache_client import AsyncCacheClient, CacheClient, ErrorCode, PutStatus, 
 from lmcache_client.protocol import KEY_BYTES
 
 from ..conftest import NAMESPACE, Daemon, RedisServer, disk_stats, wait_for
-from .test_prefetch import park_on_disk
 from ..security.test_security import NS_A, NS_B, Keys, start_daemon, stop
+from .test_prefetch import park_on_disk
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -28,9 +28,9 @@ from lmcache_server.server.prefetch import Prefetcher, owner_of
 from lmcache_server.storage import ChunkKey, TieredStore, TierLinks
 
 from ..conftest import NAMESPACE, Daemon, RedisServer, disk_stats, wait_for
+from ..metrics.test_metrics import sample, scrape
 from ..storage._slowlink import SlowLink
 from ..storage.test_tiered_leases import SlowDisk, memory_tier
-from ..metrics.test_metrics import sample, scrape
 
 KiB = 1 << 10
 MiB = 1 << 20

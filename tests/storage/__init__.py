@@ -1,1 +1,1 @@
-"""Tests of lmcache_server.storage: the tiered store, quotas, sizing, state files; the tiers in memory/, disk/, remote/, policy/."""
+"""Tests of lmcache_server.storage: the tiered store, quotas, sizing, state files; each tier in its folder."""

@@ -34,8 +34,8 @@ from lmcache_server.storage import statefiles
 from lmcache_server.storage.statefiles import UntrustedFile, private_dir, read_private, write_private
 
 from ..conftest import NAMESPACE, Daemon, RedisServer, wait_for
-from ..server.events_router import RouterIndex
 from ..events.test_events import BLOCK, CHUNK, NS, events_daemon, quiet, replay
+from ..server.events_router import RouterIndex
 
 OTHER_UID = 65534  # nobody: "another local user"
 PREFIX = "lmcache:"

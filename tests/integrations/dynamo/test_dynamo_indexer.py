@@ -38,8 +38,8 @@ from lmcache_client.protocol import PutStatus
 from lmcache_server.events.announcer import MEDIUM
 
 from ...conftest import Daemon, free_port, wait_for
-from ...server.events_router import snapshot
 from ...events.test_events_query import post
+from ...server.events_router import snapshot
 from .indexer import ROOT, DynamoIndexer
 
 MODEL = "test/dynamo-model"

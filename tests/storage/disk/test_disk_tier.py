@@ -1,9 +1,10 @@
-"""The disk tier through the real daemon: spill, promotion, restart, damage, bounds, failures."""
+"""The disk tier through the real daemon: spill, promotion, restart, damage, bounds, failures, one daemon per directory."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
 
-from ...conftest import chunk_files, disk_stats, wait_for
+from ...conftest import Daemon, chunk_files, disk_stats, wait_for
 
 MiB = 1 << 20
 
@@ -188,3 +189,21 @@ def test_full_disk_degrades_and_keeps_serving(daemon_factory, tmp_path: Path) ->
         assert stats["degraded"] is True and stats["chunks"] == 0
         assert bytes(c.get(keys[-1:])[0]) == data[-1]
     assert "disk tier degraded" in daemon.log() and "disk full" in daemon.log()
+
+
+# -- one daemon per spill directory (issue 29 item 13) ------------------------------------
+def test_a_second_daemon_on_the_same_spill_directory_refuses_to_start(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    root = tmp_path / "spill"
+    config = {"local_disk": f"file://{root}", "max_local_disk_size": "64MiB"}
+    first = daemon_factory(**config)
+    with pytest.raises(RuntimeError, match="exited with 2") as err:
+        daemon_factory(**config)
+    assert str(root) in str(err.value) and "another daemon" in str(err.value)
+    # The first one still serves, its spill directory untouched.
+    with first.client() as c:
+        c.ping()
+    assert first.stop() == 0
+    # Once it stopped, the directory is free again.
+    daemon_factory(**config).stop()

@@ -12,16 +12,21 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from lmcache_client import PutStatus
+from lmcache_server.app import warm_start
 from lmcache_server.cli import main as cli_main
+from lmcache_server.config import load_config
+from lmcache_server.storage.memory.warmstart import WarmIndex, boot_id, encode
 
 from ...conftest import Daemon
 
@@ -160,3 +165,44 @@ def test_cleanup_removes_a_kept_segment_and_leaves_live_ones(
     stopped.start()
     with stopped.client() as c:
         assert c.stats()["tiers"]["memory"]["chunks"] == 0
+
+
+# -- the shipped systemd unit frees a kept segment on stop only ---------------------------
+@pytest.mark.parametrize(("job", "removed"), [("stop", True), ("restart", False), ("", False), (None, False)])
+def test_the_systemd_unit_frees_a_kept_pool_segment_on_stop_only(
+    tmp_path: Path, job: str | None, removed: bool
+) -> None:
+    """ExecStopPost, run with a stand-in ``systemctl`` that lists one job of the unit
+    (None: systemctl fails), the unit's lmcache-server and config pointed at this tree
+    and a config whose shm_dir is a temp dir holding a segment the daemon kept."""
+    unit = (Path(__file__).resolve().parents[3] / "deploy" / "lmcache-server.service").read_text()
+    [line] = [x for x in unit.splitlines() if x.startswith("ExecStopPost=")]
+    command = line.removeprefix("ExecStopPost=").lstrip("-")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    config_path = tmp_path / "server.yaml"
+    config_path.write_text(f"listen: [tcp://127.0.0.1:7001]\nshm_dir: {shm}\nmax_local_cpu_size: 64MiB\n")
+    warm = warm_start(load_config(str(config_path), environ={}))
+    name = "lmcache-pool-123-" + "ab" * 16
+    segment = shm / name
+    segment.write_bytes(b"x")
+    index = WarmIndex(name, 64 << 20, warm.identity, boot_id(), time.time(), [], [], warm.installation)
+    (shm / (name + ".warm")).write_bytes(encode(index))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "systemctl"
+    body = "exit 1" if job is None else f"echo '42 lmcache-server.service {job} running'" if job else "true"
+    fake.write_text(f"#!/bin/sh\n{body}\n")
+    fake.chmod(0o755)
+    command = command.replace("%n", "lmcache-server.service").replace("/etc/lmcache/server.yaml", str(config_path))
+    command = command.replace("/opt/lmcache-server/bin/lmcache-server", f"{sys.executable} -m lmcache_server")
+    argv = shlex.split(command)
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        "XDG_STATE_HOME": os.environ["XDG_STATE_HOME"],  # the installation id warm_start used above
+    }
+    out = subprocess.run(argv, env=env, check=False)
+    assert out.returncode == 0
+    assert segment.exists() is not removed
+    assert (shm / (name + ".warm")).exists() is not removed

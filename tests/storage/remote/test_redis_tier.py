@@ -325,3 +325,64 @@ def test_delete_while_redis_is_down_reaches_it_when_back(daemon_factory, redis_s
         wait_for(lambda: remote(c)["up"] is True and remote(c)["pending_removals"] == 0, timeout_s=30)
     assert [bool(r.exists(redis_key_of(k))) for k in keys] == [False, False, True, True]
     assert not any(r.exists(redis_key_of(k, "other-ns")) for k in keys)
+
+
+# -- removals and queued writes survive a clean stop (issue 29 item 10) -------------------
+def _redis(c: object) -> dict[str, object]:
+    return c.stats()["tiers"]["redis"]  # type: ignore[attr-defined, no-any-return]
+
+
+def _stored_in_redis(daemon: Daemon, redis: RedisServer, keys: list[bytes], payload: bytes) -> None:
+    with daemon.client() as c:
+        assert c.put(keys, [payload] * len(keys)) == [PutStatus.STORED] * len(keys)
+        wait_for(lambda: _redis(c)["queued_writes"] == 0 and _redis(c)["up"])
+
+
+@pytest.mark.parametrize("removal", ["clear", "delete"])
+@pytest.mark.parametrize("with_disk", [False, True], ids=["pending-in-shm_dir", "pending-in-spill-dir"])
+def test_a_removal_made_while_redis_is_down_survives_a_daemon_restart(
+    daemon_factory: Callable[..., Daemon], durable_redis: RedisServer, tmp_path: Path, removal: str, with_disk: bool
+) -> None:
+    disk = {"local_disk": f"file://{tmp_path / 'spill'}", "max_local_disk_size": "64MiB"} if with_disk else {}
+    daemon = daemon_factory(remote_url=durable_redis.url, remote_timeout_s=0.3, **disk)
+    keys = [os.urandom(KEY_BYTES) for _ in range(4)]
+    payload = os.urandom(10_000)
+    _stored_in_redis(daemon, durable_redis, keys, payload)
+    durable_redis.stop()
+    with daemon.client() as c:
+        if removal == "clear":
+            c.clear()
+        else:
+            c.delete(keys[:2])
+        assert c.get(keys[:2]) == [None, None]
+    assert daemon.stop() == 0
+    durable_redis.start()  # it still holds every key (AOF)
+    daemon.start()
+    with daemon.client() as c:
+        assert c.get(keys[:2]) == [None, None]  # not read back from Redis
+        wait_for(lambda: _redis(c)["pending_removals"] == 0 and _redis(c)["up"])
+        assert c.get(keys[:2]) == [None, None]
+        if removal == "delete":
+            assert [bytes(v) for v in c.get(keys[2:])] == [payload, payload]  # the rest stays
+    assert "Redis uplink" in daemon.log() and "pending" in daemon.log()
+
+
+def test_writes_queued_while_redis_is_down_reach_it_after_a_warm_restart(
+    daemon_factory: Callable[..., Daemon], durable_redis: RedisServer
+) -> None:
+    daemon = daemon_factory(remote_url=durable_redis.url, remote_timeout_s=0.3, warm_restart=True)
+    durable_redis.stop()
+    keys = [os.urandom(KEY_BYTES) for _ in range(3)]
+    payload = os.urandom(10_000)
+    with daemon.client() as c:
+        assert c.put(keys, [payload] * 3) == [PutStatus.STORED] * 3
+        wait_for(lambda: _redis(c)["up"] is False)
+        assert _redis(c)["queued_writes"] == 3
+    assert daemon.stop() == 0
+    durable_redis.start()
+    daemon.start()
+    with daemon.client() as c:
+        wait_for(lambda: _redis(c)["queued_writes"] == 0 and _redis(c)["up"], timeout_s=30)
+    r = redis.Redis(port=durable_redis.port)
+    assert all(r.exists(redis_key_of(k)) for k in keys)
+    assert "re-queued 3" in daemon.log()
