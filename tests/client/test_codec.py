@@ -1,10 +1,14 @@
 """The KV codec (client/lmcache_client/codec): specs and tags, exact round trips
 of ``lossless``, the error bounds of the lossy modes, partial chunks, and every
-kind of damage to a frame raising CodecError (a miss), never garbage."""
+kind of damage to a frame raising CodecError (a miss), never garbage, nor an allocation
+the frame only declares (a zstd bomb, issue 29 item 4)."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -405,3 +409,55 @@ def test_lossless_large_chunk_segments_decode_exactly(threads: int) -> None:
     bad[len(frame) // 2] ^= 0x10
     with pytest.raises(CodecError):
         codec.decode_tensor(bytes(bad))
+
+
+# -- a zstd bomb in a codec frame (issue 29 item 4) -----------------------------------
+_BOMB = r"""
+import io, json, resource, sys
+import torch
+import zstandard
+from lmcache_client.codec import CodecError, make_codec
+from lmcache_client.codec import frame, planes
+
+torch.set_num_threads(int(sys.argv[1]))
+shape = (1, 2, 16, 1, 64)
+codec = make_codec("lossless", shape, torch.bfloat16)
+good = codec.encode(torch.randn(shape).to(torch.bfloat16))
+codec.decode_tensor(good)  # warm: every allocation a normal decode makes
+
+# A zstd frame declaring 1 GiB of content (1 GiB of zeros, streamed: ~32 KiB).
+sink = io.BytesIO()
+writer = zstandard.ZstdCompressor(level=1, write_content_size=True).stream_writer(sink, size=1 << 30, closefd=False)
+zeros = bytes(1 << 20)
+for _ in range(1024):
+    writer.write(zeros)
+writer.flush(zstandard.FLUSH_FRAME)
+bomb = sink.getvalue()
+assert zstandard.frame_content_size(bomb) == 1 << 30
+
+plane = 2048  # each byte plane of 2048 bf16 elements
+body = planes._COUNT.pack(2) + planes._ENTRY.pack(planes.ZSTD, len(bomb)) * 2 + bomb + bomb
+evil = frame.pack(codec.spec.mode_id, frame.DTYPE_CODES["bfloat16"], codec.tag, shape, body)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    codec.decode_tensor(evil)
+    outcome = "decoded"
+except CodecError as err:
+    outcome = "CodecError: " + str(err)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"outcome": outcome, "grown_kib": grown}))
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_zstd_bomb_is_a_codec_error_without_the_allocation(threads: int) -> None:
+    """A plane declaring 1 GiB (the frame's shape implies 2 KiB) raises CodecError
+    with peak RSS growth < 64 MiB (ru_maxrss in a process of its own)."""
+    pytest.importorskip("zstandard")
+    done = subprocess.run(
+        [sys.executable, "-c", _BOMB, str(threads)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["outcome"].startswith("CodecError"), result
+    assert result["grown_kib"] < 64 * 1024, result

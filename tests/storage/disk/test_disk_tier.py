@@ -1,4 +1,5 @@
-"""The disk tier through the real daemon: spill, promotion, restart, damage, bounds, failures, one daemon per directory."""
+"""The disk tier through the real daemon: spill, promotion, restart, damage, bounds, failures,
+one daemon per spill directory."""
 
 from __future__ import annotations
 

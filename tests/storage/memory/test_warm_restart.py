@@ -260,6 +260,56 @@ def test_a_read_lease_held_at_the_stop_keeps_its_chunk(daemon_factory: Callable[
         assert memory_stats(reader)["leased_chunks"] == 0
 
 
+# -- one extent, two read slots (issue 29 item 1) --------------------------------------
+def named(tag: str) -> bytes:
+    """A key named by its tag alone (the two-slot test's keys)."""
+    return hashlib.sha256(tag.encode()).digest()
+
+
+@pytest.mark.parametrize("twice", ["two-leases", "one-get-naming-it-twice"])
+def test_an_extent_held_by_two_read_slots_is_freed_once_after_a_warm_restart(
+    daemon_factory: Callable[..., Daemon], twice: str
+) -> None:
+    d = daemon_factory(warm_restart=True, cache_policy="lru")
+    k, m, n = named("K"), named("M"), named("N")
+    with d.client() as c:
+        assert c.put([k], [value(k)]) == [PutStatus.STORED]
+        pool = c._shared_pool()
+        assert pool is not None
+        if twice == "two-leases":
+            first = c._run(calls.get_shm(NAMESPACE, [k], pool.segment))
+            second = c._run(calls.get_shm(NAMESPACE, [k], pool.segment))
+            leases = [first.lease, second.lease]
+            offset = first.loc[0][0]
+        else:
+            grant = c._run(calls.get_shm(NAMESPACE, [k, k], pool.segment))
+            assert grant.loc[0] == grant.loc[1]
+            leases = [grant.lease]
+            offset = grant.loc[0][0]
+        assert c._run(calls.delete(NAMESPACE, [k])) == [True]
+        assert d.stop() == 0
+        d.start()
+        assert "warm restart: adopted" in d.log()
+        if twice == "two-leases":
+            assert c._run(calls.release([leases[0]])) == [True]
+        assert c.put([m], [value(m)]) == [PutStatus.STORED]
+        where = c._run(calls.get_shm(NAMESPACE, [m], pool.segment))
+        assert c._run(calls.release([where.lease])) == [True]
+        assert where.loc[0][0] != offset  # K's extent is still held by the other slot
+        assert c._run(calls.release(leases[-1:])) == [True]
+        # N (and a few more) take whatever room is free: never M's extent.
+        more = [n] + [named(f"N{i}") for i in range(6)]
+        for x in more:
+            assert c.put([x], [value(x)]) == [PutStatus.STORED]
+        got = c._run(calls.get_shm(NAMESPACE, [m, *more], pool.segment))
+        assert c._run(calls.release([got.lease])) == [True]
+        assert len({off for off, _ in got.loc}) == len(more) + 1
+        assert [hashlib.sha256(bytes(g)).digest() for g in c.get([m, *more])] == [
+            hashlib.sha256(value(x)).digest() for x in [m, *more]
+        ]
+        assert dict(c.stats()["tiers"]["memory"])["leased_chunks"] == 0
+
+
 def test_a_segment_of_another_daemon_is_left_alone(daemon_factory: Callable[..., Daemon]) -> None:
     a = warm_daemon(daemon_factory)
     keys = [key(i, "mine") for i in range(3)]

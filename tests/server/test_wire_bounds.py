@@ -1,4 +1,5 @@
-"""Wire bombs (issue 29 items 5, 8, 9), against the real daemon over real sockets.
+"""What one peer on the wire can cost the daemon: wire bombs (issue 29 items 5, 8, 9),
+against the real daemon over real sockets.
 
 - a key's token ids are one chunk's worth: 16x chunk_size ids that hash to the
   key are BAD_REQUEST (item 5), and good ids still travel (the tokens frame);

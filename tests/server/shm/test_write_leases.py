@@ -1,5 +1,6 @@
-"""Issue 29 items 3 and 6: shared-memory write leases never wedge the pool and
-never hand a committed chunk's extent back."""
+"""Write leases of the shared-memory path (issue 29 items 3 and 6): they never wedge
+the pool (every quarantine ends, a nonce frees a grant the client never saw, a late
+alloc is not granted) and never hand a committed chunk's extent back."""
 
 from __future__ import annotations
 
