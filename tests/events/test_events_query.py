@@ -5,7 +5,7 @@
   tier of each: memory -> CPU, disk -> STORAGE), by namespace and by model;
 - the chain root: a salted prompt is found with its salt only;
 - bad requests get a clear 4xx and the daemon keeps serving (who may ask, and
-  the cost of a query: test_query_access.py, test_query_load.py);
+  the cost of a query: security/test_query_access.py, server/test_query_load.py);
 - who-has asks several nodes and names the one holding the longest prefix.
 """
 

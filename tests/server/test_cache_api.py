@@ -3,7 +3,7 @@ prefetch and a namespace's listing, through the real daemon process and real soc
 
 Memory pressure is made by putting fillers into an 8 MiB pool (cache_policy lru);
 chunks are parked on disk with ``park_on_disk`` (evicted, spilled, daemon restarted).
-Two tenants with ``auth: curve`` use the keys and grants of test_security.py.
+Two tenants with ``auth: curve`` use the keys and grants of security/test_security.py.
 """
 
 from __future__ import annotations
