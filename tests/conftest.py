@@ -6,10 +6,15 @@ test's temp dir, waits until it answers ping, and kills it at teardown even
 when the test failed.  ``daemon`` is one started with defaults (64 MiB pool).
 Test daemons start with ``warm_restart`` off (a restart empties the memory
 tier, as the tests of other tiers expect); tests/storage/memory/test_warm_restart.py turns it on.
+
+In-process stores and tiers run on ``runner`` (the test's event loop) and are closed
+by ``closed_at_end`` at teardown, so a failed assert never leaks one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import shutil
 import signal
@@ -20,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 import yaml
@@ -193,6 +198,48 @@ def _private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
         os.environ.pop("XDG_STATE_HOME", None)
     else:
         os.environ["XDG_STATE_HOME"] = saved
+
+
+@pytest.fixture
+def runner() -> Iterator[asyncio.Runner]:
+    """The test's event loop: ``runner.run(scenario())`` in the test, and the teardown of
+    :func:`closed_at_end` on the same loop (a store's tasks and connections live on it)."""
+    with asyncio.Runner() as loop:
+        yield loop
+
+
+Part = TypeVar("Part")
+
+
+class Closer(Protocol):
+    """The :func:`closed_at_end` fixture: registers a part, returns it."""
+
+    def __call__(self, part: Part, /) -> Part: ...
+
+
+@pytest.fixture
+def closed_at_end(runner: asyncio.Runner) -> Iterator[Closer]:
+    """``closed_at_end(store)`` returns the store (a tier, a proxy: anything with a
+    ``close()``, awaited when it is a coroutine) and closes it at teardown, the last
+    registered first, on the test's loop: a failed assert never leaks one (its threads,
+    its pool, its connections).  Register the store only, not the tiers it owns."""
+    parts: list[Any] = []
+
+    def register(part: Part) -> Part:
+        parts.append(part)
+        return part
+
+    yield register
+    failed: list[BaseException] = []
+    for part in reversed(parts):
+        try:
+            closing = part.close()
+            if inspect.isawaitable(closing):
+                runner.run(closing)
+        except Exception as err:  # close the others all the same, then fail the teardown
+            failed.append(err)
+    if failed:
+        raise failed[0]
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from lmcache_server.server.inflight import ByteBudget
 from lmcache_server.server.prefetch import Prefetcher, owner_of
 from lmcache_server.storage import ChunkKey, TieredStore, TierLinks
 
-from ..conftest import NAMESPACE, Daemon, RedisServer, disk_stats, wait_for
+from ..conftest import NAMESPACE, Closer, Daemon, RedisServer, disk_stats, wait_for
 from ..metrics.test_metrics import sample, scrape
 from ..storage._slowlink import SlowLink
 from ..storage.test_tiered_leases import SlowDisk, memory_tier
@@ -237,14 +237,16 @@ async def _until(predicate: Callable[[], bool]) -> None:
     raise AssertionError("condition not reached")
 
 
-def test_a_second_prefetch_of_keys_being_prefetched_starts_nothing() -> None:
+def test_a_second_prefetch_of_keys_being_prefetched_starts_nothing(
+    runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
         memory = memory_tier(links=links)
         disk = SlowDisk(MiB)
-        store = TieredStore(memory, disk, links=links)  # type: ignore[arg-type]
+        store = closed_at_end(TieredStore(memory, disk, links=links))  # type: ignore[arg-type]
         budget = ByteBudget(64 * MiB)
-        prefetcher = Prefetcher(store, budget)
+        prefetcher = closed_at_end(Prefetcher(store, budget))
         keys = [os.urandom(32) for _ in range(3)]
         prefetcher.start(NS, keys, ["disk"] * 3, A)
         prefetcher.start(NS, keys, ["disk"] * 3, A)
@@ -264,18 +266,18 @@ def test_a_second_prefetch_of_keys_being_prefetched_starts_nothing() -> None:
         prefetcher.start(NS, keys, ["disk"] * 3, A)
         await _until(lambda: not prefetcher.stats()["running"])
         assert (c.prefetches, c.chunks) == (1, 3)
-        await prefetcher.close()
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_close_cancels_running_prefetches_and_gives_everything_back() -> None:
+def test_close_cancels_running_prefetches_and_gives_everything_back(
+    runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
         memory = memory_tier(links=links)
         disk = SlowDisk(MiB)
-        store = TieredStore(memory, disk, links=links)  # type: ignore[arg-type]
+        store = closed_at_end(TieredStore(memory, disk, links=links))  # type: ignore[arg-type]
         budget = ByteBudget(64 * MiB)
         prefetcher = Prefetcher(store, budget)
         prefetcher.start(NS, [os.urandom(32) for _ in range(2)], ["disk", "disk"], A)
@@ -288,9 +290,8 @@ def test_close_cancels_running_prefetches_and_gives_everything_back() -> None:
         # The reads' room goes back once their threads are done; nothing became visible.
         await _until(lambda: memory.allocator.allocated_bytes == 0)
         assert memory.chunks == 0 and prefetcher.counters.chunks == 0
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
 # -- cancelled with the request (cancel_prefetch) --------------------------------------------
@@ -344,14 +345,16 @@ def test_a_prefetch_is_cancelled_when_its_request_gives_it_up(
         link.close()
 
 
-def test_a_prefetch_shared_by_two_requests_runs_until_both_cancel() -> None:
+def test_a_prefetch_shared_by_two_requests_runs_until_both_cancel(
+    runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
         memory = memory_tier(links=links)
         disk = SlowDisk(MiB)
-        store = TieredStore(memory, disk, links=links)  # type: ignore[arg-type]
+        store = closed_at_end(TieredStore(memory, disk, links=links))  # type: ignore[arg-type]
         budget = ByteBudget(64 * MiB)
-        prefetcher = Prefetcher(store, budget)
+        prefetcher = closed_at_end(Prefetcher(store, budget))
         keys = [os.urandom(32) for _ in range(3)]
         a, b = owner_of(b"conn-1", keys), owner_of(b"conn-1", keys[:2])
         prefetcher.start(NS, keys, ["disk"] * 3, a)  # request a
@@ -371,13 +374,11 @@ def test_a_prefetch_shared_by_two_requests_runs_until_both_cancel() -> None:
         prefetcher.start(NS, keys, ["disk"] * 3, a)
         await _until(lambda: not prefetcher.stats()["running"])
         assert prefetcher.counters.chunks == 3 and prefetcher.counters.prefetches == 2
-        await prefetcher.close()
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_a_cancel_takes_back_only_its_own_requests_join() -> None:
+def test_a_cancel_takes_back_only_its_own_requests_join(runner: asyncio.Runner, closed_at_end: Closer) -> None:
     """Issue 39 item 9: a cancel once took one owner from every prefetch holding its
     keys, whoever sent it; now it takes back only the join of the same connection's
     lookup of the same keys, and a lookup repeated by a parked request joins once."""
@@ -386,9 +387,9 @@ def test_a_cancel_takes_back_only_its_own_requests_join() -> None:
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
         memory = memory_tier(links=links)
         disk = SlowDisk(MiB)
-        store = TieredStore(memory, disk, links=links)  # type: ignore[arg-type]
+        store = closed_at_end(TieredStore(memory, disk, links=links))  # type: ignore[arg-type]
         budget = ByteBudget(64 * MiB)
-        prefetcher = Prefetcher(store, budget)
+        prefetcher = closed_at_end(Prefetcher(store, budget))
         keys = [os.urandom(32) for _ in range(2)]
         mine, other_reader = owner_of(b"conn-1", keys), owner_of(b"conn-2", keys)
         prefetcher.start(NS, keys, ["disk"] * 2, mine)
@@ -402,10 +403,8 @@ def test_a_cancel_takes_back_only_its_own_requests_join() -> None:
         assert prefetcher.counters.cancelled == 1
         disk.go.set()
         await _until(lambda: memory.allocator.allocated_bytes == 0)
-        await prefetcher.close()
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
 def test_another_reader_cannot_cancel_a_prefetch_it_did_not_join(

@@ -20,6 +20,8 @@ from lmcache_client.protocol import KEY_BYTES, PutStatus
 from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
 from lmcache_server.storage.sizing import HyperLogLog, Sizing, SizingWindow, register_max, relative_error
 
+from ..conftest import Closer
+
 MiB = 1 << 20
 
 
@@ -165,13 +167,13 @@ def test_bad_arguments_are_refused() -> None:
 
 
 # -- the store's hooks ------------------------------------------------------------------
-def test_store_records_lookups_and_gets() -> None:
+def test_store_records_lookups_and_gets(runner: asyncio.Runner, closed_at_end: Closer) -> None:
     """A lookup counts a memory hit only in its leading hit run; a get counts each
     distinct key of the batch once, a hit when memory served it."""
 
     async def run() -> None:
         memory = MemoryTier(MemoryPool(4 * MiB, "off"), max_pinned_bytes=0)
-        store = TieredStore(memory, sizing=Sizing(1000))
+        store = closed_at_end(TieredStore(memory, sizing=Sizing(1000)))
         a, b, c = (os.urandom(KEY_BYTES) for _ in range(3))
         for digest in (a, c):
             assert await memory.put(ChunkKey("ns", digest), b"x" * 1000) == PutStatus.STORED
@@ -187,6 +189,5 @@ def test_store_records_lookups_and_gets() -> None:
                 chunk.release()
         got = store.sizing.get.stats()
         assert (got["accesses"], got["hits"]) == (3, 2)  # a's repeat in the batch is not another access
-        await store.close()
 
-    asyncio.run(run())
+    runner.run(run())

@@ -29,7 +29,7 @@ from lmcache_server.storage.disk import tier as disk_module
 from lmcache_server.storage.disk.files import path_for, read_record
 from lmcache_server.storage.remote import RedisTier
 
-from ..conftest import RedisServer
+from ..conftest import Closer, RedisServer
 from ._slowlink import SlowLink
 
 NS = "ns"
@@ -93,13 +93,15 @@ async def disk_only(
     return disk, digests
 
 
-def test_disk_reads_of_a_batch_run_concurrently(tmp_path: Path, reads: ReadsInFlight) -> None:
+def test_disk_reads_of_a_batch_run_concurrently(
+    tmp_path: Path, reads: ReadsInFlight, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         data = [os.urandom(MiB + i) for i in range(6)]
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
         disk, digests = await disk_only(tmp_path, data, io_threads=2, links=links)
         memory = memory_tier(links=links)
-        store = TieredStore(memory, disk, links=links)
+        store = closed_at_end(TieredStore(memory, disk, links=links))
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == data  # in the order asked
         assert all(c is not None and c.offset is not None for c in chunks)  # promoted into the pool
@@ -108,18 +110,19 @@ def test_disk_reads_of_a_batch_run_concurrently(tmp_path: Path, reads: ReadsInFl
             c.release()
         assert reads.reads == 6 and reads.most >= 2
         assert no_leaks(memory) and memory.chunks == 6
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_one_failing_read_releases_the_rest_of_the_batch(tmp_path: Path, reads: ReadsInFlight) -> None:
+def test_one_failing_read_releases_the_rest_of_the_batch(
+    tmp_path: Path, reads: ReadsInFlight, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         data = [os.urandom(MiB) for _ in range(5)]
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
         disk, digests = await disk_only(tmp_path, data, links=links)
         memory = memory_tier(links=links)
-        store = TieredStore(memory, disk, links=links)
+        store = closed_at_end(TieredStore(memory, disk, links=links))
         hot = os.urandom(32)
         assert await store.put_many(NS, [hot], [b"m" * MiB]) == [PutStatus.STORED]
         reads.fail_for = {path_for(disk.root, ChunkKey(NS, digests[2]))}
@@ -137,12 +140,13 @@ def test_one_failing_read_releases_the_rest_of_the_batch(tmp_path: Path, reads: 
             assert c is not None
             c.release()
         assert no_leaks(memory)
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_a_damaged_file_in_a_batch_is_a_miss_and_the_rest_are_served(tmp_path: Path, reads: ReadsInFlight) -> None:
+def test_a_damaged_file_in_a_batch_is_a_miss_and_the_rest_are_served(
+    tmp_path: Path, reads: ReadsInFlight, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         data = [os.urandom(MiB) for _ in range(5)]
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
@@ -154,7 +158,7 @@ def test_a_damaged_file_in_a_batch_is_a_miss_and_the_rest_are_served(tmp_path: P
             f.seek(4096 + 1000)
             f.write(bytes([byte[0] ^ 0xFF]))
         memory = memory_tier(links=links)
-        store = TieredStore(memory, disk, links=links)
+        store = closed_at_end(TieredStore(memory, disk, links=links))
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == [data[0], None, *data[2:]]
         for c in chunks:
@@ -162,19 +166,20 @@ def test_a_damaged_file_in_a_batch_is_a_miss_and_the_rest_are_served(tmp_path: P
                 c.release()
         assert disk.counters.corrupt == 1 and not os.path.exists(path)  # removed, never served
         assert no_leaks(memory) and memory.chunks == 4
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_a_key_repeated_in_a_batch_is_served_each_time(tmp_path: Path, reads: ReadsInFlight) -> None:
+def test_a_key_repeated_in_a_batch_is_served_each_time(
+    tmp_path: Path, reads: ReadsInFlight, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         reads.wait_s = 0.0
         data = [os.urandom(MiB), os.urandom(MiB)]
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
         disk, (a, b) = await disk_only(tmp_path, data, links=links)
         memory = memory_tier(links=links)
-        store = TieredStore(memory, disk, links=links)
+        store = closed_at_end(TieredStore(memory, disk, links=links))
         chunks = await store.get_many(NS, [a, b, a, a])
         assert [bytes(c.data) if c else None for c in chunks] == [data[0], data[1], data[0], data[0]]
         assert reads.reads == 2  # the repeats are memory hits of the promoted chunk
@@ -182,19 +187,20 @@ def test_a_key_repeated_in_a_batch_is_served_each_time(tmp_path: Path, reads: Re
             assert c is not None
             c.release()
         assert no_leaks(memory)
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_a_disk_hit_with_no_room_in_the_pool_is_served_from_a_copy(tmp_path: Path, reads: ReadsInFlight) -> None:
+def test_a_disk_hit_with_no_room_in_the_pool_is_served_from_a_copy(
+    tmp_path: Path, reads: ReadsInFlight, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         reads.wait_s = 0.0
         data = [os.urandom(3 * MiB) for _ in range(3)]
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
         disk, digests = await disk_only(tmp_path, data, links=links)
         memory = memory_tier(4 * MiB, links=links)  # room for one of them
-        store = TieredStore(memory, disk, links=links)
+        store = closed_at_end(TieredStore(memory, disk, links=links))
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == data
         assert sum(c is not None and c.offset is not None for c in chunks) == 1  # one promoted
@@ -202,9 +208,8 @@ def test_a_disk_hit_with_no_room_in_the_pool_is_served_from_a_copy(tmp_path: Pat
             assert c is not None
             c.release()
         assert no_leaks(memory)
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
 # -- Redis ----------------------------------------------------------------------------------------
@@ -241,13 +246,15 @@ def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count
 
 
-def test_redis_hits_of_a_batch_are_one_round_trip(redis_server: RedisServer, sends: list[int]) -> None:
+def test_redis_hits_of_a_batch_are_one_round_trip(
+    redis_server: RedisServer, sends: list[int], runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         data = [os.urandom(256 * 1024 + i) for i in range(8)]
         links = TierLinks()
         remote, digests = await redis_holding(redis_server.url, data, links=links)
         memory = memory_tier(links=links)
-        store = TieredStore(memory, None, remote, links=links)
+        store = closed_at_end(TieredStore(memory, None, remote, links=links))
         before = command_calls(redis_server.port)
         missing = os.urandom(32)
         sent = sends[0]
@@ -268,13 +275,13 @@ def test_redis_hits_of_a_batch_are_one_round_trip(redis_server: RedisServer, sen
             assert c is not None
             c.release()
         assert command_calls(redis_server.port).get("get", 0) == after.get("get", 0)
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_a_batch_over_memory_disk_and_redis_keeps_its_order(tmp_path: Path, redis_server: RedisServer,
-                                                            sends: list[int]) -> None:  # fmt: skip
+def test_a_batch_over_memory_disk_and_redis_keeps_its_order(
+    tmp_path: Path, redis_server: RedisServer, sends: list[int], runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         on_redis = [os.urandom(MiB) for _ in range(3)]
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
@@ -282,7 +289,7 @@ def test_a_batch_over_memory_disk_and_redis_keeps_its_order(tmp_path: Path, redi
         on_disk = [os.urandom(MiB) for _ in range(3)]
         disk, disk_digests = await disk_only(tmp_path, on_disk, links=links)
         memory = memory_tier(links=links)
-        store = TieredStore(memory, disk, remote, links=links)
+        store = closed_at_end(TieredStore(memory, disk, remote, links=links))
         hot = os.urandom(32)
         assert await store.put_many(NS, [hot], [b"h" * 1000]) == [PutStatus.STORED]
         gone = os.urandom(32)
@@ -300,13 +307,12 @@ def test_a_batch_over_memory_disk_and_redis_keeps_its_order(tmp_path: Path, redi
                 c.release()
         assert no_leaks(memory)
         assert store.promotions == {"disk": 3, "redis": 3}
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
 def test_a_read_that_fails_after_its_chunk_was_written_again_keeps_the_new_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runner: asyncio.Runner, closed_at_end: Closer
 ) -> None:
     """A disk read in flight while its chunk is deleted and written again (same key,
     same size) fails on the old file; the chunk stored since stays, file and all."""
@@ -314,6 +320,7 @@ def test_a_read_that_fails_after_its_chunk_was_written_again_keeps_the_new_file(
     async def scenario() -> None:
         data = [os.urandom(MiB)]
         disk, digests = await disk_only(tmp_path, data)
+        closed_at_end(disk)
         key = ChunkKey(NS, digests[0])
         started, release = threading.Event(), threading.Event()
         real = disk_module.read_record
@@ -334,12 +341,13 @@ def test_a_read_that_fails_after_its_chunk_was_written_again_keeps_the_new_file(
         assert os.path.exists(path_for(disk.root, key))
         chunk = await disk.get(key)
         assert chunk is not None and bytes(chunk.data) == data[0]
-        await disk.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_damaged_redis_values_in_a_batch_are_misses(redis_server: RedisServer) -> None:
+def test_damaged_redis_values_in_a_batch_are_misses(
+    redis_server: RedisServer, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         data = [os.urandom(100_000) for _ in range(4)]
         links = TierLinks()
@@ -351,7 +359,7 @@ def test_damaged_redis_values_in_a_batch_are_misses(redis_server: RedisServer) -
         r.set(damaged, bytes(value))
         r.set(remote.redis_key(ChunkKey(NS, digests[3])), b"not a record")
         memory = memory_tier(links=links)
-        store = TieredStore(memory, None, remote, links=links)
+        store = closed_at_end(TieredStore(memory, None, remote, links=links))
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == [data[0], data[1], None, None]
         for c in chunks:
@@ -359,12 +367,13 @@ def test_damaged_redis_values_in_a_batch_are_misses(redis_server: RedisServer) -
                 c.release()
         assert remote.counters.corrupt == 2 and not r.exists(damaged)
         assert no_leaks(memory)
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_a_redis_key_of_another_type_is_a_miss_left_alone(redis_server: RedisServer) -> None:
+def test_a_redis_key_of_another_type_is_a_miss_left_alone(
+    redis_server: RedisServer, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         data = [os.urandom(100_000) for _ in range(3)]
         links = TierLinks()
@@ -374,7 +383,7 @@ def test_a_redis_key_of_another_type_is_a_miss_left_alone(redis_server: RedisSer
         r.delete(listed)
         r.rpush(listed, b"somebody else's list")  # GET answers WRONGTYPE
         memory = memory_tier(links=links)
-        store = TieredStore(memory, None, remote, links=links)
+        store = closed_at_end(TieredStore(memory, None, remote, links=links))
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == [data[0], None, data[2]]
         for c in chunks:
@@ -383,9 +392,8 @@ def test_a_redis_key_of_another_type_is_a_miss_left_alone(redis_server: RedisSer
         assert remote.up and remote.counters.read_errors == 1 and remote.counters.corrupt == 0
         assert r.type(listed) == b"list"  # not ours to delete
         assert no_leaks(memory)
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
 def test_a_batch_of_big_values_on_a_slow_link_is_not_an_outage(redis_server: RedisServer) -> None:
@@ -399,12 +407,14 @@ def test_a_batch_of_big_values_on_a_slow_link_is_not_an_outage(redis_server: Red
         writer, digests = await redis_holding(redis_server.url, data)
         await writer.close()
         remote = RedisTier(f"redis://127.0.0.1:{link.port}", timeout_s=0.5)
-        await remote.open()
-        assert remote.up
-        chunks = await remote.get_many([ChunkKey(NS, d) for d in digests])
-        assert [bytes(c.data) if c else None for c in chunks] == data
-        assert remote.up and remote.counters.read_errors == 0 and remote.counters.hits == 8
-        await remote.close()
+        try:  # closed before the link (a fixture's teardown would come after it)
+            await remote.open()
+            assert remote.up
+            chunks = await remote.get_many([ChunkKey(NS, d) for d in digests])
+            assert [bytes(c.data) if c else None for c in chunks] == data
+            assert remote.up and remote.counters.read_errors == 0 and remote.counters.hits == 8
+        finally:
+            await remote.close()
 
     try:
         asyncio.run(scenario())
@@ -423,20 +433,24 @@ def test_writes_over_a_slow_link_shrink_their_pipelines_instead_of_going_down(re
 
     async def scenario() -> None:
         remote = RedisTier(f"redis://127.0.0.1:{link.port}", timeout_s=0.5)
-        await remote.open()
         data = [os.urandom(MiB) for _ in range(16)]
         keys = [ChunkKey(NS, os.urandom(32)) for _ in data]
-        for key, payload in zip(keys, data):
-            assert remote.enqueue(key, payload)
-        assert await remote.flush(60)
-        assert remote.up and remote.counters.reconnects == 0 and remote.counters.stores == 16
-        assert remote.batch_bytes < 8 * MiB  # sized to the link
-        await remote.close()
+        try:  # closed before the link (a fixture's teardown would come after it)
+            await remote.open()
+            for key, payload in zip(keys, data):
+                assert remote.enqueue(key, payload)
+            assert await remote.flush(60)
+            assert remote.up and remote.counters.reconnects == 0 and remote.counters.stores == 16
+            assert remote.batch_bytes < 8 * MiB  # sized to the link
+        finally:
+            await remote.close()
         direct = RedisTier(redis_server.url)
-        await direct.open()
-        chunks = await direct.get_many(keys)
-        assert [bytes(c.data) if c else None for c in chunks] == data
-        await direct.close()
+        try:
+            await direct.open()
+            chunks = await direct.get_many(keys)
+            assert [bytes(c.data) if c else None for c in chunks] == data
+        finally:
+            await direct.close()
 
     try:
         asyncio.run(scenario())
@@ -444,21 +458,22 @@ def test_writes_over_a_slow_link_shrink_their_pipelines_instead_of_going_down(re
         link.close()
 
 
-def test_redis_cluster_batch_spans_slots(redis_cluster: list[RedisServer]) -> None:
+def test_redis_cluster_batch_spans_slots(
+    redis_cluster: list[RedisServer], runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         data = [os.urandom(50_000) for _ in range(12)]
         links = TierLinks()
         remote, digests = await redis_holding(f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", data, links=links)
         memory = memory_tier(links=links)
-        store = TieredStore(memory, None, remote, links=links)
+        store = closed_at_end(TieredStore(memory, None, remote, links=links))
         chunks = await store.get_many(NS, digests)
         assert [bytes(c.data) if c else None for c in chunks] == data
         for c in chunks:
             assert c is not None
             c.release()
         assert no_leaks(memory)
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
     per_node = [redis.Redis(port=n.port).dbsize() for n in redis_cluster]
     assert sum(1 for n in per_node if n) >= 2  # the batch did span nodes

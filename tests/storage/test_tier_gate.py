@@ -35,7 +35,7 @@ from lmcache_server.storage.tiered.gate import (
     TierGate,
 )
 
-from ..conftest import RedisServer
+from ..conftest import Closer, RedisServer
 
 NS = "ns"
 MiB = 1 << 20
@@ -85,11 +85,11 @@ async def written(store: TieredStore, digests: list[bytes]) -> tuple[set[bytes],
 
 @pytest.mark.parametrize("admission", [None, "always"])
 def test_always_writes_every_evicted_chunk_to_disk_and_every_chunk_to_redis(
-    tmp_path: Path, redis_server: RedisServer, admission: str | None
+    tmp_path: Path, redis_server: RedisServer, admission: str | None, runner: asyncio.Runner, closed_at_end: Closer
 ) -> None:
     async def scenario() -> None:
         gate = None if admission is None else StoreGate(admission, admission)
-        store = await tiers(tmp_path, redis_server.url, gate)
+        store = closed_at_end(await tiers(tmp_path, redis_server.url, gate))
         digests, data = chunks(12)
         await put(store, digests, data)
         on_disk, in_redis = await written(store, digests)
@@ -100,14 +100,15 @@ def test_always_writes_every_evicted_chunk_to_disk_and_every_chunk_to_redis(
             stats = store.stats()["tiers"]
             assert stats["disk"]["admitted"] == 4 and stats["disk"]["declined"] == 0
             assert stats["redis"]["admitted"] == 12 and stats["redis"]["declined"] == 0
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_reused_writes_only_chunks_read_or_put_again(tmp_path: Path, redis_server: RedisServer) -> None:
+def test_reused_writes_only_chunks_read_or_put_again(
+    tmp_path: Path, redis_server: RedisServer, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused"))
+        store = closed_at_end(await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused")))
         digests, data = chunks(16)
         first, second = digests[:8], digests[8:]
         await put(store, first, data[:8])  # the pool is full, nothing evicted yet
@@ -126,28 +127,30 @@ def test_reused_writes_only_chunks_read_or_put_again(tmp_path: Path, redis_serve
         assert (stats["redis"]["admitted"], stats["redis"]["declined"]) == (2, 6)
         # The admitted ones are served back from disk with their bytes; the others are gone.
         assert await read(store, first[:3]) == [data[0], data[1], None]
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_a_chunk_dropped_unreused_and_put_again_counts_as_reused(tmp_path: Path, redis_server: RedisServer) -> None:
+def test_a_chunk_dropped_unreused_and_put_again_counts_as_reused(
+    tmp_path: Path, redis_server: RedisServer, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused"))
+        store = closed_at_end(await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused")))
         digests, data = chunks(9)
         await put(store, digests, data)  # digests[0] is evicted, unread: dropped
         assert await read(store, digests[:1]) == [None]
         await put(store, digests[:1], data[:1])  # put again (a second replica): reused
         in_redis = (await written(store, digests))[1]
         assert in_redis == {digests[0]}  # written at its second store
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_frequency_admits_chunks_used_twice(tmp_path: Path, redis_server: RedisServer) -> None:
+def test_frequency_admits_chunks_used_twice(
+    tmp_path: Path, redis_server: RedisServer, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreGate("frequency", "frequency"))
+        store = closed_at_end(await tiers(tmp_path, redis_server.url, StoreGate("frequency", "frequency")))
         digests, data = chunks(16)
         await put(store, digests[:8], data[:8])
         assert await read(store, digests[:2]) == data[:2]  # two accesses each: a put and a get
@@ -155,14 +158,15 @@ def test_frequency_admits_chunks_used_twice(tmp_path: Path, redis_server: RedisS
         on_disk, in_redis = await written(store, digests)
         assert on_disk == set(digests[:2]) and in_redis == set(digests[:2])
         assert store.stats()["tiers"]["disk"]["sketch_bytes"] == store.gate.accesses.sketch.nbytes  # type: ignore[union-attr]
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_frequency_against_a_full_disk_compares_with_its_victim(tmp_path: Path, redis_server: RedisServer) -> None:
+def test_frequency_against_a_full_disk_compares_with_its_victim(
+    tmp_path: Path, redis_server: RedisServer, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreGate("frequency", "always"))
+        store = closed_at_end(await tiers(tmp_path, redis_server.url, StoreGate("frequency", "always")))
         assert store.disk is not None
         store.disk.index.max_bytes = 2 * (MiB + 4096)  # room for two chunk files
         digests, data = chunks(12)
@@ -176,9 +180,8 @@ def test_frequency_against_a_full_disk_compares_with_its_victim(tmp_path: Path, 
         on_disk, _ = await written(store, digests)
         assert on_disk == set(hot)  # warm and cold do not beat a hot victim
         assert store.stats()["tiers"]["disk"]["declined"] >= 2
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
 def test_sketch_memory_is_bounded_and_ages() -> None:
@@ -267,7 +270,7 @@ def test_replay_model_keeps_the_oracle_hit_rate_and_admission_writes_less() -> N
 
 @pytest.mark.parametrize("mode", ["always", "reused"])
 def test_a_declined_chunk_is_not_spilled_ahead_and_stays_served_from_memory(
-    tmp_path: Path, redis_server: RedisServer, mode: str
+    tmp_path: Path, redis_server: RedisServer, mode: str, runner: asyncio.Runner, closed_at_end: Closer
 ) -> None:
     """Spill-ahead lends the coldest chunks to the disk before room is needed; one the
     disk's admission declines stays in memory (and is served from there) until a put
@@ -278,7 +281,7 @@ def test_a_declined_chunk_is_not_spilled_ahead_and_stays_served_from_memory(
         memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy(), links=links)
         disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy(), links=links)
         await disk.open()
-        store = TieredStore(memory, disk, gate=StoreGate(mode, None), links=links)
+        store = closed_at_end(TieredStore(memory, disk, gate=StoreGate(mode, None), links=links))
         digests, data = chunks(POOL_CHUNKS)
         await put(store, digests, data)  # the last allocation leaves no room: spill ahead
         assert await store.flush(10.0)
@@ -290,16 +293,15 @@ def test_a_declined_chunk_is_not_spilled_ahead_and_stays_served_from_memory(
             assert await read(store, digests) == data  # every one from memory
             assert memory.counters.hits == hits + POOL_CHUNKS
             assert store.stats()["tiers"]["disk"]["declined"] == 0  # not dropped: still here
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
 def test_a_chunk_deleted_then_stored_and_reused_again_goes_to_redis_again(
-    tmp_path: Path, redis_server: RedisServer
+    tmp_path: Path, redis_server: RedisServer, runner: asyncio.Runner, closed_at_end: Closer
 ) -> None:
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused"))
+        store = closed_at_end(await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused")))
         digests, data = chunks(2)
         for clear in (False, True):
             await put(store, digests, data)
@@ -314,9 +316,8 @@ def test_a_chunk_deleted_then_stored_and_reused_again_goes_to_redis_again(
         assert await read(store, digests[:1]) == data[:1]
         # Sent again after the clear, once read; a put after a clear is a first put.
         assert (await written(store, digests))[1] == {digests[0]}
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
 def test_sent_keys_forget_a_key_once_redis_ttl_has_dropped_it() -> None:
@@ -340,7 +341,7 @@ def test_sent_keys_forget_a_key_once_redis_ttl_has_dropped_it() -> None:
 
 
 def test_with_a_redis_ttl_a_reused_chunk_goes_to_redis_again_after_it_expired(
-    tmp_path: Path, redis_server: RedisServer
+    tmp_path: Path, redis_server: RedisServer, runner: asyncio.Runner, closed_at_end: Closer
 ) -> None:
     async def scenario() -> None:
         links = TierLinks()
@@ -348,7 +349,7 @@ def test_with_a_redis_ttl_a_reused_chunk_goes_to_redis_again_after_it_expired(
         remote = RedisTier(redis_server.url, ttl_s=1.0, links=links)
         await remote.open()
         gate = StoreGate("always", "reused", remote_ttl_s=1.0)
-        store = TieredStore(memory, None, remote, gate=gate, links=links)
+        store = closed_at_end(TieredStore(memory, None, remote, gate=gate, links=links))
         digests, data = chunks(1)
         r = redis.Redis(port=int(redis_server.url.rsplit(":", 1)[1]))
         key = remote.redis_key(ChunkKey(NS, digests[0]))
@@ -365,19 +366,20 @@ def test_with_a_redis_ttl_a_reused_chunk_goes_to_redis_again_after_it_expired(
             assert store.stats()["tiers"]["redis"]["admitted"] == 2
         finally:
             r.close()
-            await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_a_clear_of_one_namespace_forgets_only_its_keys(tmp_path: Path, redis_server: RedisServer) -> None:
+def test_a_clear_of_one_namespace_forgets_only_its_keys(
+    tmp_path: Path, redis_server: RedisServer, runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     """Issue 39 item 9: a ``clear`` of one namespace reset the admission state of every
     namespace (the keys sent to Redis, the keys remembered after leaving memory), so
     another namespace's chunks were written to Redis a second time.  Now only the
     cleared namespace's keys are forgotten."""
 
     async def scenario() -> None:
-        store = await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused"))
+        store = closed_at_end(await tiers(tmp_path, redis_server.url, StoreGate("reused", "reused")))
         other = "other"
         kept, kept_data = chunks(2)
         gone, gone_data = chunks(1)
@@ -405,9 +407,8 @@ def test_a_clear_of_one_namespace_forgets_only_its_keys(tmp_path: Path, redis_se
         assert await read(store, gone) == gone_data
         assert (await written(store, gone))[1] == set(gone)
         assert store.stats()["tiers"]["redis"]["admitted"] == 4
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
 def test_clear_epochs_keep_namespaces_apart_within_their_bound() -> None:

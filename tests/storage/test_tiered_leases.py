@@ -17,6 +17,8 @@ import pytest
 from lmcache_client.protocol import PutStatus
 from lmcache_server.storage import Chunk, ChunkKey, MemoryPool, MemoryTier, TieredStore, TierLinks
 
+from ..conftest import Closer
+
 NS = "ns"
 MiB = 1 << 20
 
@@ -87,28 +89,29 @@ class SlowDisk:
         pass
 
 
-def test_a_failing_tier_read_releases_the_leases_of_earlier_hits() -> None:
+def test_a_failing_tier_read_releases_the_leases_of_earlier_hits(runner: asyncio.Runner, closed_at_end: Closer) -> None:
     async def scenario() -> None:
         links = TierLinks()
         memory = memory_tier(links=links)
-        store = TieredStore(memory, None, FailingTier(), links=links)  # type: ignore[arg-type]
+        store = closed_at_end(TieredStore(memory, None, FailingTier(), links=links))  # type: ignore[arg-type]
         hit, miss = os.urandom(32), os.urandom(32)
         assert await store.put_many(NS, [hit], [b"h" * MiB]) == [PutStatus.STORED]
         with pytest.raises(TypeError):
             await store.get_many(NS, [hit, miss])
         assert memory.leased_chunks == 0  # the hit's lease went back
         assert memory.evictable_bytes == memory.allocator.allocated_bytes
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_a_cancelled_promotion_frees_its_room_only_after_the_disk_read_ends() -> None:
+def test_a_cancelled_promotion_frees_its_room_only_after_the_disk_read_ends(
+    runner: asyncio.Runner, closed_at_end: Closer
+) -> None:
     async def scenario() -> None:
         links = TierLinks(spill_ahead_bytes=0)  # a disk takes the spills
         memory = memory_tier(links=links)
         disk = SlowDisk(2 * MiB)
-        store = TieredStore(memory, disk, links=links)  # type: ignore[arg-type]
+        store = closed_at_end(TieredStore(memory, disk, links=links))  # type: ignore[arg-type]
         before = memory.allocator.allocated_bytes
         reader = asyncio.create_task(store.get_many(NS, [os.urandom(32)]))
         await asyncio.get_running_loop().run_in_executor(None, disk.started.wait, 30)
@@ -127,12 +130,11 @@ def test_a_cancelled_promotion_frees_its_room_only_after_the_disk_read_ends() ->
             await asyncio.sleep(0.01)
         assert memory.allocator.allocated_bytes == before
         assert memory.chunks == 0 and memory.leased_chunks == 0  # never made visible
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())
 
 
-def test_a_failed_promotion_gives_its_room_back() -> None:
+def test_a_failed_promotion_gives_its_room_back(runner: asyncio.Runner, closed_at_end: Closer) -> None:
     class BrokenDisk(SlowDisk):
         async def get(self, key: ChunkKey, out: memoryview | None = None) -> Chunk | None:
             raise RuntimeError("planted")
@@ -140,10 +142,9 @@ def test_a_failed_promotion_gives_its_room_back() -> None:
     async def scenario() -> Any:
         links = TierLinks(spill_ahead_bytes=0)
         memory = memory_tier(links=links)
-        store = TieredStore(memory, BrokenDisk(MiB), links=links)  # type: ignore[arg-type]
+        store = closed_at_end(TieredStore(memory, BrokenDisk(MiB), links=links))  # type: ignore[arg-type]
         with pytest.raises(RuntimeError):
             await store.get_many(NS, [os.urandom(32)])
         assert memory.allocator.allocated_bytes == 0 and memory.leased_chunks == 0
-        await store.close()
 
-    asyncio.run(scenario())
+    runner.run(scenario())

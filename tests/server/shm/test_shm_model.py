@@ -97,6 +97,7 @@ class ShmModel(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.offload.close()
         self.loop.close()
+        self.daemon.pool.close()  # every daemon of the run shares it
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coro)

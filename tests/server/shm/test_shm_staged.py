@@ -29,7 +29,7 @@ from lmcache_server.storage.memory import MemoryTier
 from lmcache_server.storage.memory.pool import MemoryPool
 from lmcache_server.storage.policy import LRUPolicy
 
-from ...conftest import NAMESPACE, Daemon, wait_for
+from ...conftest import NAMESPACE, Closer, Daemon, wait_for
 from ...security.test_security import NS_A, Keys, start_daemon, stop
 
 MiB = 1 << 20
@@ -192,10 +192,10 @@ class _Refusing(LRUPolicy):
         return key.digest not in self.refuse
 
 
-def test_skipped_leaves_the_room_staged() -> None:
+def test_skipped_leaves_the_room_staged(closed_at_end: Closer) -> None:
     policy = _Refusing()
     memory = MemoryTier(MemoryPool(16 * MiB, "off"), 0, policy)
-    store = TieredStore(memory)
+    store = closed_at_end(TieredStore(memory))
     rooms = store.stage([MiB, MiB])
     assert rooms is not None and memory.allocator.allocated_bytes == 2 * MiB
     a, b = key(1, "skip"), key(2, "skip")

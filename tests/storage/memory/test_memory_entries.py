@@ -13,6 +13,8 @@ from lmcache_server.storage.memory.allocator import ALIGNMENT
 from lmcache_server.storage.memory.entry import Entry
 from lmcache_server.storage.policy import make_policy
 
+from ...conftest import Closer
+
 NS = "ns"
 
 
@@ -25,8 +27,8 @@ def put(tier: MemoryTier, key: ChunkKey, data: bytes) -> None:
     assert asyncio.run(tier.put(key, data)) is PutStatus.STORED
 
 
-def test_an_entry_is_an_object_only_while_leased_or_pinned() -> None:
-    tier = tier_of(8)
+def test_an_entry_is_an_object_only_while_leased_or_pinned(closed_at_end: Closer) -> None:
+    tier = closed_at_end(tier_of(8))
     keys = [ChunkKey(NS, os.urandom(32)) for _ in range(3)]
     payloads = [os.urandom(ALIGNMENT + 100 * i) for i in range(3)]
     for key, data in zip(keys, payloads):
@@ -54,8 +56,8 @@ def test_an_entry_is_an_object_only_while_leased_or_pinned() -> None:
     assert tier.stored_bytes == sum(map(len, payloads))
 
 
-def test_a_chunk_deleted_while_leased_frees_its_extent_at_the_release() -> None:
-    tier = tier_of(4)
+def test_a_chunk_deleted_while_leased_frees_its_extent_at_the_release(closed_at_end: Closer) -> None:
+    tier = closed_at_end(tier_of(4))
     key = ChunkKey(NS, os.urandom(32))
     put(tier, key, os.urandom(3 * ALIGNMENT))
     chunk = tier.lease(key)
@@ -66,8 +68,8 @@ def test_a_chunk_deleted_while_leased_frees_its_extent_at_the_release() -> None:
     assert tier.dying_bytes == 0 and tier.allocator.allocated_bytes == 0 and tier.allocator.free_extents == 1
 
 
-def test_eviction_and_snapshot_see_packed_and_object_entries_alike() -> None:
-    tier = tier_of(4, "lru")
+def test_eviction_and_snapshot_see_packed_and_object_entries_alike(closed_at_end: Closer) -> None:
+    tier = closed_at_end(tier_of(4, "lru"))  # registered alone: the fresh tier below shares its pool
     keys = [ChunkKey(NS, os.urandom(32)) for _ in range(6)]
     put(tier, keys[0], b"a" * ALIGNMENT)
     held = tier.lease(keys[0])  # an object: leased, never a victim

@@ -19,13 +19,17 @@ from lmcache_server.storage.memory import Reservation
 from lmcache_server.storage.memory.allocator import ALIGNMENT
 from lmcache_server.storage.policy import make_policy
 
+from ...conftest import Closer
+
 NS = "ns"
 
 
-def full_tier(chunks: int, policy: str) -> tuple[MemoryTier, list[ChunkKey]]:
+def full_tier(closed_at_end: Closer, chunks: int, policy: str) -> tuple[MemoryTier, list[ChunkKey]]:
     """A tier whose pool is exactly full of ``chunks`` one-page chunks (never
-    written: their pages stay untouched), with two of them leased."""
-    tier = MemoryTier(MemoryPool(chunks * ALIGNMENT, "off"), 0, make_policy(policy, chunks * ALIGNMENT, ALIGNMENT))
+    written: their pages stay untouched), with two of them leased; closed at the test's end."""
+    tier = closed_at_end(
+        MemoryTier(MemoryPool(chunks * ALIGNMENT, "off"), 0, make_policy(policy, chunks * ALIGNMENT, ALIGNMENT))
+    )
     keys = [ChunkKey(NS, os.urandom(32)) for _ in range(chunks)]
     for key in keys:
         reservation = tier.prepare_store(key, ALIGNMENT)
@@ -35,8 +39,8 @@ def full_tier(chunks: int, policy: str) -> tuple[MemoryTier, list[ChunkKey]]:
     return tier, keys
 
 
-def extent_lookups_of_one_put(chunks: int, policy: str) -> int:
-    tier, keys = full_tier(chunks, policy)
+def extent_lookups_of_one_put(closed_at_end: Closer, chunks: int, policy: str) -> int:
+    tier, keys = full_tier(closed_at_end, chunks, policy)
     leases = [tier.lease(keys[0]), tier.lease(keys[-1])]  # the oldest and the newest
     assert tier.leased_chunks == 2
     calls = [0]
@@ -59,14 +63,14 @@ def extent_lookups_of_one_put(chunks: int, policy: str) -> int:
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfuda", "adaptive"])
-def test_put_under_pressure_is_constant_in_the_number_of_chunks(policy: str) -> None:
-    small = extent_lookups_of_one_put(1_000, policy)
-    large = extent_lookups_of_one_put(100_000, policy)
+def test_put_under_pressure_is_constant_in_the_number_of_chunks(policy: str, closed_at_end: Closer) -> None:
+    small = extent_lookups_of_one_put(closed_at_end, 1_000, policy)
+    large = extent_lookups_of_one_put(closed_at_end, 100_000, policy)
     assert large == small <= 4
 
 
-def test_evictable_bytes_follows_leases_pins_and_removals() -> None:
-    tier, keys = full_tier(8, "lru")
+def test_evictable_bytes_follows_leases_pins_and_removals(closed_at_end: Closer) -> None:
+    tier, keys = full_tier(closed_at_end, 8, "lru")
     tier.index.max_pinned_bytes = 8 * ALIGNMENT
     total = 8 * ALIGNMENT
     assert tier.evictable_bytes == total

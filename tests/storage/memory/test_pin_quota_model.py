@@ -46,6 +46,8 @@ from lmcache_server.storage.memory.entry import unpack
 from lmcache_server.storage.policy import LRUPolicy
 from lmcache_server.storage.tenants import TenantQuotas, tenant_of
 
+from ...conftest import Closer
+
 T = TypeVar("T")
 PAGE = 4096
 POOL_PAGES = 32
@@ -91,6 +93,7 @@ class PinQuotaModel(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.loop.close()
+        self.pool.close()  # every tier of the run shares it
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coro)
@@ -240,7 +243,9 @@ def test_pins_and_quotas_charge_extents_and_leave_every_tenant_its_share() -> No
     )
 
 
-def test_an_older_daemons_pins_are_charged_by_extent_at_a_warm_restart(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_older_daemons_pins_are_charged_by_extent_at_a_warm_restart(
+    caplog: pytest.LogCaptureFixture, closed_at_end: Closer
+) -> None:
     """The repro's pool left by a daemon before the fix: a tenant with a 1 MiB
     quota holding 16,384 pinned one-byte chunks, the whole 64 MiB.  The next
     daemon adopts them all, pins only its share (128 pages), and the rest is
@@ -248,7 +253,7 @@ def test_an_older_daemons_pins_are_charged_by_extent_at_a_warm_restart(caplog: p
     brings it back within its quota."""
     mib = 1 << 20
     pool = MemoryPool(64 * mib, "off")
-    tier = MemoryTier(pool, 32 * mib, LRUPolicy(), quotas=TenantQuotas({"acme": mib}))  # max_pinned_fraction 0.5
+    tier = closed_at_end(MemoryTier(pool, 32 * mib, LRUPolicy(), quotas=TenantQuotas({"acme": mib})))  # max_pinned 0.5
     acme = "model|tenant=acme"
     rows = [(ChunkKey(acme, digest(i, 1)), i * PAGE, 1, True) for i in range(16384)]
     tier.adopt(rows, [])

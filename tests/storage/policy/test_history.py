@@ -184,19 +184,23 @@ def test_a_snapshot_round_trip_at_scale_keeps_every_entry(tmp_path: Path) -> Non
 
     async def run() -> None:
         scanned, from_snapshot, tier = await opened()
-        assert from_snapshot == 0 and len(scanned) == n + 500
-        before = tier.stats()
-        await tier.close()
+        try:  # its close writes the snapshot the second tier reads
+            assert from_snapshot == 0 and len(scanned) == n + 500
+            before = tier.stats()
+        finally:
+            await tier.close()
         loaded, from_snapshot, tier = await opened()
-        assert from_snapshot == 1 and loaded == scanned
-        after = tier.stats()
-        for field in ("stored_bytes", "disk_bytes", "chunks"):
-            assert after[field] == before[field]
-        assert tier.namespaces() == {"scale|ns": (n, 100 * n), "scale|other": (500, 5000 * 500)}
-        # one namespace string per namespace, not one per entry
-        assert len({id(k.namespace) for k in tier.index.entries}) == 2
-        got = await tier.get(ChunkKey("scale|other", (n + 7).to_bytes(32, "little")))
-        assert got is not None and got.nbytes == 5000
-        await tier.close()
+        try:
+            assert from_snapshot == 1 and loaded == scanned
+            after = tier.stats()
+            for field in ("stored_bytes", "disk_bytes", "chunks"):
+                assert after[field] == before[field]
+            assert tier.namespaces() == {"scale|ns": (n, 100 * n), "scale|other": (500, 5000 * 500)}
+            # one namespace string per namespace, not one per entry
+            assert len({id(k.namespace) for k in tier.index.entries}) == 2
+            got = await tier.get(ChunkKey("scale|other", (n + 7).to_bytes(32, "little")))
+            assert got is not None and got.nbytes == 5000
+        finally:
+            await tier.close()
 
     asyncio.run(run())

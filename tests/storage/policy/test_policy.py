@@ -23,6 +23,8 @@ from lmcache_server.storage import ChunkKey
 from lmcache_server.storage.disk import DiskTier
 from lmcache_server.storage.policy import POLICIES, LFUDAPolicy, LRUPolicy, make_policy
 
+from ...conftest import Closer
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 from policy_sim import (  # noqa: E402
@@ -263,12 +265,11 @@ def test_lfuda_heap_stays_compact() -> None:
     assert p.chunks == 10
 
 
-def test_memory_tier_keeps_an_empty_policy() -> None:
+def test_memory_tier_keeps_an_empty_policy(closed_at_end: Closer) -> None:
     from lmcache_server.storage import MemoryPool, MemoryTier
 
-    tier = MemoryTier(MemoryPool(1 << 20, "off"), 0, LFUDAPolicy())
+    tier = closed_at_end(MemoryTier(MemoryPool(1 << 20, "off"), 0, LFUDAPolicy()))
     assert tier.policy.name == "lfuda"  # an empty policy is not falsy
-    tier.pool.close()
 
 
 def test_policy_registry_and_config() -> None:
@@ -282,22 +283,21 @@ def test_policy_registry_and_config() -> None:
         load_config(environ={}, overrides={"cache_policy": "belady"})
 
 
-def test_disk_tier_evicts_by_its_policy(tmp_path: Path) -> None:
+def test_disk_tier_evicts_by_its_policy(tmp_path: Path, runner: asyncio.Runner, closed_at_end: Closer) -> None:
     async def scenario() -> tuple[set[ChunkKey], set[ChunkKey]]:
         # 4 KiB header + 4 KiB payload = 8 KiB per chunk on disk: 6 fit in 48 KiB.
         out = []
         for policy in (LRUPolicy(), LFUDAPolicy()):
-            tier = DiskTier(tmp_path / policy.name, 48 * 1024, policy=policy)
+            tier = closed_at_end(DiskTier(tmp_path / policy.name, 48 * 1024, policy=policy))
             await tier.open()
             await tier.put(key(0), b"x" * 4096)
             for i in range(1, 12):
                 assert (await tier.get(key(0))) is not None
                 await tier.put(key(i), b"x" * 4096)
             out.append(set(tier.keys()))
-            await tier.close()
         return out[0], out[1]
 
-    lru, lfuda = asyncio.run(scenario())
+    lru, lfuda = runner.run(scenario())
     assert len(lru) == len(lfuda) == 6
     assert key(0) in lru and key(0) in lfuda  # read before every put: both keep it
     assert {key(i) for i in range(7, 12)} <= lru and {key(i) for i in range(7, 12)} <= lfuda
