@@ -328,14 +328,10 @@ def test_delete_while_redis_is_down_reaches_it_when_back(daemon_factory, redis_s
 
 
 # -- removals and queued writes survive a clean stop (issue 29 item 10) -------------------
-def _redis(c: object) -> dict[str, object]:
-    return c.stats()["tiers"]["redis"]  # type: ignore[attr-defined, no-any-return]
-
-
 def _stored_in_redis(daemon: Daemon, redis: RedisServer, keys: list[bytes], payload: bytes) -> None:
     with daemon.client() as c:
         assert c.put(keys, [payload] * len(keys)) == [PutStatus.STORED] * len(keys)
-        wait_for(lambda: _redis(c)["queued_writes"] == 0 and _redis(c)["up"])
+        wait_for(lambda: remote(c)["queued_writes"] == 0 and remote(c)["up"])
 
 
 @pytest.mark.parametrize("removal", ["clear", "delete"])
@@ -360,7 +356,7 @@ def test_a_removal_made_while_redis_is_down_survives_a_daemon_restart(
     daemon.start()
     with daemon.client() as c:
         assert c.get(keys[:2]) == [None, None]  # not read back from Redis
-        wait_for(lambda: _redis(c)["pending_removals"] == 0 and _redis(c)["up"])
+        wait_for(lambda: remote(c)["pending_removals"] == 0 and remote(c)["up"])
         assert c.get(keys[:2]) == [None, None]
         if removal == "delete":
             assert [bytes(v) for v in c.get(keys[2:])] == [payload, payload]  # the rest stays
@@ -376,13 +372,13 @@ def test_writes_queued_while_redis_is_down_reach_it_after_a_warm_restart(
     payload = os.urandom(10_000)
     with daemon.client() as c:
         assert c.put(keys, [payload] * 3) == [PutStatus.STORED] * 3
-        wait_for(lambda: _redis(c)["up"] is False)
-        assert _redis(c)["queued_writes"] == 3
+        wait_for(lambda: remote(c)["up"] is False)
+        assert remote(c)["queued_writes"] == 3
     assert daemon.stop() == 0
     durable_redis.start()
     daemon.start()
     with daemon.client() as c:
-        wait_for(lambda: _redis(c)["queued_writes"] == 0 and _redis(c)["up"], timeout_s=30)
+        wait_for(lambda: remote(c)["queued_writes"] == 0 and remote(c)["up"], timeout_s=30)
     r = redis.Redis(port=durable_redis.port)
     assert all(r.exists(redis_key_of(k)) for k in keys)
     assert "re-queued 3" in daemon.log()
