@@ -42,6 +42,7 @@ from .metrics import (
     StoreCollector,
     TaskFailureCollector,
 )
+from .sdnotify import notify
 from .security import QueryAccess, Security
 from .server.endpointlocks import EndpointLocks, bound_endpoints
 from .server.handlers import Handlers
@@ -230,6 +231,7 @@ class App:
         _on_signal(loop, (signal.SIGHUP,), lambda: d.security.reload(d.metrics))
         self.ready = True
         logger.info("lmcache-server ready: %s", c.summary())
+        notify("READY=1", f"STATUS=serving on {', '.join(c.listen)}")
         d.summary.start()
         serving = loop.create_task(d.server.serve())
         stopping = loop.create_task(self._stop.wait())
@@ -242,6 +244,7 @@ class App:
         """Stop taking work; finish in-flight replies and spills within drain_timeout_s."""
         c = self.config
         self.ready = False
+        notify("STOPPING=1", "STATUS=draining")
         logger.info("stopping: draining in-flight requests (up to %.1fs)", c.drain_timeout_s)
         deadline = time.monotonic() + c.drain_timeout_s
         if await d.server.drain(c.drain_timeout_s):

@@ -69,6 +69,8 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
             "supervisor": ["lmcache_server.supervisor"],
             # one daemon per spill directory and per ipc:// socket: storage and server take it
             "filelock": ["lmcache_server.filelock"],
+            # systemd's readiness datagram: the app says ready and stopping
+            "sdnotify": ["lmcache_server.sdnotify"],
         },
         {"version": ["lmcache_server"]},  # lmcache_server/__init__.py: __version__ only
         {"lmcache_client": ["lmcache_client*"]},  # the client never imports the daemon

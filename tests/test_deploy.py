@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from lmcache_server.config import ServerConfig, load_config
+from lmcache_server.config import ServerConfig, disk_path, load_config
 
 from .conftest import Daemon, free_port
 from .metrics.test_metrics import exported_names, metric_names, scrape
@@ -377,3 +377,78 @@ def test_events_compose_file_is_valid_and_turns_events_on() -> None:
     tap = override["kv-events-tap"]["command"][0]
     assert "tcp://lmcache-server:5557" in tap and "tcp://lmcache-server:5558" in tap
     assert {"5557", "5558"} <= set(override["lmcache-server"]["expose"])
+
+
+def unit_service() -> tuple[configparser.ConfigParser, str]:
+    unit = DEPLOY / "lmcache-server.service"
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read(unit)
+    return parser, unit.read_text()
+
+
+def test_the_example_config_lives_where_the_systemd_unit_lets_it_write() -> None:
+    """The unit runs with PrivateTmp=yes and ProtectSystem=strict: a /tmp path is private to the
+    daemon (engines cannot reach an ipc socket there) and wiped at every stop, and anything
+    outside the unit's own directories is read-only.  The example config the unit's install
+    lines copy keeps its disk tier and its ipc endpoint in the unit's directories."""
+    parser, _ = unit_service()
+    service = parser["Service"]
+    assert service["PrivateTmp"] == "yes" and service["ProtectSystem"] == "strict"
+    writable = [Path("/var/cache") / service["CacheDirectory"], Path("/run") / service["RuntimeDirectory"]]
+    config = load_config(str(DEPLOY / "server.yaml"), {})
+    paths = [Path(disk_path(config.local_disk))] if config.local_disk else []
+    paths += [Path(e.removeprefix("ipc://")) for e in config.listen if e.startswith("ipc://")]
+    paths += [Path(config.state_dir)] if config.state_dir else []
+    assert paths
+    for path in paths:
+        assert not path.is_relative_to("/tmp"), path
+        assert any(path.is_relative_to(w) for w in writable), (path, writable)
+
+
+def test_the_systemd_unit_waits_for_readiness_and_documents_itself() -> None:
+    parser, text = unit_service()
+    service = parser["Service"]
+    assert service["Type"] == "notify"  # lmcache_server/sdnotify.py: READY=1 when /readyz turns 200
+    timeout = service["TimeoutStartSec"]
+    assert timeout == "infinity" or int(timeout.removesuffix("min")) * 60 >= 1800  # a crash scan
+    documentation = Path(parser["Unit"]["Documentation"].removeprefix("file://"))
+    assert (REPO / "docs" / documentation.name).is_file()
+    install = f"-t {documentation.parent} docs/*.md"
+    assert install in text and install in (REPO / "docs" / "deploy.md").read_text()
+
+
+def test_the_daemon_tells_systemd_it_is_ready_and_when_it_drains(daemon_factory: Callable[..., Daemon]) -> None:
+    """Type=notify, through the real daemon: READY=1 when it serves (with /readyz 200), STOPPING=1
+    when SIGTERM starts the drain; each with a STATUS line for `systemctl status`."""
+    import socket
+    import tempfile
+    import urllib.request
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp, socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        path = os.path.join(tmp, "notify")
+        sock.bind(path)
+        sock.settimeout(20)
+        daemon = daemon_factory(env={"NOTIFY_SOCKET": path})
+        ready = sock.recv(4096).decode().split("\n")
+        assert ready[0] == "READY=1" and ready[1].startswith("STATUS=serving on tcp://"), ready
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/readyz", timeout=5) as reply:
+            assert reply.status == 200
+        assert daemon.stop() == 0
+        assert sock.recv(4096).decode().split("\n") == ["STOPPING=1", "STATUS=draining"]
+
+
+def test_notify_reaches_an_abstract_socket_and_never_fails_the_daemon(tmp_path: Path) -> None:
+    import socket
+
+    from lmcache_server.sdnotify import notify
+
+    name = f"lmcache-test-notify-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)
+        sock.settimeout(5)
+        assert notify("READY=1", "STATUS=a\nb", environ={"NOTIFY_SOCKET": "@" + name})
+        assert sock.recv(100) == b"READY=1\nSTATUS=a b"  # one field per line: a newline cannot split one
+    assert not notify("READY=1", environ={})  # not under systemd: nothing sent
+    assert not notify("READY=1", environ={"NOTIFY_SOCKET": "relative"})
+    assert not notify("READY=1", environ={"NOTIFY_SOCKET": str(tmp_path / "nobody-listens")})

@@ -162,3 +162,130 @@ def test_prometheus_rule_holds_rules_yml_and_is_generated() -> None:
     assert [e["port"] for e in monitor["endpoints"]] == ["metrics"]
     # rules.yml's alerts select job="lmcache-server": the job label is the Service's name label.
     assert service["metadata"]["labels"][monitor["jobLabel"]] == "lmcache-server"
+
+
+POD_KINDS = {"DaemonSet", "Deployment", "StatefulSet", "Job"}
+READ_PREFIXES = ("VLLM_", "LMCACHE_")  # variables vLLM and our daemon/connector read as settings
+
+
+def pods(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in docs if d["kind"] in POD_KINDS]
+
+
+def service_link_variables(docs: list[dict[str, Any]], pod: dict[str, Any]) -> set[str]:
+    """The variables the kubelet injects into ``pod`` for the Services of its namespace
+    (``{NAME}_SERVICE_HOST``, ``{NAME}_PORT``, ...) unless ``enableServiceLinks: false``."""
+    if pod.get("enableServiceLinks") is False:
+        return set()
+    names = [d["metadata"]["name"].upper().replace("-", "_") for d in docs if d["kind"] == "Service"]
+    return {f"{name}_{suffix}" for name in names for suffix in ("SERVICE_HOST", "SERVICE_PORT", "PORT")}
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_no_pod_gets_service_variables_that_vllm_or_the_daemon_read(name: str) -> None:
+    """A Service named vllm injects VLLM_PORT=tcp://...:8000 and vLLM refuses to start on it
+    (envs.get_vllm_port: "appears to be a URI"): every pod turns service links off."""
+    docs = render(name) + (render("vllm") if name == "base" else render("base"))  # one namespace
+    for pod_name, pod in pods(render(name)):
+        leaked = sorted(v for v in service_link_variables(docs, pod) if v.startswith(READ_PREFIXES))
+        assert not leaked, f"{name}: pod {pod_name} would get {leaked}"
+        assert pod["enableServiceLinks"] is False, pod_name
+
+
+def test_the_service_link_check_can_fail() -> None:
+    deployment = one(render("vllm"), "Deployment", "vllm")
+    pod = json.loads(json.dumps(deployment["spec"]["template"]["spec"]))
+    del pod["enableServiceLinks"]
+    assert "VLLM_PORT" in service_link_variables(render("vllm"), pod)
+
+
+def quantity(value: str | int) -> float:
+    """A Kubernetes quantity ("18Gi", "500M", "2", "100m") as a number."""
+    text = str(value)
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "m": 1e-3}
+    for unit, factor in sorted(units.items(), key=lambda u: -len(u[0])):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * factor
+    return float(text)
+
+
+def daemon_config(docs: list[dict[str, Any]], tmp_path: Path) -> Any:
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap" and "server.yaml" in d["data"])
+    path = tmp_path / "server.yaml"
+    path.write_text(config_map["data"]["server.yaml"])
+    return load_config(str(path), environ={})
+
+
+def process_overhead(config: Any) -> int:
+    """Memory the daemon holds besides its pool, at most: bytes in flight, the spill and Redis
+    queues, and ~0.5 GiB for the interpreter, ZeroMQ and the indexes."""
+    queues = (config.max_spill_queue_size if config.local_disk else 0) + (
+        config.max_remote_queue_size if config.remote_url else 0
+    )
+    return int(config.max_inflight_bytes + queues + 0.5 * 2**30)
+
+
+@pytest.mark.parametrize("name", ["base", "overlays/curve"])
+def test_the_daemon_memory_limit_holds_its_pool(name: str, tmp_path: Path) -> None:
+    """tmpfs pages are charged to the memory cgroup of the process that allocates them, and the
+    daemon commits its pool's pages (posix_fallocate): a limit below the pool is an OOM kill
+    once the pool fills.  limit = request >= pool + overhead, for cpu too (Guaranteed QoS)."""
+    docs = render(name)
+    config = daemon_config(docs, tmp_path)
+    pod = one(docs, "DaemonSet", "lmcache-server")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+    assert quantity(limits["memory"]) >= config.max_local_cpu_size + process_overhead(config), (
+        limits["memory"],
+        config.max_local_cpu_size,
+    )
+    assert requests == limits  # Guaranteed QoS: evicted last under node pressure
+    for init in pod.get("initContainers", []):  # Guaranteed needs every container's requests = limits
+        assert init["resources"]["requests"] == init["resources"]["limits"], init["name"]
+        assert init["resources"]["limits"].keys() >= {"cpu", "memory"}, init["name"]
+
+
+def test_the_disk_tier_directory_is_handed_to_the_daemon_user() -> None:
+    """A hostPath directory is created root:0755 (fsGroup does not apply to it), which uid 10001
+    cannot write: an init container chowns it, and it is the only one that runs as root."""
+    pod = one(render("base"), "DaemonSet", "lmcache-server")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    disk = next(m for m in container["volumeMounts"] if m["mountPath"] == "/var/cache/lmcache")["name"]
+    user = pod["securityContext"]["runAsUser"]
+    [init] = [c for c in pod["initContainers"] if any(m["name"] == disk for m in c["volumeMounts"])]
+    script = " ".join(init["command"] + init.get("args", []))
+    assert f"chown {user}:{pod['securityContext']['runAsGroup']} /var/cache/lmcache" in script
+    assert init["securityContext"]["runAsUser"] == 0
+    assert set(init["securityContext"]["capabilities"]["add"]) <= {"CHOWN", "FOWNER"}
+    assert "securityContext" not in container or container["securityContext"].get("runAsUser") in (None, user)
+
+
+def test_the_daemon_runs_where_gpu_replicas_run_and_its_probes_fit_a_crash_scan() -> None:
+    pod = one(render("base"), "DaemonSet", "lmcache-server")["spec"]["template"]["spec"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    probe = pod["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 1800  # a million records' scan
+
+
+def test_the_namespace_admits_the_hostpath_pods() -> None:
+    """hostPath volumes are outside the Pod Security Standards' baseline: the namespace says so."""
+    docs = render("base")
+    namespace = one(docs, "Namespace", "lmcache")
+    uses_host_path = any("hostPath" in v for _, pod in pods(docs) for v in pod["volumes"])
+    assert uses_host_path
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def test_the_network_policy_admits_the_vllm_pods_to_the_daemon_port_only() -> None:
+    docs = render("base")
+    policy = one(docs, "NetworkPolicy", "lmcache-server")["spec"]
+    daemon = one(docs, "DaemonSet", "lmcache-server")["spec"]["template"]
+    assert policy["podSelector"]["matchLabels"].items() <= daemon["metadata"]["labels"].items()
+    by_port = {rule["ports"][0]["port"]: rule["from"] for rule in policy["ingress"]}
+    assert set(by_port) == {p["name"] for p in daemon["spec"]["containers"][0]["ports"]}
+    [zmq_from] = by_port["zmq"]
+    for deployment in ("vllm", "overlays/pd"):  # every example vLLM pod carries the label it admits
+        for d in render(deployment):
+            if d["kind"] == "Deployment":
+                labels = d["spec"]["template"]["metadata"]["labels"]
+                assert zmq_from["podSelector"]["matchLabels"].items() <= labels.items(), d["metadata"]["name"]

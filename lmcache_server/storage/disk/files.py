@@ -233,21 +233,41 @@ _ScanEntry = tuple[float, ChunkKey, str, int, int, ChunkTokens | None]
 """mtime, key, path, payload_len, disk_bytes, token ids (when the record has them and they were asked for)."""
 
 
-def scan(root: Path, threads: int = 16, tokens: bool = False) -> tuple[list[_ScanEntry], int]:
+SCAN_PROGRESS_S = 5.0
+"""How often a scan logs its progress: a million records take minutes on a cold disk, and a
+start that is slow must be visible (to an operator, and beside a startup probe's limit)."""
+
+
+def scan(
+    root: Path, threads: int = 16, tokens: bool = False, progress_s: float = SCAN_PROGRESS_S
+) -> tuple[list[_ScanEntry], int]:
     """Index entries found under root (oldest first) and the number of damaged or
     foreign files removed; with ``tokens``, each entry's token ids from its header
     (None when it has none).  The fan-out directories are read in parallel: on a
-    cold cache each header is a random read, and the device serves many at once."""
+    cold cache each header is a random read, and the device serves many at once.
+    Every ``progress_s`` seconds one INFO line says how far the scan is."""
     base = root / "v1"
     if not base.is_dir():
         return [], 0
     subdirs = [d.path for d in os.scandir(base) if d.is_dir(follow_symlinks=False)]
     found: list[_ScanEntry] = []
     removed = 0
+    started = last = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="lmcache-scan") as pool:
-        for entries, bad in pool.map(lambda d: _scan_dir(root, d, tokens), subdirs):
+        for done, (entries, bad) in enumerate(pool.map(lambda d: _scan_dir(root, d, tokens), subdirs), 1):
             found.extend(entries)
             removed += bad
+            now = time.monotonic()
+            if now - last >= progress_s and done < len(subdirs):
+                last = now
+                logger.info(
+                    "disk tier: rebuilding the index from %s: %d of %d directories, %d records so far (%.0f s)",
+                    root,
+                    done,
+                    len(subdirs),
+                    len(found),
+                    now - started,
+                )
     found.sort(key=lambda e: e[0])  # oldest first: LRU order
     return found, removed
 

@@ -4,6 +4,7 @@ shutdown, used once at the next start, and never trusted when stale or damaged."
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -15,6 +16,7 @@ from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
 from lmcache_server.storage.base import ChunkKey
 from lmcache_server.storage.disk import DiskTier
+from lmcache_server.storage.disk import files as diskfiles
 from lmcache_server.storage.disk import snapshot as disksnapshot
 from lmcache_server.storage.disk.files import path_for, write_record
 from lmcache_server.storage.policy import make_policy
@@ -194,3 +196,19 @@ def test_snapshot_trusts_only_directories_unchanged_since_before_it(
     os.utime(subs[0], ns=(future, future))  # the time recorded: only the listing sees the rename
     assert not decoded.matches(base)
     assert not list(base.glob(".tmp-*"))  # no probe left behind
+
+
+def test_a_scan_logs_its_progress(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A crash scan of a large directory takes minutes: every ``progress_s`` it logs how far it
+    is (what a startup probe's operator watches); a quick scan logs nothing."""
+    entries = _files(tmp_path, 200)
+    directories = len(list((tmp_path / "v1").iterdir()))
+    caplog.set_level(logging.INFO, logger="lmcache_server.storage.disk.files")
+    found, removed = diskfiles.scan(tmp_path, threads=2)
+    assert removed == 0 and sorted(e[1] for e in found) == sorted(k for k, _ in entries)
+    assert not [r for r in caplog.records if "rebuilding the index" in r.getMessage()]
+    found, _ = diskfiles.scan(tmp_path, threads=2, progress_s=0.0)
+    lines = [r.getMessage() for r in caplog.records if "rebuilding the index" in r.getMessage()]
+    assert len(lines) == directories - 1  # each directory but the last; the end is the tier's own line
+    assert f"{directories - 1} of {directories} directories" in lines[-1]
+    assert len(found) == len(entries)
