@@ -80,5 +80,5 @@ from .put import fill_flow as fill_flow
 from .put import flush_fill as flush_fill
 from .put import put_flow as put_flow
 from .staged import WriteFn as WriteFn
-from .staged import _put_staged as _put_staged  # for tests/server/shm/test_hardening_leases.py
+from .staged import _put_staged as _put_staged  # for tests/server/shm/test_write_leases.py
 from .staged import parting as parting
