@@ -24,8 +24,8 @@ import redis
 
 from lmcache_client.integrations.vllm.scheduler import SchedulerSide
 from lmcache_client.protocol import PutStatus
-from lmcache_server.app import warm_start
 from lmcache_server.config import load_config
+from lmcache_server.daemon import warm_start
 from lmcache_server.storage.memory.warmstart import WarmIndex, boot_id, encode
 
 from ..conftest import SHM_ROOT, Daemon, RedisServer, wait_for

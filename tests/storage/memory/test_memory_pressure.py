@@ -28,9 +28,9 @@ def full_tier(chunks: int, policy: str) -> tuple[MemoryTier, list[ChunkKey]]:
     tier = MemoryTier(MemoryPool(chunks * ALIGNMENT, "off"), 0, make_policy(policy, chunks * ALIGNMENT, ALIGNMENT))
     keys = [ChunkKey(NS, os.urandom(32)) for _ in range(chunks)]
     for key in keys:
-        reservation = tier.prepare_store(key, ALIGNMENT)
+        reservation = tier.reserve(key, ALIGNMENT)
         assert isinstance(reservation, Reservation)
-        assert tier.complete_store(reservation) is PutStatus.STORED
+        assert tier.commit(reservation) is PutStatus.STORED
     assert tier.allocator.free_bytes == 0
     return tier, keys
 
@@ -47,9 +47,9 @@ def extent_lookups_of_one_put(chunks: int, policy: str) -> int:
         return size_of(offset)
 
     tier.allocator.size_of = counting  # type: ignore[method-assign]
-    reservation = tier.prepare_store(ChunkKey(NS, os.urandom(32)), ALIGNMENT)
+    reservation = tier.reserve(ChunkKey(NS, os.urandom(32)), ALIGNMENT)
     assert isinstance(reservation, Reservation)  # room was made by evicting one chunk
-    assert tier.complete_store(reservation) is PutStatus.STORED
+    assert tier.commit(reservation) is PutStatus.STORED
     assert tier.counters.evictions == 1
     for lease in leases:
         assert lease is not None
