@@ -44,6 +44,7 @@ class App:
         self.registry = CollectorRegistry()
         self.ready = False
         self._stop: asyncio.Event | None = None
+        self._event_loops: list[asyncio.Task[None]] = []  # the events endpoint's loops, once serving
 
     def request_stop(self) -> None:
         """Begin a graceful stop; a repeated signal while stopping is logged and changes nothing."""
@@ -90,7 +91,7 @@ class App:
             restored = d.events.start(namespaces, load_kept(d.events.keep_path), d.store.where, found)
             found.clear()
             logger.info("KV events: epoch %s, %d chunks announced again", d.events.publisher.publisher_id, restored)
-            d.event_loops = _serve_events(d.events, d.supervisor)
+            self._event_loops = _serve_events(d.events, d.supervisor)
         d.monitor.start(d.server.sock)
         if c.metrics_port:
             await d.http.start()
@@ -146,7 +147,7 @@ class App:
         await d.prefetcher.close()  # (when the drain did not run) no promotion into a closing store
         await d.store.close(keep_segment=kept)
         if d.events is not None:
-            for task in d.event_loops:
+            for task in self._event_loops:
                 task.cancel()
             d.events.publisher.close()  # after the store: its last removals are sent too
             if d.events.snapshot_server is not None:

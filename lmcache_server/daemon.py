@@ -19,7 +19,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq.asyncio
@@ -90,8 +90,6 @@ class Daemon:
     monitor: ConnectionMonitor
     summary: SummaryLog
     prefetcher: Prefetcher
-    event_loops: list[asyncio.Task[None]] = field(default_factory=list)
-    """The events endpoint's loops, started when the app serves."""
 
     @classmethod
     async def build(cls, c: ServerConfig, registry: CollectorRegistry, ready: Callable[[], bool]) -> Daemon:
