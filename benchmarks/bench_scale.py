@@ -7,7 +7,7 @@ and the RSS of a daemon with a 16 GiB pool (issue #15, item 4).
    chains (a fresh namespace string per put, as decoded from a request) and
    gets of earlier heads, ``--churn`` x N chunks in all, so N stay cached and
    the bounded histories of evicted and refused keys fill as in a long run.
-   Payloads are never copied in (``prepare_store``/``complete_store`` only):
+   Payloads are never copied in (``reserve``/``commit`` only):
    the pool's pages stay untouched and every byte measured is metadata.  The
    disk index is a :class:`DiskTier` opened on N real chunk files (written
    with the daemon's record writer, :func:`_harness.write_chunk_files`) from
@@ -147,10 +147,10 @@ def fill_memory(n: int, policy_name: str, churn: float) -> dict[str, Any]:
         for _ in range(CHAIN):
             key = ChunkKey(namespace, digest(i))
             i += 1
-            r = tier.prepare_store(key, PAGE, parent)
+            r = tier.reserve(key, PAGE, parent)
             if isinstance(r, Reservation):
                 r.view = memoryview(b"")  # nothing copied in: the page stays untouched
-                tier.complete_store(r)
+                tier.commit(r)
             put += 1
             parent = key
         if put % 200000 < CHAIN:

@@ -1,13 +1,16 @@
-"""Composition root and lifecycle: build every component, serve, drain, shut down.
+"""The daemon's lifecycle: build every component, serve, drain, shut down.
 
-startup (pool, tiers, store, metrics, sockets, HTTP) -> serve until SIGTERM or
-SIGINT -> drain in-flight requests for ``drain_timeout_s`` -> close everything
--> exit code 0.  With ``warm_restart`` (a supervisor restarts the daemon) the
-pool segment left by the last clean stop is adopted at startup, and a clean
-stop leaves it, with its index, for the next daemon (storage/memory/warmstart.py);
-without it the pool goes at the stop, and one this daemon kept earlier goes at
-its start.  Nothing here is global: the registry, the config and the
-ZeroMQ context are created here and passed down.
+startup (:meth:`.daemon.Daemon.build`: pool, tiers, store, metrics, sockets,
+HTTP; then bind) -> serve until SIGTERM or SIGINT -> drain in-flight requests
+for ``drain_timeout_s`` -> close everything -> exit code 0.  With
+``warm_restart`` (a supervisor restarts the daemon) the pool segment left by
+the last clean stop is adopted at startup, and a clean stop leaves it, with its
+index, for the next daemon (storage/memory/warmstart.py); without it the pool
+goes at the stop, and one this daemon kept earlier goes at its start.  Nothing
+here is global: the registry, the config and the ZeroMQ context are created
+here (and in :mod:`.daemon`) and passed down.
+
+Primitive: :class:`App` (``run``, ``request_stop``).
 """
 
 from __future__ import annotations
@@ -15,70 +18,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import zmq.asyncio
+import zmq
 from prometheus_client import CollectorRegistry
 
-from lmcache_client.memtune import tune_malloc
-
-from .config import ConfigError, ServerConfig, disk_path
-from .events import Announcer, EventPublisher, EventSettings
-from .events.keep import keep_path
+from .config import ConfigError, ServerConfig, summary
+from .daemon import Daemon
+from .events import Announcer
 from .events.keep import load as load_kept
 from .events.keep import save as save_kept
-from .events.remote import RemoteHeld
-from .events.snapshot import SnapshotServer
-from .metrics import (
-    EventsCollector,
-    PrefetchCollector,
-    ServerMetrics,
-    ShmCollector,
-    SizingCollector,
-    StoreCollector,
-    TaskFailureCollector,
-)
 from .sdnotify import notify
-from .security import QueryAccess, Security
 from .server.endpointlocks import EndpointLocks, bound_endpoints
-from .server.handlers import Handlers
-from .server.http import HttpEndpoint
-from .server.inflight import ByteBudget
-from .server.monitor import ConnectionMonitor
-from .server.prefetch import Prefetcher
-from .server.query import Query
-from .server.shm import ShmLeases
-from .server.zmq_server import ZmqServer
-from .storage import MemoryPool, MemoryTier, TieredStore, TierLinks
-from .storage.disk import DiskTier
-from .storage.memory import ALIGNMENT, Adoption, WarmStart, installation_id
-from .storage.offload import Offload
-from .storage.policy import make_policy
-from .storage.remote import RedisTier, state_path_for
-from .storage.sizing import Sizing
-from .storage.statefiles import StateDir
-from .storage.statefiles import resolve as resolve_state_dir
-from .storage.tenants import TenantQuotas
-from .storage.tiered import StoreGate, sketch_width_for
-from .summary import SummaryLog
 from .supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
-COPY_THREADS = 2
-"""Threads for multi-MiB copies and checksums (storage/offload.py): they release the GIL."""
-
 
 class App:
+    """One daemon's run: :meth:`run` builds its parts (:class:`.daemon.Daemon`), serves
+    until a stop is asked (:meth:`request_stop`, or a signal), drains and hands over."""
+
     def __init__(self, config: ServerConfig):
         self.config = config
         self.registry = CollectorRegistry()
         self.ready = False
         self._stop: asyncio.Event | None = None
+        self._event_loops: list[asyncio.Task[None]] = []  # the events endpoint's loops, once serving
 
     def request_stop(self) -> None:
         """Begin a graceful stop; a repeated signal while stopping is logged and changes nothing."""
@@ -100,7 +67,7 @@ class App:
         # the same path refuses here, touching none of the first one's files (its pool,
         # its state files named after the listen addresses, its socket).
         with EndpointLocks.take(bound_endpoints(self.config)):
-            d = await self._build()
+            d = await Daemon.build(self.config, self.registry, lambda: self.ready)
             stopped = False  # a clean stop: signalled and drained (only then is the pool kept)
             try:
                 await self._serve(d)
@@ -111,105 +78,7 @@ class App:
         logger.info("lmcache-server stopped")
         return 0
 
-    async def _build(self) -> _Daemon:
-        """Every component, in dependency order: nothing listens yet."""
-        c = self.config
-        # Exposed endpoints without auth, unsafe key files: refused before anything is allocated.
-        security = Security.from_config(c)
-        query_access = QueryAccess.from_config(c)  # a refused query_tokens_file: exit 2 before any allocation
-        if c.malloc_tuning and not tune_malloc():
-            logger.info("malloc tuning not applied (not glibc?)")
-        state = _state_dir(c)  # what a clean stop keeps for the next start, never in shm_dir
-        warm = warm_start(c, state) if c.shared_memory else None
-        if warm is not None and not c.warm_restart:
-            _release_kept(warm)  # nothing will adopt it: it would hold the pool's memory for ever
-            warm = None
-        adoption = warm.find() if warm is not None else None
-        pool, adoption = _pool(c, adoption)
-        supervisor = Supervisor()  # background loops restart after a failure (logged, counted)
-        offload = Offload(COPY_THREADS)  # multi-MiB copies and checksums, off the event loop
-        policy = make_policy(c.cache_policy, pool.size, ALIGNMENT)
-        # The line from the tiers to the store (which needs them, as they need it): made first.
-        links = TierLinks(c.spill_ahead_size if c.local_disk is not None else None)
-        memory = MemoryTier(
-            pool, int(c.max_local_cpu_size * c.max_pinned_fraction), policy,
-            links=links, quotas=TenantQuotas(c.quotas("memory")),
-        )  # fmt: skip
-        warm_leases = adoption.restore(memory) if adoption is not None else None
-        disk = None
-        if c.local_disk is not None:
-            disk = DiskTier(
-                Path(disk_path(c.local_disk)),
-                c.max_local_disk_size,
-                fsync=c.disk_fsync,
-                io_threads=c.disk_io_threads,
-                retry_s=c.disk_retry_s,
-                max_queue_bytes=c.max_spill_queue_size,
-                policy=make_policy(c.cache_policy),
-                direct_io=c.disk_direct_io,
-                supervisor=supervisor,
-                links=links,
-                quotas=TenantQuotas(c.quotas("disk")),
-                scan_tokens=c.events_endpoint is not None and c.record_tokens,
-            )
-            await disk.open()
-        remote = None
-        if c.remote_url is not None:
-            remote = RedisTier(
-                c.remote_url,
-                key_prefix=c.remote_key_prefix,
-                ttl_s=c.remote_ttl_s,
-                timeout_s=c.remote_timeout_s,
-                max_queue_bytes=c.max_remote_queue_size,
-                username=c.remote_username,
-                password=c.remote_password,
-                offload=offload,
-                supervisor=supervisor,
-                state_path=state_path_for(state),
-                links=links,
-            )
-            await remote.open()
-        sizing = Sizing(c.sizing_window_chunks) if c.sizing_window_chunks else None
-        context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
-        events = _events(c, context, state)
-        store = TieredStore(
-            memory, disk, remote, offload=offload, supervisor=supervisor, gate=_gate(c, disk, remote),
-            events=events, sizing=sizing, record_tokens=c.record_tokens, links=links,
-        )  # fmt: skip
-        if remote is not None:  # writes owed to Redis at the last stop, of chunks adopted again
-            remote.requeue(store.uplink_again)
-        budget = ByteBudget(c.max_inflight_bytes)
-        metrics = ServerMetrics(self.registry)
-        self.registry.register(StoreCollector(store, lambda: budget.in_use, c.chunk_size))
-        if sizing is not None:
-            self.registry.register(SizingCollector(sizing.stats))
-        self.registry.register(TaskFailureCollector(supervisor.failures))
-        prefetcher = Prefetcher(store, budget, supervisor)  # lookups with prefetch: true
-        self.registry.register(PrefetchCollector(prefetcher.stats))
-        if events is not None:
-            if remote is not None and c.events_remote and c.events_encoding == "map":  # the array form: no locality
-                events.remote = RemoteHeld(events, remote, max_chunks=c.events_remote_max_chunks,
-                                           ttl_s=c.remote_ttl_s, audit_s=c.events_remote_audit_s)  # fmt: skip
-                links.hear_remote(events.remote)
-            self.registry.register(EventsCollector(events.stats))
-        shm = ShmLeases(store, pool, c.shm_lease_timeout_s)
-        if warm_leases is not None:
-            shm.take_over(*warm_leases)
-        if shm.enabled:
-            self.registry.register(ShmCollector(shm.stats))
-        handlers = Handlers(store, c, budget, shm, prefetcher)
-        server = ZmqServer(c, handlers, budget, metrics, context, security, supervisor)
-        sweeper = supervisor.spawn("shm_sweeper", shm.run) if shm.enabled else None
-        query = _query(c, store, query_access)
-        http = HttpEndpoint(c.metrics_host, c.metrics_port, self.registry, lambda: self.ready, query)
-        monitor = ConnectionMonitor(metrics)
-        summary = SummaryLog(store, metrics, lambda: monitor.connected, c.chunk_size, c.stats_log_interval_s)
-        return _Daemon(
-            security, warm, pool, supervisor, offload, memory, store, metrics, context, events, shm, server,
-            sweeper, http, monitor, summary, prefetcher,
-        )  # fmt: skip
-
-    async def _serve(self, d: _Daemon) -> None:
+    async def _serve(self, d: Daemon) -> None:
         """Bind, install the signal handlers, say ready, and serve until a stop is asked."""
         c = self.config
         loop = asyncio.get_running_loop()
@@ -223,14 +92,14 @@ class App:
             restored = d.events.start(namespaces, load_kept(d.events.keep_path), d.store.where, found)
             found.clear()
             logger.info("KV events: epoch %s, %d chunks announced again", d.events.publisher.publisher_id, restored)
-            d.event_loops = _serve_events(d.events, d.supervisor)
+            self._event_loops = _serve_events(d.events, d.supervisor)
         d.monitor.start(d.server.sock)
         if c.metrics_port:
             await d.http.start()
         _on_signal(loop, (signal.SIGTERM, signal.SIGINT), self.request_stop)
         _on_signal(loop, (signal.SIGHUP,), lambda: d.security.reload(d.metrics))
         self.ready = True
-        logger.info("lmcache-server ready: %s", c.summary())
+        logger.info("lmcache-server ready: %s", summary(c))
         notify("READY=1", f"STATUS=serving on {', '.join(c.listen)}")
         d.summary.start()
         serving = loop.create_task(d.server.serve())
@@ -240,7 +109,7 @@ class App:
             serving.result()  # re-raise what killed the receive loop
         serving.cancel()
 
-    async def _drain(self, d: _Daemon) -> None:
+    async def _drain(self, d: Daemon) -> None:
         """Stop taking work; finish in-flight replies and spills within drain_timeout_s."""
         c = self.config
         self.ready = False
@@ -255,7 +124,7 @@ class App:
         if not await d.store.flush(max(0.0, deadline - time.monotonic())):
             logger.warning("drain timed out before every spill reached the disk")
 
-    async def _hand_over(self, d: _Daemon, stopped: bool) -> None:
+    async def _hand_over(self, d: Daemon, stopped: bool) -> None:
         """Close everything in order; after a clean stop keep the segment and its warm index."""
         assert self._stop is not None
         # The stop handlers stay until the end: a second SIGTERM during the shutdown (a
@@ -270,17 +139,18 @@ class App:
             d.sweeper.cancel()
         if d.events is not None and stopped:
             save_kept(d.events.keep_path, d.events.kept())
+        kept = False  # the pool segment stays for the next daemon: its index was written
         if d.warm is not None and stopped and d.pool.shared:
             leases = d.shm.hand_over()
             await d.store.filling.wait()  # nothing of ours writes into the pool past this point
-            d.memory.keep_segment = d.warm.save(d.pool, d.memory, leases)
+            kept = d.warm.save(d.pool, d.memory, leases)
         else:
             d.shm.close()
         await d.http.close()
         await d.prefetcher.close()  # (when the drain did not run) no promotion into a closing store
-        await d.store.close()
+        await d.store.close(keep_segment=kept)
         if d.events is not None:
-            for task in d.event_loops:
+            for task in self._event_loops:
                 task.cancel()
             d.events.publisher.close()  # after the store: its last removals are sent too
             if d.events.snapshot_server is not None:
@@ -296,30 +166,6 @@ class App:
             signal.signal(sig, signal.SIG_IGN)
 
 
-@dataclass
-class _Daemon:
-    """What _build made, for _serve, _drain and _hand_over (one running daemon's parts)."""
-
-    security: Security
-    warm: WarmStart | None
-    pool: MemoryPool
-    supervisor: Supervisor
-    offload: Offload
-    memory: MemoryTier
-    store: TieredStore
-    metrics: ServerMetrics
-    context: zmq.asyncio.Context
-    events: Announcer | None
-    shm: ShmLeases
-    server: ZmqServer
-    sweeper: asyncio.Task[None] | None
-    http: HttpEndpoint
-    monitor: ConnectionMonitor
-    summary: SummaryLog
-    prefetcher: Prefetcher
-    event_loops: list[asyncio.Task[None]] = field(default_factory=list)
-
-
 def _on_signal(loop: asyncio.AbstractEventLoop, signals: tuple[int, ...], callback: Callable[[], object]) -> None:
     """Run ``callback`` on the loop when one of ``signals`` arrives.
 
@@ -333,106 +179,6 @@ def _on_signal(loop: asyncio.AbstractEventLoop, signals: tuple[int, ...], callba
 
     for sig in signals:
         signal.signal(sig, handler)
-
-
-def warm_start(c: ServerConfig, state: StateDir | None = None) -> WarmStart:
-    """The warm restarts of the daemon ``c`` configures: its identity and installation
-    (also what ``lmcache-server cleanup`` removes).  The installation is the random id
-    kept in the state directory (``state``, else the one ``c`` resolves to)."""
-    if state is None:
-        state = _state_dir(c)
-    installation = installation_id(state.root if state is not None else None)
-    return WarmStart(c.shm_dir, c.listen, c.max_local_cpu_size, c.warm_restart_max_age_s, installation)
-
-
-def _release_kept(warm: WarmStart) -> None:
-    """With warm_restart off: remove the segment an earlier clean stop of this daemon kept."""
-    for kept in warm.remove_kept():
-        if kept.removed:
-            logger.info(
-                "warm_restart is off: removed the pool segment %s (%d MiB of host memory) that an earlier clean "
-                "stop of this daemon kept",
-                kept.name,
-                kept.held_bytes >> 20,
-            )
-        else:
-            logger.warning("warm_restart is off: left the kept pool segment %s: %s", kept.name, kept.reason)
-
-
-def _pool(c: ServerConfig, adoption: Adoption | None) -> tuple[MemoryPool, Adoption | None]:
-    """The memory pool: the adopted segment, or (none, or it cannot be mapped) a new one."""
-    mode = 0o600 if c.shm_access == "owner" else 0o660
-    if adoption is not None:
-        try:
-            return MemoryPool(c.max_local_cpu_size, c.pin_memory, c.shm_dir, mode, adopt=adoption.segment), adoption
-        except OSError as err:
-            logger.warning("warm restart refused, the memory tier starts cold: cannot map the old segment (%s)", err)
-    return MemoryPool(c.max_local_cpu_size, c.pin_memory, c.shm_dir if c.shared_memory else None, mode), None
-
-
-def _gate(c: ServerConfig, disk: DiskTier | None, remote: RedisTier | None) -> StoreGate | None:
-    """The lower tiers' gate (docs/storage.md); None when every tier takes every chunk."""
-    disk_mode = c.disk_admission if disk is not None else "always"
-    remote_mode = c.remote_admission if remote is not None else None
-    if disk_mode == "always" and remote_mode in ("always", None):
-        return None
-    capacity = c.max_local_cpu_size + (c.max_local_disk_size if disk is not None else 0)
-    return StoreGate(disk_mode, remote_mode, sketch_width=sketch_width_for(capacity), remote_ttl_s=c.remote_ttl_s)
-
-
-def _state_dir(c: ServerConfig) -> StateDir | None:
-    """The daemon's private state directory (storage/statefiles.py): ``state_dir``
-    (refused at start when it is not this user's alone), else the spill directory,
-    else the per-user default; None (logged) where an implicit one cannot be made."""
-    spill = Path(disk_path(c.local_disk)) if c.local_disk else None
-    try:
-        return resolve_state_dir(c.state_dir, spill, c.listen)
-    except OSError as err:
-        raise ConfigError(
-            "state_dir", c.state_dir, f"a directory of this user that no other user may write ({err})"
-        ) from None
-
-
-def _events(c: ServerConfig, context: zmq.asyncio.Context, state: StateDir | None) -> Announcer | None:
-    """The KV-event announcer and its publisher (docs/events.md), None when events are off."""
-    if c.events_endpoint is None:
-        return None
-    publisher = EventPublisher(
-        context,
-        c.events_endpoint,
-        c.events_replay_endpoint,
-        hwm=c.events_hwm,
-        replay_bytes=c.events_replay_size,
-        batch_max_events=c.events_batch_max_events,
-        batch_interval_s=c.events_batch_interval_s,
-        heartbeat_s=c.events_heartbeat_s,
-    )
-    settings = EventSettings(
-        c.events_topic,
-        c.events_node or socket.gethostname(),
-        c.events_block_size,
-        c.events_encoding,
-        chunk_size=c.chunk_size,
-    )
-    announcer = Announcer(publisher, settings)
-    announcer.keep_path = keep_path(state)
-    if c.events_snapshot_endpoint is not None:
-        announcer.snapshot_server = SnapshotServer(
-            context, c.events_snapshot_endpoint, announcer, timeout_s=c.events_snapshot_timeout_s
-        )
-    return announcer
-
-
-def _query(c: ServerConfig, store: TieredStore, access: QueryAccess) -> Query:
-    """``POST /query`` (docs/events.md), answered to whom ``access`` allows (docs/security.md)."""
-    local = [t for t in (store.memory, store.disk) if t is not None]
-
-    def namespaces() -> list[str]:
-        return sorted({ns for tier in local for ns in tier.namespaces()})
-
-    events = store.events
-    remote = events.remote_holds if events is not None and store.remote is not None else None
-    return Query(store.where, namespaces, c.chunk_size, access, remote=remote)
 
 
 def _bind_events(events: Announcer) -> None:

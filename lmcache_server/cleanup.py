@@ -30,8 +30,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .app import warm_start
 from .config import ConfigError, load_config, set_overrides
+from .daemon import warm_start
 from .storage.memory import remove_stale_segments
 
 logger = logging.getLogger("lmcache_server")

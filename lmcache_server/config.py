@@ -18,7 +18,8 @@ as ``LMCACHE_USE_EXPERIMENTAL`` sit next to ours).  A bad value raises
 expected (the keys, their defaults and parsers live in :mod:`.serverconfig`,
 the value parsers in :mod:`.configvalues`); then the keys are checked against
 each other (:func:`check_across_keys`).  Primitives: :func:`load_config`,
-:func:`check_across_keys`, :func:`set_overrides`, :class:`ConfigError`,
+:func:`check_across_keys`, :func:`set_overrides`, :func:`summary` (the config's
+line in the start's log), :class:`ConfigError`,
 :data:`FIELDS`, and (re-exported) :class:`ServerConfig`, :func:`parse_size`.
 """
 
@@ -197,3 +198,26 @@ def load_config(
     check_across_keys(config)
     _warn_unknown_env(unknown_env)
     return config
+
+
+def summary(c: ServerConfig) -> str:
+    """One log line with the effective settings of ``c``."""
+    gib = 1024**3
+    admission = (
+        ""
+        if c.disk_admission == c.remote_admission == "always"
+        else f"admission=disk:{c.disk_admission},redis:{c.remote_admission} "
+    )
+    return (
+        f"listen={','.join(c.listen)} auth={c.auth}{' (allow_insecure)' if c.allow_insecure else ''} "
+        f"memory={c.max_local_cpu_size / gib:.2f}GiB "
+        f"policy={c.cache_policy} chunk_size={c.chunk_size} "
+        f"disk={c.local_disk or 'off'}"
+        f"{f' ({c.max_local_disk_size / gib:.2f}GiB)' if c.local_disk else ''} "
+        f"remote={redact(c.remote_url) if c.remote_url else 'off'} "
+        f"{admission}"
+        f"metrics={'off' if not c.metrics_port else f'http://{c.metrics_host}:{c.metrics_port}'} "
+        f"events={c.events_endpoint or 'off'} "
+        f"kv_codec={c.codec.tag if c.codec is not None else 'none'} "
+        f"max_message={c.max_message_size >> 20}MiB inflight_budget={c.max_inflight_bytes >> 20}MiB"
+    )

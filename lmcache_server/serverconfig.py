@@ -3,7 +3,7 @@
 Each field gives the key's default, its value parser (from :mod:`.configvalues`),
 the text a refusal says was expected, and a line saying what the key does.  The
 record also derives what follows from its keys (the effective KV codec, a tier's
-tenant quotas, the one-line summary).  It is built by :func:`.config.load_config`,
+tenant quotas).  It is built by :func:`.config.load_config`,
 which reads the sources, parses each value and checks the keys against each other
 (:func:`.config.check_across_keys`); code imports it from :mod:`.config`.
 Primitives: :class:`ServerConfig`.
@@ -448,25 +448,3 @@ class ServerConfig:
         """``tenant_quotas`` of one tier ("memory" or "disk"): tenant -> bytes."""
         index = 1 if tier == "memory" else 2
         return {q[0]: q[index] for q in self.tenant_quotas if q[index] is not None}  # type: ignore[misc]
-
-    def summary(self) -> str:
-        """One log line with the effective settings."""
-        gib = 1024**3
-        return (
-            f"listen={','.join(self.listen)} auth={self.auth}{' (allow_insecure)' if self.allow_insecure else ''} "
-            f"memory={self.max_local_cpu_size / gib:.2f}GiB "
-            f"policy={self.cache_policy} chunk_size={self.chunk_size} "
-            f"disk={self.local_disk or 'off'}"
-            f"{f' ({self.max_local_disk_size / gib:.2f}GiB)' if self.local_disk else ''} "
-            f"remote={v.redact(self.remote_url) if self.remote_url else 'off'} "
-            f"{self._admission_summary()}"
-            f"metrics={'off' if not self.metrics_port else f'http://{self.metrics_host}:{self.metrics_port}'} "
-            f"events={self.events_endpoint or 'off'} "
-            f"kv_codec={self.codec.tag if self.codec is not None else 'none'} "
-            f"max_message={self.max_message_size >> 20}MiB inflight_budget={self.max_inflight_bytes >> 20}MiB"
-        )
-
-    def _admission_summary(self) -> str:
-        if self.disk_admission == self.remote_admission == "always":
-            return ""
-        return f"admission=disk:{self.disk_admission},redis:{self.remote_admission} "

@@ -52,7 +52,7 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
         # admin.py (and admincache.py) is a command-line tool the cli dispatches to (a client of a running
         # daemon, over lmcache_client): nothing below the cli may import it.
         {"cli": ["lmcache_server.cli", "lmcache_server.__main__", "lmcache_server.admin*", "lmcache_server.cleanup"]},
-        {"app": ["lmcache_server.app"]},
+        {"app": ["lmcache_server.app", "lmcache_server.daemon"]},  # the lifecycle and the parts it builds
         {"server": ["lmcache_server.server*"]},
         {"security": ["lmcache_server.security*"], "summary": ["lmcache_server.summary"]},  # guard reads metrics
         {"metrics": ["lmcache_server.metrics*"], "events": ["lmcache_server.events*"]},  # both read storage

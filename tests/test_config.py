@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmcache_server.config import ConfigError, ServerConfig, load_config, parse_size
+from lmcache_server.config import ConfigError, ServerConfig, load_config, parse_size, summary
 
 from .conftest import free_port
 
@@ -119,7 +119,7 @@ def test_codec_settings() -> None:
     env = {"LMCACHE_KV_CODEC": "int8", "LMCACHE_KV_CODEC_PARAMS": "{group: 64}"}
     c = load_config(None, env)
     assert c.codec.tag == load_config(None, {}, {"kv_codec": "int8:group=64"}).codec.tag == "int8.v1-g64"
-    assert "kv_codec=int8.v1-g64" in c.summary()
+    assert "kv_codec=int8.v1-g64" in summary(c)
     # naive + an explicit codec: the codec; kv_codec none is raw chunks.
     assert load_config(None, {}, {"remote_serde": "naive", "kv_codec": "lossless"}).codec.mode == "lossless"
     assert load_config(None, {}, {"kv_codec": "none"}).codec is None

@@ -11,11 +11,15 @@ per-medium reference counts, the token ids kept per chunk), :mod:`.wire` (the
 msgpack encoding), :mod:`.replay` (the bounded replay buffer),
 :mod:`.publisher` (PUB + replay ROUTER sockets, batching, sequence numbers,
 heartbeats, the epoch's publisher id), :mod:`.announcer` (what the tiered
-store tells us -> events per topic and medium), :mod:`.snapshot` (the snapshot
-endpoint) and :mod:`.keep` (what a clean stop keeps for the next start).
+store tells us -> events per topic and medium; the room's front, which builds
+and holds the publisher, the snapshot endpoint and the Redis watch),
+:mod:`.snapshot` (the snapshot endpoint), :mod:`.remote` (what this node's Redis
+uplink holds) and :mod:`.keep` (what a clean stop keeps for the next start).
 """
 
 from .announcer import Announcer, EventSettings
-from .publisher import EventPublisher
+from .publisher import EventPublisher, PublisherSettings
+from .remote import RemoteSettings
+from .snapshot import SnapshotSettings
 
-__all__ = ["Announcer", "EventPublisher", "EventSettings"]
+__all__ = ["Announcer", "EventPublisher", "EventSettings", "PublisherSettings", "RemoteSettings", "SnapshotSettings"]

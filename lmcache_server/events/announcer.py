@@ -47,7 +47,9 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+import zmq.asyncio
 
 from lmcache_client.keys import ChunkTokens
 from lmcache_client.namespace import chunk_size_of
@@ -55,9 +57,10 @@ from lmcache_client.namespace import chunk_size_of
 from ..storage.base import ChunkKey
 from .blocks import BlockIndex, Held, block_hashes, parent_hash
 from .keep import Kept
-from .publisher import EventPublisher
+from .publisher import EventPublisher, PublisherSettings
 from .remote import LOCAL as LOCAL  # re-exported
-from .remote import REMOTE, REMOTE_TIER, RemoteHeld, placement
+from .remote import REMOTE, REMOTE_TIER, RemoteHeld, RemoteSettings, placement
+from .snapshot import SnapshotServer, SnapshotSettings
 from .wire import Event, Wire
 
 logger = logging.getLogger(__name__)
@@ -77,20 +80,6 @@ def render_topic(template: str, namespace: str, node: str) -> str:
         raise ValueError(
             f"topic {template!r}: only {{model}}, {{namespace}} and {{node}} may be used ({err})"
         ) from None
-
-
-class Endpoint(Protocol):
-    """A socket loop beside the publisher (the snapshot endpoint, :mod:`.snapshot`)."""
-
-    endpoint: str
-
-    def bind(self) -> None: ...
-
-    async def serve(self) -> None: ...
-
-    def close(self) -> None: ...
-
-    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +111,28 @@ class AnnouncerCounters:
 
 
 class Announcer:
-    def __init__(self, publisher: EventPublisher, settings: EventSettings):
-        self.publisher = publisher
+    """The front of the events room: it builds and holds its parts, each given what it
+    uses, the parts that call the announcer back given the announcer itself:
+
+    - ``publisher`` (:class:`.publisher.EventPublisher`): the PUB and replay sockets,
+      batching; it calls :meth:`_build` at each flush and :meth:`topics` for heartbeats;
+    - ``snapshot_server`` (:class:`.snapshot.SnapshotServer`, with ``snapshot``): the
+      snapshot endpoint, reading :meth:`residency`;
+    - ``remote`` (:class:`.remote.RemoteHeld`, with ``remote``): what this node's Redis
+      uplink holds, so a chunk only Redis holds is announced REMOTE, not removed;
+    - ``keep_path``: where a clean stop keeps what was announced (:mod:`.keep`).
+    """
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        settings: EventSettings,
+        publishing: PublisherSettings,
+        *,
+        keep_path: Path | None = None,
+        snapshot: SnapshotSettings | None = None,
+        remote: RemoteSettings | None = None,
+    ):
         self.settings = settings
         self.counters = AnnouncerCounters()
         self.wire = Wire(array=settings.encoding == "array")
@@ -132,13 +141,20 @@ class Announcer:
         self._where: dict[ChunkKey, tuple[bytes, str]] = {}  # announced chunk -> (topic, medium), kept current
         self._ops: list[tuple[Any, ...]] = []  # what happened since the last flush, in order
         self._unbuilt: dict[ChunkKey, ChunkTokens] = {}  # stored since the last flush (not in an index yet)
-        publisher.prepare = self._build
-        publisher.topics = self.topics
-        self.keep_path: Path | None = None
+        self.publisher = EventPublisher(context, publishing, prepare=self._build, topics=self.topics)
+        self.keep_path = keep_path
         """Where a clean stop keeps what was announced for the next start (:mod:`.keep`)."""
-        self.snapshot_server: Endpoint | None = None
-        """The snapshot endpoint (set by the composition root when configured)."""
-        self.remote: RemoteHeld | None = None  # what Redis holds for this node (:mod:`.remote`); set by the app
+        self.snapshot_server = (
+            SnapshotServer(context, snapshot.endpoint, self, timeout_s=snapshot.timeout_s)
+            if snapshot is not None
+            else None
+        )
+        self.remote = (
+            RemoteHeld(self, remote.redis, max_chunks=remote.max_chunks, ttl_s=remote.ttl_s, audit_s=remote.audit_s)
+            if remote is not None
+            else None
+        )
+        """What Redis holds for this node (:mod:`.remote`)."""
 
     def chunk_ids(self, namespace: str) -> int:
         """The token ids one chunk of ``namespace`` holds: its ``c<N>``, else the daemon's

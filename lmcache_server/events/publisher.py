@@ -41,8 +41,9 @@
   the subscriber must drop what it held from the old one; the first batches of
   each epoch are ``AllBlocksCleared`` (:meth:`.announcer.Announcer.start`).
 
-Primitive: :class:`EventPublisher` (``bind``, ``publish``, ``wake``,
-``flush``, ``serve_replay``, ``serve_heartbeat``, ``close``, ``stats``).
+Primitives: :class:`EventPublisher` (``bind``, ``publish``, ``wake``,
+``flush``, ``serve_replay``, ``serve_heartbeat``, ``close``, ``stats``),
+:class:`PublisherSettings` (what it is built from).
 """
 
 from __future__ import annotations
@@ -90,56 +91,69 @@ class PublisherCounters:
     heartbeats: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class PublisherSettings:
+    """The events endpoint's keys (``events_*``: docs/events.md)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    hwm: int = 1000
+    replay_bytes: int = 64 << 20
+    batch_max_events: int = 256
+    batch_interval_s: float = 0.05
+    data_parallel_rank: int = 0
+    heartbeat_s: float = 0.0
+
+
 class EventPublisher:
+    """The PUB socket and replay ROUTER of ``settings`` (see the module).  ``prepare``
+    runs at the start of every flush (the announcer builds its events then) and
+    ``topics`` says where a heartbeat goes; the owner passes both in."""
+
     def __init__(
         self,
         context: zmq.asyncio.Context,
-        endpoint: str,
-        replay_endpoint: str | None = None,
+        settings: PublisherSettings,
         *,
-        hwm: int = 1000,
-        replay_bytes: int = 64 << 20,
-        batch_max_events: int = 256,
-        batch_interval_s: float = 0.05,
-        data_parallel_rank: int = 0,
-        heartbeat_s: float = 0.0,
+        prepare: Callable[[], None] | None = None,
+        topics: Callable[[], list[bytes]] = list,
     ):
-        self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
-        self.batch_max_events = batch_max_events
-        self.batch_interval_s = batch_interval_s
-        self.data_parallel_rank = data_parallel_rank
+        self.endpoint = settings.endpoint
+        self.replay_endpoint = settings.replay_endpoint
+        self.batch_max_events = settings.batch_max_events
+        self.batch_interval_s = settings.batch_interval_s
+        self.data_parallel_rank = settings.data_parallel_rank
         self.counters = PublisherCounters()
-        self.buffer = ReplayBuffer(replay_bytes)
+        self.buffer = ReplayBuffer(settings.replay_bytes)
         self.first_seq = time.time_ns() // 1000
         """The epoch's first sequence number: its start time in microseconds (module docstring)."""
         self.next_seq = self.first_seq
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_s = settings.heartbeat_s
         self.publisher_id = uuid.uuid4().hex
         """This daemon's epoch: new at every start."""
         self.started = time.time()
         self._last_sent = time.monotonic()
-        self.topics: Callable[[], list[bytes]] = list
+        self.topics = topics
         """The topics a heartbeat goes to (the announcer's)."""
         self._pending: dict[bytes, list[Event]] = {}
         self._pending_events = 0
         self._timer: asyncio.TimerHandle | None = None
         self._soon: asyncio.Handle | None = None
         self._flushing = False
-        self.prepare: Callable[[], None] | None = None
+        self.prepare = prepare
         """Called at the start of every flush (the announcer builds its events then)."""
         # A plain (blocking-API) socket over the same ZeroMQ context: sends with
         # NOBLOCK complete at once, without a future per batch.
         self._sync: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(context.underlying)
         self._pub: zmq.Socket[bytes] = self._sync.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.setsockopt(zmq.SNDHWM, settings.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.asyncio.Socket | None = None
-        self._replay_cap = max(1, replay_bytes // 2)
+        self._replay_cap = max(1, settings.replay_bytes // 2)
         """Bytes of batches ZeroMQ may hold for all replays together."""
         self._in_flight: list[tuple[zmq.MessageTracker, int]] = []
         self._in_flight_bytes = 0
-        if replay_endpoint is not None:
+        if settings.replay_endpoint is not None:
             self._replay = context.socket(zmq.ROUTER)
             # A small queue per requester; a full one is EAGAIN (not a silent drop).
             self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)

@@ -28,7 +28,8 @@ on a cluster a subscription per node.  So an eviction Redis makes on its own
 (``maxmemory``) is seen at the next audit or read of the key.
 
 Primitives: :class:`RemoteHeld` (``holds``, ``run``, ``stats``, and the
-:class:`..storage.base.RemoteListener` hooks), :func:`placement`, :data:`REMOTE`,
+:class:`..storage.base.RemoteListener` hooks; the announcer builds it from a
+:class:`RemoteSettings`), :func:`placement`, :data:`REMOTE`,
 :data:`AUDIT_BATCH`.
 """
 
@@ -101,6 +102,16 @@ class RemoteCounters:
     """Keys forgotten because the uplink went down."""
     remote_audits: int = 0
     """Audit rounds run (each asks Redis about every chunk announced REMOTE)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteSettings:
+    """What :class:`RemoteHeld` watches and its bounds (``events_remote_*``, ``remote_ttl_s``)."""
+
+    redis: Redis
+    max_chunks: int
+    ttl_s: float
+    audit_s: float
 
 
 class RemoteHeld:

@@ -32,22 +32,24 @@ takes one batch every few seconds), loses the rest (no end marker; counted in
 next request is answered.  What ZeroMQ queued for it already (at most
 ``SNDHWM`` messages) stays queued until it reads or goes.
 
-Primitives: :class:`SnapshotServer` (``bind``, ``serve``, ``close``), :func:`snapshot_events`.
+Primitives: :class:`SnapshotServer` (``bind``, ``serve``, ``close``), :class:`SnapshotSettings`
+(what the announcer builds it from), :func:`snapshot_events`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import msgpack
 import zmq
 import zmq.asyncio
 
-from .announcer import Announcer
 from .blocks import Held
+from .publisher import EventPublisher
 from .remote import placement
 from .wire import END_SEQ, Event, Wire, encode_batch, seq_bytes
 
@@ -63,10 +65,39 @@ MAX_PREFIX = 1024
 """The longest topic prefix a request may name."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SnapshotSettings:
+    """``events_snapshot_endpoint`` and ``events_snapshot_timeout_s``."""
+
+    endpoint: str
+    timeout_s: float = TIMEOUT_S
+
+
+class BlockSized(Protocol):
+    @property
+    def block_size(self) -> int: ...
+
+
+class SnapshotSource(Protocol):
+    """What a snapshot reads of the announcer (:class:`.announcer.Announcer` is one, and
+    builds this endpoint with itself: this module does not import it)."""
+
+    @property
+    def publisher(self) -> EventPublisher: ...
+    @property
+    def settings(self) -> BlockSized: ...
+    @property
+    def wire(self) -> Wire: ...
+
+    def residency(self, prefix: bytes = b"") -> tuple[int, list[tuple[bytes, str, list[Held], set[int]]]]: ...
+
+
 class SnapshotServer:
     """The snapshot endpoint of ``announcer``; each snapshot takes at most ``timeout_s``."""
 
-    def __init__(self, context: zmq.asyncio.Context, endpoint: str, announcer: Announcer, timeout_s: float = TIMEOUT_S):
+    def __init__(
+        self, context: zmq.asyncio.Context, endpoint: str, announcer: SnapshotSource, timeout_s: float = TIMEOUT_S
+    ):
         self.endpoint = endpoint
         self.announcer = announcer
         self.timeout_s = timeout_s

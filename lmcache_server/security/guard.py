@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -105,17 +106,18 @@ def _check_exposure(config: ServerConfig) -> None:
 
 
 class _Authenticator(AsyncioAuthenticator):
-    """ZAP handler: a key is accepted only if listed; its User-Id is the client's name."""
+    """ZAP handler: a key is accepted only if listed; its User-Id is the client's name.
+    ``policy`` answers the policy in force (the owner's, which a SIGHUP replaces)."""
 
-    def __init__(self, context: zmq.asyncio.Context, policy: AccessPolicy, metrics: ServerMetrics | None):
+    def __init__(self, context: zmq.asyncio.Context, policy: Callable[[], AccessPolicy], metrics: ServerMetrics | None):
         super().__init__(context, log=logging.getLogger(__name__ + ".zap"))
-        self.policy = policy
+        self._policy = policy
         self.metrics = metrics
         self._logged: set[bytes] = set()
         self.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self)
 
     def callback(self, domain: str, z85_key: bytes) -> bool:
-        if z85_key in self.policy.by_key:
+        if z85_key in self._policy().by_key:
             return True
         if self.metrics is not None:
             self.metrics.auth_rejections.inc()
@@ -125,7 +127,7 @@ class _Authenticator(AsyncioAuthenticator):
         return False
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return self.policy.by_key[z85.encode(client_public_key)].name
+        return self._policy().by_key[z85.encode(client_public_key)].name
 
 
 class Security:
@@ -163,10 +165,15 @@ class Security:
     def enabled(self) -> bool:
         return self.policy is not None
 
+    def _current_policy(self) -> AccessPolicy:
+        """The policy in force, as the ZAP handler asks it at each handshake."""
+        assert self.policy is not None  # the handler exists only under auth: curve
+        return self.policy
+
     def start(self, context: zmq.asyncio.Context, metrics: ServerMetrics | None = None) -> None:
         """Start the ZAP handler (on the running loop) before any socket binds."""
         if self.policy is not None:
-            self._auth = _Authenticator(context, self.policy, metrics)
+            self._auth = _Authenticator(context, self._current_policy, metrics)
             self._auth.start()
 
     def configure_socket(self, sock: Any) -> None:
@@ -199,9 +206,7 @@ class Security:
             return False
         added = sorted(set(policy.by_name) - set(self.policy.by_name))
         removed = sorted(set(self.policy.by_name) - set(policy.by_name))
-        self.policy = policy
-        if self._auth is not None:
-            self._auth.policy = policy
+        self.policy = policy  # the ZAP handler reads it from here (_current_policy)
         logger.info(
             "SIGHUP: reloaded %s: %d client keys (added: %s; removed: %s)",
             self.config.client_keys_file,

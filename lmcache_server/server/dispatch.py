@@ -2,7 +2,7 @@
 
 Per message: split the envelope -> decode and validate the header (errors
 become error replies) -> access check (with ``auth: curve``: the connection's
-client name against the op and namespace; FORBIDDEN) -> token ids -> admission
+client name against the op and namespace; FORBIDDEN) -> token ids -> in-flight limits
 (the client's own request and byte limits, then the server's byte budget and
 task cap; BUSY when spent) -> a handler task -> one reply.  A lookup that local
 tiers answer is answered at once, without a task.  A message over the frame
@@ -55,7 +55,7 @@ def split_envelope(frames: list[Any]) -> tuple[list[bytes], list[Any]]:
 
 
 class Dispatch:
-    """The request part of the server: admission, access, a handler task, its reply."""
+    """The request part of the server: access, in-flight limits, a handler task, its reply."""
 
     def __init__(
         self,
@@ -151,10 +151,10 @@ class Dispatch:
             return
         size = request.payload_bytes
         owners: Owners = ((self.clients, envelope[0]),)
-        over = self.clients.try_admit(envelope[0], size)
+        over = self.clients.try_acquire(envelope[0], size)
         if over is None and self.keys is not None and user_id:
             key_owner = user_id.encode()
-            key_over = self.keys.try_admit(key_owner, size)
+            key_over = self.keys.try_acquire(key_owner, size)
             if key_over is None:
                 owners += ((self.keys, key_owner),)
             else:
@@ -188,7 +188,7 @@ class Dispatch:
         task.add_done_callback(self.tasks.discard)
 
     def _answer_now(self, envelope: list[bytes], request: Any, started: float, owners: Owners) -> bool:
-        """Answer an admitted request in the receive loop when its handler needs no
+        """Answer a request within its limits in the receive loop when its handler needs no
         waiting (a lookup of local tiers: a task would cost more than the lookup);
         False: it was not answered, run it as a task."""
         try:

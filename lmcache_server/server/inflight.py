@@ -1,7 +1,7 @@
 """In-flight limits: bytes and requests being handled, refused with BUSY instead of queueing.
 
 Primitives: :class:`ByteBudget` (``try_acquire``, ``release``, ``share``,
-``in_use``), the server-wide byte budget and each holder's fair share of it; :class:`ClientLedger` (``try_admit``,
+``in_use``), the server-wide byte budget and each holder's fair share of it; :class:`ClientLedger` (``try_acquire``,
 ``release``, ``hold``, ``unhold``), each client connection's own share of it,
 so one greedy client gets BUSY while the others keep being served.
 """
@@ -15,7 +15,7 @@ class ByteBudget:
         self.in_use = 0
 
     def try_acquire(self, nbytes: int) -> bool:
-        """Take ``nbytes`` if they fit.  An idle budget admits one request of any
+        """Take ``nbytes`` if they fit.  An idle budget takes one request of any
         size, so a request larger than the budget is slow, never starved."""
         if self.in_use and self.in_use + nbytes > self.max_bytes:
             return False
@@ -38,10 +38,10 @@ class ByteBudget:
 class ClientLedger:
     """Requests and payload bytes in flight per peer (ZeroMQ routing id).
 
-    A request counts from admission until its handler finishes; bytes are a
+    A request counts from its acquire until its handler finishes; bytes are a
     put's payload until it is stored, and a get reply's payload until ZeroMQ
     has sent it (a client that stops reading keeps holding them).  As with
-    :class:`ByteBudget`, a client holding no bytes is admitted whatever its
+    :class:`ByteBudget`, a client holding no bytes is let in whatever its
     request's size.  Entries exist only while something is in flight, so the
     table is bounded by the connections with work in progress.
     """
@@ -51,8 +51,8 @@ class ClientLedger:
         self.max_bytes = max_bytes
         self._entries: dict[bytes, list[int]] = {}  # peer -> [requests, bytes]
 
-    def try_admit(self, peer: bytes, nbytes: int) -> str | None:
-        """Count one request of ``nbytes``; None if admitted, else the limit it hit."""
+    def try_acquire(self, peer: bytes, nbytes: int) -> str | None:
+        """Count one request of ``nbytes``; None if it fits, else the limit it hit."""
         entry = self._entries.get(peer)
         if entry is None:
             self._entries[peer] = [1, nbytes]
@@ -69,7 +69,7 @@ class ClientLedger:
         return None
 
     def release(self, peer: bytes, nbytes: int) -> None:
-        """The request admitted with ``nbytes`` is done."""
+        """The request acquired with ``nbytes`` is done."""
         self._change(peer, -1, -nbytes)
 
     def hold(self, peer: bytes, nbytes: int) -> None:

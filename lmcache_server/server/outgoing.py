@@ -23,7 +23,7 @@ Owners = tuple[tuple[ClientLedger, bytes], ...]
 
 
 def release(owners: Owners, nbytes: int) -> None:
-    """The request admitted with ``nbytes`` is done in each of its ledgers."""
+    """The request acquired with ``nbytes`` is done in each of its ledgers."""
     for ledger, owner in owners:
         ledger.release(owner, nbytes)
 

@@ -4,7 +4,7 @@ Flow per message: receive at most ``max_keys_per_request + 1`` frames (the
 rest are drained and dropped: TOO_LARGE) -> split the envelope -> decode and
 validate the header (errors become error replies) -> access check (with
 ``auth: curve``: the connection's client name against the op and namespace;
-FORBIDDEN) -> admission (the client's own request and byte limits, then the
+FORBIDDEN) -> in-flight limits (the client's own request and byte limits, then the
 server's byte budget and task cap; BUSY when spent) -> a handler task -> one
 reply.  A lookup that local tiers answer is answered in the receive loop
 itself, without a task.  Every refused limit is counted in

@@ -655,15 +655,15 @@ def test_greedy_client_gets_busy_for_its_requests_others_are_served(daemon_facto
 
 def test_client_ledger() -> None:
     ledger = ClientLedger(max_requests=2, max_bytes=10)
-    assert ledger.try_admit(b"a", 50) is None  # an idle client: any size
-    assert ledger.try_admit(b"a", 1) == "client_bytes"
-    assert ledger.try_admit(b"b", 5) is None  # another client is not affected
+    assert ledger.try_acquire(b"a", 50) is None  # an idle client: any size
+    assert ledger.try_acquire(b"a", 1) == "client_bytes"
+    assert ledger.try_acquire(b"b", 5) is None  # another client is not affected
     ledger.release(b"a", 50)
-    assert ledger.try_admit(b"a", 4) is None and ledger.try_admit(b"a", 4) is None
-    assert ledger.try_admit(b"a", 0) == "client_requests"
+    assert ledger.try_acquire(b"a", 4) is None and ledger.try_acquire(b"a", 4) is None
+    assert ledger.try_acquire(b"a", 0) == "client_requests"
     ledger.release(b"a", 4)
     ledger.hold(b"a", 6)  # an unsent reply
-    assert ledger.try_admit(b"a", 0) == "client_bytes"  # 4 + 6 held: a get would add more
+    assert ledger.try_acquire(b"a", 0) == "client_bytes"  # 4 + 6 held: a get would add more
     ledger.release(b"a", 4)
     ledger.unhold(b"a", 6)
     ledger.release(b"b", 5)

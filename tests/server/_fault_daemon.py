@@ -19,14 +19,14 @@ from typing import Any
 def _dispatch_assert() -> None:
     from lmcache_server.server import inflight
 
-    admit = inflight.ClientLedger.try_admit
+    acquire = inflight.ClientLedger.try_acquire
 
-    def try_admit(self: Any, peer: bytes, nbytes: int) -> str | None:
+    def try_acquire(self: Any, peer: bytes, nbytes: int) -> str | None:
         if nbytes == 777:
             raise AssertionError("client ledger released more than it counted")
-        return admit(self, peer, nbytes)
+        return acquire(self, peer, nbytes)
 
-    inflight.ClientLedger.try_admit = try_admit  # type: ignore[method-assign]
+    inflight.ClientLedger.try_acquire = try_acquire  # type: ignore[method-assign]
 
 
 def _disk_writer() -> None:

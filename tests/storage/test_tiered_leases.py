@@ -120,7 +120,7 @@ def test_a_cancelled_promotion_frees_its_room_only_after_the_disk_read_ends(
             await reader
         # The thread still writes into the room: it must not be handed to anyone else yet.
         assert memory.allocator.allocated_bytes == before + 2 * MiB
-        other = memory.prepare_store(ChunkKey(NS, os.urandom(32)), 15 * MiB)
+        other = memory.reserve(ChunkKey(NS, os.urandom(32)), 15 * MiB)
         assert other is PutStatus.NO_SPACE
         disk.go.set()
         await asyncio.get_running_loop().run_in_executor(None, disk.finished.wait, 30)

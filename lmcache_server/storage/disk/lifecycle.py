@@ -93,7 +93,7 @@ class DiskLifecycle:
             self._degrade(f"directory {self.root} is not usable ({err})")
         else:
             self.direct = self.direct_io and await self._run(direct_io_works, str(self.root / "v1"))
-            self.spills.direct = self.direct
+            self.spills.write_direct(self.direct)
             if self.direct_io and not self.direct:
                 logger.info("disk tier: %s does not take O_DIRECT; writing through the page cache", self.root)
             snapshot = await self._run(disksnapshot.load, self.root)

@@ -28,11 +28,16 @@ SPARE_MAX_BYTES = 64 << 20
 class SpillQueue:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self.direct = False  # copies page-aligned for O_DIRECT writes (set when the tier opens)
+        self.direct = False  # copies page-aligned for O_DIRECT writes (write_direct, when the tier opens)
         self.nbytes = 0  # queued bytes
         self._pending: dict[ChunkKey, memoryview] = {}  # written soon; readable meanwhile
         self._queue: asyncio.Queue[tuple[ChunkKey, memoryview, Release | None]] = asyncio.Queue()
         self._spare: list[memoryview] = []  # page-aligned copy buffers of written spills, for reuse
+
+    def write_direct(self, direct: bool) -> None:
+        """Whether the writer uses O_DIRECT (known once the tier opens): spills are then
+        copied into page-aligned buffers."""
+        self.direct = direct
 
     def __contains__(self, key: ChunkKey) -> bool:
         return key in self._pending

@@ -6,8 +6,9 @@ while letting every chunk be one contiguous range (one zero-copy frame, one
 DMA).  Offsets and sizes are multiples of ALIGNMENT.
 
 Primitives: :meth:`ExtentAllocator.alloc` (offset or None: no room),
-:meth:`ExtentAllocator.free`, :meth:`ExtentAllocator.with_used` (an allocator
-whose given extents are in use: a pool adopted at a warm restart), and the
+:meth:`ExtentAllocator.free`, :meth:`ExtentAllocator.occupy` and
+:meth:`ExtentAllocator.with_used` (the given extents in use: a pool adopted at a
+warm restart), and the
 accounting properties
 (``allocated_bytes``, ``free_bytes``, ``largest_free``, ``fragmentation``).
 
@@ -52,30 +53,44 @@ class ExtentAllocator:
     @classmethod
     def with_used(cls, capacity: int, extents: list[tuple[int, int]], track_sizes: bool = True) -> ExtentAllocator:
         """An allocator over ``capacity`` bytes in which each ``(offset, size)`` of
-        ``extents`` is allocated and the gaps between them are free.  Raises
-        ValueError for an extent that is unaligned, outside the pool or
-        overlapping another."""
+        ``extents`` is allocated and the gaps between them are free (:meth:`occupy`)."""
         allocator = cls(capacity, track_sizes)
-        allocator._by_start.clear()
-        allocator._by_end.clear()
-        allocator._sizes.clear()
+        allocator.occupy(extents)
+        return allocator
+
+    def occupy(self, extents: list[tuple[int, int]]) -> None:
+        """Mark each ``(offset, size)`` of ``extents`` allocated, the gaps between them
+        free: an empty allocator takes over a pool whose extents are in use (a warm
+        restart's adoption).  Raises ValueError when something is allocated already,
+        or for an extent that is unaligned, outside the pool or overlapping another
+        (the allocator is then left as it was)."""
+        if self.allocated_bytes:
+            raise ValueError("only an empty allocator can take over used extents")
+        by_start: dict[int, int] = {}
+        used: list[tuple[int, int]] = []
         cursor = 0
         for offset, size in sorted(extents):
             if offset % ALIGNMENT or size <= 0 or size % ALIGNMENT:
                 raise ValueError(f"extent ({offset}, {size}) is not page-aligned")
             if offset < cursor:
                 raise ValueError(f"extent at {offset} overlaps the one before it")
-            if offset + size > allocator.capacity:
-                raise ValueError(f"extent ({offset}, {size}) ends past the pool's {allocator.capacity} bytes")
+            if offset + size > self.capacity:
+                raise ValueError(f"extent ({offset}, {size}) ends past the pool's {self.capacity} bytes")
             if offset > cursor:
-                allocator._add_free(cursor, offset - cursor)
-            if allocator._used is not None:
-                allocator._used[offset] = size
-            allocator.allocated_bytes += size
+                by_start[cursor] = offset - cursor
+            used.append((offset, size))
             cursor = offset + size
-        if cursor < allocator.capacity:
-            allocator._add_free(cursor, allocator.capacity - cursor)
-        return allocator
+        if cursor < self.capacity:
+            by_start[cursor] = self.capacity - cursor
+        self._by_start.clear()
+        self._by_end.clear()
+        self._sizes.clear()
+        for start, size in by_start.items():
+            self._add_free(start, size)
+        for offset, size in used:
+            if self._used is not None:
+                self._used[offset] = size
+            self.allocated_bytes += size
 
     @property
     def free_bytes(self) -> int:

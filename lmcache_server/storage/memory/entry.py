@@ -78,7 +78,7 @@ def canonical(key: ChunkKey) -> ChunkKey:
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Reservation:
-    """Room in the pool for one chunk, not yet visible (see :meth:`.tier.MemoryTier.prepare_store`)."""
+    """Room in the pool for one chunk, not yet visible (see :meth:`.tier.MemoryTier.reserve`)."""
 
     key: ChunkKey
     offset: int

@@ -97,8 +97,8 @@ class ChunkIndex:
         self.quotas = quotas if quotas is not None else TenantQuotas()
         """Per-tenant byte limits (``tenant_quotas``)."""
         self.entries: dict[ChunkKey, int | _Entry] = {}
-        # Keys with a store under way (prepare_store until complete_store or
-        # abort_store): the first reservation of a key claims it, so a second
+        # Keys with a store under way (reserve until commit or
+        # abort): the first reservation of a key claims it, so a second
         # writer is EXISTS at once, whichever path (frames, alloc, staged bind)
         # each takes, and never told STORED for a copy that would lose later.
         self.claims: dict[ChunkKey, Reservation] = {}

@@ -237,7 +237,7 @@ class MemoryPool:
     def shared(self) -> bool:
         return self.shm_path is not None
 
-    def commit(self, offset: int, size: int) -> bool:
+    def ensure_pages(self, offset: int, size: int) -> bool:
         """Make sure the pages of [offset, offset+size) exist; False when the
         backing tmpfs is full (the caller answers NO_SPACE).  Pages below the
         highest extent ever handed out are committed already."""

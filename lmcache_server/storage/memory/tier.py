@@ -36,9 +36,12 @@ its ``index`` (:class:`.index.ChunkIndex`: the state, entries, leases, removal
 and accounts) and its ``eviction`` (:class:`.eviction.TierEviction`, on the
 index: allocation, eviction, waiting for lent room, quotas); the tier itself
 does the reads, the two-phase write, pins, the warm-restart hooks and stats.
+The two-phase write has the words the tiered store and docs/protocol.md use:
+``reserve`` room for a key (the wire's ``alloc``), fill it, then ``commit`` it
+(visible) or ``abort`` it (the wire's ``release`` of a write lease).
 
-Primitives: :class:`MemoryTier` (``get``, ``put``, ``prepare_store`` /
-``complete_store`` / ``abort_store``, ``reserve_room`` / ``bind_room``,
+Primitives: :class:`MemoryTier` (``get``, ``put``, ``reserve`` /
+``commit`` / ``abort``, ``reserve_room`` / ``bind_room``,
 ``lease``, ``delete``, ``clear``, ``pin``, ``unpin``, ``snapshot``, ``adopt``).
 """
 
@@ -84,7 +87,6 @@ class MemoryTier:
     ):
         self.index = ChunkIndex(self.name, pool, max_pinned_bytes, policy, links=links, quotas=quotas)
         self.eviction = TierEviction(self.index)
-        self.keep_segment = False  # leave the shared segment at close: its index was written
 
     # -- the index's state, read by the store, the server, the metrics and the tests --
     @property
@@ -178,25 +180,25 @@ class MemoryTier:
         """Store ``data`` under ``key``; ``parent`` is the chunk before it in its
         prefix chain when known (a hint for the policy)."""
         src = memoryview(data).cast("B")
-        reservation = self.prepare_store(key, src.nbytes, parent)
+        reservation = self.reserve(key, src.nbytes, parent)
         if not isinstance(reservation, Reservation):
             return reservation
         # Copy first, index after: a chunk is visible only once complete.
         reservation.view[:] = src
-        return self.complete_store(reservation)
+        return self.commit(reservation)
 
-    def prepare_store(self, key: ChunkKey, size: int, parent: ChunkKey | None = None) -> Reservation | PutStatus:
+    def reserve(self, key: ChunkKey, size: int, parent: ChunkKey | None = None) -> Reservation | PutStatus:
         """Phase one of a store: room for ``size`` bytes, invisible to readers.
 
-        Returns a Reservation to fill and then :meth:`complete_store` or
-        :meth:`abort_store`, or the PutStatus explaining why there is none.
+        Returns a Reservation to fill and then :meth:`commit` or
+        :meth:`abort`, or the PutStatus explaining why there is none.
         """
         refused = self._refusal(key, size, parent)
         if refused is not None:
             return refused
         key = _canonical(key)
         offset = self.eviction.allocate(size)
-        if offset is not None and not self.index.pool.commit(offset, size):
+        if offset is not None and not self.index.pool.ensure_pages(offset, size):
             self.index.allocator.free(offset, size)  # the shared-memory filesystem is full
             offset = None
         if offset is None:
@@ -256,7 +258,7 @@ class MemoryTier:
                        key.namespace, key.digest.hex()[:16], entry_size, size)  # fmt: skip
         return True
 
-    def complete_store(self, reservation: Reservation) -> PutStatus:
+    def commit(self, reservation: Reservation) -> PutStatus:
         """Phase two: make a filled reservation visible (EXISTS if the key was stored meanwhile)."""
         r = reservation
         self._unclaim(r)
@@ -273,7 +275,7 @@ class MemoryTier:
         self.index.counters.stores += 1
         return PutStatus.STORED
 
-    def abort_store(self, reservation: Reservation) -> None:
+    def abort(self, reservation: Reservation) -> None:
         self._unclaim(reservation)
         self._discharge(reservation)
         self.index.allocator.free(reservation.offset, reservation.size)
@@ -281,11 +283,11 @@ class MemoryTier:
     def reserve_room(self, size: int) -> Reservation | None:
         """Room for ``size`` bytes bound to no key yet (key :data:`UNBOUND`: a staged
         shared-memory slot), evicting as a store would; None when there is none.
-        Give it back with :meth:`abort_store`, or :meth:`bind_room` it."""
+        Give it back with :meth:`abort`, or :meth:`bind_room` it."""
         if size > self.index.allocator.capacity:
             return None
         offset = self.eviction.allocate(size)
-        if offset is not None and not self.index.pool.commit(offset, size):
+        if offset is not None and not self.index.pool.ensure_pages(offset, size):
             self.index.allocator.free(offset, size)
             offset = None
         if offset is None:
@@ -293,8 +295,8 @@ class MemoryTier:
         return Reservation(UNBOUND, offset, size, None, self.index.pool.view[offset : offset + size])
 
     def bind_room(self, room: Reservation, key: ChunkKey, parent: ChunkKey | None = None) -> Reservation | PutStatus:
-        """:meth:`prepare_store` for ``key`` over ``room`` (from :meth:`reserve_room`):
-        the same checks, then a Reservation of that room to :meth:`complete_store`;
+        """:meth:`reserve` for ``key`` over ``room`` (from :meth:`reserve_room`):
+        the same checks, then a Reservation of that room to :meth:`commit`;
         or the PutStatus saying why not (``room`` stays reserved, unbound)."""
         refused = self._refusal(key, room.size, parent)
         if refused is not None:
@@ -414,7 +416,9 @@ class MemoryTier:
             **dataclasses.asdict(self.index.counters),
         }
 
-    async def close(self) -> None:
+    async def close(self, keep_segment: bool = False) -> None:
+        """Forget every chunk and close the pool; with ``keep_segment`` its shared segment
+        stays for the next daemon (a warm restart wrote its index)."""
         self.index.entries.clear()
         self.index.evictable_bytes = 0
-        self.index.pool.close(keep_segment=self.keep_segment)
+        self.index.pool.close(keep_segment=keep_segment)

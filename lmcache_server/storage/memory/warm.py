@@ -18,7 +18,6 @@ from ..base import Chunk, ChunkKey
 from ..policy import EvictionPolicy
 from .allocator import ExtentAllocator, extent_of
 from .entry import Entry, canonical, pack, packable, shared, unpack
-from .pool import MemoryPool
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +31,11 @@ class WarmTier(Protocol):
     reads and sets."""
 
     entries: dict[ChunkKey, int | Entry]
-    allocator: ExtentAllocator
     evictable_bytes: int
     dying_bytes: int
 
     @property
-    def pool(self) -> MemoryPool: ...
+    def allocator(self) -> ExtentAllocator: ...
     @property
     def policy(self) -> EvictionPolicy: ...
     @property
@@ -79,7 +77,7 @@ def adopt(
     """Make an empty ``tier`` take over a pool left by a clean stop: ``chunks`` as
     :func:`snapshot` gave them (inserted in that order: the policy keeps it) and
     the extents ``(offset, size)`` of leases carried over, allocated until given
-    back (``abort_store``, or the release of :func:`held_chunk`).  Each chunk is
+    back (``abort``, or the release of :func:`held_chunk`).  Each chunk is
     charged as ``tier`` charges (its extent, under this configuration's quotas
     and pin bounds): a chunk pinned before past those bounds is adopted
     unpinned (evictable; ``pin`` pins one, False past those bounds).  ValueError when the tier is not empty or extents
@@ -87,9 +85,7 @@ def adopt(
     if tier.entries:
         raise ValueError("only an empty memory tier can adopt a pool")
     extents = [(offset, extent_of(size)) for _, offset, size, _ in chunks]
-    tier.allocator = ExtentAllocator.with_used(
-        tier.pool.size, extents + [(o, extent_of(n)) for o, n in held], track_sizes=False
-    )
+    tier.allocator.occupy(extents + [(o, extent_of(n)) for o, n in held])
     index = tier.entries
     unpinned = 0
     for key, offset, size, pinned in chunks:

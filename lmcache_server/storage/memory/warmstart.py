@@ -29,14 +29,15 @@ pool.py).  So a crash (SIGKILL, OOM kill, power loss) is always a cold start of
 the memory tier: no bytes are adopted without the proof of a clean stop, and a
 put pays nothing for it (no checksum; docs/operations.md).
 
-Three modules, one job each: this one finds, locks and removes segments and
+Four modules, one job each: this one finds, locks and removes segments and
 their index files in ``shm_dir`` and writes the index at the stop
 (:class:`WarmStart`); :mod:`.warmindex` is the index file (what it holds, its
 bytes, its checks); :mod:`.warmadopt` fills the new tier from it
-(:class:`Adoption`).  Their names stay importable from here.
+(:class:`Adoption`); :mod:`.installation` says who wrote it (this installation,
+this boot).  Their names stay importable from here.
 
-Primitives: :class:`WarmStart` (``find``, ``save``, ``remove_kept``), :class:`KeptSegment`,
-:func:`installation_id`,
+Primitives: :class:`WarmStart` (``find``, ``save``, ``remove_kept``),
+:class:`KeptSegment`; from :mod:`.installation`: :func:`installation_id`,
 :func:`boot_id`; from :mod:`.warmadopt`: :class:`Adoption` (``restore``); from
 :mod:`.warmindex`: :class:`HeldLease`, :class:`HeldSlot`, :func:`encode`,
 :func:`decode`, :class:`WarmIndexError`.
@@ -45,20 +46,16 @@ Primitives: :class:`WarmStart` (``find``, ``save``, ``remove_kept``), :class:`Ke
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
-import re
-import secrets
-import socket
 import stat
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..statefiles import read_private, remove, temp_target, write_private
+from ..statefiles import temp_target, write_private
+from .installation import boot_id, installation_id
 from .pool import INDEX_SUFFIX, SEGMENT_RE, MemoryPool, Segment
 from .warmadopt import Adoption, WarmMemory
 from .warmindex import (
@@ -101,76 +98,6 @@ MAX_INDEX_BYTES = 1 << 30
 LOCK_WAIT_S = 5.0
 """How long a new daemon waits for the old one to let go of the segment (it exits right after the index)."""
 TMP_SUFFIX = ".tmp"
-
-
-INSTALLATION_FILE = "installation-id"
-"""In the state directory: this installation's random id (32 hex digits, 0600)."""
-
-
-def installation_id(state_dir: Path | None = None) -> str:
-    """This installation of the daemon: the user, the Python environment it runs from,
-    and a random id kept in its private state directory (``state_dir``, or the spill
-    directory: :mod:`..statefiles`).  Two installations that share an shm directory and
-    listen addresses (containers sharing /dev/shm, a second virtualenv) have two state
-    directories, so two ids, and never adopt each other's pool; a replaced container or
-    pod that keeps its state directory (a volume) keeps its id, whatever its host name.
-    Without a state directory the host name stands in for the id (as before: a new host
-    name is another installation)."""
-    token = _installation_token(state_dir) if state_dir is not None else None
-    if token is None:
-        token = "host:" + socket.gethostname()
-    raw = f"{os.geteuid()}\0{token}\0{os.path.realpath(sys.prefix)}"
-    return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
-
-
-def _installation_token(state_dir: Path) -> str | None:
-    """The id kept in ``state_dir`` (made on first use); None, logged, where it can be
-    neither read nor made."""
-    path = state_dir / INSTALLATION_FILE
-    try:
-        token = _read_token(path)
-        if token is None:
-            # Written beside it and linked into place: of two daemons starting at once, one id wins.
-            made = path.with_name(f"{INSTALLATION_FILE}.{os.getpid()}")
-            with write_private(made) as f:
-                f.write(secrets.token_hex(16).encode() + b"\n")
-            try:
-                os.link(made, path)
-            except FileExistsError:
-                pass
-            finally:
-                remove(made, "a temporary installation id")
-            token = _read_token(path)
-        if token is None:
-            raise OSError(f"{path} holds no id after it was written")
-        return token
-    except OSError as err:
-        logger.warning("warm restart: no installation id in %s (%s); the host name stands in for it", state_dir, err)
-        return None
-
-
-def _read_token(path: Path) -> str | None:
-    """The id in ``path`` (None: no file, or a damaged one, then removed)."""
-    raw = read_private(path, 64)
-    if raw is None:
-        return None
-    token = raw.decode("ascii", "replace").strip()
-    if _TOKEN_RE.fullmatch(token):
-        return token
-    logger.warning("warm restart: %s is damaged; a new installation id replaces it", path)
-    remove(path, "the damaged installation id")
-    return None
-
-
-_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
-
-
-def boot_id() -> str:
-    """This boot of the host (a monotonic deadline means nothing across a reboot)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 DEFAULT_MAX_AGE_S = 3600.0

@@ -105,6 +105,16 @@ class RedisLink:
         ns_tag = hashlib.sha256(key.namespace.encode()).hexdigest()[:16]
         return f"{self.key_prefix}{ns_tag}:{key.digest.hex()}".encode()
 
+    async def connect(self) -> None:
+        """The first contact, at the tier's open: up when Redis answers a ping within
+        ``timeout_s``, else down (reconnecting in the background): never a failed start."""
+        try:
+            await asyncio.wait_for(self.client.ping(), self.timeout_s)
+            self.up = True
+            logger.info("Redis uplink %s connected", redact(self.url))
+        except Exception as err:  # a client library surprised by the handshake too: down, never a failed start
+            self.failed("connect", err)
+
     def mark_down(self, err: BaseException) -> None:
         if self.up or self.probing is None:
             logger.warning("Redis uplink %s down (%s: %s); serving from memory and disk, retrying",

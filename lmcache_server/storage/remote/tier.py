@@ -176,12 +176,7 @@ class RedisTier:
         """Connect (without failing the start if Redis is down), take over what the
         last stop left pending (``state_path``) and start the writer."""
         self.carryover.load()
-        try:
-            await asyncio.wait_for(self.link.client.ping(), self.timeout_s)
-            self.link.up = True
-            logger.info("Redis uplink %s connected", redact(self.url))
-        except Exception as err:  # a client library surprised by the handshake too: down, never a failed start
-            self.link.failed("connect", err)
+        await self.link.connect()
         self._tasks.append(self.link.supervisor.spawn("redis_writer", self.writer.write_loop))
 
     async def flush(self, timeout_s: float) -> bool:

@@ -95,7 +95,7 @@ class Filling:
         except BaseException as err:  # not expected: the copy of two same-sized buffers
             for reservation, _ in pending[committed:]:
                 self._keys.pop(reservation.key, None)
-                self.memory.abort_store(reservation)
+                self.memory.abort(reservation)
             if not isinstance(err, asyncio.CancelledError):
                 self.supervisor.failed("put_fill", err)
         finally:
@@ -144,21 +144,21 @@ async def fill_reservation(memory: Memory, reservation: Reservation, fill: Await
         ok = await asyncio.shield(task)
     except asyncio.CancelledError:
         if task.done():
-            memory.abort_store(reservation)
+            memory.abort(reservation)
         else:
             task.add_done_callback(lambda t: _abandoned(memory, reservation, t))
         raise
     except BaseException:
-        memory.abort_store(reservation)
+        memory.abort(reservation)
         raise
     if not ok:
-        memory.abort_store(reservation)
+        memory.abort(reservation)
         return None
-    return memory.complete_store(reservation)
+    return memory.commit(reservation)
 
 
 def _abandoned(memory: Memory, reservation: Reservation, fill: asyncio.Future[bool]) -> None:
     """The fill of a cancelled read ended: now its room can go back."""
     if not fill.cancelled() and fill.exception() is not None:
         logger.warning("an abandoned read into the pool failed: %s", fill.exception())
-    memory.abort_store(reservation)
+    memory.abort(reservation)

@@ -55,7 +55,7 @@ class Promotion:
         """Copy ``chunk`` (read from ``tier``) into the pool, off the loop: STORED when
         promoted, the memory tier's refusal when there is no room (EXISTS: it holds
         the key already), None when the copy failed."""
-        reservation = self.memory.prepare_store(key, chunk.nbytes)
+        reservation = self.memory.reserve(key, chunk.nbytes)
         if not isinstance(reservation, Reservation):
             return reservation
 
@@ -78,7 +78,7 @@ class Promotion:
         size = disk.payload_size(key)
         if size is None:
             return None
-        reservation = self.memory.prepare_store(key, size)
+        reservation = self.memory.reserve(key, size)
         if not isinstance(reservation, Reservation):
             return reservation
 

@@ -256,11 +256,14 @@ class TieredStore:
                 done = await tier.flush(max(0.0, deadline - time.monotonic())) and done
         return done
 
-    async def close(self) -> None:
+    async def close(self, keep_segment: bool = False) -> None:
+        """Close every tier; with ``keep_segment`` the memory tier leaves its shared pool
+        segment in place (a warm restart: its index was written, storage/memory/warmstart.py)."""
         # Fills write into the pool from a thread: let them end (milliseconds) first.
         await self.filling.wait()
-        # Lowest first: their writers may still be reading pool memory (lent spills).
-        for tier in reversed(self.tiers):
+        # Lowest first, memory last: their writers may still be reading pool memory (lent spills).
+        for tier in reversed(self.tiers[1:]):
             await tier.close()
+        await self.memory.close(keep_segment=keep_segment)
         if self._own_offload:
             self.offload.close()

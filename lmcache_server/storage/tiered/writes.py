@@ -52,7 +52,7 @@ class Commit:
         self._uplinking = uplinking
 
     def __call__(self, reservation: Reservation) -> PutStatus:
-        status = self._memory.complete_store(reservation)
+        status = self._memory.commit(reservation)
         if status is PutStatus.STORED:
             key = reservation.key
             self._residence.in_memory(
@@ -107,7 +107,7 @@ class Writes:
                     self.accessed(key)  # put again while the first put's copy runs
                 out.append(PutStatus.EXISTS)
                 continue
-            reservation = self._memory.prepare_store(key, size, parent)
+            reservation = self._memory.reserve(key, size, parent)
             told = self._told(tokens, i)
             if isinstance(reservation, Reservation):
                 reserved.add(key)
@@ -213,7 +213,7 @@ class Writes:
             self._uplinking.accessed(key, self._memory.peek(key) or key in self._filling)
 
     def abort(self, reservation: Reservation) -> None:
-        self._memory.abort_store(reservation)
+        self._memory.abort(reservation)
 
     async def prepare_puts(
         self,

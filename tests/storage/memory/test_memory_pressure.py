@@ -32,9 +32,9 @@ def full_tier(closed_at_end: Closer, chunks: int, policy: str) -> tuple[MemoryTi
     )
     keys = [ChunkKey(NS, os.urandom(32)) for _ in range(chunks)]
     for key in keys:
-        reservation = tier.prepare_store(key, ALIGNMENT)
+        reservation = tier.reserve(key, ALIGNMENT)
         assert isinstance(reservation, Reservation)
-        assert tier.complete_store(reservation) is PutStatus.STORED
+        assert tier.commit(reservation) is PutStatus.STORED
     assert tier.allocator.free_bytes == 0
     return tier, keys
 
@@ -51,9 +51,9 @@ def extent_lookups_of_one_put(closed_at_end: Closer, chunks: int, policy: str) -
         return size_of(offset)
 
     tier.allocator.size_of = counting  # type: ignore[method-assign]
-    reservation = tier.prepare_store(ChunkKey(NS, os.urandom(32)), ALIGNMENT)
+    reservation = tier.reserve(ChunkKey(NS, os.urandom(32)), ALIGNMENT)
     assert isinstance(reservation, Reservation)  # room was made by evicting one chunk
-    assert tier.complete_store(reservation) is PutStatus.STORED
+    assert tier.commit(reservation) is PutStatus.STORED
     assert tier.counters.evictions == 1
     for lease in leases:
         assert lease is not None

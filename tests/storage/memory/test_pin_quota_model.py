@@ -169,7 +169,7 @@ class PinQuotaModel(RuleBasedStateMachine):
         """A write whose bytes never came: its room, and its quota charge, go back."""
         for r in self.store.reserve(ns, [digest(k, size) for k in ks], [size] * len(ks)):
             if isinstance(r, Reservation):
-                self.memory.abort_store(r)
+                self.memory.abort(r)
 
     @rule(ns=namespaces, k=keys, size=sizes, commit=st.booleans())
     def stage_and_bind(self, ns: str, k: int, size: int, commit: bool) -> None:
@@ -179,11 +179,11 @@ class PinQuotaModel(RuleBasedStateMachine):
             return
         bound = self.memory.bind_room(room, ChunkKey(ns, digest(k, size)))
         if not isinstance(bound, Reservation):
-            self.memory.abort_store(room)
+            self.memory.abort(room)
         elif commit:
-            self.memory.complete_store(bound)
+            self.memory.commit(bound)
         else:
-            self.memory.abort_store(bound)
+            self.memory.abort(bound)
 
     @rule()
     def warm_restart(self) -> None:

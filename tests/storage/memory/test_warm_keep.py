@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from lmcache_client import PutStatus
-from lmcache_server.app import warm_start
 from lmcache_server.cli import main as cli_main
 from lmcache_server.config import load_config
+from lmcache_server.daemon import warm_start
 from lmcache_server.storage.memory.warmstart import WarmIndex, boot_id, encode
 
 from ...conftest import Daemon
