@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from lmcache_client import PutStatus
-from lmcache_client.integrations.vllm.matching import Matcher, key_root
 from lmcache_client.integrations.vllm.params import request_params
+from lmcache_client.integrations.vllm.scheduler import key_root
+from lmcache_client.integrations.vllm.scheduler.matcher import Matcher
 from lmcache_server.admincache import prompt_keys
 
 from .conftest import NAMESPACE, Daemon
@@ -27,7 +28,7 @@ SPECIALS = ["<unk>", "<s>", "</s>"]
 
 
 def connector_keys(prompt: list[int], chunk_size: int, salt: str | None, tags: list[str] | None) -> list[bytes]:
-    """What the vLLM connector stores ``prompt``'s KV under (matching.py), for a request
+    """What the vLLM connector stores ``prompt``'s KV under (scheduler/matcher.py), for a request
     with that ``cache_salt`` and ``lmcache_tags``."""
     params = {"lmcache_tags": tags} if tags is not None else {}
     request = SimpleNamespace(

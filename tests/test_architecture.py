@@ -240,8 +240,6 @@ def test_a_module_in_no_room_and_an_import_of_no_module_are_reported(tmp_path: P
 # test fails when a new one appears AND when one of these is composed, so the list only
 # shrinks.
 STILL_SLICED = {
-    "Emitting",  # integrations/vllm: SchedulerSide's KV events
-    "StateScheduling",  # integrations/vllm: SchedulerSide's request states
     "Saves",  # integrations/vllm: WorkerSide's saves
     "Plumbing",  # integrations/vllm: the connector's wiring
 }

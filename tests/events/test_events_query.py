@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_client.integrations.vllm.matching import key_root
+from lmcache_client.integrations.vllm.scheduler import key_root
 from lmcache_client.keys import chunk_keys
 from lmcache_client.protocol import PutStatus
 from lmcache_server.adminwhohas import _rank

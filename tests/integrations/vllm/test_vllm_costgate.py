@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from lmcache_client import PutStatus, chunk_keys  # noqa: E402
-from lmcache_client.integrations.vllm.costgate import CostGate  # noqa: E402
+from lmcache_client.integrations.vllm.scheduler import CostGate  # noqa: E402
 from lmcache_client.protocol import KEY_BYTES  # noqa: E402
 
 from ...conftest import disk_stats, wait_for  # noqa: E402
@@ -158,12 +158,12 @@ def test_the_scheduler_learns_tier_rates_from_the_workers_stats(disk_daemon: Any
         assert b.ask(request) == 40
         blocks = b.alloc(len(PROMPT))
         b.scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (blocks,)), 40)
-        assert side._load_mix["b"] == {"memory": 16, "disk": 24}
-        side._measured = []  # what the harness's steps report is not under test here
+        assert side._costs.load_mix["b"] == {"memory": 16, "disk": 24}
+        side._costs.measured = []  # what the harness's steps report is not under test here
         side.loads_finished({"b"})
         side.saw_output(SimpleNamespace(data={"loaded_tokens": 40, "load_s": 0.04}))
         gate = side.cost_gate
-        assert gate.tier_samples == {"memory": 1, "disk": 1} and "b" not in side._load_mix
+        assert gate.tier_samples == {"memory": 1, "disk": 1} and "b" not in side._costs.load_mix
         assert gate.tier_cost == {"memory": pytest.approx(0.001), "disk": pytest.approx(0.001)}
     finally:
         b.scheduler.shutdown()

@@ -188,7 +188,7 @@ def test_the_scheduler_sends_every_groups_blocks_and_stops_saving_past_the_windo
     cached = CachedRequestData(["r"], set(), [([15, 16, 17, 18, 19], [25, 26, 27, 28, 29])], [640])
     second = side.build_meta(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={"r": 640}))
     assert second.saves == [] and side.stats["saves_out_of_window"] == 1
-    assert side._trackers["r"].group_ids == [swa + [15, 16, 17, 18, 19], full + [25, 26, 27, 28, 29]]
+    assert side.per_request.trackers["r"].group_ids == [swa + [15, 16, 17, 18, 19], full + [25, 26, 27, 28, 29]]
     cached = CachedRequestData(["r"], set(), [([30], [31])], [1280])
     assert side.build_meta(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={"r": 20})).saves == []
     assert side.stats["saves_out_of_window"] == 1  # counted once per request

@@ -21,5 +21,5 @@ def _request(params: object) -> object:
 )
 def test_a_requests_load_wait_is_capped_at_the_configured_load_wait_s(asked: object, expected: float) -> None:
     scheduler = SchedulerSide([], 256, load_wait_s=3.0)
-    assert scheduler._wait_s(_request({"lmcache_load_wait_s": asked})) == expected
-    assert scheduler._wait_s(_request({})) == 3.0
+    assert scheduler._matcher.wait_s(_request({"lmcache_load_wait_s": asked})) == expected
+    assert scheduler._matcher.wait_s(_request({})) == 3.0

@@ -16,9 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from lmcache_client import CacheClient, PutStatus, chunk_keys  # noqa: E402
-from lmcache_client.integrations.vllm.costgate import CostGate  # noqa: E402
 from lmcache_client.integrations.vllm.meta import LMCacheServerConnectorMetadata  # noqa: E402
 from lmcache_client.integrations.vllm.params import RequestParams, request_params  # noqa: E402
+from lmcache_client.integrations.vllm.scheduler import CostGate  # noqa: E402
 from lmcache_client.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from lmcache_client.integrations.vllm.worker import WorkerSide  # noqa: E402
 from lmcache_client.protocol import KEY_BYTES  # noqa: E402

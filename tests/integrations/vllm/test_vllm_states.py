@@ -80,17 +80,16 @@ def test_the_scheduler_saves_handed_off_states_and_loads_a_state_only_at_its_len
     state's length carries no state key, and the worker fails it rather than load chunks
     without their state."""
     from lmcache_client.integrations.layout import ChunkLayout
-    from lmcache_client.integrations.vllm.matching import _Hit
     from lmcache_client.integrations.vllm.meta import LoadRequest
     from lmcache_client.integrations.vllm.scheduler import SchedulerSide
+    from lmcache_client.integrations.vllm.scheduler.perrequest import Hit
     from lmcache_client.integrations.vllm.worker import LoadResult, WorkerSide
     from lmcache_client.keys import ROOT_KEY
 
     from .vllm_harness.engine import NewRequestData, SchedulerOutput
     from .vllm_harness.fixtures import tokens
 
-    side = SchedulerSide([], CHUNK, async_load=True)
-    side.states = _wiring()
+    side = SchedulerSide([], CHUNK, async_load=True, states=_wiring())
     prompt = tokens(2500, 7)
     blocks = ([0, 11, 12], [0, 21, 22], [0, 31, 32], [40, 41, 42])
     out = SchedulerOutput([NewRequestData("r", prompt, blocks, 0)], num_scheduled_tokens={"r": 2304})
@@ -104,8 +103,8 @@ def test_the_scheduler_saves_handed_off_states_and_loads_a_state_only_at_its_len
     assert (state.tokens, state.blocks, state.key) == (2304, [11, 21, 31], state_key(prompt, 2304, CHUNK))
 
     def alloc(req_id: str, external: int) -> LoadRequest:
-        side._hits[req_id] = _Hit(0, 9, [], state_tokens=2304)
-        side._roots[req_id] = ROOT_KEY
+        side.per_request.hits[req_id] = Hit(0, 9, [], state_tokens=2304)
+        side.per_request.roots[req_id] = ROOT_KEY
         request = types.SimpleNamespace(request_id=req_id, prompt_token_ids=prompt)
         side.after_alloc(request, types.SimpleNamespace(get_block_ids=lambda: blocks), external)
         [load] = [x for x in side._async_loads if x.req_id == req_id]

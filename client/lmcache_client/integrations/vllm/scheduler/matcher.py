@@ -22,46 +22,27 @@ root (:func:`~lmcache_client.keys.request_root`).  Multimodal requests and
 prompt embeddings are neither loaded nor stored (their placeholder tokens do
 not name their KV).
 
-Primitives: :class:`Matcher` (the base of :class:`~.scheduler.SchedulerSide`),
+Primitives: :class:`Matcher` (a part of :class:`~.side.SchedulerSide`),
 :func:`key_root`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ... import keys as key_chain
-from ...keys import request_root
-from ..transfer import ChunkTransfer
-from .lookups import LookupService, Then
-from .params import RequestParams, request_params
+from .... import keys as key_chain
+from ....keys import request_root
+from ...transfer import ChunkTransfer
+from ..params import request_params
+from .lookups import LookupService
+from .perrequest import Hit, PerRequest, Wait
+from .statescheduling import StateScheduling
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Hit:
-    local_tokens: int
-    """Tokens vLLM had computed (its own prefix cache) when asked."""
-    hit_chunks: int
-    """Leading chunks the daemon holds, the tail counting as the chunk after the full ones."""
-    tiers: list[str] = dataclasses.field(default_factory=list)
-    """The daemon tier of each hit chunk (the first rank's)."""
-    state_tokens: int = 0
-    """A Mamba hybrid: the length of the stored state the hit ends with (:mod:`.states`)."""
-
-
-@dataclasses.dataclass
-class _Wait:
-    first: float
-    """When the request was first found incomplete (monotonic seconds)."""
-    last: float
-    """When the daemon was last asked."""
 
 
 def key_root(request: Any, tags: Sequence[str] = ()) -> bytes | None:
@@ -91,59 +72,37 @@ class Matcher:
         self,
         transfers: Sequence[ChunkTransfer],
         chunk_size: int,
+        book: PerRequest,
+        stats: dict[str, float],
         *,
         load: bool = True,
         load_wait_s: float = 0.0,
         lookups: LookupService | None = None,
         max_store_tokens: int = 0,
         load_deadline_ms: float = 0.0,
+        states: StateScheduling | None = None,
     ):
-        self.transfers = list(transfers)
-        self.max_store_tokens = max_store_tokens
-        """The operator's cap on a request's ``lmcache_max_store_tokens`` (0: none)."""
-        self.load_deadline_ms = load_deadline_ms
-        """The operator's cap on a request's ``lmcache_load_deadline_ms`` (0: none)."""
-        self._params: dict[str, RequestParams] = {}
+        self._transfers = list(transfers)
         self.chunk_size = chunk_size
-        self.load_enabled = load
-        self.load_wait_s = load_wait_s
-        self.lookups = lookups
+        self._book = book
+        """Writes each asked request's params, root, vLLM request, hit and wait."""
+        self._stats = stats
+        self._load_enabled = load
+        self._load_wait_s = load_wait_s
+        self._lookups = lookups
         """Asynchronous lookups (:mod:`.lookups`); None: each lookup waits for the daemon."""
-        self._hits: dict[str, _Hit] = {}
-        self._roots: dict[str, bytes | None] = {}
-        self._waiting: dict[str, _Wait] = {}
-        self._requests: dict[str, Any] = {}  # vLLM's Request objects, for their block hashes (events)
-        self.events: Any = None
-        """Set when vLLM publishes KV events (:class:`~.events.ConnectorEvents`)."""
-        self._idle = False
-        """The last step scheduled nothing (so a wait may sleep: no decode is held up)."""
-        self.stats = {
-            "lookups": 0,
-            "lookup_hit_tokens": 0,
-            "lookup_s": 0.0,
-            "load_waits": 0,
-            "load_wait_s": 0.0,
-            "load_wait_expired": 0,
-            "load_retries_refused": 0,
-            "loads_skipped_by_cost": 0,
-            "saves_out_of_window": 0,
-            "state_lookups_in_step": 0,
-        }
-
-    @property
-    def transfer(self) -> ChunkTransfer:
-        return self.transfers[0]
-
-    def take_stats(self) -> dict[str, float]:
-        data = dict(self.stats)
-        self.stats = {name: 0 for name in self.stats}
-        return data
+        self._max_store_tokens = max_store_tokens
+        """The operator's cap on a request's ``lmcache_max_store_tokens`` (0: none)."""
+        self._load_deadline_ms = load_deadline_ms
+        """The operator's cap on a request's ``lmcache_load_deadline_ms`` (0: none)."""
+        self._states = states
+        """A Mamba hybrid: its lanes also look up states after the chunks; None: no Mamba group."""
 
     # -- get_num_new_matched_tokens -------------------------------------------------
     def lookup(self, keys: list[bytes]) -> list[str]:
         """The tiers of the leading chunks every rank's namespace holds (the first rank's tiers)."""
-        tiers = self.transfers[0].lookup_tiers(keys)
-        for transfer in self.transfers[1:]:
+        tiers = self._transfers[0].lookup_tiers(keys)
+        for transfer in self._transfers[1:]:
             if not tiers:
                 break
             tiers = tiers[: transfer.lookup(keys[: len(tiers)])]
@@ -151,7 +110,7 @@ class Matcher:
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the request's load per daemon tier (of the chunks it covers)."""
-        hit = self._hits.get(req_id)
+        hit = self._book.hits.get(req_id)
         if hit is None or num_external_tokens <= 0:
             return {}
         sources: dict[str, int] = {}
@@ -170,9 +129,9 @@ class Matcher:
 
     def _daemon_down(self) -> bool:
         """Whether the daemon is down (its client's circuit breaker is open)."""
-        return any(bool(t.client.fail_open_stats.get("down")) for t in self.transfers)
+        return any(bool(t.client.fail_open_stats.get("down")) for t in self._transfers)
 
-    def _wait_s(self, request: Any) -> float:
+    def wait_s(self, request: Any) -> float:
         """How long this request waits for a producer: ``load_wait_s``, or the
         request's ``kv_transfer_params["lmcache_load_wait_s"]`` (a proxy's say),
         never more than ``load_wait_s``: the request comes from an end user, and
@@ -188,19 +147,21 @@ class Matcher:
                     "request %s: ignoring lmcache_load_wait_s=%r", request.request_id, params["lmcache_load_wait_s"]
                 )
             else:
-                return min(max(0.0, asked), self.load_wait_s)
-        return self.load_wait_s
+                return min(max(0.0, asked), self._load_wait_s)
+        return self._load_wait_s
 
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int, idle: bool) -> int | None:
+        """Tokens the daemon can add beyond ``num_computed_tokens``; None: ask again next
+        step.  ``idle``: the last step scheduled nothing (so a wait may sleep)."""
         req_id = request.request_id
         prompt = request.prompt_token_ids
-        params = self._params[req_id] = request_params(
-            request, max_store_tokens=self.max_store_tokens, load_deadline_ms=self.load_deadline_ms
+        params = self._book.params[req_id] = request_params(
+            request, max_store_tokens=self._max_store_tokens, load_deadline_ms=self._load_deadline_ms
         )
         root = key_root(request, params.tags)
-        self._roots[req_id] = root
-        self._requests[req_id] = request  # its block hashes (events) and its generated tokens (save_decode_cache)
-        if not prompt or root is None or not self.load_enabled or params.skip_load:
+        self._book.roots[req_id] = root
+        self._book.requests[req_id] = request  # its block hashes (events) and its generated tokens (save_decode_cache)
+        if not prompt or root is None or not self._load_enabled or params.skip_load:
             return 0
         n = len(prompt)
         full, tail = self.prompt_keys(prompt, root)
@@ -208,16 +169,16 @@ class Matcher:
         if best <= num_computed_tokens:
             return 0  # vLLM's own cache already holds every token the daemon could add
         keys = full + [tail] if tail is not None else full
-        wait_s = self._wait_s(request)
+        wait_s = self.wait_s(request)
         now = time.monotonic()
-        waiting = self._waiting.get(req_id)
-        if self.lookups is not None:
-            found = self._async_lookup(req_id, keys, waiting, now, len(full))
+        waiting = self._book.waiting.get(req_id)
+        if self._lookups is not None:
+            found = self._async_lookup(req_id, keys, waiting, now, len(full), idle)
             if found is None:
                 return None
             tiers, daemon_down = found
         else:
-            if waiting is not None and self._idle:
+            if waiting is not None and idle:
                 # vLLM's engine loop spins while a request is deferred; with nothing else to
                 # run it would take whole cores from the producer it is waiting for.
                 time.sleep(self.POLL_S)
@@ -226,19 +187,19 @@ class Matcher:
                 return None
             started = time.perf_counter()
             tiers = self.lookup(keys)
-            self.stats["lookups"] += 1
-            self.stats["lookup_s"] += time.perf_counter() - started
+            self._stats["lookups"] += 1
+            self._stats["lookup_s"] += time.perf_counter() - started
             daemon_down = self._daemon_down()  # nothing will arrive: do not wait
         if len(tiers) < len(keys) and wait_s > 0 and not daemon_down:
             if waiting is None:
-                self.stats["load_waits"] += 1
-                waiting = self._waiting[req_id] = _Wait(now, now)
+                self._stats["load_waits"] += 1
+                waiting = self._book.waiting[req_id] = Wait(now, now)
             if now - waiting.first < wait_s:
                 waiting.last = now
-                if self.lookups is not None:
-                    self.lookups.forget(req_id)  # ask again after POLL_S
+                if self._lookups is not None:
+                    self._lookups.forget(req_id)  # ask again after POLL_S
                 return None
-            self.stats["load_wait_expired"] += 1
+            self._stats["load_wait_expired"] += 1
             logger.warning(
                 "request %s: %d of %d chunks arrived in %.1f s (load_wait_s); computing the rest",
                 req_id,
@@ -247,34 +208,31 @@ class Matcher:
                 wait_s,
             )
         if waiting is not None:
-            self.stats["load_wait_s"] += now - waiting.first
-            del self._waiting[req_id]
-        self._hits[req_id] = _Hit(num_computed_tokens, len(tiers), tiers)
+            self._stats["load_wait_s"] += now - waiting.first
+            del self._book.waiting[req_id]
+        self._book.hits[req_id] = Hit(num_computed_tokens, len(tiers), tiers)
         covered = n if len(tiers) > len(full) else len(tiers) * self.chunk_size
         return max(0, min(covered, n - 1) - num_computed_tokens)
 
-    def _lookup_then(self, req_id: str, full: list[bytes]) -> Then | None:
-        """More lookups each rank's lane makes after the chunks' (a Mamba hybrid's states);
-        ``full``: the keys of the prompt's full chunks."""
-        return None
-
     def _async_lookup(
-        self, req_id: str, keys: list[bytes], waiting: _Wait | None, now: float, n_full: int
+        self, req_id: str, keys: list[bytes], waiting: Wait | None, now: float, n_full: int, idle: bool
     ) -> tuple[list[str], bool] | None:
         """The request's lookup answer (tiers, daemon down), or None while it is out.
         An engine with nothing else to run waits for it (no decode is held up)."""
-        assert self.lookups is not None
-        if not self.lookups.asked(req_id):
+        assert self._lookups is not None
+        if not self._lookups.asked(req_id):
             if waiting is not None and now - waiting.last < self.POLL_S:
-                if not self._idle:
+                if not idle:
                     return None
                 time.sleep(self.POLL_S)
-            self.lookups.ask(req_id, keys, self._lookup_then(req_id, keys[:n_full]))
-        answer = self.lookups.answer(req_id, self.IDLE_LOOKUP_WAIT_S if self._idle else 0.0)
+            # a Mamba hybrid's lanes also find the longest stored state the chunk hit allows
+            then = self._states.lookup_then(req_id, keys[:n_full]) if self._states is not None else None
+            self._lookups.ask(req_id, keys, then)
+        answer = self._lookups.answer(req_id, self.IDLE_LOOKUP_WAIT_S if idle else 0.0)
         if answer is None:
             return None
         if not answer.counted:
             answer.counted = True
-            self.stats["lookups"] += 1
-            self.stats["lookup_s"] += answer.seconds
+            self._stats["lookups"] += 1
+            self._stats["lookup_s"] += answer.seconds
         return answer.tiers, answer.daemon_down

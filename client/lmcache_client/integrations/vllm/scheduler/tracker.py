@@ -1,8 +1,8 @@
 """The scheduler side's record of one scheduled request (:class:`Tracker`).
 
 Its chunk keys, its blocks (every KV cache group's, when vLLM keeps several:
-:mod:`.groups`) and how much of it the daemon holds, followed across chunked
-prefill and preemption by :class:`~.scheduler.SchedulerSide`.
+:mod:`..groups`) and how much of it the daemon holds, followed across chunked
+prefill and preemption by :class:`~.side.SchedulerSide`.
 
 Primitive: :class:`Tracker`.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .groups import split_groups
+from ..groups import split_groups
 
 
 @dataclasses.dataclass
