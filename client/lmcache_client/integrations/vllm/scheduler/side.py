@@ -3,8 +3,8 @@
 vLLM calls, for a waiting request:
 
 1. ``get_num_new_matched_tokens(request, num_computed_tokens)``: how many
-   tokens the daemon can add (:class:`~.matcher.Matcher`);
-   with asynchronous loads (the default) the request then waits in vLLM's
+   tokens the daemon can add (:class:`~.matcher.Matcher`); with asynchronous
+   loads (the default) the request then waits in vLLM's
    ``WAITING_FOR_REMOTE_KVS`` while the workers load it.
 2. ``update_state_after_alloc(request, blocks, num_external_tokens)``: vLLM
    allocated blocks for ``num_external_tokens`` tokens; they become a load,
@@ -158,7 +158,7 @@ class SchedulerSide:
     def _build_parts(self) -> None:
         """The parts that depend on ``events``, ``groups`` and the states (see their setters)."""
         book, stats = self.per_request, self.stats
-        self._state_part = (
+        self._state_scheduling = (
             StateScheduling(
                 self._states, self._state_transfers, self.chunk_size, book, stats, lookups=self.lookups, save=self._save
             )
@@ -175,7 +175,7 @@ class SchedulerSide:
             lookups=self.lookups,
             max_store_tokens=self._max_store_tokens,
             load_deadline_ms=self._load_deadline_ms,
-            states=self._state_part,
+            states=self._state_scheduling,
         )
         self._emitter = Emitter(
             self.chunk_size,
@@ -260,7 +260,7 @@ class SchedulerSide:
 
     def _blocks(self, block_ids: Any) -> Any:
         """vLLM's block ids as the chunks see them (a Mamba hybrid's attention groups)."""
-        return self._state_part.blocks(block_ids) if self._state_part is not None else block_ids
+        return self._state_scheduling.blocks(block_ids) if self._state_scheduling is not None else block_ids
 
     # -- get_num_new_matched_tokens ----------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
@@ -270,8 +270,8 @@ class SchedulerSide:
             self.stats["load_retries_refused"] += 1
             return 0
         n = self._matcher.num_new_matched_tokens(request, num_computed_tokens, self._idle)
-        if n and self._state_part is not None:
-            n = self._state_part.hit(request, num_computed_tokens)
+        if n and self._state_scheduling is not None:
+            n = self._state_scheduling.hit(request, num_computed_tokens)
         if n and self._costs is not None:
             return self._costs.cut(request.request_id, n)
         return n
@@ -283,6 +283,8 @@ class SchedulerSide:
 
     # -- update_state_after_alloc ---------------------------------------------------
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: vLLM allocated ``blocks`` for the request's
+        ``num_external_tokens`` tokens; they become its load (asynchronous: now)."""
         req_id = request.request_id
         if self.lookups is not None:
             self.lookups.forget(req_id)  # used: a later ask (after a preemption) looks up anew
@@ -292,12 +294,12 @@ class SchedulerSide:
         self.per_request.loads[req_id] = (hit.local_tokens, hit.local_tokens + num_external_tokens)
         root = self.per_request.roots.get(req_id)
         prompt = list(request.prompt_token_ids or [])
-        wanted = self.async_load or self._state_part is not None  # keyed once, for the load and the state
+        wanted = self.async_load or self._state_scheduling is not None  # keyed once, for the load and the state
         keyed = self.prompt_keys(prompt, root) if root is not None and wanted else None
-        if self._state_part is not None:
+        if self._state_scheduling is not None:
             n = hit.local_tokens + num_external_tokens
             keys = keyed[0] if keyed is not None else []
-            self._state_part.plan_load(req_id, blocks.get_block_ids(), keys, n, hit.state_tokens)
+            self._state_scheduling.plan_load(req_id, blocks.get_block_ids(), keys, n, hit.state_tokens)
         self.stats["lookup_hit_tokens"] += num_external_tokens
         if self._costs is not None:
             self._costs.allocated(req_id, self.hit_sources(req_id, num_external_tokens))
@@ -342,6 +344,7 @@ class SchedulerSide:
 
     # -- build_connector_meta -------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> LMCacheServerConnectorMetadata:
+        """``build_connector_meta``: the step's loads and saves, for the workers."""
         meta = LMCacheServerConnectorMetadata()
         self._idle = not scheduler_output.num_scheduled_tokens
         meta.idle = self._idle
@@ -397,8 +400,8 @@ class SchedulerSide:
             self._emitter.load(meta, req_id, tracker)
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._emitter.save(meta, req_id, tracker, computed, cached.num_computed_tokens[i])
-        if self._state_part is not None:
-            self._state_part.emit_saves(meta, scheduler_output)
+        if self._state_scheduling is not None:
+            self._state_scheduling.emit_saves(meta, scheduler_output)
         if not self.async_load and self._costs is not None:
             self._costs.loaded_in_step(load.req_id for load in meta.loads)  # loaded within this step
         return meta
