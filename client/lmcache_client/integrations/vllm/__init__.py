@@ -4,14 +4,14 @@
   (``kv_connector_module_path: lmcache_client.integrations.vllm.connector``),
   a thin shim over the two sides;
 - ``settings``: :class:`ConnectorSettings`, ``kv_connector_extra_config`` validated;
-- ``scheduler``: the scheduler side (what to load and store, per step), and
-  ``lookups``: its asynchronous lookups;
+- ``scheduler``: the scheduler process's side (what to load and store, per
+  step), a room of its own: its lookups, cost gate and KV events live there;
 - ``worker``: the worker side (chunks in and out of the paged KV cache), and
   ``transfers``: its asynchronous loads and saves;
 - ``lanes``: the threads that talk to the daemon off vLLM's threads;
 - ``layout``: the KV cache layout of a running vLLM, read from vLLM itself;
 - ``meta``: what the scheduler side tells its workers once per step;
-- ``stats`` and ``events``: the connector's counters and KV events in vLLM's own;
+- ``stats``: the connector's counters in vLLM's own;
 - ``compat``: what the connector takes from vLLM (imported there and only
   there), with stand-ins when vLLM is absent.
 

@@ -42,7 +42,7 @@ dtype (:meth:`StateLayout.namespace`), so states of another geometry never mix
 with these nor with full-attention chunks.
 
 The connector's use of it (what is saved, looked up and loaded) is in
-:mod:`.states` and :mod:`.statescheduler`; docs/integrations.md "Mamba / GDN hybrids".
+:mod:`.states` and :mod:`.scheduler.statescheduling`; docs/integrations.md "Mamba / GDN hybrids".
 
 Primitives: :func:`state_key`, :func:`state_key_after`, :func:`state_slot`,
 :func:`state_after_step`, :class:`StateLayout` (:meth:`~StateLayout.from_kv_cache_config`,

@@ -130,7 +130,7 @@ def request_params(request: Any, *, max_store_tokens: int = 0, load_deadline_ms:
             logger.warning("request %s: ignoring unknown kv_transfer_params %s (known: %s)", req_id, name, KNOWN)
             continue
         if name not in readers:
-            continue  # lmcache_load_wait_s: read where the wait is decided (matching.py)
+            continue  # lmcache_load_wait_s: read where the wait is decided (scheduler/matcher.py)
         field, read = readers[name]
         try:
             read_value = read(value)
