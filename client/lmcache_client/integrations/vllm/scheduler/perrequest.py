@@ -48,9 +48,12 @@ StateLoad = tuple[bytes | None, list[int] | None, int]
 """A request's state load: (key, blocks, tokens); a None key or blocks fails it."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PerRequest:
-    """The per-request dicts the scheduler side's parts share (single-threaded, as vLLM's scheduler)."""
+    """The per-request dicts the scheduler side's parts share (single-threaded, as vLLM's scheduler).
+
+    Frozen: the parts fill and empty the dicts, never replace them, so each part's
+    reference stays the one the front built."""
 
     params: dict[str, RequestParams] = dataclasses.field(default_factory=dict)
     """Each request's ``kv_transfer_params``, validated and capped (:mod:`..params`)."""
