@@ -242,8 +242,6 @@ def test_a_module_in_no_room_and_an_import_of_no_module_are_reported(tmp_path: P
 STILL_SLICED = {
     "Emitting",  # integrations/vllm: SchedulerSide's KV events
     "StateScheduling",  # integrations/vllm: SchedulerSide's request states
-    "Saves",  # integrations/vllm: WorkerSide's saves
-    "Plumbing",  # integrations/vllm: the connector's wiring
 }
 ENGINE_API = {"KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorStats", "SupportsHMA", "HiCacheStorage"}
 """The engines' own classes (their stand-ins in compat modules when the engine is absent)."""
