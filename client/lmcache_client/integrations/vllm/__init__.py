@@ -6,8 +6,11 @@
 - ``settings``: :class:`ConnectorSettings`, ``kv_connector_extra_config`` validated;
 - ``scheduler``: the scheduler side (what to load and store, per step), and
   ``lookups``: its asynchronous lookups;
-- ``worker``: the worker side (chunks in and out of the paged KV cache), and
-  ``transfers``: its asynchronous loads and saves;
+- ``worker/``: the worker process's side, a room of its own (chunks in and out
+  of the paged KV cache through one copy mechanism, its asynchronous loads and
+  saves, layer-wise saves, Mamba states);
+- ``plumbing`` and ``vllmconfig``: the connector's clients and lanes, and what it
+  reads from vLLM's config;
 - ``lanes``: the threads that talk to the daemon off vLLM's threads;
 - ``layout``: the KV cache layout of a running vLLM, read from vLLM itself;
 - ``meta``: what the scheduler side tells its workers once per step;
