@@ -1,5 +1,5 @@
 """gpu_check.py's layer-wise section: a save copied out after the forward pass against
-one copied out layer by layer during it (``layerwise_save``, integrations/vllm/layerwise.py).
+one copied out layer by layer during it (``layerwise_save``, integrations/vllm/worker/layerwise.py).
 
 A synthetic forward pass over the paged cache of ``_batched`` (FlashAttention-shaped):
 per layer, ``--layerwise-matmuls`` matmuls of ``(tokens, hidden) x (hidden, hidden)``
@@ -35,8 +35,8 @@ def measure_layerwise(
     import torch
 
     from lmcache_client.integrations import paged
-    from lmcache_client.integrations.vllm.layerwise import LayerwiseSaver
     from lmcache_client.integrations.vllm.meta import SaveRequest
+    from lmcache_client.integrations.vllm.worker.layerwise import LayerwiseSaver
 
     dtype = torch.float16 if device == "cuda" else torch.float32
     tokens = chunks * chunk_tokens

@@ -106,7 +106,7 @@ def make_worker(size_mib: int, layout: str, client: Any, namespace: str) -> tupl
         writers = None
     worker = WorkerSide(ChunkTransfer(client, namespace, chunk.nbytes), chunk)
     copier = PagedCopier(caches, block, writers, threads=2)
-    worker.engine = EngineLayout(layout, BLOCK, BLOCK, block, copier, [f"l{i}" for i in range(layers)])
+    worker.attach(EngineLayout(layout, BLOCK, BLOCK, block, copier, [f"l{i}" for i in range(layers)]))
     worker.source = source  # type: ignore[attr-defined]
     return worker, chunk, blocks
 

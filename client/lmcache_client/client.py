@@ -305,15 +305,16 @@ class CacheClient:
         *,
         namespace: Namespace | str | None = None,
         tokens: calls.TokensArg = None,
+        flush: shm.FlushFn | None = None,
     ) -> list[PutStatus | int]:
         """Store ``len(keys)`` payloads that ``fill(i, view)`` writes into ``view``
         (writable, ``sizes[i]`` bytes): over shared memory straight into the
         daemon's pool slot (one copy in all, the caller's), else into a buffer
         then sent.  ``fill`` is not called for keys that need no bytes (already
-        stored, no room); an exception from it stores none of the batch.  Where
-        ``fill`` has a ``flush()``, it may write the views as late as that call:
-        once, after the batch's last ``fill`` and before the bytes are committed
-        or sent.  ``tokens`` as for :meth:`put`."""
+        stored, no room); an exception from it stores none of the batch.  Given a
+        ``flush``, ``fill`` may write the views as late as that call: once, after
+        the batch's last ``fill`` and before the bytes are committed or sent.
+        ``tokens`` as for :meth:`put`."""
         ns = self._ns(namespace)
         if len(sizes) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
@@ -322,11 +323,12 @@ class CacheClient:
             bufs = [bytearray(n) for n in sizes]
             for i, buf in enumerate(bufs):
                 fill(i, memoryview(buf))
-            shm.flush_fill(fill)
+            if flush is not None:
+                flush()
             return self._run(calls.put(ns, keys, bufs, tokens))
 
         return self._shm.over_shm(
-            lambda pool: shm.fill_flow(pool, ns, keys, sizes, fill, tokens),
+            lambda pool: shm.fill_flow(pool, ns, keys, sizes, fill, tokens, flush=flush),
             frames,
             lambda: [PutStatus.FAILED] * len(keys),
         )
@@ -339,19 +341,21 @@ class CacheClient:
         nbytes: int | None = None,
         prefix: bool = False,
         namespace: Namespace | str | None = None,
+        flush: shm.FlushFn | None = None,
     ) -> list[bool]:
         """Call ``use(i, view)`` for each hit with its bytes (over shared memory the
-        leased pool slot itself: do not keep ``view``); True where ``use`` ran on
-        bytes that stayed valid throughout.  ``nbytes``: a hit of another size is a
-        miss; ``prefix``: stop at the first miss."""
+        leased pool slot itself: do not keep ``view``, or, given a ``flush``, keep it
+        only until that call, made once before the views are released); True where
+        ``use`` ran on bytes that stayed valid throughout.  ``nbytes``: a hit of
+        another size is a miss; ``prefix``: stop at the first miss."""
         ns = self._ns(namespace)
 
         def frames() -> list[bool]:
             bufs: list[Any] = self._run(calls.get(ns, keys))
-            return shm.use_frames(bufs, use, nbytes=nbytes, prefix=prefix)
+            return shm.use_frames(bufs, use, nbytes=nbytes, prefix=prefix, flush=flush)
 
         return self._shm.over_shm(
-            lambda pool: shm.use_flow(pool, ns, keys, use, nbytes=nbytes, prefix=prefix),
+            lambda pool: shm.use_flow(pool, ns, keys, use, nbytes=nbytes, prefix=prefix, flush=flush),
             frames,
             lambda: [False] * len(keys),
         )

@@ -35,7 +35,7 @@ from ..errors import ClientError
 from ..keys import ChunkTokens
 from ..namespace import Namespace
 from ..protocol import PutStatus
-from ..shm import FillFn, UseFn, copy_frame, flush_fill, flush_use
+from ..shm import FillFn, FlushFn, UseFn, copy_frame
 from .coded import CodecBinding, CodedChunks
 from .layout import ChunkLayout
 from .transferroute import DEFAULT_MAX_BATCH_BYTES as DEFAULT_MAX_BATCH_BYTES  # re-exported: callers import it here
@@ -225,13 +225,13 @@ class ChunkTransfer:
                 done += 1
         return done
 
-    def get_prefix_with(self, keys: Sequence[bytes], use: UseFn) -> int:
+    def get_prefix_with(self, keys: Sequence[bytes], use: UseFn, *, flush: FlushFn | None = None) -> int:
         """Call ``use(i, view)`` for the leading hits of ``keys`` (``view``: the chunk's
         ``chunk_bytes`` bytes, valid only during the call); returns how many leading
         keys were used.  A miss, a chunk of the wrong size or a failure ends the run.
-        Where ``use`` has a ``flush()``, the views stay valid until it is called: once
-        per batch of keys, before their leases are released (raw chunks; a decoded
-        chunk lives in scratch memory, so ``flush()`` follows each use)."""
+        Given a ``flush``, the views stay valid until it is called: once per batch of
+        keys, before their leases are released (raw chunks; a decoded chunk lives in
+        scratch memory, so ``flush()`` follows each use)."""
         namespace, coded = self.route.target()
         if namespace is None:
             return 0
@@ -242,7 +242,8 @@ class ChunkTransfer:
                 if raw is None:
                     return False
                 use(i, raw)
-                flush_use(use)  # raw is scratch memory: used now
+                if flush is not None:
+                    flush()  # raw is scratch memory: used now
                 return True
 
             return self._decode_prefix(keys, namespace, coded, decoded)
@@ -253,11 +254,10 @@ class ChunkTransfer:
             def shifted(i: int, view: memoryview, at: int = start) -> None:
                 use(at + i, view)
 
-            if hasattr(use, "flush"):
-                shifted.flush = use.flush  # type: ignore[attr-defined]
-
             try:
-                used = self.client.get_with(batch, shifted, nbytes=self.chunk_bytes, prefix=True, namespace=namespace)
+                used = self.client.get_with(
+                    batch, shifted, nbytes=self.chunk_bytes, prefix=True, namespace=namespace, flush=flush
+                )
             except ClientError as err:
                 self.route.failed("get", err)
                 return done
@@ -292,13 +292,20 @@ class ChunkTransfer:
                 break
         return done
 
-    def put_with(self, keys: Sequence[bytes], fill: FillFn, tokens: Sequence[ChunkTokens] | None = None) -> int:
+    def put_with(
+        self,
+        keys: Sequence[bytes],
+        fill: FillFn,
+        tokens: Sequence[ChunkTokens] | None = None,
+        *,
+        flush: FlushFn | None = None,
+    ) -> int:
         """Store ``len(keys)`` chunks of ``chunk_bytes`` that ``fill(i, view)`` writes
         in place; returns how many are stored now or were already.  ``tokens``
         (one per key) are sent when the daemon publishes KV events.  With a codec
         ``fill`` writes into scratch memory, and the encoded frame is stored.
-        Where ``fill`` has a ``flush()`` it may write the views as late as that call:
-        once per batch of keys, before they are committed (with a codec: after each
+        Given a ``flush``, ``fill`` may write the views as late as that call: once
+        per batch of keys, before they are committed (with a codec: after each
         chunk, which is encoded at once)."""
         namespace, coded = self.route.target()
         if namespace is None:
@@ -313,12 +320,10 @@ class ChunkTransfer:
             def shifted(i: int, view: memoryview, at: int = start) -> None:
                 fill(at + i, view)
 
-            if hasattr(fill, "flush"):
-                shifted.flush = fill.flush  # type: ignore[attr-defined]
-
             def now(i: int, view: memoryview) -> None:
                 shifted(i, view)
-                flush_fill(fill)  # encoded at once: a deferring fill writes before that
+                if flush is not None:
+                    flush()  # encoded at once: a deferring fill writes before that
 
             try:
                 if coded is not None:
@@ -328,7 +333,12 @@ class ChunkTransfer:
                     statuses = self.client.put(batch, frames, namespace=namespace, tokens=batch_tokens)
                 else:
                     statuses = self.client.put_with(
-                        batch, [self.chunk_bytes] * len(batch), shifted, namespace=namespace, tokens=batch_tokens
+                        batch,
+                        [self.chunk_bytes] * len(batch),
+                        shifted,
+                        namespace=namespace,
+                        tokens=batch_tokens,
+                        flush=flush,
                     )
             except ClientError as err:
                 self.route.failed("put", err)

@@ -61,9 +61,9 @@ from .flows import Flow as Flow
 from .flows import Tell as Tell
 from .flows import on_failure as on_failure
 from .flows import owner as owner
+from .get import FlushFn as FlushFn
 from .get import UseFn as UseFn
 from .get import copy_frame as copy_frame
-from .get import flush_use as flush_use
 from .get import get_flow as get_flow
 from .get import use_flow as use_flow
 from .get import use_frames as use_frames
@@ -77,7 +77,6 @@ from .pool import StagedSlots as StagedSlots
 from .put import PUT_MIN_BYTES as PUT_MIN_BYTES
 from .put import FillFn as FillFn
 from .put import fill_flow as fill_flow
-from .put import flush_fill as flush_fill
 from .put import put_flow as put_flow
 from .staged import WriteFn as WriteFn
 from .staged import _put_staged as _put_staged  # for tests/server/shm/test_write_leases.py

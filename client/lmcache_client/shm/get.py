@@ -7,7 +7,7 @@ memcpy, or one DMA for a CUDA tensor once the mapping is registered), and
 lease is released.  A copy finished before the lease's deadline (less a margin)
 needs no answer; a late one asks, and a chunk whose lease lapsed is a miss.
 
-Primitives: :func:`get_flow`, :func:`use_flow`, ``UseFn``, and over payload
+Primitives: :func:`get_flow`, :func:`use_flow`, ``UseFn``, ``FlushFn``, and over payload
 frames (a daemon elsewhere) :func:`copy_frame`, :func:`use_frames`.
 """
 
@@ -25,7 +25,12 @@ logger = logging.getLogger("lmcache_client.shm")  # the logger these lines alway
 
 UseFn = Callable[[int, memoryview], None]
 """``use(i, view)``: consume hit ``i`` from ``view`` (its bytes; do not keep the view past
-the call, or, where ``use`` has a ``flush()``, past that: :func:`flush_use`)."""
+the call, or, where the caller passes a ``flush``, past that: see :data:`FlushFn`)."""
+
+FlushFn = Callable[[], None]
+"""``flush()``: given beside a ``use`` (or a ``fill``), called once after its last call and
+before the views are released (a lease, the reply's frames) or committed, so the callback
+may defer reading (writing) the views it was given until then: a batch of copies."""
 
 
 def _hit_span(pool: SharedPool, loc: Any) -> tuple[int, int] | None:
@@ -116,11 +121,12 @@ def use_flow(
     *,
     nbytes: int | None = None,
     prefix: bool = False,
+    flush: FlushFn | None = None,
 ) -> Flow:
     """A get whose hits ``use`` reads straight out of the leased pool slots.  True
     per key where ``use`` ran on bytes that stayed leased throughout.  With
     ``nbytes`` a hit of another size counts as a miss; with ``prefix`` nothing
-    after the first miss is used."""
+    after the first miss is used; ``flush`` runs before the lease is released."""
     grant = yield Ask(calls.get_shm(namespace, keys, pool.segment))
     frames = iter(grant.payloads)
     used = [False] * len(keys)
@@ -137,7 +143,8 @@ def use_flow(
                 continue
             use(i, memoryview(view))
             used[i] = True
-        flush_use(use)
+        if flush is not None:
+            flush()
     except BaseException:
         if grant.lease is not None:
             yield Tell(calls.release([grant.lease]))
@@ -150,7 +157,9 @@ def use_flow(
     return used
 
 
-def use_frames(bufs: Sequence[Any], use: UseFn, *, nbytes: int | None = None, prefix: bool = False) -> list[bool]:
+def use_frames(
+    bufs: Sequence[Any], use: UseFn, *, nbytes: int | None = None, prefix: bool = False, flush: FlushFn | None = None
+) -> list[bool]:
     """:func:`use_flow`'s meaning over payload frames (a daemon elsewhere)."""
     used = [False] * len(bufs)
     for i, buf in enumerate(bufs):
@@ -160,14 +169,6 @@ def use_frames(bufs: Sequence[Any], use: UseFn, *, nbytes: int | None = None, pr
             continue
         use(i, memoryview(buf))
         used[i] = True
-    flush_use(use)
-    return used
-
-
-def flush_use(use: UseFn) -> None:
-    """Call ``use.flush()`` where ``use`` has one: after its last call and before the
-    views are released (a lease, or the reply's frames), so a ``use`` may defer reading
-    the views it was given (a batch of copies) until then."""
-    flush = getattr(use, "flush", None)
     if flush is not None:
         flush()
+    return used

@@ -13,7 +13,6 @@ Primitives: :func:`put_flow`, :func:`fill_flow`, ``FillFn``, :data:`PUT_MIN_BYTE
 
 from __future__ import annotations
 
-import functools
 import logging
 import secrets
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from .. import calls
 from ..errors import ServerError
 from ..protocol import PutStatus
 from .flows import Ask, Flow, Tell, _in_time, owner
+from .get import FlushFn
 from .pool import SharedPool
 from .staged import _commit_staging, _put_staged, _retire_staged
 
@@ -120,15 +120,8 @@ def put_flow(
 
 FillFn = Callable[[int, memoryview], None]
 """``fill(i, view)``: write payload ``i`` into ``view`` (writable, exactly its size);
-a ``fill`` with a ``flush()`` may write them as late as that call (:func:`flush_fill`)."""
-
-
-def flush_fill(fill: Any) -> None:
-    """Call ``fill.flush()`` where ``fill`` has one: after the batch's last ``fill`` and
-    before its bytes are committed or sent (a batched copy writes them all at once)."""
-    flush = getattr(fill, "flush", None)
-    if flush is not None:
-        flush()
+given with a ``flush`` it may write them as late as that call (:data:`~.get.FlushFn`:
+after the batch's last ``fill`` and before its bytes are committed or sent)."""
 
 
 def fill_flow(
@@ -138,20 +131,22 @@ def fill_flow(
     sizes: Sequence[int],
     fill: FillFn,
     tokens: calls.TokensArg = None,
+    *,
+    flush: FlushFn | None = None,
 ) -> Flow:
     """A put whose bytes ``fill`` writes straight into the reserved pool slots
     (one copy: the caller's).  ``fill`` runs only for keys given a slot; the
     others keep the status alloc gave them (EXISTS, NO_SPACE, ...).  An
     exception from ``fill`` releases the slots (nothing becomes visible) and
-    propagates.  Staged slots are used as by :func:`put_flow`.  One PutStatus per key."""
+    propagates.  ``flush`` runs after the last ``fill``, before the commit.  Staged
+    slots are used as by :func:`put_flow`.  One PutStatus per key."""
     yield from _settle(pool)
     pool.began_put()
 
     def write(i: int, offset: int, length: int) -> None:
         fill(i, pool.view[offset : offset + length])
 
-    write.flush = functools.partial(flush_fill, fill)  # type: ignore[attr-defined]
-    done = yield from _put_staged(pool, namespace, keys, list(sizes), write, tokens)
+    done = yield from _put_staged(pool, namespace, keys, list(sizes), write, tokens, flush=flush)
     if done is not None:
         return done
     yield from _retire_staged(pool)
@@ -169,7 +164,8 @@ def fill_flow(
         for i, loc in enumerate(grant.loc):
             if loc is not None:
                 fill(i, pool.view[loc[0] : loc[0] + loc[1]])
-        flush_fill(fill)
+        if flush is not None:
+            flush()
     except BaseException:
         yield Tell(calls.release([grant.lease]))
         raise

@@ -75,10 +75,13 @@ def _put_staged(
     sizes: Sequence[int],
     write: WriteFn,
     tokens: calls.TokensArg,
+    *,
+    flush: Callable[[], None] | None = None,
 ) -> Flow:
     """A put in one round trip: write into staged slots, then bind them to the keys.
     None when it cannot be made so (no fitting slots, their lease refused): the
-    caller takes alloc+commit, nothing having been stored."""
+    caller takes alloc+commit, nothing having been stored.  ``flush``: runs after the
+    last ``write``, before the bind (a fill that writes its batch at once)."""
     if not keys or not pool.staged_puts:
         return None
     taken = _take_staged(pool, sizes)
@@ -88,7 +91,6 @@ def _put_staged(
     try:
         for i, (offset, length) in enumerate(slots):
             write(i, offset, length)
-        flush = getattr(write, "flush", None)  # a fill that writes its batch at once
         if flush is not None:
             flush()
     except BaseException:  # the slots stay staged, nothing became visible

@@ -25,10 +25,10 @@ PROMPT = list(range(6000, 6000 + 8 * 12 + 3))  # 12 full chunks of 8 and a tail 
 
 def test_a_batched_load_writes_exactly_the_chunks_bytes(engines: Callable[..., Engine]) -> None:
     a, b = engines(), engines(batch_copies="on", store_tails=True)
-    assert a.worker.worker is not None and a.worker.worker.batched is None  # auto on a CPU: chunk by chunk
+    assert a.worker.worker is not None and a.worker.worker.cache.batches is None  # type: ignore[union-attr]  # auto on a CPU: chunk by chunk
     a.prefill("a", PROMPT)
-    copies = b.worker.worker.batched  # type: ignore[union-attr]
-    assert copies is not None
+    copies = b.worker.worker.cache  # type: ignore[union-attr]
+    assert copies is not None and copies.batches is not None
     run = b.prefill("b", PROMPT)
     assert run["external"] == 8 * 12 and run["computed"] == list(range(96, len(PROMPT)))
     for layer in range(LAYERS):
@@ -68,8 +68,8 @@ def test_a_batched_save_stores_exactly_the_gathered_bytes(
     plain = engines(async_transfers=is_async, store_tails=True, tenant=f"plain-batched-{is_async}")
     a.prefill("a", PROMPT, step_tokens=20)  # several saves, chunks completed mid-step
     plain.prefill("p", PROMPT, step_tokens=20)
-    copies = a.worker.worker.batched  # type: ignore[union-attr]
-    assert copies is not None
+    copies = a.worker.worker.cache  # type: ignore[union-attr]
+    assert copies is not None and copies.batches is not None
     with_chunks = sum(1 for meta in a.log for save in meta.saves if save.keys)
     assert copies.launches == with_chunks > 1, "one copier call per save's daemon batch, not one per chunk"
     stored = a.stored(address)
@@ -81,7 +81,7 @@ def test_a_batched_save_stores_exactly_the_gathered_bytes(
 def test_put_with_flushes_a_deferring_fill_before_the_commit(
     daemon_factory: Callable[..., Any], tmp_path: Any, shared: bool, staged: bool
 ) -> None:
-    """A ``fill`` with ``flush()`` may write its views at flush: once per put, after the
+    """A ``fill`` given with a ``flush`` may write its views at flush: once per put, after the
     last fill and before the bytes are committed (shared memory: staged slots or
     alloc+commit) or sent (payload frames); what was written at flush is what is stored."""
     extra = {} if shared else {"shm_dir": str(tmp_path / "nope")}
@@ -103,8 +103,7 @@ def test_put_with_flushes_a_deferring_fill_before_the_commit(
                 for i, view in views.items():
                     view[:] = data[i]
 
-            fill.flush = flush  # type: ignore[attr-defined]
-            assert c.put_with(keys, [len(d) for d in data], fill) == [PutStatus.STORED] * 3
+            assert c.put_with(keys, [len(d) for d in data], fill, flush=flush) == [PutStatus.STORED] * 3
             assert c.uses_shared_memory is shared
             assert flushes == [3]
             assert [bytes(v) for v in c.get(keys)] == data  # type: ignore[arg-type]
@@ -121,7 +120,7 @@ def test_batch_copies_setting_is_validated() -> None:
 def test_get_with_flushes_a_deferring_use_before_the_views_go(
     daemon_factory: Callable[..., Any], tmp_path: Any, shared: bool
 ) -> None:
-    """A ``use`` with ``flush()`` may read its views at flush: once per get, before the
+    """A ``use`` given with a ``flush`` may read its views at flush: once per get, before the
     lease ends (shared memory) or the reply's frames go (a daemon without it)."""
     daemon = daemon_factory() if shared else daemon_factory(shm_dir=str(tmp_path / "nope"))
     keys = [os.urandom(KEY_BYTES) for _ in range(4)]
@@ -138,7 +137,6 @@ def test_get_with_flushes_a_deferring_use_before_the_views_go(
         def flush() -> None:
             flushed.append({i: bytes(v) for i, v in seen.items()})
 
-        use.flush = flush  # type: ignore[attr-defined]
         asked = keys[:2] + [os.urandom(KEY_BYTES)] + keys[2:]  # a miss in the middle: a prefix of 2
-        assert c.get_with(asked, use, prefix=True) == [True, True, False, False, False]
+        assert c.get_with(asked, use, prefix=True, flush=flush) == [True, True, False, False, False]
         assert flushed == [{0: data[0], 1: data[1]}]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -156,6 +157,45 @@ def test_a_sliding_window_groups_null_blocks_are_never_touched() -> None:
     full_only = torch.zeros(4, 2, 12, HEADS, DIM)
     groups[1].gather(group_slots(groups, [[5, 5, 5], [2, 3, 4]], 0, 12, BLOCK, BLOCK).parts[1][1], full_only)
     assert torch.equal(full_only[[1, 3]], payload[[1, 3]]) and not full_only[[0, 2]].any()
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batched"])
+def test_the_workers_chunk_copies_over_several_groups(batched: bool) -> None:
+    """The worker's one copy mechanism (worker/chunkcopies.py) over Gemma-2's alternation:
+    a load of three chunks and a save of the last one write and read exactly the tokens of
+    the groups' own copies (null blocks untouched, each group its own rows); batched, each
+    group's chunks wait for the flush and go in one copier call per group."""
+    from lmcache_client.integrations.batched import BatchedCopies
+    from lmcache_client.integrations.vllm.worker.chunkcopies import ChunkCopies
+
+    torch.manual_seed(7)
+    payload = torch.randn(4, 2, 12, HEADS, DIM)
+    tables = [[NULL_BLOCK, NULL_BLOCK, 5], [2, 3, 4]]
+
+    def groups_over(swa: list[Any], full: list[Any]) -> list[GroupCopier]:
+        return [
+            GroupCopier(GroupInfo(SLIDING, BLOCK, ("l0", "l2"), sliding_window=5), [0, 2], _copier(swa)),
+            GroupCopier(GroupInfo(FULL, BLOCK, ("l1", "l3")), [1, 3], _copier(full)),
+        ]
+
+    want_swa, want_full = _caches(2), _caches(2)
+    group_slots(groups_over(want_swa, want_full), tables, 0, 12, BLOCK, BLOCK).scatter(payload)
+    swa, full = _caches(2), _caches(2)
+    groups = groups_over(swa, full)
+    batches = [BatchedCopies(g.copier) for g in groups] if batched else None
+    load = ChunkCopies(group_slots(groups, tables, 0, 12, BLOCK, BLOCK), batches)
+    for i in range(3):
+        load.scatter(slice(4 * i, 4 * i + 4), payload[:, :, 4 * i : 4 * i + 4])
+    assert load.batched == batched and any(c.any() for c in swa + full) != batched, "batched: copied at flush"
+    load.flush()
+    assert all(torch.equal(a, b) for a, b in zip(swa + full, want_swa + want_full))
+    back = torch.zeros(4, 2, 4, HEADS, DIM)
+    save = ChunkCopies(group_slots(groups, tables, 8, 12, BLOCK, BLOCK), batches)
+    save.gather(slice(0, 4), back)
+    save.flush()
+    assert torch.equal(back, payload[:, :, 8:12]), "every group's layers back in their own rows"
+    if batches is not None:
+        assert [b.launches for b in batches] == [2, 2], "one scatter and one gather per group"
 
 
 def test_group_slots_refuse_a_block_table_per_group_mismatch() -> None:

@@ -1,4 +1,4 @@
-"""Layer-wise saves (``layerwise_save``, integrations/vllm/layerwise.py): each layer's
+"""Layer-wise saves (``layerwise_save``, integrations/vllm/worker/layerwise.py): each layer's
 tokens of the step's saves are copied out at ``save_kv_layer`` and stored from there,
 through the stand-in engine (which writes the cache layer by layer and calls
 ``save_kv_layer`` after each, as vLLM's attention layers do) on a real daemon.
@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 
 from lmcache_client.integrations.paged import token_slots  # noqa: E402
 from lmcache_client.integrations.vllm.connector import LMCacheServerConnectorV1  # noqa: E402
-from lmcache_client.integrations.vllm.layerwise import _Arena, saver_for  # noqa: E402
 from lmcache_client.integrations.vllm.settings import ConnectorSettings  # noqa: E402
+from lmcache_client.integrations.vllm.worker.layerwise import _Arena, saver_for  # noqa: E402
 
 from .vllm_harness.engine import LAYERS, Engine, expected_rows  # noqa: E402
 

@@ -251,7 +251,7 @@ def test_random_orders_of_async_transfers_never_write_a_wrong_byte(
         engines(tenant=tenant, batch_copies=batch_copies),
         engines(tenant=tenant, save_decode_cache=True, batch_copies=batch_copies),
     ]
-    assert all((e.worker.worker.batched is not None) == (batch_copies == "on") for e in pool)  # type: ignore[union-attr]
+    assert all((e.worker.worker.cache.batches is not None) == (batch_copies == "on") for e in pool)  # type: ignore[union-attr]
     bases = [list(range(5000 + 100 * b, 5000 + 100 * b + 48)) for b in range(3)]
     for step in range(24):
         engine = rng.choice(pool)

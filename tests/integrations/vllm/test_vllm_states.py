@@ -9,7 +9,8 @@ import pytest
 
 from lmcache_client import chunk_keys
 from lmcache_client.integrations.vllm.mamba import StateGroup, StateLayout, state_key
-from lmcache_client.integrations.vllm.states import StateMover, StateWiring
+from lmcache_client.integrations.vllm.states import StateWiring
+from lmcache_client.integrations.vllm.worker.statemover import StateMover
 
 BLOCK, CHUNK = 1152, 256
 
@@ -79,11 +80,11 @@ def test_the_scheduler_saves_handed_off_states_and_loads_a_state_only_at_its_len
     vLLM's hand-off at 2304 tokens becomes a state save; a load vLLM cut short of the
     state's length carries no state key, and the worker fails it rather than load chunks
     without their state."""
-    from lmcache_client.integrations.layout import ChunkLayout
     from lmcache_client.integrations.vllm.meta import LoadRequest
     from lmcache_client.integrations.vllm.scheduler import SchedulerSide
     from lmcache_client.integrations.vllm.scheduler.perrequest import Hit
-    from lmcache_client.integrations.vllm.worker import LoadResult, WorkerSide
+    from lmcache_client.integrations.vllm.worker import LoadResult, WorkerStats
+    from lmcache_client.integrations.vllm.worker.loads import Loads
     from lmcache_client.keys import ROOT_KEY
 
     from .vllm_harness.engine import NewRequestData, SchedulerOutput
@@ -116,11 +117,10 @@ def test_the_scheduler_saves_handed_off_states_and_loads_a_state_only_at_its_len
     cut = alloc("c", 1152)  # vLLM loads fewer tokens than the state's length
     assert (cut.state_tokens, cut.state_key, cut.state_blocks) == (1152, None, None)
 
-    worker = WorkerSide(None, ChunkLayout(1, 2, 32, CHUNK, "bfloat16"))  # type: ignore[arg-type]
-    worker.states = side.states
-    worker._mover = StateMover(types.SimpleNamespace(layout=side.states.layout), "ns")  # type: ignore[arg-type]
-    assert not worker._load_state(cut, None, 1152, LoadResult(0))  # type: ignore[arg-type]
-    assert not worker._load_state(good, None, 2048, LoadResult(0))  # type: ignore[arg-type]  # a chunk missing
+    mover = StateMover(types.SimpleNamespace(layout=side.states.layout), "ns")  # type: ignore[arg-type]
+    loads = Loads(None, None, WorkerStats(), mover, per_request=True)  # type: ignore[arg-type]
+    assert not loads._load_state(cut, None, 1152, LoadResult(0))  # type: ignore[arg-type]
+    assert not loads._load_state(good, None, 2048, LoadResult(0))  # type: ignore[arg-type]  # a chunk missing
 
 
 @pytest.mark.parametrize("ranks_agree", [True, False], ids=["agree", "disagree"])
@@ -191,8 +191,8 @@ def test_asynchronous_state_saves_copy_in_the_step_and_store_on_the_save_lane() 
 
     from lmcache_client.integrations.vllm.lanes import Lane
     from lmcache_client.integrations.vllm.states import StateSave
-    from lmcache_client.integrations.vllm.transfers import TransferEngine
-    from lmcache_client.integrations.vllm.workerstats import WorkerStats
+    from lmcache_client.integrations.vllm.worker.transferengine import TransferEngine
+    from lmcache_client.integrations.vllm.worker.workerstats import WorkerStats
 
     caller, gate = threading.get_ident(), threading.Event()
     seen: dict[str, int] = {}

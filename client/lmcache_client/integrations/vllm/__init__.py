@@ -4,10 +4,13 @@
   (``kv_connector_module_path: lmcache_client.integrations.vllm.connector``),
   a thin shim over the two sides;
 - ``settings``: :class:`ConnectorSettings`, ``kv_connector_extra_config`` validated;
-- ``scheduler``: the scheduler process's side (what to load and store, per
+- ``scheduler/``: the scheduler process's side (what to load and store, per
   step), a room of its own: its lookups, cost gate and KV events live there;
-- ``worker``: the worker side (chunks in and out of the paged KV cache), and
-  ``transfers``: its asynchronous loads and saves;
+- ``worker/``: the worker process's side, a room of its own (chunks in and out
+  of the paged KV cache through one copy mechanism, its asynchronous loads and
+  saves, layer-wise saves, Mamba states);
+- ``plumbing`` and ``vllmconfig``: the connector's clients and lanes, and what it
+  reads from vLLM's config;
 - ``lanes``: the threads that talk to the daemon off vLLM's threads;
 - ``layout``: the KV cache layout of a running vLLM, read from vLLM itself;
 - ``meta``: what the scheduler side tells its workers once per step;

@@ -34,7 +34,9 @@ fails the request, so the connector warns at start when it sees ``fail``.
 
 The class is a thin shim: the scheduler role runs a
 :class:`~.scheduler.SchedulerSide`, the worker role a
-:class:`~.worker.WorkerSide`; each owns one blocking client.  Under
+:class:`~.worker.WorkerSide` (and, asynchronous, a
+:class:`~.worker.transferengine.TransferEngine`); each owns one blocking
+client, and a :class:`~.plumbing.Plumbing` makes the clients and lanes.  Under
 tensor parallelism each rank stores its own shard (namespace
 ``tp<rank>of<size>``) and the scheduler's lookup answers for the smallest
 hit over all ranks; MLA models store their latent once per node (namespace
@@ -61,21 +63,47 @@ from .costgate import CostGate
 from .groups import SLIDING, check_groups, group_infos
 from .lanes import Lane
 from .meta import LMCacheServerConnectorMetadata
+from .plumbing import Plumbing
 from .scheduler import SchedulerSide
 from .settings import CONSUMER_WAIT_S, ROLES, ConnectorSettings
-from .stats import LMCacheServerConnectorStats
-from .transfers import TransferEngine
-from .wiring import Plumbing, connector_events, layout_from_vllm_config, log_through_vllm, state_wiring
+from .stats import LMCacheServerConnectorStats, prom_metrics_class
+from .vllmconfig import connector_events, layout_from_vllm_config, log_through_vllm, state_wiring
 from .worker import WorkerSide
+from .worker.transferengine import TransferEngine
 
 __all__ = ["ConnectorSettings", "LMCacheServerConnectorV1", "layout_from_vllm_config"]
 
 logger = logging.getLogger(__name__)
 
 
-class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """``KVConnectorBase_V1`` subclass; vLLM builds one per role and process.  It declares
     ``SupportsHMA``: sliding-window models keep vLLM's hybrid KV cache manager (:mod:`.groups`)."""
+
+    # -- vLLM's class-level questions ----------------------------------------------------
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # the layout is read from the attention backend at register_kv_caches
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise saves run between the layers: CUDA graphs must be piecewise then."""
+        return ConnectorSettings.from_extra_config(extra_config).layerwise_save
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMCacheServerConnectorStats:
+        return LMCacheServerConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        metrics = prom_metrics_class()
+        return None if metrics is None else metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         if BASE_TAKES_KV_CACHE_CONFIG:
@@ -111,21 +139,21 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
         is_scheduler = getattr(role, "name", str(role)) == "SCHEDULER"
         if self.settings.malloc_tuning and not is_scheduler:
             tune_malloc()
-        self.client = self._new_client()
+        self.plumbing = Plumbing(self.settings, self.layout, self.states, self.kv_role)
+        plumbing = self.plumbing
+        self.client = plumbing.new_client()
         self._reported = {"daemon_failures": 0, "short_circuited": 0}
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.transfers: TransferEngine | None = None
         """The worker's asynchronous loads and saves (None: synchronous mode or scheduler)."""
-        self.lanes: list[Lane] = []
-        """Threads talking to the daemon off vLLM's thread (asynchronous mode)."""
         is_async = self.settings.async_transfers
 
         def namespace_of(rank: int) -> Any:
             return self.layout.namespace(model_id, tp_rank=rank, tp_size=tp_size, tenant=self.settings.tenant)
 
         if is_scheduler:
-            transfers = [self._transfer(self.client, namespace_of(r)) for r in range(shards)]
+            transfers = [plumbing.transfer(self.client, namespace_of(r)) for r in range(shards)]
             wait_s = self.settings.load_wait_s
             if wait_s < 0:
                 wait_s = CONSUMER_WAIT_S if self.kv_role == "kv_consumer" else 0.0
@@ -136,7 +164,7 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
                 save=self.kv_role != "kv_consumer",
                 store_tails=self.settings.store_tails or self.kv_role == "kv_producer",
                 load_wait_s=wait_s,
-                lookups=self._lookups([namespace_of(r) for r in range(shards)]) if is_async else None,
+                lookups=plumbing.lookups([namespace_of(r) for r in range(shards)]) if is_async else None,
                 async_load=is_async,
                 async_save=is_async,
                 save_decode_cache=self.settings.save_decode_cache,
@@ -151,7 +179,7 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
                 self.scheduler.state_transfers = [
                     ChunkTransfer(
                         self.client,
-                        self._state_namespace(namespace_of(r)),
+                        plumbing.state_namespace(namespace_of(r)),
                         self.states.layout.state_bytes,
                         codec="none",
                     )
@@ -166,22 +194,23 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
                     policy,
                 )
         else:
-            transfer = self._transfer(self.client, namespace_of(tp_rank()))
+            transfer = plumbing.transfer(self.client, namespace_of(tp_rank()))
             namespace = transfer.namespace
             self.worker = WorkerSide(
-                transfer, self.layout, copy_threads=self.settings.copy_threads, batch_copies=self.settings.batch_copies
+                transfer,
+                self.layout,
+                copy_threads=self.settings.copy_threads,
+                batch_copies=self.settings.batch_copies,
+                stores=shards == tp_size or tp_rank() == 0,
+                layerwise_bytes=self.settings.layerwise_staging_mb << 20 if self.settings.layerwise_save else 0,
+                states=self.states,
+                state_namespace=plumbing.state_namespace(namespace_of(tp_rank())) if self.states is not None else None,
             )
-            self.worker.stores = shards == tp_size or tp_rank() == 0
-            if self.settings.layerwise_save:
-                self.worker.layerwise_bytes = self.settings.layerwise_staging_mb << 20
-            if self.states is not None:
-                self.worker.states = self.states
-                self.worker.state_namespace = self._state_namespace(namespace_of(tp_rank()))
             if is_async:
                 self.transfers = TransferEngine(
                     self.worker,
-                    self._lane("lmcache-load", namespace_of(tp_rank())),
-                    self._lane("lmcache-save", namespace_of(tp_rank())),
+                    plumbing.lane("lmcache-load", namespace_of(tp_rank())),
+                    plumbing.lane("lmcache-save", namespace_of(tp_rank())),
                     load_deadline_s=self.settings.load_deadline_ms / 1000,
                     max_queued_saves=self.settings.max_queued_saves,
                 )
@@ -192,6 +221,11 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
             self.settings.address,
             namespace,
         )
+
+    @property
+    def lanes(self) -> list[Lane]:
+        """Threads talking to the daemon off vLLM's thread (asynchronous mode)."""
+        return self.plumbing.lanes
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -323,10 +357,8 @@ class LMCacheServerConnectorV1(Plumbing, KVConnectorBase_V1, SupportsHMA):  # ty
     def shutdown(self) -> None:
         for lane in self.lanes:
             lane.close()
-        if self.worker is not None and self.worker.engine is not None:
-            self.worker.engine.copier.close()
-        if self.worker is not None and self.worker.layerwise is not None:
-            self.worker.layerwise.close()
+        if self.worker is not None:
+            self.worker.close()
         self.client.close()
 
     # -- scheduler side ------------------------------------------------------------------

@@ -48,15 +48,25 @@ outside align mode is refused there).  Any other kind (chunked local attention,
 cross attention, DeepSeek's compressed or sparse caches, ...) is refused at
 start with one message naming every such group (:func:`check_groups`).
 
+The worker moves a token range through :class:`GroupSlots` whatever the
+number of groups (one group: a single :class:`GroupCopier` over every layer),
+one by one (``scatter``/``gather``) or as :class:`~..batched.Part` s for a
+batch of copies per group (``scatter_parts``/``gather_parts``), the same
+tokens either way.
+
 Primitives: :class:`GroupInfo`, :func:`check_groups`, :func:`group_infos`,
-:func:`savable`, :class:`GroupCopier`, :data:`NULL_BLOCK`.
+:func:`savable`, :class:`GroupCopier`, :class:`GroupSlots`, :func:`group_slots`,
+:data:`NULL_BLOCK`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from ..batched import Part
+from ..paged import Slots, token_slots
 
 NULL_BLOCK = 0
 """vLLM's null block id: the placeholder for a sliding-window group's out-of-window blocks."""
@@ -178,6 +188,22 @@ class GroupCopier:
         self.copier.gather(slots, staging)
         payload.index_copy_(0, self._index.to(payload.device), staging.to(payload.device))
 
+    def scatter_part(self, slots: Slots, payload: Any) -> Part:
+        """:meth:`scatter` as a part of a batch of this group's copies (read at the batch)."""
+        return Part(slots, self._select(payload))
+
+    def gather_part(self, slots: Slots, payload: Any) -> tuple[Part, Callable[[], None] | None]:
+        """:meth:`gather` as a part of a batch of this group's copies, and what to run
+        once the batch is done: rows spread over the payload are gathered into a
+        staging tensor of their own, copied into their rows then."""
+        if self._contiguous:
+            return Part(slots, payload[self.rows[0] : self.rows[0] + len(self.rows)]), None
+        import torch
+
+        staging = torch.empty((len(self.rows), *payload.shape[1:]), dtype=payload.dtype, device=payload.device)
+        index = self._index.to(payload.device)
+        return Part(slots, staging), lambda: payload.index_copy_(0, index, staging)
+
 
 class GroupSlots:
     """Where each group keeps the tokens of one range: ``(copier, slots, real)`` per group,
@@ -187,8 +213,7 @@ class GroupSlots:
         self.parts = parts
 
     def __getitem__(self, part: slice) -> GroupSlots:
-        from ..paged import Slots
-
+        """Tokens ``part`` of the range."""
         return GroupSlots(
             [
                 (g, Slots(s.blocks[part], s.offsets[part]), None if real is None else real[part])
@@ -203,8 +228,6 @@ class GroupSlots:
     def scatter(self, payload: Any) -> None:
         """Write ``payload`` ``(layers, 2, tokens, heads, dim)``: every group its own
         layers, a sliding-window group only the tokens in real blocks."""
-        from ..paged import Slots
-
         for g, s, real in self.parts:
             if real is None or bool(real.all()):
                 g.scatter(s, payload)
@@ -218,6 +241,28 @@ class GroupSlots:
         for g, s, _ in self.parts:
             g.gather(s, payload)
 
+    def scatter_parts(self, payload: Any) -> list[Part | None]:
+        """:meth:`scatter` as one part per group for its batch of copies (None: no token
+        of the range in a real block of that group): exactly the tokens it writes."""
+        out: list[Part | None] = []
+        for g, s, real in self.parts:
+            if real is None or bool(real.all()):
+                out.append(g.scatter_part(s, payload))
+            elif bool(real.any()):
+                out.append(
+                    g.scatter_part(Slots(s.blocks[real], s.offsets[real]), payload[:, :, real.to(payload.device)])
+                )
+            else:
+                out.append(None)
+        return out
+
+    def gather_parts(self, payload: Any) -> list[tuple[Part, Callable[[], None] | None]]:
+        """:meth:`gather` as one part per group for its batch of copies, each with what to
+        run once its batch is done (:meth:`GroupCopier.gather_part`)."""
+        if not self.complete():
+            raise ValueError("a sliding-window group holds null blocks in this range")
+        return [g.gather_part(s, payload) for g, s, _ in self.parts]
+
 
 def group_slots(
     groups: Sequence[GroupCopier],
@@ -230,8 +275,6 @@ def group_slots(
     """Per-group slots of tokens ``[start, end)`` of a request whose blocks, per group,
     are ``group_block_ids`` (a sliding-window group's null blocks are masked out)."""
     import torch
-
-    from ..paged import token_slots
 
     if len(group_block_ids) != len(groups):
         raise ValueError(f"{len(group_block_ids)} block lists for {len(groups)} KV cache groups")

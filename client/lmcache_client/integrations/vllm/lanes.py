@@ -6,7 +6,7 @@ not thread-safe).  vLLM's threads only enqueue jobs and read results; every
 daemon round trip and every copy in or out of a KV cache runs on a lane.
 The scheduler asks through one lane per tensor-parallel rank
 (:mod:`.lookups`), a worker loads on one lane and saves on another
-(:mod:`.transfers`), so a backlog of saves never delays a load.
+(:mod:`.worker.transferengine`), so a backlog of saves never delays a load.
 
 A job that raises is logged and yields its ``fallback``: a broken daemon or
 a bug costs a miss, never a dead lane or a dead engine.

@@ -52,7 +52,7 @@ class ConnectorSettings:
     server_public_key: str = ""
     client_secret_key: str = ""
     async_transfers: bool = True
-    """Lookups, loads and saves off vLLM's step (:mod:`.transfers`); false: each one
+    """Lookups, loads and saves off vLLM's step (:mod:`.worker.transferengine`); false: each one
     runs inside the step, as before 0.9 of this connector (for comparison)."""
     load_deadline_ms: float = 0.0
     """A load uses what arrived within this many milliseconds; the rest is recomputed

@@ -20,7 +20,8 @@ model, and a Mamba state on the side (:mod:`.mamba`):
   there once every chunk is in, else the request is recomputed (a load of
   another length than ``n`` is refused: a state is only right at its own).
 
-Primitives: :class:`StateWiring` (both sides), :class:`StateMover` (the worker's copies).
+Primitives: :class:`StateWiring` (both sides), :class:`StateSave`; the worker's copies:
+:class:`~.worker.statemover.StateMover`.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..transfer import ChunkTransfer
-from .mamba import NULL_BLOCK_ID, BoundState, StateLayout, state_key_after, state_slot
+from .mamba import NULL_BLOCK_ID, StateLayout, state_key_after, state_slot
 
 logger = logging.getLogger(__name__)
 
@@ -153,65 +153,3 @@ class StateWiring:
                 return n
             n -= self.step
         return 0
-
-
-class StateMover:
-    """A worker's Mamba states in and out of the daemon (one transfer per client: per thread)."""
-
-    def __init__(self, bound: BoundState, namespace: str):
-        self.bound = bound
-        self.namespace = namespace
-        self._transfers: dict[int, ChunkTransfer] = {}
-
-    def _transfer(self, over: ChunkTransfer) -> ChunkTransfer:
-        out = self._transfers.get(id(over.client))
-        if out is None:
-            out = ChunkTransfer(over.client, self.namespace, self.bound.layout.state_bytes, codec="none")
-            self._transfers[id(over.client)] = out
-        return out
-
-    def load(self, request: Any, over: ChunkTransfer, covered: int) -> int:
-        """Write the state a load ends with (``request.state_tokens``, its ``end_token``) into
-        its blocks once ``covered`` reaches it; the bytes read, 0 when nothing was written."""
-        blocks, key = request.state_blocks, request.state_key
-        if key is None or not blocks or request.state_tokens != request.end_token or covered < request.end_token:
-            return 0
-        done = [0]
-
-        def scatter(_: int, view: memoryview) -> None:
-            self.bound.scatter(blocks, view)
-            done[0] = view.nbytes
-
-        if not self._transfer(over).get_one_with(key, self.bound.layout.state_bytes, scatter):
-            return 0
-        return done[0]
-
-    def save(self, saves: Sequence[StateSave], over: ChunkTransfer) -> int:
-        """Gather and store each state now; returns states stored.  Never raises."""
-        return self.store(self.gather(saves), over)
-
-    def gather(self, saves: Sequence[StateSave]) -> list[tuple[StateSave, bytearray]]:
-        """Copy each state out of its blocks now (vLLM may hand them out from the next
-        step on); the copies :meth:`store` stores, later and on any thread.  Never raises."""
-        out = []
-        for save in saves:
-            try:
-                out.append((save, self.bound.gather(save.blocks)))
-            except Exception:
-                logger.exception("copying the Mamba state of request %s failed", save.req_id)
-        return out
-
-    def store(self, gathered: Sequence[tuple[StateSave, bytearray]], over: ChunkTransfer) -> int:
-        """Store states :meth:`gather` copied out; returns states stored.  Never raises."""
-        stored = 0
-        transfer = self._transfer(over)
-        for save, payload in gathered:
-            try:
-
-                def fill(_: int, view: memoryview, payload: bytearray = payload) -> None:
-                    view[:] = payload
-
-                stored += transfer.put_one_with(save.key, len(payload), fill)
-            except Exception:
-                logger.exception("saving the Mamba state of request %s failed", save.req_id)
-        return stored

@@ -35,11 +35,12 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from .lanes import Lane
+from ..lanes import Lane
+from ..meta import LoadRequest, SaveRequest
+from ..states import StateSave
 from .layerwise import Staged
-from .meta import LoadRequest, SaveRequest
-from .states import StateSave
-from .worker import LoadResult, WorkerSide
+from .workerside import WorkerSide
+from .workerstats import LoadResult
 
 logger = logging.getLogger(__name__)
 

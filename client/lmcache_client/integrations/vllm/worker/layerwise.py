@@ -33,8 +33,8 @@ import logging
 import threading
 from typing import Any
 
-from ..paged import PagedCopier, Slots
-from .meta import SaveRequest
+from ...paged import PagedCopier, Slots
+from ..meta import SaveRequest
 
 logger = logging.getLogger(__name__)
 
