@@ -73,10 +73,10 @@ def nhd_write(key: Any, value: Any, cache: Any, slots: Any) -> None:
 def make_worker(size_mib: int, layout: str, client: Any, namespace: str) -> tuple[Any, Any, int]:
     import torch
 
-    from lmcache_client.integrations.layout import ChunkLayout
+    from lmcache_client.integrations.chunklayout import ChunkLayout
     from lmcache_client.integrations.paged import PagedCopier, probe_block_layout
     from lmcache_client.integrations.transfer import ChunkTransfer
-    from lmcache_client.integrations.vllm.layout import EngineLayout
+    from lmcache_client.integrations.vllm.discovery import EngineLayout
     from lmcache_client.integrations.vllm.worker import WorkerSide
 
     layers, heads, dim, dtype_name = SHAPES[size_mib]

@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("zstandard")
 
 from lmcache_client import CacheClient, chunk_keys  # noqa: E402
+from lmcache_client.integrations.chunklayout import ChunkLayout  # noqa: E402
 from lmcache_client.integrations.hf import CachedPrefill  # noqa: E402
-from lmcache_client.integrations.layout import ChunkLayout  # noqa: E402
 from lmcache_client.integrations.transfer import ChunkTransfer  # noqa: E402
 
 from ..conftest import Daemon, RedisServer, wait_for  # noqa: E402
@@ -190,7 +190,7 @@ import sys
 sys.modules["zstandard"] = None  # the package is missing: import zstandard fails
 import os, torch
 from lmcache_client import CacheClient
-from lmcache_client.integrations.layout import ChunkLayout
+from lmcache_client.integrations.chunklayout import ChunkLayout
 from lmcache_client.integrations.transfer import ChunkTransfer
 layout = ChunkLayout(2, 2, 64, 16, "float32")
 keys = [bytes.fromhex(k) for k in sys.argv[2].split(",")]

@@ -15,7 +15,7 @@ this package needs neither torch, transformers, vLLM nor SGLang:
 :mod:`.vllm_connector` and :mod:`.sglang_hicache` are deprecated aliases of the
 two engine modules, kept for engine configs written before the move.
 
-Shared plumbing: :mod:`.layout` (the chunk payload layout shared by the HF and
+Shared plumbing: :mod:`.chunklayout` (the chunk payload layout shared by the HF and
 vLLM adapters), :mod:`.transfer` (batched, validated chunk get/put), :mod:`.coded`
 (its KV codec path) and :mod:`.paged` (copies between paged KV caches and chunks).
 """

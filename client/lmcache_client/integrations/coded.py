@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..namespace import Namespace
-from .layout import ChunkLayout
+from .chunklayout import ChunkLayout
 
 logger = logging.getLogger(__name__)
 

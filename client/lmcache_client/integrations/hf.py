@@ -14,7 +14,7 @@ KV cache).  For a prompt it:
 5. stores every full chunk it computed (:meth:`CachedPrefill.save`; on by
    default, separate so a caller can return the first token before storing).
 
-Payloads use the shared layout of :mod:`.layout`: GQA caches keep their
+Payloads use the shared layout of :mod:`.chunklayout`: GQA caches keep their
 ``num_key_value_heads``; MLA models (DeepSeek V2/V3) store their cached
 latent (:mod:`.hf_mla`), the same chunks as vLLM's connector; fp32, fp16 and
 bf16 models work (the namespace holds the dtype).  Batch size is 1.  ``model_id`` must name the *weights*: two
@@ -37,8 +37,8 @@ from typing import Any
 from ..client import CacheClient
 from ..keys import chunk_keys, chunk_tokens
 from ..tensors import tensor_bytes
+from .chunklayout import ChunkLayout, MLAChunkLayout
 from .hf_mla import mla_cache_from, mla_layout, mla_stage
-from .layout import ChunkLayout, MLAChunkLayout
 from .transfer import DEFAULT_MAX_BATCH_BYTES, ChunkTransfer
 
 

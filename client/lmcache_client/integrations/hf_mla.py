@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .layout import MLAChunkLayout
+from .chunklayout import MLAChunkLayout
 
 
 def mla_layout(config: Any, chunk_size: int, dtype: str) -> MLAChunkLayout | None:

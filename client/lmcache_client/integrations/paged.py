@@ -2,7 +2,7 @@
 
 :class:`PagedCopier` moves token ranges between the layer caches and chunk
 payloads of shape ``(layers, 2, tokens, kv_heads, head_dim)`` (see
-:mod:`.layout`), in one copy each way: straight into (or out of) the
+:mod:`.chunklayout`), in one copy each way: straight into (or out of) the
 destination, e.g. a slot of the daemon's shared pool.  Layers that share one
 storage at a constant stride are copied together as one 5-D view.  Where K
 and V sit inside a block (the :class:`BlockLayout` the copier works from) is

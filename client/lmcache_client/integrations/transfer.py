@@ -36,8 +36,8 @@ from ..keys import ChunkTokens
 from ..namespace import Namespace
 from ..protocol import PutStatus
 from ..shm import FillFn, FlushFn, UseFn, copy_frame
+from .chunklayout import ChunkLayout
 from .coded import CodecBinding, CodedChunks
-from .layout import ChunkLayout
 from .transferroute import DEFAULT_MAX_BATCH_BYTES as DEFAULT_MAX_BATCH_BYTES  # re-exported: callers import it here
 from .transferroute import DEFAULT_MAX_BATCH_KEYS as DEFAULT_MAX_BATCH_KEYS
 from .transferroute import TransferRoute

@@ -21,8 +21,8 @@ from ..client import CacheClient
 from ..errors import ClientError
 from ..keys import ChunkTokens
 from ..namespace import Namespace
+from .chunklayout import ChunkLayout
 from .coded import CodecBinding, CodedChunks
-from .layout import ChunkLayout
 
 logger = logging.getLogger("lmcache_client.integrations.transfer")  # the transfer's log lines keep their logger name
 

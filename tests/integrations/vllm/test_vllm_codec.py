@@ -20,7 +20,7 @@ import pytest
 
 from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.codec import CodecSpec
-from lmcache_client.integrations.layout import ChunkLayout
+from lmcache_client.integrations.chunklayout import ChunkLayout
 
 from ...conftest import Daemon
 from .vllm_harness.fixtures import connector, loadable, models, run_replica, vllm_python  # noqa: F401

@@ -29,7 +29,7 @@ from lmcache_client.integrations.vllm.connector import (  # noqa: E402
     LMCacheServerConnectorV1,
     layout_from_vllm_config,
 )
-from lmcache_client.integrations.vllm.layout import UnsupportedLayout  # noqa: E402
+from lmcache_client.integrations.vllm.discovery import UnsupportedLayout  # noqa: E402
 from lmcache_client.integrations.vllm.meta import LMCacheServerConnectorMetadata  # noqa: E402
 
 from ...conftest import Daemon  # noqa: E402

@@ -215,8 +215,9 @@ def test_the_scheduler_sends_every_groups_blocks_and_stops_saving_past_the_windo
     from .vllm_harness.engine import CachedRequestData, NewRequestData, SchedulerOutput
     from .vllm_harness.fixtures import tokens
 
-    side = SchedulerSide([], 384)
-    side.groups = [GroupInfo(SLIDING, 128, ("l0",), sliding_window=128), GroupInfo(FULL, 128, ("l1",))]
+    side = SchedulerSide(
+        [], 384, groups=[GroupInfo(SLIDING, 128, ("l0",), sliding_window=128), GroupInfo(FULL, 128, ("l1",))]
+    )
     prompt = tokens(1300, 5)
     swa, full = list(range(10, 15)), list(range(20, 25))
     first = side.build_meta(

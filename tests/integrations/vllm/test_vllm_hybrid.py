@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from lmcache_client import CacheClient, chunk_keys
-from lmcache_client.integrations.layout import ChunkLayout
+from lmcache_client.integrations.chunklayout import ChunkLayout
 
 from ...conftest import Daemon
 from .vllm_harness.fixtures import ROOT, connector, loadable, run_replica, tokens, vllm_python  # noqa: F401

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from lmcache_client import CacheClient
-from lmcache_client.integrations.layout import ChunkLayout
+from lmcache_client.integrations.chunklayout import ChunkLayout
 from lmcache_client.integrations.vllm.mamba import StateGroup, StateLayout, state_key
 
 from ...conftest import Daemon

@@ -50,7 +50,7 @@ from typing import Any
 import pytest
 
 from lmcache_client import CacheClient, chunk_keys
-from lmcache_client.integrations.layout import MLAChunkLayout
+from lmcache_client.integrations.chunklayout import MLAChunkLayout
 
 from ...conftest import Daemon
 from .vllm_harness.fixtures import ROOT, connector, loadable, run_harness, run_replica, tokens, vllm_python  # noqa: F401

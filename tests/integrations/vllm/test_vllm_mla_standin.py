@@ -21,11 +21,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from lmcache_client import CacheClient, chunk_keys  # noqa: E402
-from lmcache_client.integrations.layout import CHUNK_LAYOUT, MLA_CHUNK_LAYOUT, ChunkLayout, MLAChunkLayout  # noqa: E402
+from lmcache_client.integrations.chunklayout import CHUNK_LAYOUT, MLA_CHUNK_LAYOUT, ChunkLayout, MLAChunkLayout  # noqa: E402
 from lmcache_client.integrations.paged import token_slots  # noqa: E402
 from lmcache_client.integrations.vllm import connector as connector_module  # noqa: E402
 from lmcache_client.integrations.vllm.connector import LMCacheServerConnectorV1, layout_from_vllm_config  # noqa: E402
-from lmcache_client.integrations.vllm.layout import UnsupportedLayout, discover  # noqa: E402
+from lmcache_client.integrations.vllm.discovery import UnsupportedLayout, discover  # noqa: E402
 from lmcache_client.integrations.vllm.meta import LMCacheServerConnectorMetadata, SaveRequest  # noqa: E402
 
 from .vllm_harness.engine import Role  # noqa: E402

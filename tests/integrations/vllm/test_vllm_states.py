@@ -135,8 +135,7 @@ def test_asynchronous_lookups_find_the_state_on_the_lanes_not_in_the_step(addres
     from lmcache_client import CacheClient
     from lmcache_client.integrations.transfer import ChunkTransfer
     from lmcache_client.integrations.vllm.lanes import Lane
-    from lmcache_client.integrations.vllm.lookups import LookupService
-    from lmcache_client.integrations.vllm.scheduler import SchedulerSide
+    from lmcache_client.integrations.vllm.scheduler import LookupService, SchedulerSide
 
     from .vllm_harness.engine import Request
     from .vllm_harness.fixtures import tokens
@@ -153,10 +152,13 @@ def test_asynchronous_lookups_find_the_state_on_the_lanes_not_in_the_step(addres
             clients[0].put([state_key(prompt, n, CHUNK) for n in held], [b"s" * 64] * len(held), namespace=state_ns[r])
         lanes = [Lane(f"lookup-{r}", ChunkTransfer(clients[r + 1], chunk_ns[r], 64)) for r in range(2)]
         side = SchedulerSide(
-            [ChunkTransfer(clients[0], ns, 64) for ns in chunk_ns], CHUNK, lookups=LookupService(lanes), async_load=True
+            [ChunkTransfer(clients[0], ns, 64) for ns in chunk_ns],
+            CHUNK,
+            lookups=LookupService(lanes),
+            async_load=True,
+            states=_wiring(),
+            state_transfers=[ChunkTransfer(clients[0], ns, 64, codec="none") for ns in state_ns],
         )
-        side.states = _wiring()
-        side.state_transfers = [ChunkTransfer(clients[0], ns, 64, codec="none") for ns in state_ns]
         on_scheduler: list[str] = []
         scheduler_thread = threading.get_ident()
         for t in side.state_transfers:

@@ -64,7 +64,7 @@ from ...errors import ClientError
 from ...memtune import tune_malloc
 from ...namespace import Namespace, canonical_dtype
 from ...tensors import tensor_bytes
-from ..layout import ChunkLayout
+from ..chunklayout import ChunkLayout
 from ..transfer import ChunkTransfer
 from .pools import SidePool, SidePools
 from .stats import TransferStats

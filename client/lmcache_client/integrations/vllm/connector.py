@@ -56,15 +56,14 @@ import logging
 from typing import Any
 
 from ...memtune import tune_malloc
-from ..layout import MLAChunkLayout
+from ..chunklayout import MLAChunkLayout
 from ..transfer import ChunkTransfer
 from .compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, KVConnectorTransferResults, SupportsHMA, tp_rank
-from .costgate import CostGate
 from .groups import SLIDING, check_groups, group_infos
 from .lanes import Lane
 from .meta import LMCacheServerConnectorMetadata
 from .plumbing import Plumbing
-from .scheduler import SchedulerSide
+from .scheduler import CostGate, SchedulerSide
 from .settings import CONSUMER_WAIT_S, ROLES, ConnectorSettings
 from .stats import LMCacheServerConnectorStats, prom_metrics_class
 from .vllmconfig import connector_events, layout_from_vllm_config, log_through_vllm, state_wiring
@@ -157,6 +156,13 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
             wait_s = self.settings.load_wait_s
             if wait_s < 0:
                 wait_s = CONSUMER_WAIT_S if self.kv_role == "kv_consumer" else 0.0
+            state_transfers = [
+                ChunkTransfer(
+                    self.client, plumbing.state_namespace(namespace_of(r)), self.states.layout.state_bytes, codec="none"
+                )
+                for r in range(shards)
+                if self.states is not None
+            ]
             self.scheduler = SchedulerSide(
                 transfers,
                 self.settings.chunk_size,
@@ -171,20 +177,11 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
                 max_store_tokens=self.settings.max_store_tokens,
                 load_deadline_ms=self.settings.load_deadline_ms,
                 cost_gate=CostGate(self.settings.cost_gate_margin) if self.settings.cost_gate else None,
+                events=connector_events(vllm_config, self.settings.chunk_size),
+                groups=self.groups if len(self.groups) > 1 else [],
+                states=self.states,
+                state_transfers=state_transfers,
             )
-            self.scheduler.events = connector_events(vllm_config, self.settings.chunk_size)
-            self.scheduler.groups = self.groups if len(self.groups) > 1 else []
-            if self.states is not None:
-                self.scheduler.states = self.states
-                self.scheduler.state_transfers = [
-                    ChunkTransfer(
-                        self.client,
-                        plumbing.state_namespace(namespace_of(r)),
-                        self.states.layout.state_bytes,
-                        codec="none",
-                    )
-                    for r in range(shards)
-                ]
             namespace: str = transfers[0].namespace
             policy = str(getattr(transfer_config, "kv_load_failure_policy", "recompute"))
             if policy != "recompute" and self.kv_role != "kv_producer":
@@ -407,6 +404,6 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> list[Any]:
-        """KV events of blocks this replica can load from the daemon (vllm/events.py)."""
+        """KV events of blocks this replica can load from the daemon (vllm/scheduler/events.py)."""
         events = self._scheduler().events if self.scheduler is not None else None
         return events.take() if events is not None else []

@@ -14,7 +14,7 @@ What the connector stores, and why that is correct:
 
 - A chunk payload is the same with the hybrid manager on or off: every
   layer's K and V of every token of the chunk, layers in model order
-  (:class:`~lmcache_client.integrations.layout.ChunkLayout`).  A layer's
+  (:class:`~lmcache_client.integrations.chunklayout.ChunkLayout`).  A layer's
   bytes are its K/V whatever group it sits in, so a payload is never read as
   another layer's, and a replica with the hybrid manager off serves one with
   it on and back.  Layers are never mixed up: each group's copier takes its

@@ -5,7 +5,7 @@ A :class:`Lane` is one daemon thread with its own FIFO of jobs and its own
 not thread-safe).  vLLM's threads only enqueue jobs and read results; every
 daemon round trip and every copy in or out of a KV cache runs on a lane.
 The scheduler asks through one lane per tensor-parallel rank
-(:mod:`.lookups`), a worker loads on one lane and saves on another
+(:mod:`.scheduler.lookups`), a worker loads on one lane and saves on another
 (:mod:`.worker.transferengine`), so a backlog of saves never delays a load.
 
 A job that raises is logged and yields its ``fallback``: a broken daemon or

@@ -35,7 +35,7 @@ import logging
 from typing import Any
 
 from ..blocklayout import LayoutError, probe_block_layout
-from ..layout import ChunkLayout, MLAChunkLayout
+from ..chunklayout import ChunkLayout, MLAChunkLayout
 from ..paged import PagedCopier, Slots
 from .enginelayout import EngineLayout, UnsupportedLayout, _first_layer, _forward_context, _refuse
 from .mlarope import check_mla_rope

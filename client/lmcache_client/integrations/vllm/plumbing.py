@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...client import CacheClient
-from ..layout import ChunkLayout
+from ..chunklayout import ChunkLayout
 from ..transfer import ChunkTransfer
 from .lanes import Lane
-from .lookups import LookupService
+from .scheduler import LookupService
 from .settings import ConnectorSettings
 from .states import StateWiring
 

@@ -67,7 +67,7 @@ class ConnectorSettings:
     (:mod:`..batched`: on CUDA a side stream and events); ``auto``: on a CUDA cache
     only (on a CPU the chunk-by-chunk copies are faster), ``on`` / ``off``."""
     cost_gate: bool = False
-    """Skip loads that the rates seen so far say are slower than computing (:mod:`.costgate`)."""
+    """Skip loads that the rates seen so far say are slower than computing (:mod:`.scheduler.costgate`)."""
     cost_gate_margin: float = 1.0
     """A load runs while its expected time is at most this many times the compute time."""
     save_decode_cache: bool = False

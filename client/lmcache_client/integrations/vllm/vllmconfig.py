@@ -12,9 +12,9 @@ import logging
 from typing import Any
 
 from ...namespace import canonical_dtype
-from ..layout import ChunkLayout, MLAChunkLayout
-from .events import ConnectorEvents
+from ..chunklayout import ChunkLayout, MLAChunkLayout
 from .mamba import StateLayout
+from .scheduler import ConnectorEvents
 from .states import StateWiring
 
 

@@ -124,7 +124,7 @@ class SchedulerSide:
         self.cost_gate = cost_gate
         """Skips loads slower than computing them (:mod:`.costgate`); None: every load runs."""
         self.async_load = async_load
-        """Loads run while the request waits in WAITING_FOR_REMOTE_KVS (:mod:`..transfers`)."""
+        """Loads run while the request waits in WAITING_FOR_REMOTE_KVS (:mod:`..worker.transferengine`)."""
         self.async_save = async_save
         """Saves run after the step; a finished request's blocks wait for them."""
         self.stats: dict[str, float] = dict.fromkeys(STATS, 0)
@@ -153,11 +153,7 @@ class SchedulerSide:
         """Requests answered ``delay_free`` since the last metadata: the workers report them."""
         book = self.per_request
         self._costs = LoadCosts(cost_gate, chunk_size, book, self.stats) if cost_gate is not None else None
-        self._build_parts()
-
-    def _build_parts(self) -> None:
-        """The parts that depend on ``events``, ``groups`` and the states (see their setters)."""
-        book, stats = self.per_request, self.stats
+        stats = self.stats
         self._state_scheduling = (
             StateScheduling(
                 self._states, self._state_transfers, self.chunk_size, book, stats, lookups=self.lookups, save=self._save
@@ -189,49 +185,26 @@ class SchedulerSide:
             groups=self._groups,
         )
 
-    # -- what the connector still assigns after construction -------------------------
-    # connector.py sets these four once, right after building the side (before any
-    # request): each setter builds the parts anew from the constructor's options, so no
-    # part is ever changed after its construction.  Pass them to the constructor instead.
+    # -- what the connector built it with ----------------------------------------------
     @property
     def events(self) -> ConnectorEvents | None:
         """Where KV events go (``take_events``); None: vLLM publishes none."""
         return self._events
-
-    @events.setter
-    def events(self, events: ConnectorEvents | None) -> None:
-        self._events = events
-        self._build_parts()
 
     @property
     def groups(self) -> list[GroupInfo]:
         """vLLM's KV cache groups when there are several (:mod:`..groups`); empty: one."""
         return self._groups
 
-    @groups.setter
-    def groups(self, groups: Sequence[GroupInfo]) -> None:
-        self._groups = list(groups)
-        self._build_parts()
-
     @property
     def states(self) -> StateWiring | None:
         """A Mamba hybrid's groups (:mod:`..states`); None: no Mamba group."""
         return self._states
 
-    @states.setter
-    def states(self, states: StateWiring | None) -> None:
-        self._states = states
-        self._build_parts()
-
     @property
     def state_transfers(self) -> list[ChunkTransfer]:
         """One per rank, in the states' namespace (with ``states``)."""
         return self._state_transfers
-
-    @state_transfers.setter
-    def state_transfers(self, transfers: Sequence[ChunkTransfer]) -> None:
-        self._state_transfers = list(transfers)
-        self._build_parts()
 
     # -- what the connector reads ----------------------------------------------------
     @property

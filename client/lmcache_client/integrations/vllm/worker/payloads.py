@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...layout import ChunkLayout
+from ...chunklayout import ChunkLayout
 
 
 def _torch() -> Any:

@@ -30,10 +30,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ...layout import ChunkLayout
+from ...chunklayout import ChunkLayout
 from ...transfer import ChunkTransfer
+from ..discovery import discover
 from ..enginelayout import EngineLayout
-from ..layout import discover
 from ..meta import LoadRequest, SaveRequest
 from ..states import StateSave, StateWiring
 from .chunkcopies import CacheCopies

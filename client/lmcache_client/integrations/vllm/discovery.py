@@ -26,7 +26,7 @@ import logging
 from typing import Any
 
 from ..blocklayout import LayoutError, probe_block_layout
-from ..layout import ChunkLayout, MLAChunkLayout
+from ..chunklayout import ChunkLayout, MLAChunkLayout
 from ..paged import PagedCopier
 from .enginelayout import EngineLayout, UnsupportedLayout, _first_layer, _forward_context, _ordered, _refuse
 from .groups import GroupCopier, group_infos
