@@ -192,7 +192,7 @@ def test_sibling_rooms_stay_apart(tmp_path: Path) -> None:
             "lmcache_server/storage/disk/tier.py": "from ..memory import MemoryTier\n",
             "lmcache_server/storage/memory/__init__.py": "MemoryTier = 1\n",
             "client/lmcache_client/integrations/sglang.py": "from .vllm.connector import x\n",
-            "client/lmcache_client/client.py": "def f():\n    from .integrations import layout\n",
+            "client/lmcache_client/client.py": "def f():\n    from .integrations import chunklayout\n",
             "client/lmcache_client/integrations/chunklayout.py": "",
         },
     )
@@ -236,10 +236,7 @@ def test_a_module_in_no_room_and_an_import_of_no_module_are_reported(tmp_path: P
 # and has exactly one subclass exists only to move lines into another file.  Engine API
 # classes we subclass (vLLM's KVConnectorBase_V1 & co., SGLang's HiCacheStorage) and real
 # specialisations (built on their own too: LFUDAPolicy, ChunkLayout, PagedCopier) are
-# not slices.  The classes below are still sliced, to be composed (docs/status.md); the
-# test fails when a new one appears AND when one of these is composed, so the list only
-# shrinks.
-STILL_SLICED = {}
+# not slices.
 ENGINE_API = {"KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorStats", "SupportsHMA", "HiCacheStorage"}
 """The engines' own classes (their stand-ins in compat modules when the engine is absent)."""
 PACKAGES = (ROOT / "lmcache_server", ROOT / "client" / "lmcache_client")
@@ -273,8 +270,5 @@ def _sliced_classes() -> set[str]:
 
 
 def test_no_class_is_sliced_across_files_by_inheritance() -> None:
-    sliced = _sliced_classes()
-    new = sorted(sliced - STILL_SLICED)
-    assert not new, f"classes that only move lines into another file (compose them, STYLE.md rule 11): {new}"
-    composed = sorted(STILL_SLICED - sliced)
-    assert not composed, f"composed now: remove from STILL_SLICED in this test and docs/status.md: {composed}"
+    sliced = sorted(_sliced_classes())
+    assert not sliced, f"classes that only move lines into another file (compose them, STYLE.md rule 11): {sliced}"
