@@ -347,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # With only --address (or the variable) there is no config to guess the HTTP port from.
     if address is None or args.config:
         try:
-            config = load_config(args.config)
+            # The address variable is read above: the config's "no such key" warning would be noise.
+            config = load_config(args.config, environ={k: v for k, v in os.environ.items() if k != ADDRESS_ENV})
         except ConfigError as err:
             print(f"cannot read the daemon's config: {err}", file=sys.stderr)
             return 2

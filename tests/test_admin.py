@@ -205,6 +205,7 @@ def test_the_address_comes_from_lmcache_server_address(filled: Daemon, tmp_path:
     out = admin("health", "--config", str(elsewhere), env={"LMCACHE_SERVER_ADDRESS": filled.address})
     assert out.returncode == 0 and out.stdout.startswith(f"healthy: lmcache-server 0.1.0 at {filled.address}"), out
     assert "/readyz 200" in out.stdout  # the config still gives the HTTP endpoint
+    assert out.stderr == ""  # no "ignoring LMCACHE_SERVER_ADDRESS: no config key" from the config loader
     out = admin("ping", "--timeout", "0.5", env={"LMCACHE_SERVER_ADDRESS": dead})
     assert out.returncode == 1 and out.stderr.strip() == (
         f"lmcache-server at {dead} (from LMCACHE_SERVER_ADDRESS) unavailable: no connection to {dead}"
