@@ -11,10 +11,13 @@ Commands:
 - ``clear``: drop one namespace's chunks (``--namespace NS``) or every chunk
   (``--all --yes``).
 - ``pin`` / ``unpin`` / ``delete`` / ``prefetch`` of a prompt's chunks, and
-  ``namespace NS`` (what one namespace holds): the operator's cache API,
-  admincache.py.
+  ``namespace`` (what one namespace holds), each of ``--namespace NS`` or
+  ``--model M``: the operator's cache API, admincache.py.
+- ``who-has``: which of several nodes holds the longest prefix of a prompt
+  (their HTTP ``POST /query``; adminwhohas.py, dispatched before this parser).
 
-The daemon is found from ``--address``, else from the config the daemon uses
+The daemon is found from ``--address``, else ``$LMCACHE_SERVER_ADDRESS`` (the
+variable the vLLM connector reads), else from the config the daemon uses
 (``--config``, ``LMCACHE_CONFIG``, ``LMCACHE_*`` variables: its first
 ``listen`` endpoint, a wildcard host replaced by loopback).  A daemon with
 ``auth: curve`` needs ``--client-secret-key`` (a key with the admin role for
@@ -24,7 +27,7 @@ daemon's public key: ``--server-public-key``, else read from the config's
 
 Exit codes: 0 done, 1 daemon unreachable / not ready / error reply, 2 bad usage,
 bad prompt input or a refused config.  Primitives: :func:`main`, :func:`daemon_address`,
-:func:`metrics_url`, :func:`format_stats`.
+:func:`target_address`, :func:`metrics_url`, :func:`format_stats`.
 """
 
 from __future__ import annotations
@@ -36,15 +39,16 @@ import os
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import zmq
 
 from lmcache_client import CacheClient, ClientError, DaemonUnavailable
+from lmcache_client.connection import ADDRESS_ENV
 from lmcache_client.curve import KeyFileError, read_public_key
 
-from .admincache import PromptError, add_commands, run_command
+from .admincache import NoNamespace, PromptError, add_commands, run_command
 from .config import ConfigError, ServerConfig, load_config
 
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "[::]": "[::1]", "::": "[::1]", "": "127.0.0.1"}
@@ -57,6 +61,25 @@ def daemon_address(config: ServerConfig) -> str:
         host, _, port = endpoint[len("tcp://") :].rpartition(":")
         return f"tcp://{_WILDCARDS.get(host, host)}:{port}"
     return endpoint
+
+
+class UsageError(ValueError):
+    """A flag or variable with a value the admin cannot use: exit 2 with this message."""
+
+
+def target_address(flag: str | None, environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """The endpoint named by ``--address``, else by ``$LMCACHE_SERVER_ADDRESS`` (None: take
+    the config's), and where it came from; UsageError for one that is not a ZeroMQ endpoint
+    (which ``connect`` would refuse with a bare "Invalid argument")."""
+    for value, source in ((flag, "--address"), (environ.get(ADDRESS_ENV) or None, ADDRESS_ENV)):
+        if value is None:
+            continue
+        host, sep, port = value.removeprefix("tcp://").rpartition(":")
+        tcp_ok = value.startswith("tcp://") and sep and host and port.isdigit() and 0 < int(port) < 65536
+        if not (tcp_ok or (value.startswith("ipc://") and len(value) > len("ipc://"))):
+            raise UsageError(f"{source}: {value!r} is not an endpoint: tcp://HOST:PORT or ipc:///PATH")
+        return value, source
+    return None, "the config's listen"
 
 
 def metrics_url(config: ServerConfig) -> str | None:
@@ -193,7 +216,11 @@ def _readyz(base: str | None, timeout_s: float) -> tuple[bool | None, str]:
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", metavar="PATH", help="the daemon's YAML config (default: $LMCACHE_CONFIG)")
-    common.add_argument("--address", metavar="ENDPOINT", help="tcp://HOST:PORT or ipc:///PATH (beats --config)")
+    common.add_argument(
+        "--address",
+        metavar="ENDPOINT",
+        help=f"tcp://HOST:PORT or ipc:///PATH (default: ${ADDRESS_ENV}, else the config's listen)",
+    )
     common.add_argument("--metrics-url", metavar="URL", help="base URL of /readyz (default: from the config)")
     common.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per request (default 5)")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -210,8 +237,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lmcache-server admin",
         description="Talk to a running lmcache-server over its wire protocol.",
-        epilog="With auth: curve pass --client-secret-key (and --server-public-key without --config); "
-        "see docs/security.md.",
+        epilog=f"The daemon: --address, else ${ADDRESS_ENV}, else --config's (or $LMCACHE_CONFIG's) first "
+        "listen endpoint, else tcp://127.0.0.1:65432. With auth: curve pass --client-secret-key (and "
+        "--server-public-key without --config); see docs/security.md. Each command: "
+        "lmcache-server admin COMMAND --help.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("ping", parents=[common], help="one round trip; prints the latency")
@@ -225,6 +254,9 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--all", action="store_true", help="every namespace: the whole cache")
     clear.add_argument("--yes", action="store_true", help="confirm --all")
     add_commands(sub, common)
+    # Listed here so that --help names it; main() hands its arguments to adminwhohas.py,
+    # which talks HTTP to several nodes and takes none of the flags above.
+    sub.add_parser("who-has", help="which of several nodes holds the longest prefix of a prompt (HTTP /query)")
     return p
 
 
@@ -294,19 +326,29 @@ def _server_public_key(config: ServerConfig) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["who-has"]:
+        from .adminwhohas import main as who_has_main
+
+        return who_has_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "clear" and args.all and not args.yes:
         print("refusing: --all drops every chunk of every namespace; add --yes", file=sys.stderr)
         return 2
     # Failures are reported below, once; the client's own outage warning would repeat them.
     logging.getLogger("lmcache_client").setLevel(logging.ERROR)
-    address: str | None = args.address
+    try:
+        address, source = target_address(args.address, os.environ)
+    except UsageError as err:
+        print(str(err), file=sys.stderr)
+        return 2
     curve_daemon = False
     base: str | None = args.metrics_url.rstrip("/") if args.metrics_url else None
-    # With only --address there is no config to guess the HTTP port from.
+    # With only --address (or the variable) there is no config to guess the HTTP port from.
     if address is None or args.config:
         try:
-            config = load_config(args.config)
+            # The address variable is read above: the config's "no such key" warning would be noise.
+            config = load_config(args.config, environ={k: v for k, v in os.environ.items() if k != ADDRESS_ENV})
         except ConfigError as err:
             print(f"cannot read the daemon's config: {err}", file=sys.stderr)
             return 2
@@ -332,16 +374,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PromptError as err:
         print(f"{args.command}: {err}", file=sys.stderr)
         return 2
+    except NoNamespace as err:
+        print(f"{args.command}: {err}", file=sys.stderr)
+        return 1
     except DaemonUnavailable as err:
         hint = (
             " (its config says auth: curve: pass --client-secret-key)"
             if curve_daemon and not args.client_secret_key
             else ""
         )
-        print(f"lmcache-server at {address} unavailable: {err}{hint}", file=sys.stderr)
+        print(f"lmcache-server at {address} (from {source}) unavailable: {err}{hint}", file=sys.stderr)
         return 1
     except ClientError as err:
         print(f"lmcache-server at {address} refused: {err}", file=sys.stderr)
         return 1
     finally:
-        context.term()
+        # destroy, not term: a socket some failure left open must not keep the CLI waiting.
+        context.destroy(linger=0)

@@ -1,13 +1,16 @@
 """The operator's cache commands of ``lmcache-server admin`` (docs/operations.md).
 
-- ``pin`` / ``unpin`` / ``delete`` / ``prefetch --namespace NS PROMPT``: act on the
+- ``pin`` / ``unpin`` / ``delete`` / ``prefetch --namespace NS PROMPT`` (or ``--model M``:
+  every namespace of that model the daemon holds, as ``admin who-has --model`` and
+  ``POST /query`` pick them: :func:`lmcache_client.namespace.of_model`): act on the
   chunks of one prompt, given as ``--tokens 1,2,3``, ``--tokens-file F`` (token ids
   separated by commas or white space, or a JSON array) or ``--text "..."
   --tokenizer PATH`` (a tokenizer.json, or a folder holding one; read with the
   ``tokenizers`` library, else ``transformers``).  ``--salt`` (the request's
   ``cache_salt``) and ``--tags a,b`` (its ``lmcache_tags``) name the key chain's
-  root; ``--chunk-size`` defaults to the daemon's.
-- ``namespace NS``: what the namespace holds, per tier, and what of it is pinned.
+  root; ``--chunk-size`` defaults to the namespace's ``c<N>`` field, else the daemon's.
+- ``namespace --namespace NS`` (or ``--model M``; a bare ``NS`` is accepted too, the
+  older form): what the namespace holds, per tier, and what of it is pinned.
 
 The keys are the vLLM connector's, computed by the engine-neutral code the
 connector calls too (the daemon imports no engine adapter): the root is
@@ -17,7 +20,7 @@ the prompt's partial last chunk (its tail, when it has two tokens or more).  A
 prompt of more chunks than the daemon takes keys in one request is refused.
 
 Primitives: :func:`add_commands`, :func:`run_command`, :func:`prompt_keys`,
-:func:`read_tokens`, :class:`PromptError`.
+:func:`read_tokens`, :class:`PromptError`, :class:`NoNamespace`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 
 from lmcache_client import CacheClient
 from lmcache_client import keys as key_chain
+from lmcache_client.namespace import chunk_size_of, of_model
 
 PROMPT_COMMANDS = ("pin", "unpin", "delete", "prefetch")
 MAX_TOKEN_ID = 2**32 - 1
@@ -45,6 +49,21 @@ class PromptError(ValueError):
     """Bad prompt input (token ids, files, tokenizer, tags): exit 2 with this message."""
 
 
+class NoNamespace(LookupError):
+    """``--model`` names no namespace the daemon holds: exit 1 with this message (nothing
+    cached yet is not bad usage)."""
+
+
+def add_target(p: argparse.ArgumentParser, required: bool = True, positional: bool = False) -> None:
+    """``--namespace NS`` or ``--model M``, the one way every cache command names its
+    namespaces (``positional``: a bare ``NS`` too, the form ``namespace`` had first)."""
+    which = p.add_mutually_exclusive_group(required=required and not positional)
+    which.add_argument("--namespace", metavar="NS", help="the namespace string (admin namespaces lists them)")
+    which.add_argument("--model", metavar="MODEL", help="every namespace of this model id the daemon holds")
+    if positional:
+        p.add_argument("name", nargs="?", metavar="NS", help="the namespace string (same as --namespace NS)")
+
+
 def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     """The cache commands' subparsers, under ``lmcache-server admin``."""
     helps = {
@@ -55,7 +74,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     }
     for name in PROMPT_COMMANDS:
         p = sub.add_parser(name, parents=[common], help=helps[name])
-        p.add_argument("--namespace", required=True, metavar="NS", help="the namespace string (admin namespaces)")
+        add_target(p)
         given = p.add_mutually_exclusive_group(required=True)
         given.add_argument("--tokens", metavar="IDS", help="the prompt's token ids: 1,2,3")
         given.add_argument("--tokens-file", metavar="FILE", help="token ids separated by commas/space, or JSON")
@@ -64,11 +83,16 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--no-special-tokens", action="store_true", help="--text: add no BOS etc. (default: as vLLM does)"
         )
-        p.add_argument("--chunk-size", type=int, metavar="N", help="tokens per chunk (default: the daemon's)")
+        p.add_argument(
+            "--chunk-size",
+            type=int,
+            metavar="N",
+            help="tokens per chunk (default: the namespace's c<N>, else the daemon's)",
+        )
         p.add_argument("--salt", metavar="S", help="the requests' cache_salt")
         p.add_argument("--tags", metavar="A,B", help="the requests' lmcache_tags")
     listing = sub.add_parser("namespace", parents=[common], help="a namespace's chunks and bytes per tier, pinned")
-    listing.add_argument("name", metavar="NS", help="the namespace string")
+    add_target(listing, positional=True)
 
 
 def _parse_ids(text: str, where: str) -> list[int]:
@@ -173,13 +197,34 @@ def prompt_keys(
     return keys if tail is None else [*keys, tail]
 
 
-def _keys(args: argparse.Namespace, client: CacheClient) -> list[bytes]:
-    hello = client.hello("lmcache-server-admin")
-    chunk_size = args.chunk_size if args.chunk_size is not None else int(hello["chunk_size"])
+def target_namespaces(args: argparse.Namespace, client: CacheClient) -> list[str]:
+    """The namespaces a cache command acts on: ``--namespace NS`` (or a bare ``NS``), else
+    every one of ``--model M`` the daemon holds (listing them needs the admin role under
+    ``auth: curve``; a tenant's key names its namespace)."""
+    name = getattr(args, "name", None)
+    given: list[str] = [v for v in (name, args.namespace) if v is not None]
+    if len(given) > 1 or (given and args.model is not None):
+        raise PromptError("name the namespace once: NS, --namespace NS or --model MODEL")
+    if given:
+        return given
+    if args.model is None:
+        raise PromptError("give --namespace NS or --model MODEL")
+    found = of_model(sorted(client.stats().get("namespaces", {})), args.model)
+    if not found:
+        raise NoNamespace(f"the daemon holds no namespace of model {args.model!r} (admin namespaces lists them)")
+    return found
+
+
+def _chunk_size(args: argparse.Namespace, namespace: str, hello: dict[str, Any]) -> int:
+    """``--chunk-size``, else the namespace's ``c<N>`` field (what its engine chunks by), else the daemon's."""
+    if args.chunk_size is not None:
+        return int(args.chunk_size)
+    return chunk_size_of(namespace) or int(hello["chunk_size"])
+
+
+def _keys(args: argparse.Namespace, tokens: list[int], chunk_size: int, max_keys: int) -> list[bytes]:
     if chunk_size < 1:
         raise PromptError(f"--chunk-size must be positive, got {chunk_size}")
-    max_keys = int(hello["max_keys_per_request"])
-    tokens = read_tokens(args)
     if len(tokens) > (max_keys + 1) * chunk_size:  # checked before hashing: a huge file costs nothing
         raise PromptError(
             f"the prompt has {len(tokens)} tokens, {len(tokens) // chunk_size} chunks of {chunk_size}: "
@@ -197,14 +242,31 @@ def _keys(args: argparse.Namespace, client: CacheClient) -> list[bytes]:
 
 
 def run_command(args: argparse.Namespace, client: CacheClient) -> tuple[dict[str, Any], str]:
-    """Run a cache command: (its JSON result, its text)."""
+    """Run a cache command: (its JSON result, its text).  With ``--model`` the result is
+    ``{"model": M, "namespaces": [one result per namespace]}`` and a text line for each."""
     if args.command == "namespace":
-        listing = dict(client.stats(namespace=args.name)["namespace"])
-        return listing, format_listing(listing)
-    keys = _keys(args, client)
-    ns, n = args.namespace, len(keys)
+        listings = [dict(client.stats(namespace=ns)["namespace"]) for ns in target_namespaces(args, client)]
+        if args.model is None:
+            return listings[0], format_listing(listings[0])
+        return {"model": args.model, "namespaces": listings}, "\n\n".join(map(format_listing, listings))
+    hello = client.hello("lmcache-server-admin")
+    tokens = read_tokens(args)
+    max_keys = int(hello["max_keys_per_request"])
+    # Every namespace's keys are checked before any is acted on: a refused prompt changes nothing.
+    planned = [
+        (ns, _keys(args, tokens, _chunk_size(args, ns, hello), max_keys)) for ns in target_namespaces(args, client)
+    ]
+    results = [_act(args.command, client, ns, keys) for ns, keys in planned]
+    if args.model is None:
+        return results[0]
+    return {"model": args.model, "namespaces": [out for out, _ in results]}, "\n".join(text for _, text in results)
+
+
+def _act(command: str, client: CacheClient, ns: str, keys: list[bytes]) -> tuple[dict[str, Any], str]:
+    """One prompt command on one namespace's keys: (its JSON result, its text line)."""
+    n = len(keys)
     out: dict[str, Any] = {"namespace": ns, "chunks": n}
-    if args.command == "prefetch":
+    if command == "prefetch":
         result = client.prefetch(keys, namespace=ns)
         in_memory = sum(result.in_memory)
         out.update(
@@ -221,13 +283,13 @@ def run_command(args: argparse.Namespace, client: CacheClient) -> tuple[dict[str
             f"(no room in the in-flight budget or memory: retry), {out['not_found']} not found"
         )
         return out, text
-    done = {"pin": client.pin, "unpin": client.unpin, "delete": client.delete}[args.command](keys, namespace=ns)
+    done = {"pin": client.pin, "unpin": client.unpin, "delete": client.delete}[command](keys, namespace=ns)
     acted = sum(done)
     word, other = {
         "pin": ("pinned", "not pinned (no tier holds them, or no room to promote them)"),
         "unpin": ("unpinned", "not pinned or not stored"),
         "delete": ("deleted", "not found"),
-    }[args.command]
+    }[command]
     out.update({word: acted, "not_acted": n - acted})
     return out, f"{word} {acted} of {n} chunks in {ns}; {n - acted} {other}"
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .admincache import PromptError, read_tokens
+from .admincache import PromptError, add_target, read_tokens
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,9 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Ask several nodes which holds the longest cached prefix of a prompt.",
     )
     p.add_argument("--nodes", required=True, metavar="URLS", help="the nodes' metrics URLs: http://a:9464,...")
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--namespace", metavar="NS", help="one namespace (docs/protocol.md)")
-    which.add_argument("--model", metavar="MODEL", help="every namespace of this model each node holds")
+    add_target(p)  # --namespace NS | --model MODEL, as every cache command takes them
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--tokens", metavar="IDS", help="the prompt's token ids: 1,2,3")
     given.add_argument("--tokens-file", metavar="FILE", help="token ids separated by commas/space, or JSON")

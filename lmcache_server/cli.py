@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Every config key can also be set as LMCACHE_<KEY> in the environment "
         "(other LMCACHE_* variables are ignored with one warning). "
         "Precedence: flags > environment > config file > defaults. "
-        "Admin commands for a running daemon: lmcache-server admin {ping,health,stats,namespaces,clear} --help. "
+        "Admin commands for a running daemon (each listed there): lmcache-server admin --help. "
         "CURVE key pairs: lmcache-server keygen NAME --help. "
         "Pools kept for a warm restart, after a final stop: lmcache-server cleanup --help",
     )
@@ -82,10 +82,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["admin", "who-has"]:
-        from .adminwhohas import main as who_has_main
-
-        return who_has_main(argv[2:])
     if argv[:1] == ["admin"]:
         from .admin import main as admin_main
 

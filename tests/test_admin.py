@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -20,8 +21,13 @@ from .conftest import NAMESPACE, Daemon, free_port
 OTHER = "other-model|bfloat16|L4|KV8|D128|tp0of1|c16"
 
 
-def admin(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+COMMANDS = ("ping", "health", "stats", "namespaces", "clear", "pin", "unpin", "delete", "prefetch", "namespace")
+COMMANDS += ("who-has",)
+
+
+def admin(*args: str, timeout_s: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``lmcache-server admin ARGS`` with no LMCACHE_* variable but those of ``env``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")} | (env or {})
     return subprocess.run(
         [sys.executable, "-m", "lmcache_server", "admin", *args],
         capture_output=True,
@@ -147,7 +153,7 @@ def test_unreachable_daemon_fails_fast_without_traceback() -> None:
     out = admin("stats", "--address", address, "--timeout", "0.5")
     assert out.returncode == 1
     assert time.monotonic() - started < 10
-    assert out.stderr.strip() == f"lmcache-server at {address} unavailable: no connection to {address}"
+    assert out.stderr.strip() == f"lmcache-server at {address} (from --address) unavailable: no connection to {address}"
     assert out.stdout == ""
 
 
@@ -173,7 +179,43 @@ def test_addresses_from_wildcard_config() -> None:
 def test_server_command_line_is_unchanged() -> None:
     out = subprocess.run([sys.executable, "-m", "lmcache_server", "--help"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "--config" in out.stdout and "lmcache-server admin" in out.stdout
+    assert "lmcache-server admin --help" in " ".join(out.stdout.split())
+
+
+def test_admin_help_lists_every_command() -> None:
     out = admin("--help")
-    assert out.returncode == 0
-    for command in ("ping", "health", "stats", "namespaces", "clear"):
-        assert command in out.stdout
+    assert out.returncode == 0, out.stderr
+    listed = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("    ") and line.split()}
+    assert set(COMMANDS) <= listed, set(COMMANDS) - listed
+    assert "LMCACHE_SERVER_ADDRESS" in out.stdout
+    for command in COMMANDS:  # and each command's own help runs
+        sub = admin(command, "--help")
+        assert sub.returncode == 0 and sub.stdout.startswith(f"usage: lmcache-server admin {command}"), sub
+
+
+def test_the_address_comes_from_lmcache_server_address(filled: Daemon, tmp_path: Path) -> None:
+    """--address > $LMCACHE_SERVER_ADDRESS > --config's listen > the default."""
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    out = admin("ping", env={"LMCACHE_SERVER_ADDRESS": filled.address})
+    assert out.returncode == 0 and out.stdout.startswith(f"pong from {filled.address} in "), out
+    out = admin("ping", "--address", filled.address, env={"LMCACHE_SERVER_ADDRESS": dead})
+    assert out.returncode == 0 and out.stdout.startswith(f"pong from {filled.address} in "), out
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text(f"listen: [{dead}]\nmetrics_port: {filled.metrics_port}\n")
+    out = admin("health", "--config", str(elsewhere), env={"LMCACHE_SERVER_ADDRESS": filled.address})
+    assert out.returncode == 0 and out.stdout.startswith(f"healthy: lmcache-server 0.1.0 at {filled.address}"), out
+    assert "/readyz 200" in out.stdout  # the config still gives the HTTP endpoint
+    assert out.stderr == ""  # no "ignoring LMCACHE_SERVER_ADDRESS: no config key" from the config loader
+    out = admin("ping", "--timeout", "0.5", env={"LMCACHE_SERVER_ADDRESS": dead})
+    assert out.returncode == 1 and out.stderr.strip() == (
+        f"lmcache-server at {dead} (from LMCACHE_SERVER_ADDRESS) unavailable: no connection to {dead}"
+    )
+
+
+@pytest.mark.parametrize("value", ["localhost:65432", "tcp://127.0.0.1", "tcp://127.0.0.1:http", "ipc://"])
+def test_a_bad_endpoint_is_one_line_naming_where_it_came_from(value: str) -> None:
+    for args, env, source in (((), {"LMCACHE_SERVER_ADDRESS": value}, "LMCACHE_SERVER_ADDRESS"),
+                              (("--address", value), {}, "--address")):  # fmt: skip
+        out = admin("ping", *args, env=env, timeout_s=20)  # it used to hang in zmq's context.term()
+        assert out.returncode == 2, out
+        assert out.stderr.strip() == f"{source}: {value!r} is not an endpoint: tcp://HOST:PORT or ipc:///PATH"

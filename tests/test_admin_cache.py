@@ -180,3 +180,58 @@ def test_with_curve_a_tenant_key_acts_on_its_own_namespace_only(tmp_path: Path) 
         assert out.returncode == 0 and json.loads(out.stdout)["pinned_chunks"] == 3, out.stderr
     finally:
         stop(daemon)
+
+
+NS32 = NAMESPACE.replace("|c16", "|c32")
+OTHER_MODEL = NAMESPACE.replace("test-model", "other-model")
+
+
+def test_model_names_every_namespace_of_that_model(daemon_factory: Callable[..., Daemon]) -> None:
+    """``--model`` as ``who-has --model``: every namespace whose model id it is, each keyed at its
+    own ``c<N>`` chunk size; other models' namespaces untouched."""
+    daemon = daemon_factory()
+    prompt = list(range(300, 370))  # 70 tokens: 4 chunks of 16 and a tail, or 2 of 32 and a tail
+    k16, k32 = connector_keys(prompt, 16, None, None), connector_keys(prompt, 32, None, None)
+    with daemon.client() as c:
+        assert c.put(k16, [b"a" * 4096] * 5) == [PutStatus.STORED] * 5
+        assert c.put(k32, [b"b" * 4096] * 3, namespace=NS32) == [PutStatus.STORED] * 3
+        assert c.put(k16, [b"c" * 4096] * 5, namespace=OTHER_MODEL) == [PutStatus.STORED] * 5
+    ids = ",".join(map(str, prompt))
+    pinned = run(daemon, "pin", "--model", "test-model", "--tokens", ids)  # no --chunk-size
+    assert pinned["model"] == "test-model"
+    assert [(r["namespace"], r["chunks"], r["pinned"]) for r in pinned["namespaces"]] == [
+        (NAMESPACE, 5, 5),
+        (NS32, 3, 3),
+    ]
+    listed = run(daemon, "namespace", "--model", "test-model")
+    assert [(r["name"], r["pinned_chunks"]) for r in listed["namespaces"]] == [(NAMESPACE, 5), (NS32, 3)]
+    # one form for every command: --namespace NS; the bare NS of `namespace` is still taken
+    assert run(daemon, "namespace", "--namespace", OTHER_MODEL) == run(daemon, "namespace", OTHER_MODEL)
+    assert run(daemon, "namespace", "--namespace", OTHER_MODEL)["pinned_chunks"] == 0
+    out = admin("delete", "--model", "test-model", "--tokens", ids, "--address", daemon.address)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"deleted 5 of 5 chunks in {NAMESPACE}; 0 not found",
+                                       f"deleted 3 of 3 chunks in {NS32}; 0 not found"]  # fmt: skip
+    with daemon.client() as c:
+        assert c.exists(k16) == [False] * 5 and c.exists(k16, namespace=OTHER_MODEL) == [True] * 5
+
+
+def test_model_and_namespace_usage_errors(daemon_factory: Callable[..., Daemon]) -> None:
+    daemon = daemon_factory()
+    with daemon.client() as c:
+        c.put(connector_keys(list(range(16)), CHUNK, None, None), [b"x" * 100])
+    at = ("--address", daemon.address)
+    out = admin("pin", "--model", "no-such-model", "--tokens", "1,2,3", *at)
+    assert out.returncode == 1, out
+    assert out.stderr.strip() == (
+        "pin: the daemon holds no namespace of model 'no-such-model' (admin namespaces lists them)"
+    )
+    out = admin("namespace", NAMESPACE, "--namespace", NAMESPACE, *at)
+    assert out.returncode == 2 and "name the namespace once" in out.stderr, out
+    out = admin("namespace", *at)
+    assert out.returncode == 2 and "give --namespace NS or --model MODEL" in out.stderr, out
+    out = admin("pin", "--namespace", NAMESPACE, "--model", "test-model", "--tokens", "1", *at)
+    assert out.returncode == 2 and "not allowed with argument" in out.stderr, out
+    for command in ("pin", "unpin", "delete", "prefetch"):
+        out = admin(command, "--tokens", "1", *at)  # neither given
+        assert out.returncode == 2 and "one of the arguments --namespace --model is required" in out.stderr, out

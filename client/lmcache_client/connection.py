@@ -9,7 +9,7 @@ breaker (:mod:`lmcache_client.failopen`).  :func:`new_dealer`,
 Primitives: :class:`Connection` (the transport part of
 :class:`~lmcache_client.client.CacheClient`: ``run``, ``tell``, ``close``,
 ``breaker_says_miss``, its ``breaker``), :func:`new_dealer`, :func:`unavailable`, :func:`namespace_string`,
-:data:`DEFAULT_ADDRESS`, :data:`COPY_THRESHOLD`.
+:data:`DEFAULT_ADDRESS`, :data:`ADDRESS_ENV`, :data:`COPY_THRESHOLD`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ logger = logging.getLogger("lmcache_client.client")  # the logger these lines al
 T = TypeVar("T")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:65432"
+ADDRESS_ENV = "LMCACHE_SERVER_ADDRESS"
+"""The environment variable that names the daemon where no flag or setting does: read by
+the vLLM connector and by ``lmcache-server admin`` alike (one variable for a host's tools)."""
 COPY_THRESHOLD = 64 * 1024
 """Payloads at least this large are sent zero-copy (pyzmq copies smaller ones anyway)."""
 

@@ -8,12 +8,15 @@ an optional tenant salt so two tenants never see each other's chunks.  The
 server treats it as opaque.
 
 Primitives: :class:`Namespace` and its :meth:`Namespace.wire` string;
-:func:`chunk_size_of` (the ``c<N>`` field of a namespace string).
+:func:`chunk_size_of` (the ``c<N>`` field of a namespace string);
+:func:`of_model` (the namespaces of one model id: ``admin who-has --model``,
+``POST /query``'s ``model`` and ``admin pin --model`` read it alike).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from .protocol.codes import MAX_NAMESPACE_BYTES
 
@@ -96,6 +99,12 @@ def chunk_size_of(namespace: str) -> int | None:
         if len(field) > 1 and field[0] == "c" and field[1:].isdigit() and field[1:].isascii():
             return int(field[1:])
     return None
+
+
+def of_model(namespaces: Iterable[str], model: str) -> list[str]:
+    """The namespace strings of ``model``: those whose first field (the model id, as
+    :meth:`Namespace.wire` writes it) is exactly ``model``, in the order given."""
+    return [ns for ns in namespaces if ns.split("|", 1)[0] == model]
 
 
 _DTYPE_BYTES = {

@@ -13,12 +13,17 @@ prompt) or an object with ``system`` (and optionally ``user``) strings, or a
 ``messages`` list in chat format; or a ``.json`` file holding a list of those.
 Blank lines and lines starting with ``#`` are skipped.
 
+API key (sent as ``Authorization: Bearer``): ``--api-key``, else
+``$OPENAI_API_KEY``, else ``$VLLM_API_KEY`` (the variable ``vllm serve`` reads its
+own key from), else none.  Prefer a variable: a key on the command line is
+visible to every user's ``ps``.
+
 Output: a progress bar on stderr, one line per prompt (index, status, latency,
 prompt tokens and cached tokens when the server reports them) and a summary on
 stdout, and optionally ``--json PATH``.  Exit status: 0 all prompts warmed,
 1 some failed, 2 bad arguments or prompt file, 3 endpoint unreachable.
 
-Primitives: :func:`main`, :func:`load_prompts`, :func:`warm` and :class:`Outcome`.
+Primitives: :func:`main`, :func:`load_prompts`, :func:`warm`, :func:`api_key` and :class:`Outcome`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
+import os
 import socket
 import statistics
 import sys
@@ -35,11 +41,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+API_KEY_ENVS = ("OPENAI_API_KEY", "VLLM_API_KEY")
+"""Where the API key is read from when ``--api-key`` is not given, first set wins."""
 
 
 class PromptFileError(ValueError):
@@ -279,6 +287,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def api_key(flag: str | None, environ: Mapping[str, str]) -> str:
+    """``--api-key``, else the first of :data:`API_KEY_ENVS` set (not empty), else "" (no header)."""
+    if flag is not None:
+        return flag
+    return next((environ[name] for name in API_KEY_ENVS if environ.get(name)), "")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="lmcache-warmup",
@@ -291,7 +306,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=_positive_float, default=120.0, help="per request (default 120)")
     parser.add_argument("--max-tokens", type=_positive_int, default=1, help="tokens to generate (default 1)")
     parser.add_argument("--user-message", default="Hi", help="user turn after a bare system prompt (default 'Hi')")
-    parser.add_argument("--api-key", default="", help="sent as a Bearer token")
+    parser.add_argument(
+        "--api-key",
+        help="sent as a Bearer token (default: $OPENAI_API_KEY, else $VLLM_API_KEY; prefer those: ps shows argv)",
+    )
     parser.add_argument("--json", type=Path, dest="json_path", help="write outcomes and summary here")
     return parser.parse_args(argv)
 
@@ -314,8 +332,10 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
         return EXIT_UNREACHABLE
     err.write(f"warming {len(prompts)} prompts at {url} with concurrency {args.concurrency}\n")
 
+    key = api_key(args.api_key, os.environ)
+
     def send(index: int, messages: list[dict[str, str]]) -> Outcome:
-        return warm_one(index, messages, url, args.model, args.api_key, args.timeout_s, args.max_tokens)
+        return warm_one(index, messages, url, args.model, key, args.timeout_s, args.max_tokens)
 
     started = time.perf_counter()
     outcomes = warm(prompts, send, args.concurrency, Progress(len(prompts), err))

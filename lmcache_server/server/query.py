@@ -52,7 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lmcache_client.keys import chain_key, request_root
-from lmcache_client.namespace import chunk_size_of
+from lmcache_client.namespace import chunk_size_of, of_model
 
 from ..events.announcer import MEDIUM
 from ..events.remote import REMOTE
@@ -207,7 +207,7 @@ class Query:
             if request.namespace not in held:
                 raise QueryError("404 Not Found", f"this node holds nothing of namespace {request.namespace!r}")
             return [request.namespace]
-        mine = [ns for ns in held if ns.split("|", 1)[0] == request.model][:MAX_NAMESPACES]
+        mine = of_model(held, request.model or "")[:MAX_NAMESPACES]  # _parse: model is set here
         if not mine:
             raise QueryError("404 Not Found", f"this node holds nothing of model {request.model!r}")
         return mine

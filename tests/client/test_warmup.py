@@ -32,8 +32,10 @@ class ChatServer:
     the client counts it, so the maximum seen here never exceeds the client's
     concurrency, however late the handler thread gets to finish."""
 
-    def __init__(self, delay_s: float = 0.05, linger_s: float = 0.0):
+    def __init__(self, delay_s: float = 0.05, linger_s: float = 0.0, api_key: str | None = None):
         self.delay_s = delay_s
+        self.api_key = api_key
+        """When set, a request without ``Authorization: Bearer <api_key>`` gets 401, as vLLM's --api-key."""
         # A handler thread that is slow to finish after its reply is written
         # (as on a busy machine); the client may already have sent its next request.
         self.linger_s = linger_s
@@ -64,6 +66,10 @@ class ChatServer:
     def handle(self, h: BaseHTTPRequestHandler) -> None:
         if h.path != "/v1/chat/completions":
             self.reply(h, 404, {"error": {"message": f"no route {h.path}"}})
+            return
+        if self.api_key is not None and h.headers.get("Authorization") != f"Bearer {self.api_key}":
+            h.rfile.read(int(h.headers["Content-Length"]))
+            self.reply(h, 401, {"error": {"message": "invalid api key"}})
             return
         body = json.loads(h.rfile.read(int(h.headers["Content-Length"])))
         with self._lock:
@@ -220,3 +226,36 @@ def test_console_script_is_declared_and_runs(chat_server: ChatServer, tmp_path: 
     proc = subprocess.run([*argv, "--prompts", str(prompts)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "summary: 2/2 prompts warmed" in proc.stdout and "2/2 failed=0" in proc.stderr
+
+
+@pytest.mark.parametrize("variable", ["OPENAI_API_KEY", "VLLM_API_KEY"])
+def test_the_api_key_comes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    """A key on argv is visible in ``ps``: the variables give it too; a flag still wins."""
+    server = ChatServer(delay_s=0.0, api_key="sk-right")
+    try:
+        for name in ("OPENAI_API_KEY", "VLLM_API_KEY"):
+            monkeypatch.delenv(name, raising=False)
+        argv = ("--endpoint", server.url, "--model", "m", "--prompts", str(write_prompts(tmp_path / "p.jsonl", ["a"])))
+        code, out, _ = run(*argv)
+        assert code == warmup.EXIT_FAILED and "HTTP 401" in out  # no key at all: the server refuses
+        monkeypatch.setenv(variable, "sk-right")
+        code, out, err = run(*argv)
+        assert code == warmup.EXIT_OK, out + err
+        assert run(*argv, "--api-key", "sk-wrong")[0] == warmup.EXIT_FAILED  # the flag beats the variable
+        assert server.requests and len(server.requests) == 1  # only the authorized one reached the model
+    finally:
+        server.close()
+
+
+def test_openai_api_key_is_read_before_vllm_api_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = ChatServer(delay_s=0.0, api_key="sk-client")
+    try:
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-client")
+        monkeypatch.setenv("VLLM_API_KEY", "sk-other")
+        prompts = write_prompts(tmp_path / "p.jsonl", ["a", "b"])
+        argv = [sys.executable, "-m", "lmcache_client.warmup", "--endpoint", server.url, "--model", "m"]
+        proc = subprocess.run([*argv, "--prompts", str(prompts)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "sk-client" not in proc.stdout + proc.stderr  # the key is never printed
+    finally:
+        server.close()

@@ -14,13 +14,13 @@ import os
 from typing import Any
 
 from ...client import DEFAULT_ADDRESS
+from ...connection import ADDRESS_ENV
 
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 CONSUMER_WAIT_S = 5.0
 """How long a ``kv_consumer`` waits for a producer's chunks unless ``load_wait_s`` says."""
-ADDRESS_ENV = "LMCACHE_SERVER_ADDRESS"
-"""Where the daemon is when ``kv_connector_extra_config`` does not say (one
-command line for every replica; compose sets it per service)."""
+# ADDRESS_ENV (connection.py): where the daemon is when ``kv_connector_extra_config``
+# does not say (one command line for every replica; compose sets it per service).
 
 
 def _bool(value: Any) -> bool:
