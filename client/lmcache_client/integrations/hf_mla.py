@@ -4,7 +4,7 @@ transformers (5.x) caches an MLA layer compressed, as vLLM does: per layer the
 cache's ``keys`` are ``kv_c_normed`` ``(batch, 1, tokens, kv_lora_rank)`` and its
 ``values`` the rotated ``k_pe`` ``(batch, 1, tokens, qk_rope_head_dim)``; the
 attention expands them at every step.  So the adapter reads and writes the
-same chunks as vLLM's connector (:class:`~.layout.MLAChunkLayout`: per token
+same chunks as vLLM's connector (:class:`~.chunklayout.MLAChunkLayout`: per token
 ``kv_c_normed || k_pe``, namespace ``tp0of1``, tag ``L1TC``).
 
 Primitives: :func:`mla_layout` (the layout of a config, None for other models),

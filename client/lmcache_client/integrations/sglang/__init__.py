@@ -4,7 +4,7 @@
   (``module_path: lmcache_client.integrations.sglang.hicache``), and
   :func:`page_key`, the daemon key of one SGLang page hash.
 
-It builds on the shared pieces one floor down (``..transfer``, ``..layout``).
+It builds on the shared pieces one floor down (``..transfer``, ``..chunklayout``).
 Importing this package imports neither SGLang nor torch: the names below load
 :mod:`.hicache` on first use.
 

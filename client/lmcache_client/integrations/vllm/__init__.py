@@ -19,7 +19,7 @@
   there), with stand-ins when vLLM is absent.
 
 It builds on the shared pieces one floor down (``..transfer``, ``..paged``,
-``..layout``, ``..coded``).  Importing this package imports neither vLLM nor
+``..chunklayout``, ``..coded``).  Importing this package imports neither vLLM nor
 torch: the names below load :mod:`.connector` on first use.
 
 Primitives: :class:`LMCacheServerConnectorV1`, :class:`ConnectorSettings`.

@@ -1,6 +1,6 @@
 """What the worker holds of vLLM's KV cache layout, shared by the standard and the MLA discovery.
 
-:class:`EngineLayout` (what :func:`.layout.discover` and :func:`.mla.discover_mla`
+:class:`EngineLayout` (what :func:`.discovery.discover` and :func:`.mla.discover_mla`
 return), :class:`UnsupportedLayout` (the one error a refused cache raises) and
 the helpers both discoveries use to word a refusal and order the layers.
 It imports neither discovery, so they import it without a circle.

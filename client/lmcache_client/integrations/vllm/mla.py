@@ -6,7 +6,7 @@ backend's ``impl.do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping,
 kv_cache_dtype, k_scale)``.  The latent is not sharded: every tensor-parallel
 rank computes and caches the same one (vLLM's ``MLAAttentionSpec`` says
 ``max_tp_shards=1``), so chunks are stored once per node
-(:class:`~..layout.MLAChunkLayout`: namespace ``tp0of1``, tag ``L1TC``), by
+(:class:`~..chunklayout.MLAChunkLayout`: namespace ``tp0of1``, tag ``L1TC``), by
 rank 0, and loaded by every rank.
 
 :func:`discover_mla` reads the layout as the standard path does: it probes

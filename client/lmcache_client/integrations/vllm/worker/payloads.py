@@ -1,7 +1,7 @@
 """Chunk payloads as tensors over the bytes the daemon lends (a pool slot, a frame).
 
 A payload is ``(layers, 2, tokens, heads, dim)`` in the cache's dtype
-(:class:`~...layout.ChunkLayout`): a full chunk, the tokens of a load that
+(:class:`~...chunklayout.ChunkLayout`): a full chunk, the tokens of a load that
 starts or ends inside it, or a prompt's partial last chunk (a tail).
 
 Primitive: :class:`Payloads`.

@@ -1,7 +1,7 @@
 """Worker side of the vLLM connector: chunks in and out of the paged KV cache.
 
 At ``register_kv_caches`` the layout of vLLM's caches is read from vLLM
-(:func:`..layout.discover`) and the worker builds its parts over it:
+(:func:`..discovery.discover`) and the worker builds its parts over it:
 
 - :class:`~.chunkcopies.CacheCopies`, the one copy mechanism loads and saves
   share (one KV cache group or many, batched or chunk by chunk);
