@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from .config import FIELDS, ConfigError, load_config, set_overrides
+from .config import ConfigError, load_config, set_overrides
+from .configprint import config_yaml
 
 logger = logging.getLogger("lmcache_server")
 
@@ -59,7 +61,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="set any config key (repeatable); VALUE is read as YAML",
     )
-    p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective config as YAML that --config loads back (secrets redacted) and exit",
+    )
     p.add_argument("--version", action="version", version=f"lmcache-server {__version__}")
     return p
 
@@ -78,6 +84,18 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     if args.keep_warm:
         out["warm_restart"] = True
     return out
+
+
+def _write_stdout(text: str) -> None:
+    """Write ``text`` to stdout; a reader that went away (``| head``) is no error."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would flush stdout again at exit and print a traceback: point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,8 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.getLogger().setLevel(config.log_level)
     if args.print_config:
-        for name in FIELDS:
-            print(f"{name}: {getattr(config, name)!r}")
+        _write_stdout(config_yaml(config))
         return 0
 
     from .app import App

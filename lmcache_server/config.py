@@ -9,7 +9,10 @@ from here); this module builds it.  Sources, lowest to highest precedence:
 3. environment variables ``LMCACHE_<KEY>`` (e.g. ``LMCACHE_MAX_LOCAL_CPU_SIZE=8GiB``),
 4. command-line flags (``--listen``, ``--set key=value``, ...).
 
-Unknown keys in the file and on the command line are an error.  Unknown
+Unknown keys in the file and on the command line are an error (naming the
+likely key when one is close).  Keys of LMCache's engine side
+(:mod:`.lmcacheconfig`: an LMCache config file loads as it is) are one WARNING
+naming them, from every source, and are ignored.  Unknown
 ``LMCACHE_*`` variables are one WARNING listing them, not an error: the
 environment is shared (a Kubernetes Service named ``lmcache`` injects
 ``LMCACHE_PORT=tcp://...`` into every pod; engine-side LMCache variables such
@@ -35,11 +38,13 @@ from typing import Any
 
 import yaml
 
+from .configvalues import Refused
 from .configvalues import disk_path as disk_path  # re-exported: callers import these from here
 from .configvalues import parse_listen_address as parse_listen_address
 from .configvalues import parse_size as parse_size
 from .configvalues import redact as redact
 from .kv_codec import CodecSettingError
+from .lmcacheconfig import ENGINE_KEYS, is_engine_key
 from .serverconfig import ServerConfig as ServerConfig  # re-exported: code imports the record from here
 
 logger = logging.getLogger(__name__)
@@ -145,6 +150,27 @@ def _warn_unknown_env(unknown: list[str]) -> None:
                    len(described), ", ".join(described))  # fmt: skip
 
 
+def _warn_engine_keys(ignored: list[tuple[str, str]]) -> None:
+    """One WARNING naming the LMCache engine-side keys given (key, source), which are ignored."""
+    if ignored:
+        described = ", ".join(f"{key} ({source})" for key, source in ignored)
+        logger.warning("ignoring %d LMCache engine-side key(s), which configure LMCache inside the engines, "
+                       "not this daemon (docs/configuration.md, LMCache compatibility): %s",
+                       len(ignored), described)  # fmt: skip
+
+
+def _unknown_key(key: str, value: Any, source: str) -> ConfigError:
+    """The refusal of a key no source may give: the likely key when one is close, never the whole list."""
+    close = difflib.get_close_matches(key, [*FIELDS, *ENGINE_KEYS], n=1)
+    if not close:
+        hint = "every key is in docs/configuration.md and in the output of lmcache-server --print-config"
+    elif close[0] in FIELDS:
+        hint = f"did you mean '{close[0]}'?"
+    else:
+        hint = f"did you mean '{close[0]}'? (an LMCache engine-side key, which this daemon ignores)"
+    return ConfigError(key, value, f"a known key; {hint}", source)
+
+
 def set_overrides(items: Sequence[str]) -> dict[str, Any]:
     """The config keys given on a command line as ``--set KEY=VALUE`` (VALUE read as YAML)."""
     out: dict[str, Any] = {}
@@ -165,7 +191,8 @@ def load_config(
     the record and check its keys against each other; return it.
 
     Unknown keys in the file or ``overrides`` raise :class:`ConfigError`;
-    unknown ``LMCACHE_*`` variables are logged once (WARNING) and ignored.
+    LMCache's engine-side keys (any source) and unknown ``LMCACHE_*`` variables
+    are ignored, each group named in one WARNING.
     """
     environ = os.environ if environ is None else environ
     path = path or _config_path(environ)
@@ -178,24 +205,31 @@ def load_config(
         if not name.startswith(ENV_PREFIX) or name in ENV_CONFIG_PATHS:
             continue
         key = name[len(ENV_PREFIX) :].lower()
-        if key not in FIELDS:
+        if key in FIELDS or is_engine_key(key, FIELDS):
+            raw[key] = (_parse_env_value(value), f"env {name}")
+        else:
             unknown_env.append(name)
-            continue
-        raw[key] = (_parse_env_value(value), f"env {name}")
     for key, value in (overrides or {}).items():
         raw[key] = (value, "command line")
 
     values: dict[str, Any] = {}
+    engine_keys: list[tuple[str, str]] = []
     for key, (value, source) in raw.items():
         spec = FIELDS.get(key)
         if spec is None:
-            raise ConfigError(key, value, f"a known key ({', '.join(sorted(FIELDS))})", source)
+            if not is_engine_key(key, FIELDS):
+                raise _unknown_key(key, value, source)
+            engine_keys.append((key, source))
+            continue
         try:
             values[key] = spec.metadata["parse"](value)
+        except Refused as err:
+            raise ConfigError(key, value, err.expected, source) from None
         except (ValueError, TypeError):
             raise ConfigError(key, value, spec.metadata["expected"], source) from None
     config = ServerConfig(**values)
     check_across_keys(config)
+    _warn_engine_keys(engine_keys)
     _warn_unknown_env(unknown_env)
     return config
 

@@ -3,7 +3,9 @@
 value or raises ``ValueError``, which :func:`.config.load_config` turns into a
 :class:`.config.ConfigError` naming the key and what was expected.  Also the
 helpers other modules use on config values: :func:`parse_size`,
-:func:`parse_listen_address`, :func:`redact`, :func:`disk_path`.
+:func:`parse_listen_address`, :func:`redact`, :func:`disk_path`.  A parser raises
+:class:`Refused` instead when the value deserves its own explanation (an LMCache
+``remote_url`` scheme, a secret that ``--print-config`` redacted).
 """
 
 from __future__ import annotations
@@ -14,6 +16,20 @@ import re
 import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from .lmcacheconfig import remote_url_advice
+
+REDACTED = "<redacted>"
+"""What ``--print-config`` prints for a secret; loading it back is refused (:func:`secret`)."""
+
+
+class Refused(ValueError):
+    """A value refused with its own explanation: ``expected`` replaces the key's usual text."""
+
+    def __init__(self, expected: str):
+        super().__init__(expected)
+        self.expected = expected
+
 
 _SIZE_UNITS = {
     "": 1,
@@ -98,14 +114,23 @@ def redact(url: str) -> str:
 
 
 def disk_path(url: str) -> str:
-    """The directory of a ``file://`` URL (``file:///var/cache/x`` -> ``/var/cache/x``)."""
+    """The directory of ``local_disk``: a bare path as it is, a ``file://`` URL's path
+    (``file:///var/cache/x`` -> ``/var/cache/x``)."""
+    if url.startswith("/"):
+        return url
     parsed = urllib.parse.urlparse(url)
     return urllib.parse.unquote(parsed.netloc + parsed.path) if parsed.netloc else urllib.parse.unquote(parsed.path)
 
 
-def file_url(value: Any) -> str:
+def disk_dir(value: Any) -> str:
+    """``local_disk``: a ``file://`` URL, or a bare absolute path as LMCache accepts
+    (``/mnt/nvme/lmcache``, kept as written; :func:`disk_path` reads both)."""
     if not isinstance(value, str):
         raise ValueError
+    if "," in value:  # LMCache splits a comma-separated list into several disks
+        raise Refused("one directory (this daemon's disk tier takes one local_disk path, not a comma-separated list)")
+    if value.startswith("/") and "\0" not in value:
+        return value
     parsed = urllib.parse.urlparse(value)
     if parsed.scheme != "file" or not parsed.path:
         raise ValueError
@@ -117,7 +142,12 @@ def redis_url(value: Any) -> str:
         raise ValueError
     parsed = urllib.parse.urlparse(value)
     if parsed.scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+        advice = remote_url_advice(parsed.scheme)
+        if advice is not None:
+            raise Refused(f"a redis://, rediss://, unix:// or redis+cluster:// URL, {advice}")
         raise ValueError
+    if parsed.password == REDACTED or REDACTED in urllib.parse.unquote(parsed.query):
+        raise Refused(_REDACTED_TEXT.format(what="the password in remote_url", env="LMCACHE_REMOTE_PASSWORD"))
     if parsed.scheme == "unix" and not parsed.path:
         raise ValueError
     if parsed.scheme != "unix" and not parsed.hostname:
@@ -158,6 +188,16 @@ def topic(value: Any) -> str:
     except (KeyError, IndexError, ValueError):
         raise ValueError from None
     return value
+
+
+_REDACTED_TEXT = "the secret itself: {what} was redacted by --print-config; put it back, or leave it out and set {env}"
+
+
+def secret(value: Any) -> str:
+    """A secret string (``remote_password``); the redaction marker of ``--print-config`` is refused."""
+    if value == REDACTED:
+        raise Refused(_REDACTED_TEXT.format(what="it", env="LMCACHE_REMOTE_PASSWORD"))
+    return string(value)
 
 
 def string(value: Any) -> str:

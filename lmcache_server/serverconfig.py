@@ -41,9 +41,9 @@ class ServerConfig:
     )
     local_disk: str | None = v.field(
         None,
-        v.optional(v.file_url),
-        "a file:// URL such as file:///var/cache/lmcache",
-        "Disk spill directory (the disk tier); unset: no disk tier.",
+        v.optional(v.disk_dir),
+        "an absolute directory path or a file:// URL, e.g. /var/cache/lmcache or file:///var/cache/lmcache",
+        "Disk spill directory (the disk tier), a path or file:// URL as LMCache takes; unset: no disk tier.",
     )
     max_local_disk_size: int = v.field(
         0, v.size(), 'a size, e.g. 100 (GB) or "100GiB"', "Disk tier bound, in bytes on disk (as du counts them)."
@@ -95,7 +95,7 @@ class ServerConfig:
     )
     remote_username: str | None = v.field(None, v.optional(v.string), "a string", "Redis ACL user (or in remote_url).")
     remote_password: str | None = v.field(
-        None, v.optional(v.string), "a string", "Redis password (or in remote_url); prefer LMCACHE_REMOTE_PASSWORD."
+        None, v.optional(v.secret), "a string", "Redis password (or in remote_url); prefer LMCACHE_REMOTE_PASSWORD."
     )
     disk_fsync: str = v.field(
         "none",

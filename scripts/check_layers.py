@@ -64,6 +64,8 @@ LAYERS: dict[str, list[dict[str, list[str]]]] = {
                 "lmcache_server.config",
                 "lmcache_server.serverconfig",
                 "lmcache_server.configvalues",
+                "lmcache_server.configprint",  # --print-config's YAML (the cli prints it)
+                "lmcache_server.lmcacheconfig",  # what an LMCache engine config's keys and URLs mean here
                 "lmcache_server.kv_codec",
             ],
             "supervisor": ["lmcache_server.supervisor"],

@@ -71,9 +71,9 @@ def cleanup(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_flag_turns_warm_restart_on_and_the_default_is_off(capsys: object) -> None:
     assert cli_main(["--print-config"]) == 0
-    assert "warm_restart: False" in capsys.readouterr().out  # type: ignore[attr-defined]
+    assert "warm_restart: false" in capsys.readouterr().out  # type: ignore[attr-defined]
     assert cli_main(["--keep-warm", "--print-config"]) == 0
-    assert "warm_restart: True" in capsys.readouterr().out  # type: ignore[attr-defined]
+    assert "warm_restart: true" in capsys.readouterr().out  # type: ignore[attr-defined]
 
 
 def test_a_plain_sigint_stop_of_a_default_daemon_leaves_no_segment(daemon_factory: Callable[..., Daemon]) -> None:
