@@ -145,6 +145,25 @@ def test_every_family_is_exported(
     assert (sample(text, "process_resident_memory_bytes") or 0) > 10 * MiB
 
 
+# Gauges whose value is a fraction (0..1): Prometheus names them ``*_ratio``.
+RATIO_GAUGES = {
+    "lmcache_hit_rate_ceiling_ratio", "lmcache_hit_rate_window_ratio", "lmcache_hit_rate_sketch_error_ratio",
+    "lmcache_tier_fragmentation_ratio",
+}  # fmt: skip
+# Words that, at the end of a gauge's name, say its value is a fraction.
+_FRACTION_WORDS = ("_rate", "_ceiling", "_window", "_error", "_fragmentation", "_fraction", "_share", "_usage")
+
+
+def test_ratio_gauges_end_in_ratio(daemon_factory: Callable[..., Daemon], tmp_path: Path) -> None:
+    daemon = daemon_factory(local_disk=f"file://{tmp_path}/spill", max_local_disk_size="64MiB")
+    text = scrape(daemon.metrics_port)
+    gauges = set(re.findall(r"^# TYPE (\S+) gauge$", text, flags=re.M))
+    assert RATIO_GAUGES <= gauges, RATIO_GAUGES - gauges
+    misnamed = {name for name in gauges if name.endswith(_FRACTION_WORDS)}
+    assert not misnamed, f"fractions not named *_ratio: {misnamed}"
+    assert sample(text, "lmcache_tier_fragmentation_ratio", tier="memory") == 0.0  # an empty pool: one extent
+
+
 def test_connected_clients_follow_connections(daemon: Daemon) -> None:
     def clients() -> float | None:
         return sample(scrape(daemon.metrics_port), "lmcache_connected_clients")
