@@ -117,10 +117,10 @@ def sample(text: str, name: str, **labels: str) -> float | None:
 def test_metric_names_parses_promql() -> None:
     expr = (
         'histogram_quantile(0.99, sum by (op, le) (rate(lmcache_request_duration_seconds_bucket{instance=~"$x"}'
-        "[$__rate_interval]))) / on (job) group_left () lmcache:chunk_reads:rate5m > 1 and up offset 5m"
+        "[$__rate_interval]))) / on (job) group_left () instance:lmcache_chunk_reads:rate5m > 1 and up offset 5m"
     )
-    assert metric_names(expr) == {"lmcache_request_duration_seconds_bucket", "lmcache:chunk_reads:rate5m", "up"}
-    assert metric_names('absent(up{job="lmcache-server"})') == {"up"}
+    assert metric_names(expr) == {"lmcache_request_duration_seconds_bucket", "instance:lmcache_chunk_reads:rate5m", "up"}
+    assert metric_names('absent(up{lmcache_role="server"})') == {"up"}
     assert metric_names('time() - process_start_time_seconds{a="b"}') == {"process_start_time_seconds"}
 
 
