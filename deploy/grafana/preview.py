@@ -90,7 +90,7 @@ def draw_panel(panel: dict[str, Any], series: Series, start: float, end: float) 
         svg.append(f'<text x="{x + w / 2}" y="{y + h / 2 + 18}" class="stat">{html.escape(text)}</text>')
         return svg
     shown = min(len(series), LEGEND_LINES)
-    plot_x, plot_y, plot_w, plot_h = x + 64, y + 28, w - 76, h - 28 - 24 - 13 * shown
+    plot_x, plot_y, plot_w, plot_h = x + 64, y + 28, w - 76, h - 28 - 30 - 13 * shown
     values = [v for _, points in series for _, v in points]
     if not values:
         svg.append(f'<text x="{x + w / 2}" y="{y + h / 2}" class="nodata">No data</text>')
@@ -104,7 +104,7 @@ def draw_panel(panel: dict[str, Any], series: Series, start: float, end: float) 
     for t, anchor in ((start, "start"), (end, "end")):  # the time axis: its two ends, UTC
         tx = plot_x + plot_w * (t - start) / (end - start)
         clock = time.strftime("%H:%M:%S", time.gmtime(t))
-        svg.append(f'<text x="{tx}" y="{plot_y + plot_h + 11}" class="axis" text-anchor="{anchor}">{clock}</text>')
+        svg.append(f'<text x="{tx}" y="{plot_y + plot_h + 14}" class="axis" text-anchor="{anchor}">{clock}</text>')
     for i, (name, points) in enumerate(series):
         colour = COLOURS[i % len(COLOURS)]
         path = " ".join(
@@ -114,7 +114,7 @@ def draw_panel(panel: dict[str, Any], series: Series, start: float, end: float) 
         svg.append(f'<polyline points="{path}" stroke="{colour}" class="line"/>')
         if i < shown:  # the legend: the first few series (the rest are drawn, not named)
             more = f" (+{len(series) - shown} more)" if i == shown - 1 and len(series) > shown else ""
-            ly = plot_y + plot_h + 24 + 13 * i
+            ly = plot_y + plot_h + 30 + 13 * i
             svg.append(f'<rect x="{plot_x}" y="{ly - 8}" width="10" height="3" fill="{colour}"/>')
             svg.append(f'<text x="{plot_x + 14}" y="{ly}" class="legend">{html.escape(name + more)}</text>')
     return svg
@@ -138,11 +138,14 @@ def render(prometheus: str, start: float, end: float, rate_s: int = 10, note: st
     body = []
     for panel in dashboard["panels"]:
         body += draw_panel(panel, panel_series(prometheus, panel, start, end, rate_s), start, end)
-    caption = html.escape(note or f"{dashboard['title']}: drawn by deploy/grafana/preview.py, not Grafana")
+    caption = note or f"{dashboard['title']}: drawn by deploy/grafana/preview.py, not Grafana"
+    lines = [html.escape(line) for line in caption.split("\n")]
+    height += 16 * (len(lines) - 1)
     return "\n".join(
         [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
          f'viewBox="0 0 {width} {height}">', STYLE, f'<rect width="{width}" height="{height}" fill="#111217"/>',
-         *body, f'<text x="6" y="{height - 14}" class="note">{caption}</text>', "</svg>", ""]
+         *body, *(f'<text x="6" y="{height - 14 - 16 * (len(lines) - 1 - i)}" class="note">{line}</text>'
+                  for i, line in enumerate(lines)), "</svg>", ""]
     )  # fmt: skip
 
 
