@@ -16,7 +16,7 @@ Hit tokens per request are ``min(512 * leading hits, input_length - 1)``
 (the trace README's definition).  Reported per capacity: token hit rate,
 requests/s, MiB/s of payload moved (put + get), lookup latency p50/p99, the
 daemon's own counters (``lmcache_lookup_*`` from ``/metrics``) and its sizing
-gauges (``lmcache_hit_rate_ceiling`` beside ``lmcache_hit_rate_window``, on
+gauges (``lmcache_hit_rate_ceiling_ratio`` beside ``lmcache_hit_rate_window_ratio``, on
 lookups) checked against the replay's ground truth, and beside them the offline simulation
 (``policy_sim.py``, the same policy classes) of the same trace and capacity for
 ``lru``, ``belady`` and the policy under test.
@@ -75,9 +75,9 @@ METRICS = (
     "lmcache_lookup_chunks_total",
     "lmcache_lookup_hit_chunks_total",
     "lmcache_lookup_hit_tokens_total",
-    "lmcache_hit_rate_sketch_error",
+    "lmcache_hit_rate_sketch_error_ratio",
 )
-SIZING = ("lmcache_hit_rate_ceiling", "lmcache_hit_rate_window", "lmcache_hit_rate_window_distinct_chunks")
+SIZING = ("lmcache_hit_rate_ceiling_ratio", "lmcache_hit_rate_window_ratio", "lmcache_hit_rate_window_distinct_chunks")
 """The sizing telemetry's lookup stream (docs/operations.md, "Would a bigger pool help?")."""
 
 
@@ -160,7 +160,7 @@ def sizing_checks(result: ReplayResult, distinct: int) -> dict[str, Any]:
         "daemon_distinct": m.get(SIZING[2]),
         # the sketch's 3 standard errors on the ceiling (its relative error on D, times D / N), the actual rate exactly
         "within_error": abs(daemon["ceiling"] - exact["ceiling"])
-        <= 3 * m.get("lmcache_hit_rate_sketch_error", math.nan) * distinct / c.lookup_blocks
+        <= 3 * m.get("lmcache_hit_rate_sketch_error_ratio", math.nan) * distinct / c.lookup_blocks
         and abs(daemon["actual"] - exact["actual"]) < 1e-9,
     }
 

@@ -209,8 +209,8 @@ class ServerConfig:
         1 << 20,
         v.int_in(0, 1 << 40),
         "an integer number of chunk accesses, 0..1099511627776 (0: off)",
-        "Sizing telemetry (lmcache_hit_rate_ceiling beside lmcache_hit_rate_window): the hit rates cover the last "
-        "this many to twice this many chunk accesses, per stream (lookup, get); 0 turns it off.",
+        "Sizing telemetry (lmcache_hit_rate_ceiling_ratio beside lmcache_hit_rate_window_ratio): the hit rates "
+        "cover the last this many to twice this many chunk accesses, per stream (lookup, get); 0 turns it off.",
     )
     max_message_size: int = v.field(
         512 * 1024**2,

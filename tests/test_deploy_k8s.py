@@ -160,8 +160,10 @@ def test_prometheus_rule_holds_rules_yml_and_is_generated() -> None:
     service = one(render("base"), "Service", "lmcache-server")
     assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert [e["port"] for e in monitor["endpoints"]] == ["metrics"]
-    # rules.yml's alerts select job="lmcache-server": the job label is the Service's name label.
     assert service["metadata"]["labels"][monitor["jobLabel"]] == "lmcache-server"
+    # rules.yml's up/absent alerts select lmcache_role="server" (no job name): every target gets it.
+    [endpoint] = monitor["endpoints"]
+    assert {"action": "replace", "targetLabel": "lmcache_role", "replacement": "server"} in endpoint["relabelings"]
 
 
 POD_KINDS = {"DaemonSet", "Deployment", "StatefulSet", "Job"}

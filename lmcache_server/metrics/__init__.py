@@ -170,7 +170,7 @@ _TIER_FAMILIES: list[tuple[type, str, str, tuple[str, ...]]] = [
      ("allocated_bytes", "disk_bytes")),
     (_G, "lmcache_tier_pinned_bytes", "Bytes pinned chunks hold in the tier (memory: extents, 4 KiB pages).",
      ("pinned_bytes",)),
-    (_G, "lmcache_tier_fragmentation", "1 - largest free extent / free bytes of the tier's allocator.",
+    (_G, "lmcache_tier_fragmentation_ratio", "1 - largest free extent / free bytes of the tier's allocator.",
      ("fragmentation",)),
 ]  # fmt: skip
 

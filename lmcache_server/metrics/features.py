@@ -170,7 +170,8 @@ class EventsCollector(Collector):
 
 class SizingCollector(Collector):
     """Exports the sizing telemetry (storage/sizing.py) at scrape time: per stream
-    (``op``: lookup, get) the window's hit-rate ceiling, actual hit rate and counts."""
+    (``op``: lookup, get) the window's hit-rate ceiling, actual hit rate and counts.
+    Gauges holding a fraction end in ``_ratio`` (Prometheus naming)."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]):
         self.stats = stats
@@ -178,10 +179,11 @@ class SizingCollector(Collector):
     def collect(self) -> Iterator[Any]:
         s = self.stats()
         families = [
-            ("lmcache_hit_rate_ceiling",
+            ("lmcache_hit_rate_ceiling_ratio",
              "Hit rate an unbounded memory tier would have had over the window: (accesses - distinct chunks) / "
-             "accesses (distinct counted by a HyperLogLog sketch, see lmcache_hit_rate_sketch_error).", "ceiling"),
-            ("lmcache_hit_rate_window", "The memory tier's hit rate over the same window.", "actual"),
+             "accesses (distinct counted by a HyperLogLog sketch, see lmcache_hit_rate_sketch_error_ratio).",
+             "ceiling"),
+            ("lmcache_hit_rate_window_ratio", "The memory tier's hit rate over the same window.", "actual"),
             ("lmcache_hit_rate_window_accesses",
              "Chunk accesses the window covers (sizing_window_chunks to twice that).", "accesses"),
             ("lmcache_hit_rate_window_distinct_chunks",
@@ -194,7 +196,7 @@ class SizingCollector(Collector):
                 metric.add_metric([op], float(s[op][field]))
             yield metric
         yield GaugeMetricFamily(
-            "lmcache_hit_rate_sketch_error",
+            "lmcache_hit_rate_sketch_error_ratio",
             "Relative standard error of the distinct count (1.04 / sqrt(registers)); the ceiling's absolute "
             "standard error is this times distinct / accesses.",
             value=float(s["relative_error"]),

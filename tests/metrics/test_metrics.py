@@ -117,10 +117,14 @@ def sample(text: str, name: str, **labels: str) -> float | None:
 def test_metric_names_parses_promql() -> None:
     expr = (
         'histogram_quantile(0.99, sum by (op, le) (rate(lmcache_request_duration_seconds_bucket{instance=~"$x"}'
-        "[$__rate_interval]))) / on (job) group_left () lmcache:chunk_reads:rate5m > 1 and up offset 5m"
+        "[$__rate_interval]))) / on (job) group_left () instance:lmcache_chunk_reads:rate5m > 1 and up offset 5m"
     )
-    assert metric_names(expr) == {"lmcache_request_duration_seconds_bucket", "lmcache:chunk_reads:rate5m", "up"}
-    assert metric_names('absent(up{job="lmcache-server"})') == {"up"}
+    assert metric_names(expr) == {
+        "lmcache_request_duration_seconds_bucket",
+        "instance:lmcache_chunk_reads:rate5m",
+        "up",
+    }
+    assert metric_names('absent(up{lmcache_role="server"})') == {"up"}
     assert metric_names('time() - process_start_time_seconds{a="b"}') == {"process_start_time_seconds"}
 
 
@@ -143,6 +147,25 @@ def test_every_family_is_exported(
     assert sample(text, "lmcache_tier_queued_writes", tier="redis") == 0.0
     assert sample(text, "lmcache_tier_queued_writes", tier="disk") == 0.0  # the spill queue
     assert (sample(text, "process_resident_memory_bytes") or 0) > 10 * MiB
+
+
+# Gauges whose value is a fraction (0..1): Prometheus names them ``*_ratio``.
+RATIO_GAUGES = {
+    "lmcache_hit_rate_ceiling_ratio", "lmcache_hit_rate_window_ratio", "lmcache_hit_rate_sketch_error_ratio",
+    "lmcache_tier_fragmentation_ratio",
+}  # fmt: skip
+# Words that, at the end of a gauge's name, say its value is a fraction.
+_FRACTION_WORDS = ("_rate", "_ceiling", "_window", "_error", "_fragmentation", "_fraction", "_share", "_usage")
+
+
+def test_ratio_gauges_end_in_ratio(daemon_factory: Callable[..., Daemon], tmp_path: Path) -> None:
+    daemon = daemon_factory(local_disk=f"file://{tmp_path}/spill", max_local_disk_size="64MiB")
+    text = scrape(daemon.metrics_port)
+    gauges = set(re.findall(r"^# TYPE (\S+) gauge$", text, flags=re.M))
+    assert gauges >= RATIO_GAUGES, RATIO_GAUGES - gauges
+    misnamed = {name for name in gauges if name.endswith(_FRACTION_WORDS)}
+    assert not misnamed, f"fractions not named *_ratio: {misnamed}"
+    assert sample(text, "lmcache_tier_fragmentation_ratio", tier="memory") == 0.0  # an empty pool: one extent
 
 
 def test_connected_clients_follow_connections(daemon: Daemon) -> None:

@@ -3,7 +3,8 @@
 The daemon runs with memory, disk and Redis tiers; Prometheus (the Debian
 ``prometheus`` binary, required: ``make test`` installs it) scrapes it every
 second on loopback with the ``lmcache-server`` job of
-deploy/prometheus/prometheus.yml and evaluates deploy/prometheus/rules.yml.
+deploy/prometheus/prometheus.yml, renamed ``kv-cache`` (the rules must not
+depend on the job name), and evaluates deploy/prometheus/rules.yml.
 The test then asks Prometheus's HTTP API for the daemon's metrics, the
 recorded hit rates (against the hits and misses it caused) and the health of
 every rule.
@@ -11,6 +12,7 @@ every rule.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -22,6 +24,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import pytest
 import yaml
@@ -32,6 +35,8 @@ from ..conftest import Daemon, RedisServer, free_port
 from .test_metrics import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
+# Labels every series of the daemon's target gets (lmcache_role: prometheus.yml's target label).
+TARGET_LABELS = ("__name__", "job", "instance", "lmcache_role")
 
 
 class Prometheus:
@@ -41,7 +46,8 @@ class Prometheus:
             pytest.fail("prometheus is not installed; run `make system-deps` (Debian: apt-get install prometheus)")
         shipped = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
         job = next(j for j in shipped["scrape_configs"] if j["job_name"] == "lmcache-server")
-        job["static_configs"] = [{"targets": targets}]
+        job["job_name"] = "kv-cache"  # whatever a platform calls it
+        job["static_configs"][0]["targets"] = targets  # keeps the shipped target labels
         job["scrape_interval"] = "1s"
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -95,10 +101,10 @@ class Prometheus:
         return body["data"]
 
     def query(self, expr: str) -> dict[str, float]:
-        """Instant query -> {"label=value,...": value} (labels without __name__, job, instance)."""
+        """Instant query -> {"label=value,...": value} (without __name__ and the target's labels)."""
         out = {}
         for series in self.api("query", query=expr)["result"]:
-            labels = {k: v for k, v in series["metric"].items() if k not in ("__name__", "job", "instance")}
+            labels = {k: v for k, v in series["metric"].items() if k not in TARGET_LABELS}
             out[",".join(f"{k}={v}" for k, v in sorted(labels.items()))] = float(series["value"][1])
         return out
 
@@ -133,7 +139,7 @@ def test_prometheus_scrapes_the_daemon_and_records_hit_rates(
     target = f"127.0.0.1:{daemon.metrics_port}"
     prom = prometheus_factory([target])
     # The first scrape sees every counter at 0, so rates cover exactly what follows.
-    wait_for(lambda: prom.query('up{job="lmcache-server"}') == {"": 1.0})
+    wait_for(lambda: prom.query('up{lmcache_role="server"}') == {"": 1.0})
     wait_for(lambda: prom.query('lmcache_tier_hits_total{tier="memory"}') == {"tier=memory": 0.0})
 
     stored = [os.urandom(KEY_BYTES) for _ in range(4)]
@@ -144,12 +150,13 @@ def test_prometheus_scrapes_the_daemon_and_records_hit_rates(
         assert c.lookup(stored + unknown).hit_chunks == 4
 
         def recorded() -> dict[str, float] | None:
-            rates = prom.query("lmcache:cache_hit_rate")
-            return rates if math.isclose(rates.get("tier=all", math.nan), 0.5) else None
+            rates = prom.query("instance:lmcache_chunk_hits:ratio_rate5m")
+            return rates if math.isclose(rates.get("", math.nan), 0.5) else None
 
-        rates = wait_for(recorded, timeout_s=30)
-    assert rates == {"tier=all": 0.5, "tier=memory": 0.5, "tier=disk": 0.0, "tier=redis": 0.0}
-    wait_for(lambda: prom.query("lmcache:lookup_hit_rate") == {"": 0.5})
+        wait_for(recorded, timeout_s=30)
+    rates = prom.query("instance_tier:lmcache_chunk_hits:ratio_rate5m")
+    assert rates == {"tier=memory": 0.5, "tier=disk": 0.0, "tier=redis": 0.0}
+    wait_for(lambda: prom.query("instance:lmcache_lookup_hit_chunks:ratio_rate5m") == {"": 0.5})
 
     # The daemon's families, as Prometheus stored them.  A recording rule over
     # rate() stores its first sample only once a series has two scrapes in its
@@ -157,7 +164,8 @@ def test_prometheus_scrapes_the_daemon_and_records_hit_rates(
     expected = {"lmcache_requests_total", "lmcache_request_duration_seconds_bucket", "lmcache_tier_hits_total",
                 "lmcache_tier_capacity_bytes", "lmcache_tier_used_bytes", "lmcache_connected_clients",
                 "lmcache_tier_up", "lmcache_lookup_hit_tokens_total", "process_resident_memory_bytes",
-                "lmcache:request_duration_seconds:p99", "lmcache:tier_usage_ratio"}  # fmt: skip
+                "instance_op:lmcache_request_duration_seconds:p99",
+                "instance_tier:lmcache_tier_used_bytes:ratio"}  # fmt: skip
     try:
         wait_for(lambda: expected <= set(prom.api("label/__name__/values")), timeout_s=30)
     except AssertionError:
@@ -169,7 +177,7 @@ def test_prometheus_scrapes_the_daemon_and_records_hit_rates(
     assert prom.query('lmcache_requests_total{op="put"}') == {"op=put,outcome=ok": 1.0}
     assert prom.query("lmcache_tier_capacity_bytes") == {"tier=disk": 64 * 2**20, "tier=memory": 64 * 2**20}
     series = prom.api("series", **{"match[]": "lmcache_tier_hits_total"})
-    assert {s["instance"] for s in series} == {target} and {s["job"] for s in series} == {"lmcache-server"}
+    assert {s["instance"] for s in series} == {target} and {s["job"] for s in series} == {"kv-cache"}
 
     # Every recording rule and alert evaluates without error on live data, and none fires.
     groups = prom.api("rules")["groups"]
@@ -192,3 +200,16 @@ def test_prometheus_scrapes_the_daemon_and_records_hit_rates(
             if not prom.api("query", query=expr)["result"]:
                 empty.append(panel["title"])
     assert empty == ["Errors by code"]  # no request failed
+
+    # docs/operations.md's picture of the dashboard is drawn by deploy/grafana/preview.py from the
+    # same queries: it draws every panel, a line for each series found, "No data" for the rest.
+    spec = importlib.util.spec_from_file_location("preview", REPO / "deploy" / "grafana" / "preview.py")
+    assert spec and spec.loader
+    preview = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(preview)
+    end = time.time()
+    svg = ElementTree.fromstring(preview.render(prom.url, end - 60, end, rate_s=5))
+    texts = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert {p["title"] for p in dashboard["panels"]} <= set(texts)
+    assert texts.count("No data") == 1  # Errors by code
+    assert len(list(svg.iter("{http://www.w3.org/2000/svg}polyline"))) >= 20

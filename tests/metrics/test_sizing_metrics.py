@@ -43,8 +43,8 @@ def play(daemon: Daemon) -> str:
 
 
 def rates(text: str, op: str) -> tuple[float, float, float]:
-    ceiling = sample(text, "lmcache_hit_rate_ceiling", op=op)
-    actual = sample(text, "lmcache_hit_rate_window", op=op)
+    ceiling = sample(text, "lmcache_hit_rate_ceiling_ratio", op=op)
+    actual = sample(text, "lmcache_hit_rate_window_ratio", op=op)
     accesses = sample(text, "lmcache_hit_rate_window_accesses", op=op)
     assert ceiling is not None and actual is not None and accesses is not None, text
     return ceiling, actual, accesses
@@ -60,7 +60,7 @@ def test_small_pool_falls_short_of_the_ceiling(daemon_factory: Callable[..., Dae
         distinct = sample(text, "lmcache_hit_rate_window_distinct_chunks", op=op)
         assert distinct == pytest.approx(CHUNKS, abs=1.5)
     assert (sample(text, "lmcache_tier_evictions_total", tier="memory") or 0) >= CHUNKS
-    assert sample(text, "lmcache_hit_rate_sketch_error") == pytest.approx(0.0081, abs=0.0001)
+    assert sample(text, "lmcache_hit_rate_sketch_error_ratio") == pytest.approx(0.0081, abs=0.0001)
 
 
 def test_pool_that_holds_the_working_set_reaches_the_ceiling(daemon_factory: Callable[..., Daemon]) -> None:
@@ -78,7 +78,7 @@ def test_sizing_off(daemon_factory: Callable[..., Daemon]) -> None:
     with daemon.client() as c:
         c.lookup([os.urandom(KEY_BYTES)])
     text = scrape(daemon.metrics_port)
-    assert "lmcache_hit_rate_ceiling" not in text
+    assert "lmcache_hit_rate_" not in text
     assert sample(text, "lmcache_lookup_chunks_total") == 1.0
 
 
