@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import connector, models, run_replica, tokens, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, run_replica, tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -27,8 +27,8 @@ CHUNK = 16
 @pytest.fixture(scope="module")
 def turns(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    forkserver: Forkserver,
+    models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
@@ -38,7 +38,7 @@ def turns(
     conn = connector(daemon.address, chunk_size=CHUNK, save_decode_cache=True, tenant="decode")
     skip_save = {"lmcache_skip_save": True}
     a = run_replica(
-        vllm_python,
+        forkserver,
         [
             {**base, "name": "a", "prompts": [first], "max_tokens": 100, "connector": conn},
             {
@@ -56,7 +56,7 @@ def turns(
     answer = a[0]["prompts"][0]["tokens"]
     second = first + answer + tokens(30, 23)
     b = run_replica(
-        vllm_python,
+        forkserver,
         [
             {**base, "name": "plain", "prompts": [second], "max_tokens": 8, "connector": None},
             {**base, "name": "b", "prompts": [second], "max_tokens": 8, "connector": conn},

@@ -20,7 +20,6 @@ the connector (loads A's chunks).
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.integrations.layout import ChunkLayout
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import ROOT, connector, loadable, run_replica, tokens, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, loadable, run_replica, tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -52,17 +51,8 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hybrid_models(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # noqa: F811
-    out = tmp_path_factory.mktemp("hybrid-models")
-    run = subprocess.run(
-        [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.models", str(out), *ARCHS],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    return {arch: out / arch for arch in ARCHS}
+def hybrid_models(checkpoints: Callable[..., dict[str, Path]]) -> dict[str, Path]:
+    return checkpoints(*ARCHS)
 
 
 def _entry(arch: str, mode: str, models: dict[str, Path], address: str, tenant: str = "") -> dict[str, Any]:
@@ -94,7 +84,7 @@ def _split_entry(models: dict[str, Path], address: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def matrix(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
+    forkserver: Forkserver,
     hybrid_models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
@@ -107,7 +97,7 @@ def matrix(
     # the first), so an output of either run counts as vLLM's own.
     plain = [{**run, "name": run["name"] + "/plain", "connector": None} for run in runs]
     again = [{**run, "name": run["name"] + "/again"} for run in plain]
-    a = run_replica(vllm_python, plain + again + runs, work, "replica-a")
+    a = run_replica(forkserver, plain + again + runs, work, "replica-a")
     # B's load of p3 fails half way (a chunk of the wrong size): with several groups vLLM
     # takes the failure per request and recomputes it.
     layers, heads, dim = SHAPES[CORRUPTED[0]]
@@ -118,7 +108,7 @@ def matrix(
         c.put(key, [b"\0" * 1000], namespace=ns.wire())
     # A replica with the hybrid manager on serves the chunks one with it off stored.
     cross = _entry("gemma2", "hma-on", hybrid_models, daemon.address, tenant="hma-off")
-    b = run_replica(vllm_python, runs + [cross], work, "replica-b")
+    b = run_replica(forkserver, runs + [cross], work, "replica-b")
     n = len(plain)
     return {
         "plain": {r["name"].removesuffix("/plain"): r for r in a[:n]},

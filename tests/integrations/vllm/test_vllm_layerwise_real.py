@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import connector, models, run_replica, tokens, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, run_replica, tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -28,8 +28,8 @@ PROMPT_TOKENS = 300  # 9 full chunks, prefilled 128 tokens per step
 @pytest.fixture(scope="module")
 def runs(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    forkserver: Forkserver,
+    models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
@@ -47,7 +47,7 @@ def runs(
         return connector(daemon.address, chunk_size=CHUNK, tenant=tenant, **extra)
 
     a = run_replica(
-        vllm_python,
+        forkserver,
         [
             {**base, "name": "plain", "connector": None},
             {**base, "name": "a-sync", "connector": conn("lw-sync", layerwise_save=True, async_transfers=False)},
@@ -57,7 +57,7 @@ def runs(
         "replica-a",
     )
     b = run_replica(
-        vllm_python,
+        forkserver,
         [
             {**base, "name": "b-sync", "connector": conn("lw-sync", async_transfers=False)},
             {**base, "name": "b-async", "connector": conn("lw-async")},

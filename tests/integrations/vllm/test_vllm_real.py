@@ -26,7 +26,7 @@ from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.integrations.layout import ChunkLayout
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import connector, loadable, models, run_replica, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, loadable, run_replica
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -69,8 +69,8 @@ def namespace(name: str) -> str:
 @pytest.fixture(scope="module")
 def matrix(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    forkserver: Forkserver,
+    models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
@@ -81,13 +81,13 @@ def matrix(
         plain.append({**base, "name": f"{name}/plain", "connector": None})
         extra = {"chunk_size": chunk, "model_id": model_id(name), "tenant": name}
         with_connector.append({**base, "name": name, "connector": connector(daemon.address, **extra)})
-    a = run_replica(vllm_python, plain + with_connector, work, "replica-a")
+    a = run_replica(forkserver, plain + with_connector, work, "replica-a")
     p3 = prompts()[2]
     with CacheClient(daemon.address, fail_open=False) as c:  # a chunk of the wrong size: B's load fails there
         key = chunk_keys(p3, 16)[BROKEN_CHUNK : BROKEN_CHUNK + 1]
         assert c.delete(key, namespace=namespace(CORRUPTED)) == [True]
         c.put(key, [b"\0" * 1000], namespace=namespace(CORRUPTED))
-    b = run_replica(vllm_python, with_connector, work, "replica-b")
+    b = run_replica(forkserver, with_connector, work, "replica-b")
     return {
         "daemon": daemon,
         "plain": {r["name"].split("/")[0]: r for r in a[: len(CONFIGS)]},
@@ -141,7 +141,7 @@ def test_a_failed_load_is_recomputed_with_the_same_output(matrix: dict[str, Any]
 )
 def test_vllms_chunks_are_the_kv_transformers_computes(
     matrix: dict[str, Any],
-    models: dict[str, Path],  # noqa: F811
+    models: dict[str, Path],
     name: str,
     max_diff: float,
     mean_diff: float,
@@ -182,7 +182,7 @@ def _layer_kv(cache: Any, layer: int) -> tuple[Any, Any]:
     return cache[layer]  # type: ignore[no-any-return]
 
 
-def test_the_hf_adapter_serves_a_prompt_from_vllms_chunks(matrix: dict[str, Any], models: dict[str, Path]) -> None:  # noqa: F811
+def test_the_hf_adapter_serves_a_prompt_from_vllms_chunks(matrix: dict[str, Any], models: dict[str, Path]) -> None:
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
