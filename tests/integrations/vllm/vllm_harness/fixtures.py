@@ -202,20 +202,46 @@ def connector(address: str, **extra: Any) -> dict[str, Any]:
     return {**CONNECTOR, "kv_connector_extra_config": {"address": address, **extra}}
 
 
+class HarnessRun:
+    """``python -m tests.integrations.vllm.vllm_harness.<module> SPEC OUT`` in vLLM's venv (a
+    fresh process from the fork server), started; ``result()`` waits for its JSON output."""
+
+    def __init__(self, forkserver: Forkserver, module: str, spec: Any, workdir: Path, name: str):
+        self.forkserver, self.module, self.name = forkserver, module, name
+        spec_path, self.out, self.log = (
+            workdir / f"{name}.spec.json",
+            workdir / f"{name}.out.json",
+            workdir / f"{name}.log",
+        )
+        spec_path.write_text(json.dumps(spec))
+        argv = [str(spec_path), str(self.out)]
+        self.pid = forkserver.start(f"tests.integrations.vllm.vllm_harness.{module}", argv, self.log)
+
+    def result(self, timeout_s: float = 1200) -> Any:
+        """The run's JSON output (the log, tail shown, when it failed)."""
+        rc = self.forkserver.wait(self.pid, timeout_s)
+        if rc != 0:
+            pytest.fail(f"vLLM {self.module} {self.name} exited {rc}:\n{self.log.read_text()[-6000:]}")
+        return json.loads(self.out.read_text())
+
+
 def run_harness(forkserver: Forkserver, module: str, spec: Any, workdir: Path, name: str) -> Any:
-    """Run ``python -m tests.integrations.vllm.vllm_harness.<module> SPEC OUT`` in vLLM's venv
-    (a fresh process from the fork server); its JSON output (the log, tail shown, when it fails)."""
-    spec_path, out, log = workdir / f"{name}.spec.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    rc = forkserver.run(f"tests.integrations.vllm.vllm_harness.{module}", [str(spec_path), str(out)], log)
-    if rc != 0:
-        pytest.fail(f"vLLM {module} {name} exited {rc}:\n{log.read_text()[-6000:]}")
-    return json.loads(out.read_text())
+    """Run ``python -m tests.integrations.vllm.vllm_harness.<module> SPEC OUT`` in vLLM's venv;
+    its JSON output (the log, tail shown, when it fails)."""
+    return HarnessRun(forkserver, module, spec, workdir, name).result()
+
+
+def start_replica(forkserver: Forkserver, runs: list[dict[str, Any]], workdir: Path, name: str) -> HarnessRun:
+    """Start ``runs`` in one fresh offline-vLLM process (vllm_harness/replica.py) and return at
+    once; ``result()["runs"]`` waits for them.  vLLM computes on one thread (it lowers torch's
+    threads for serving), so on the test machine's two cores the reference runs without the
+    connector go beside the replicas under test instead of before them."""
+    return HarnessRun(forkserver, "replica", {"runs": runs}, workdir, name)
 
 
 def run_replica(forkserver: Forkserver, runs: list[dict[str, Any]], workdir: Path, name: str) -> list[dict[str, Any]]:
     """Run ``runs`` in one fresh offline-vLLM process (tests/integrations/vllm/vllm_harness/replica.py)."""
-    results: list[dict[str, Any]] = run_harness(forkserver, "replica", {"runs": runs}, workdir, name)["runs"]
+    results: list[dict[str, Any]] = start_replica(forkserver, runs, workdir, name).result()["runs"]
     return results
 
 
