@@ -1,8 +1,12 @@
-"""Fixtures and helpers of the real-vLLM tests (imported by tests/test_vllm_*.py).
+"""Fixtures and helpers of the real-vLLM tests (tests/integrations/vllm/conftest.py
+makes the fixtures visible to every test module there).
 
 vLLM lives in its own venv (``make setup-vllm``: ``.venv-vllm``, or the python
 named by ``LMCACHE_VLLM_PYTHON``) because it pins its own transformers; the
-tests run in the main venv and start vLLM processes with that python.  A
+tests run in the main venv and start vLLM processes with that python: OpenAI
+servers from their command lines (``Server``), and every offline harness run
+(replicas, steppers, TP, checkpoint builds) forked from one process per session
+that imported vLLM once (``Forkserver``, vllm_harness/forkserver.py).  A
 missing vLLM venv fails the tests with the command to build it; it never
 skips them.
 """
