@@ -86,6 +86,12 @@ def test_align_mode_slots_and_step_ends() -> None:
     assert state_after_step(1152, 0, 1152) is None
 
 
+REAL_VLLM = pytest.mark.timeout(1800)
+"""The real-vLLM tests' time limit (as the other real-vLLM modules'): the unit tests' 120 s
+default is a minute of vLLM's prefix-cache probe on a busy 2-core machine."""
+
+
+@REAL_VLLM
 def test_gdn_state_round_trip_through_the_daemon_with_vllms_spec(
     daemon: Daemon,
     forkserver: Forkserver,
@@ -117,6 +123,7 @@ def test_gdn_state_round_trip_through_the_daemon_with_vllms_spec(
     assert refusals["short_payload"] == "ValueError: a state is 804864 bytes, got 804863"
 
 
+@REAL_VLLM
 def test_real_vllm_keeps_gdn_states_of_exactly_their_prefix(
     forkserver: Forkserver, checkpoints: Callable[..., dict[str, Path]], tmp_path: Path
 ) -> None:
