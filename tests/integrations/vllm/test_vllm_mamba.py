@@ -87,8 +87,8 @@ def test_align_mode_slots_and_step_ends() -> None:
 
 
 REAL_VLLM = pytest.mark.timeout(1800)
-"""The real-vLLM tests' time limit (as the other real-vLLM modules'): the unit tests' 120 s
-default is a minute of vLLM's prefix-cache probe on a busy 2-core machine."""
+"""The real-vLLM tests' time limit, as in the other real-vLLM modules: the unit tests' 120 s
+default is too short for vLLM's prefix-cache probe on a busy 2-core machine."""
 
 
 @REAL_VLLM
