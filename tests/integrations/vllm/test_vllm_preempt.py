@@ -20,7 +20,7 @@ import pytest
 
 from ...conftest import Daemon
 from .test_vllm_async import run_stepper
-from .vllm_harness.fixtures import Forkserver, connector, loadable, run_replica, tokens
+from .vllm_harness.fixtures import Forkserver, HarnessRun, connector, loadable, run_replica, tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -51,10 +51,9 @@ def preempted(
         "load": [],
     }
     conn = connector(daemon.address, chunk_size=CHUNK, tenant="preempt")
-    out: dict[str, Any] = {
-        "plain": run_stepper(forkserver, {**base, "connector": None}, work, "plain"),
-        "ours": run_stepper(forkserver, {**base, "connector": conn, "hold_saves_until_preemption": True}, work, "ours"),
-    }
+    plain = HarnessRun(forkserver, "stepper", {**base, "connector": None}, work, "plain")  # beside ours: two cores
+    ours = run_stepper(forkserver, {**base, "connector": conn, "hold_saves_until_preemption": True}, work, "ours")
+    out: dict[str, Any] = {"plain": plain.result(), "ours": ours}
     single = {"model": str(models["llama"]), "dtype": "float32", "prompts": PROMPTS, "prefix_caching": False}
     out["reload"] = run_replica(
         forkserver,
