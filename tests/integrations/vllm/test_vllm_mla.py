@@ -10,8 +10,9 @@ vLLM on CPU turns prefix caching and chunked prefill off for MLA, so the
 connector is the only prefix reuse there is.
 
 - Replica A (with the connector), replica B (a fresh process, loading A's chunks)
-  and vLLM without the connector (a process beside them) answer alike, B computing only what follows the loaded
-  chunks; fp32 and bf16, chunks of 64 and 200 tokens (vLLM's MLA blocks are 16).
+  and vLLM without the connector (a process beside them) answer alike, B computing
+  only what follows the loaded chunks; fp32 and bf16, chunks of 64 and 200 tokens
+  (vLLM's MLA blocks are 16).
 - The latent vLLM stored is what HF transformers caches for the same prompt
   (transformers 5 caches the latent too: ``kv_c_normed`` as keys, the rotated
   ``k_pe`` as values); the HF adapter serves a prompt from vLLM's chunks, and
