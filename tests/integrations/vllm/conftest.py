@@ -1,5 +1,10 @@
-"""Fixtures of the vLLM connector's stand-in tests: engines (tests/integrations/vllm/vllm_harness/engine.py)
-on one daemon per module, each test in a tenant of its own."""
+"""Fixtures of the vLLM connector's tests.
+
+Stand-in tests: engines (tests/integrations/vllm/vllm_harness/engine.py) on one daemon per
+module, each test in a tenant of its own.  Real-vLLM tests (vllm_harness/fixtures.py, here
+for every module of this folder): ``vllm_python`` (vLLM's venv), ``forkserver`` (vLLM
+imported once per session, each harness process forked from it), ``checkpoints`` and
+``models`` (the test checkpoints, each built once per session)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import pytest
 
 from ...conftest import Daemon
 from .vllm_harness.engine import Engine
+from .vllm_harness.fixtures import checkpoints, forkserver, models, vllm_python  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")

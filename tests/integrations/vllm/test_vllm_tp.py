@@ -20,7 +20,7 @@ from lmcache_client import CacheClient, chunk_keys
 from lmcache_client.integrations.chunklayout import ChunkLayout
 
 from ...conftest import Daemon
-from .vllm_harness.fixtures import connector, models, run_harness, vllm_python  # noqa: F401
+from .vllm_harness.fixtures import Forkserver, connector, run_harness
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -28,22 +28,22 @@ CHUNK = 128
 PROMPT = [random.Random(5).randrange(3, 1000) for _ in range(600)]
 
 
-def run_tp(vllm_python: Path, spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:  # noqa: F811
-    result: dict[str, Any] = run_harness(vllm_python, "tp", spec, workdir, name)
+def run_tp(forkserver: Forkserver, spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:
+    result: dict[str, Any] = run_harness(forkserver, "tp", spec, workdir, name)
     return result
 
 
 def test_tp2_each_rank_stores_its_shard_and_the_load_is_exact(
     module_daemon_factory: Callable[..., Daemon],
-    vllm_python: Path,  # noqa: F811
-    models: dict[str, Path],  # noqa: F811
+    forkserver: Forkserver,
+    models: dict[str, Path],
     tmp_path: Path,
 ) -> None:
     daemon = module_daemon_factory(max_local_cpu_size="1GiB")
     model = str(models["llama"])
-    plain = run_tp(vllm_python, {"model": model, "prompt": PROMPT}, tmp_path, "plain")
+    plain = run_tp(forkserver, {"model": model, "prompt": PROMPT}, tmp_path, "plain")
     conn = connector(daemon.address, chunk_size=CHUNK, tenant="tp2", model_id="test/tp2")
-    ours = run_tp(vllm_python, {"model": model, "prompt": PROMPT, "connector": conn}, tmp_path, "ours")
+    ours = run_tp(forkserver, {"model": model, "prompt": PROMPT, "connector": conn}, tmp_path, "ours")
     reference = plain["answers"][0]["tokens"]
     assert [a["tokens"] for a in plain["answers"] + ours["answers"]] == [reference] * 4
     assert [a["num_cached_tokens"] for a in ours["answers"]] == [0, len(PROMPT) // CHUNK * CHUNK]

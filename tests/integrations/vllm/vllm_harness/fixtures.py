@@ -1,8 +1,12 @@
-"""Fixtures and helpers of the real-vLLM tests (imported by tests/test_vllm_*.py).
+"""Fixtures and helpers of the real-vLLM tests (tests/integrations/vllm/conftest.py
+makes the fixtures visible to every test module there).
 
 vLLM lives in its own venv (``make setup-vllm``: ``.venv-vllm``, or the python
 named by ``LMCACHE_VLLM_PYTHON``) because it pins its own transformers; the
-tests run in the main venv and start vLLM processes with that python.  A
+tests run in the main venv and start vLLM processes with that python: OpenAI
+servers from their command lines (``Server``), and every offline harness run
+(replicas, steppers, TP, checkpoint builds) forked from one process per session
+that imported vLLM once (``Forkserver``, vllm_harness/forkserver.py).  A
 missing vLLM venv fails the tests with the command to build it; it never
 skips them.
 """
@@ -12,9 +16,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
+import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,19 +58,126 @@ def vllm_python() -> Path:
     return VLLM_PYTHON
 
 
+class Forkserver:
+    """The tests' side of vllm_harness/forkserver.py: one process in vLLM's venv that has
+    imported vLLM, forking a fresh process for each harness run (``run``) or checkpoint
+    build.  Several runs may be in flight at once (``start`` / ``wait``)."""
+
+    def __init__(self, python: Path, log: Path):
+        self.python = python
+        self._log = log.open("w")
+        self.proc = subprocess.Popen(
+            [str(python), "-m", "tests.integrations.vllm.vllm_harness.forkserver"],
+            cwd=ROOT,
+            env=vllm_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+        self._pending = b""
+        self._exits: dict[int, int] = {}
+        self._running: set[int] = set()
+        self._log_path = log
+        assert self._next(time.monotonic() + 600).get("ready"), "the fork server did not start"
+
+    def _next(self, deadline: float) -> dict[str, Any]:
+        """The fork server's next message (fails when it died or ``deadline`` passed)."""
+        assert self.proc.stdout is not None
+        while b"\n" not in self._pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.proc.stdout], [], [], remaining)[0]:
+                raise subprocess.TimeoutExpired(str(self.python), deadline)
+            data = os.read(self.proc.stdout.fileno(), 65536)
+            if not data:
+                raise AssertionError(f"the vLLM fork server exited:\n{self._log_path.read_text()[-6000:]}")
+            self._pending += data
+        line, self._pending = self._pending.split(b"\n", 1)
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def start(self, module: str, argv: list[str], log: Path) -> int:
+        """Fork ``python -m MODULE ARGV...`` (stdout and stderr in ``log``); its pid."""
+        request = {"module": module, "argv": argv, "log": str(log), "env": vllm_env(), "cwd": str(ROOT)}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        while True:
+            message = self._next(time.monotonic() + 60)
+            if "rc" in message:
+                self._exits[message["pid"]] = message["rc"]
+            else:
+                self._running.add(int(message["pid"]))
+                return int(message["pid"])
+
+    def wait(self, pid: int, timeout_s: float) -> int:
+        """The exit code of run ``pid``; its process group is killed past ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while pid not in self._exits:
+            try:
+                message = self._next(deadline)
+            except subprocess.TimeoutExpired:
+                os.killpg(pid, signal.SIGKILL)
+                raise
+            if "rc" in message:
+                self._exits[message["pid"]] = message["rc"]
+        self._running.discard(pid)
+        return self._exits.pop(pid)
+
+    def run(self, module: str, argv: list[str], log: Path, timeout_s: float = 1200) -> int:
+        return self.wait(self.start(module, argv, log), timeout_s)
+
+    def close(self) -> None:
+        """Kill the runs nobody waited for (a test failed before it did), then stop the server."""
+        for pid in self._running:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
 @pytest.fixture(scope="session")
-def models(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Locally built test checkpoints by architecture (llama, qwen2)."""
+def forkserver(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forkserver]:
+    """vLLM imported once per session; each harness process forked from it."""
+    server = Forkserver(vllm_python, tmp_path_factory.mktemp("forkserver") / "forkserver.log")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(forkserver: Forkserver, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Path]]:
+    """Locally built test checkpoints (vllm_harness/models.py; ``deepseek_v2`` from
+    vllm_harness/mla_model.py), each architecture built once per session:
+    ``checkpoints("gemma2", "gemma3")`` -> their directories by architecture."""
     out = tmp_path_factory.mktemp("models")
-    run = subprocess.run(
-        [str(vllm_python), "-m", "tests.integrations.vllm.vllm_harness.models", str(out), "llama", "qwen2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    return {arch: out / arch for arch in ("llama", "qwen2")}
+    built: dict[str, Path] = {}
+
+    def build(*archs: str) -> dict[str, Path]:
+        missing = [a for a in archs if a not in built]
+        runs = [("mla_model", [str(out)])] if "deepseek_v2" in missing else []
+        if set(missing) - {"deepseek_v2"}:
+            runs.append(("models", [str(out), *(a for a in missing if a != "deepseek_v2")]))
+        for module, argv in runs:
+            log = out / f"build-{len(built)}-{module}.log"
+            rc = forkserver.run(f"tests.integrations.vllm.vllm_harness.{module}", argv, log, timeout_s=300)
+            assert rc == 0, log.read_text()[-6000:]
+        built.update({a: out / a for a in missing})
+        return {a: built[a] for a in archs}
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def models(checkpoints: Callable[..., dict[str, Path]]) -> dict[str, Path]:
+    """Locally built test checkpoints by architecture (llama, qwen2)."""
+    return checkpoints("llama", "qwen2")
 
 
 def loadable(n_tokens: int, chunk: int) -> int:
@@ -81,33 +194,58 @@ def vllm_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def server_env(vllm_python: Path, model: Path, port: int, address: str) -> dict[str, str]:
+    """The environment of a vLLM server started with a command line of docs/integrations.md
+    (``MODEL``, ``PORT``, ``LMCACHE_SERVER_ADDRESS``; vLLM's venv first on ``PATH``)."""
+    path = f"{vllm_python.parent}:{os.environ.get('PATH', '')}"
+    return vllm_env(MODEL=str(model), PORT=str(port), LMCACHE_SERVER_ADDRESS=address, PATH=path)
+
+
 def connector(address: str, **extra: Any) -> dict[str, Any]:
     """A kv-transfer-config for the lmcache-server connector at ``address``."""
     return {**CONNECTOR, "kv_connector_extra_config": {"address": address, **extra}}
 
 
-def run_harness(vllm_python: Path, module: str, spec: Any, workdir: Path, name: str) -> Any:
+class HarnessRun:
+    """``python -m tests.integrations.vllm.vllm_harness.<module> SPEC OUT`` in vLLM's venv (a
+    fresh process from the fork server), started; ``result()`` waits for its JSON output."""
+
+    def __init__(self, forkserver: Forkserver, module: str, spec: Any, workdir: Path, name: str):
+        self.forkserver, self.module, self.name = forkserver, module, name
+        spec_path, self.out, self.log = (
+            workdir / f"{name}.spec.json",
+            workdir / f"{name}.out.json",
+            workdir / f"{name}.log",
+        )
+        spec_path.write_text(json.dumps(spec))
+        argv = [str(spec_path), str(self.out)]
+        self.pid = forkserver.start(f"tests.integrations.vllm.vllm_harness.{module}", argv, self.log)
+
+    def result(self, timeout_s: float = 1200) -> Any:
+        """The run's JSON output (the log, tail shown, when it failed)."""
+        rc = self.forkserver.wait(self.pid, timeout_s)
+        if rc != 0:
+            pytest.fail(f"vLLM {self.module} {self.name} exited {rc}:\n{self.log.read_text()[-6000:]}")
+        return json.loads(self.out.read_text())
+
+
+def run_harness(forkserver: Forkserver, module: str, spec: Any, workdir: Path, name: str) -> Any:
     """Run ``python -m tests.integrations.vllm.vllm_harness.<module> SPEC OUT`` in vLLM's venv;
     its JSON output (the log, tail shown, when it fails)."""
-    spec_path, out, log = workdir / f"{name}.spec.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    with log.open("w") as handle:
-        proc = subprocess.run(
-            [str(vllm_python), "-m", f"tests.integrations.vllm.vllm_harness.{module}", str(spec_path), str(out)],
-            cwd=ROOT,
-            env=vllm_env(),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            timeout=1200,
-        )
-    if proc.returncode != 0:
-        pytest.fail(f"vLLM {module} {name} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
-    return json.loads(out.read_text())
+    return HarnessRun(forkserver, module, spec, workdir, name).result()
 
 
-def run_replica(vllm_python: Path, runs: list[dict[str, Any]], workdir: Path, name: str) -> list[dict[str, Any]]:
+def start_replica(forkserver: Forkserver, runs: list[dict[str, Any]], workdir: Path, name: str) -> HarnessRun:
+    """Start ``runs`` in one fresh offline-vLLM process (vllm_harness/replica.py) and return at
+    once; ``result()["runs"]`` waits for them.  vLLM computes on one thread (it lowers torch's
+    threads for serving), so on the test machine's two cores the reference runs without the
+    connector go beside the replicas under test instead of before them."""
+    return HarnessRun(forkserver, "replica", {"runs": runs}, workdir, name)
+
+
+def run_replica(forkserver: Forkserver, runs: list[dict[str, Any]], workdir: Path, name: str) -> list[dict[str, Any]]:
     """Run ``runs`` in one fresh offline-vLLM process (tests/integrations/vllm/vllm_harness/replica.py)."""
-    results: list[dict[str, Any]] = run_harness(vllm_python, "replica", {"runs": runs}, workdir, name)["runs"]
+    results: list[dict[str, Any]] = start_replica(forkserver, runs, workdir, name).result()["runs"]
     return results
 
 
