@@ -258,11 +258,11 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         if self.transfers is not None:  # nothing may touch the caches once they are unmapped
             self.transfers.load_lane.drain()
             self.transfers.flush_saves()
-        self._worker().asleep = True
+        self._worker().sleep()
 
     def restore_kv_caches(self) -> None:
         """vLLM 0.33 wake-up: the same cache tensors are back (vLLM remaps their memory)."""
-        self._worker().asleep = False
+        self._worker().wake()
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Preempted requests' blocks are handed out in this step: the saves reading

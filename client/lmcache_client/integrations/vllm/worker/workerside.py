@@ -81,8 +81,7 @@ class WorkerSide:
         self.stats = WorkerStats()
         self.totals: dict[str, float] = {}
         """Every counter since start (``stats`` restarts whenever vLLM takes it)."""
-        self.asleep = False
-        """vLLM's sleep mode: the caches are unmapped, nothing may touch them."""
+        self._asleep = False
         # The parts, built by ``register`` over vLLM's caches:
         self.engine: EngineLayout | None = None
         self.cache: CacheCopies | None = None
@@ -91,7 +90,21 @@ class WorkerSide:
         self._loads: Loads | None = None
         self._saves: Saves | None = None
 
+    @property
+    def asleep(self) -> bool:
+        """vLLM's sleep mode: the caches are unmapped, nothing may touch them."""
+        return self._asleep
+
+    def sleep(self) -> None:
+        """The caches go away (``unregister_kv_caches``): load and store nothing until ``wake``."""
+        self._asleep = True
+
+    def wake(self) -> None:
+        """The same caches are back (``restore_kv_caches``)."""
+        self._asleep = False
+
     # -- register_kv_caches ---------------------------------------------------------
+
     def register(self, kv_caches: dict[str, Any], vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
         """Read vLLM's layout from vLLM, check it against the namespace's, build the parts."""
         if self.states is not None:  # the chunks hold the attention groups; the states the rest
