@@ -38,6 +38,8 @@ from typing import Any
 
 import yaml
 
+from lmcache_client.connection import ADDRESS_ENV
+
 from .configvalues import Refused
 from .configvalues import disk_path as disk_path  # re-exported: callers import these from here
 from .configvalues import parse_listen_address as parse_listen_address
@@ -52,6 +54,9 @@ logger = logging.getLogger(__name__)
 ENV_PREFIX = "LMCACHE_"
 ENV_CONFIG_PATH = "LMCACHE_CONFIG"
 ENV_CONFIG_PATHS = (ENV_CONFIG_PATH, "LMCACHE_CONFIG_FILE")
+CLIENT_ENV = (ADDRESS_ENV,)
+"""LMCACHE_* variables our clients read (the engines' connector, the admin CLI), exported on
+the same hosts as the daemon: neither config keys nor worth a warning."""
 """Variables naming the config file (ours, then LMCache's); not config keys themselves."""
 
 
@@ -202,7 +207,7 @@ def load_config(
             raw[str(key)] = (value, f"file {path}")
     unknown_env: list[str] = []
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in ENV_CONFIG_PATHS:
+        if not name.startswith(ENV_PREFIX) or name in ENV_CONFIG_PATHS or name in CLIENT_ENV:
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key in FIELDS or is_engine_key(key, FIELDS):

@@ -175,6 +175,19 @@ def test_unknown_env_vars_are_one_warning_not_an_error(caplog: pytest.LogCapture
         load_config(None, {**K8S_ENV, "LMCACHE_CHUNK_SIZE": "many"})
 
 
+def test_the_clients_address_variable_is_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The README exports LMCACHE_SERVER_ADDRESS for the engines and the admin CLI on the
+    daemon's host: the daemon neither reads it as config nor warns about it."""
+    with caplog.at_level(logging.WARNING, logger="lmcache_server.config"):
+        load_config(None, {"LMCACHE_SERVER_ADDRESS": "tcp://127.0.0.1:65432"})
+        assert not caplog.records
+        load_config(
+            None, {"LMCACHE_SERVER_ADDRESS": "tcp://127.0.0.1:65432", "LMCACHE_SERVER_PORT": "tcp://1.2.3.4:65432"}
+        )
+    [record] = caplog.records
+    assert "LMCACHE_SERVER_PORT" in record.getMessage() and "LMCACHE_SERVER_ADDRESS" not in record.getMessage()
+
+
 def test_a_misspelt_env_var_is_named_with_its_likely_key(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="lmcache_server.config"):
         load_config(None, {"LMCACHE_CHUNK_SISE": "4"})
