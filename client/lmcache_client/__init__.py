@@ -8,7 +8,7 @@
 from .aio import AsyncCacheClient
 from .calls import LookupResult
 from .client import DEFAULT_ADDRESS, CacheClient
-from .errors import ClientError, DaemonUnavailable, ServerError
+from .errors import BadAddress, ClientError, DaemonUnavailable, ServerError
 from .keys import ChunkHasher, chain_key, chunk_keys
 from .namespace import Namespace
 from .protocol import ErrorCode, PutStatus
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_ADDRESS",
     "AsyncCacheClient",
+    "BadAddress",
     "CacheClient",
     "ChunkHasher",
     "ClientError",

@@ -22,7 +22,7 @@ import zmq
 
 from .calls import Call
 from .curve import CurveKeys
-from .errors import DaemonUnavailable
+from .errors import BadAddress, DaemonUnavailable
 from .failopen import MISS, PROBE
 from .handshake import HandshakeWatch
 from .namespace import Namespace
@@ -59,12 +59,18 @@ def new_dealer(
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    if not watch:
+    handshakes = HandshakeWatch(sock, curve is not None) if watch else None
+    try:
         sock.connect(address)
-        return sock
-    handshakes = HandshakeWatch(sock, curve is not None)
-    sock.connect(address)
-    return sock, handshakes
+    except zmq.ZMQError as err:  # a socket left open here would hold the context at exit
+        if handshakes is not None:
+            handshakes.close()
+        sock.close(linger=0)
+        raise BadAddress(
+            f"cannot connect to the daemon at {address!r}: {err.strerror} "
+            "(an endpoint is tcp://HOST:PORT or ipc:///PATH)"
+        ) from err
+    return (sock, handshakes) if watch else sock
 
 
 def unavailable(what: str, handshakes: HandshakeWatch | None) -> DaemonUnavailable:

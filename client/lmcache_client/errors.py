@@ -3,6 +3,7 @@
 - ClientError: base class.
 - ServerError: the daemon answered with an error reply (code + message).
 - DaemonUnavailable: no reply within the timeout, or no connection.
+- BadAddress: the daemon's address is no ZeroMQ endpoint (also a ValueError).
 """
 
 from __future__ import annotations
@@ -26,3 +27,9 @@ class ServerError(ClientError):
 
 class DaemonUnavailable(ClientError):
     """The daemon did not answer in time or cannot be reached."""
+
+
+class BadAddress(ClientError, ValueError):
+    """The daemon's address is no endpoint ZeroMQ can connect to (``localhost:65432``
+    instead of ``tcp://localhost:65432``, an unknown transport): raised when the client
+    is made, with the address and ZeroMQ's reason; nothing is left open."""
