@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-m", "lmcache_server", "--set", f"listen=[tcp://127.0.0.1:{port}]"]
             + ["--set", "max_local_cpu_size=4GiB", "--set", "metrics_port=0"],
         )
-        plain = doc_command().split(" \\\n  --kv-transfer-config", 1)[0] + "\n"
+        plain = doc_command("vllm-replica-command-cpu").split(" \\\n  --kv-transfer-config", 1)[0] + "\n"
         commands = {
             "producer": doc_command("vllm-pd-producer-command"),
             "consumer": doc_command("vllm-pd-consumer-command"),

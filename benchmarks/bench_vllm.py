@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import CpuMeter, free_port, raise_on_sigterm, workspace  # noqa: E402
-from tests.integrations.vllm.vllm_harness.fixtures import doc_command  # noqa: E402
+from tests.integrations.vllm.vllm_harness.fixtures import doc_command, vllm_cli  # noqa: E402
 
 VLLM_PYTHON = Path(os.environ.get("LMCACHE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 MODEL = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8}
@@ -131,7 +131,7 @@ def start_servers(procs: Any, commands: dict[str, str], model: Path, address: st
             PORT=str(http),
             LMCACHE_SERVER_ADDRESS=address,
             VLLM_CPU_KVCACHE_SPACE="2",
-            PATH=f"{VLLM_PYTHON.parent}:{env.get('PATH', '')}",
+            PATH=f"{vllm_cli(VLLM_PYTHON)}:{VLLM_PYTHON.parent}:{env.get('PATH', '')}",  # `vllm serve` too
         )
         procs.env = env
         child = procs.start(f"vllm-{name}", ["bash", "-c", command], cwd=ROOT)
@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             + ["--set", f"kv_codec={args.codec}"],
         )
         print(f"daemon kv_codec: {args.codec}", flush=True)
-        servers = start_servers(procs, {"a": doc_command(), "b": doc_command()}, model, address)
+        servers = start_servers(
+            procs, {"a": doc_command(), "b": doc_command("vllm-replica-command-cpu")}, model, address
+        )
         daemon.check_alive()
         a, b = servers
         meter = CpuMeter(lambda: descendants([c.proc.pid for c in procs.children]))

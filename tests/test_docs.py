@@ -115,7 +115,7 @@ def test_readme_engine_commands_are_the_tested_ones() -> None:
     SGLang section's, whose extra config tests/integrations/sglang/test_sglang_real.py
     has SGLang's own factory build the backend from."""
     docs = (REPO / "docs" / "integrations.md").read_text()
-    vllm = re.search(r"<!-- vllm-replica-command.*?-->\s*```sh\n(.*?)```", docs, flags=re.S)
+    vllm = re.search(r"<!-- vllm-replica-command[: ].*?-->\s*```sh\n(.*?)```", docs, flags=re.S)
     sglang = re.search(r"^## SGLang.*?```sh\n(.*?)```", docs, flags=re.M | re.S)
     assert vllm and sglang
     blocks = readme_blocks("sh")
@@ -165,3 +165,32 @@ def test_links_of_the_readme_and_docs_lead_somewhere() -> None:
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
     assert not broken
+
+
+def test_one_vllm_command_line_everywhere() -> None:
+    """Every vLLM command line the docs show loads our connector with
+    kv_load_failure_policy recompute (a chunk evicted between lookup and load is
+    recomputed, never a failed request), none uses the old ``vllm serve --model``
+    form, and the canonical line and its CPU-build variant differ only in how vLLM is
+    started (tests/integrations/vllm/test_vllm_server.py runs both verbatim)."""
+    import json
+
+    texts = {p.name: p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
+    configs = []
+    for name, text in texts.items():
+        assert "vllm serve --model" not in text, name
+        for raw in re.findall(r"--kv-transfer-config '(\{.*?\})'", text):
+            config = json.loads(raw)
+            if config.get("kv_connector") == "LMCacheServerConnectorV1":
+                assert config.get("kv_load_failure_policy") == "recompute", (name, raw)
+                configs.append(config)
+    assert len(configs) >= 4
+    docs = texts["integrations.md"]
+    blocks = {
+        marker: re.search(rf"<!-- {marker}[: ].*?-->\s*```sh\n(.*?)```", docs, flags=re.S)
+        for marker in ("vllm-replica-command", "vllm-replica-command-cpu")
+    }
+    canonical, cpu = (b.group(1) for b in blocks.values() if b)
+    assert 'vllm serve "$MODEL"' in canonical and "api_server --model" in cpu
+    config_of = re.compile(r"--kv-transfer-config '(\{.*?\})'")
+    assert config_of.findall(canonical) == config_of.findall(cpu)

@@ -1,5 +1,6 @@
-"""Two real vLLM OpenAI servers sharing one daemon, started with the command line
-of docs/integrations.md (run verbatim), over real HTTP.
+"""Two real vLLM OpenAI servers sharing one daemon, started with the command lines
+of docs/integrations.md (run verbatim: A the canonical `vllm serve` line, B its
+CPU-build variant), over real HTTP.
 
 In order, on the same two servers (each costs ~45 s to start here):
 
@@ -46,10 +47,11 @@ def stack(
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     servers = []
-    for name in ("a", "b"):
+    # A: the canonical line (`vllm serve`), B: its CPU-build variant (vLLM's server module).
+    for name, block in (("a", "vllm-replica-command"), ("b", "vllm-replica-command-cpu")):
         http = free_port()
         env = server_env(vllm_python, models["llama"], http, address)
-        servers.append(Server(doc_command(), env, http, work / f"server-{name}.log"))
+        servers.append(Server(doc_command(block), env, http, work / f"server-{name}.log"))
     state: dict[str, Any] = {"servers": servers, "port": port, "daemon": None, "work": work}
 
     def start_daemon() -> Daemon:

@@ -39,11 +39,12 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 
 def doc_command(block: str = "vllm-replica-command") -> str:
     """A command block of docs/integrations.md (run verbatim by the tests and benchmarks):
-    the replica's (default), ``vllm-pd-producer-command`` or ``vllm-pd-consumer-command``."""
+    the replica's canonical line (default), its CPU-build variant ``vllm-replica-command-cpu``,
+    ``vllm-pd-producer-command`` or ``vllm-pd-consumer-command``."""
     import re
 
     text = (ROOT / "docs" / "integrations.md").read_text()
-    match = re.search(rf"<!-- {re.escape(block)}.*?-->\s*```sh\n(.*?)```", text, flags=re.S)
+    match = re.search(rf"<!-- {re.escape(block)}[: ].*?-->\s*```sh\n(.*?)```", text, flags=re.S)
     assert match, f"docs/integrations.md lost its {block} block"
     return match.group(1)
 
@@ -194,10 +195,40 @@ def vllm_env(**extra: str) -> dict[str, str]:
     return env
 
 
+VLLM_CLI = """#!{python}
+# `vllm` as the vllm-cpu package should install it: vLLM's own CLI entry point.  Its
+# console script fails on vllm-cpu only because the CLI asks for the version of a
+# distribution named "vllm" (the distribution is "vllm-cpu"); that one lookup is answered
+# as vLLM's own platform detection answers it (vllm/platforms: version("vllm-cpu") + "+cpu").
+import importlib.metadata
+import sys
+
+_version = importlib.metadata.version
+importlib.metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+from vllm.entrypoints.cli.main import main
+
+sys.exit(main())
+"""
+
+
+def vllm_cli(vllm_python: Path) -> Path:
+    """A folder holding ``vllm``, vLLM's CLI for ``vllm serve`` in the docs' command lines."""
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"lmcache-test-vllm-cli-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    script = folder / "vllm"
+    text = VLLM_CLI.format(python=vllm_python)
+    if not script.exists() or script.read_text() != text:
+        tmp = folder / f"vllm.{os.getpid()}"
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        tmp.replace(script)
+    return folder
+
+
 def server_env(vllm_python: Path, model: Path, port: int, address: str) -> dict[str, str]:
     """The environment of a vLLM server started with a command line of docs/integrations.md
-    (``MODEL``, ``PORT``, ``LMCACHE_SERVER_ADDRESS``; vLLM's venv first on ``PATH``)."""
-    path = f"{vllm_python.parent}:{os.environ.get('PATH', '')}"
+    (``MODEL``, ``PORT``, ``LMCACHE_SERVER_ADDRESS``; vLLM's CLI and venv first on ``PATH``)."""
+    path = f"{vllm_cli(vllm_python)}:{vllm_python.parent}:{os.environ.get('PATH', '')}"
     return vllm_env(MODEL=str(model), PORT=str(port), LMCACHE_SERVER_ADDRESS=address, PATH=path)
 
 
