@@ -77,6 +77,30 @@ def test_replica_b_loads_what_replica_a_computed(
         assert torch.equal(
             b.rows(second["blocks"], 0, len(prompt_b), layer), expected_rows(prompt_b, 0, len(prompt_b), layer, dtype)
         )
+    assert first["sources"] == {"vllm_cache": 0, "recomputed": len(prompt_a)}
+    assert second["sources"] == {"vllm_cache": 0, "memory": hit, "recomputed": len(prompt_b) - hit}
+
+
+def test_prompt_sources_count_each_request_once(engines: Callable[..., Engine]) -> None:
+    """Each admitted request's prompt splits into vLLM's own hit, the daemon's tiers and the
+    recomputed rest, summing to its length: in its outputs and once in the counters."""
+    a, b = engines(), engines()
+    prompt = list(range(200, 241))  # 5 chunks of 8 and a token
+    a.prefill("a", prompt)
+    run = b.prefill("b", prompt, local_hit=16, fill_local=True)
+    assert run["sources"] == {"vllm_cache": 16, "memory": 24, "recomputed": 1}
+    # Admitted twice (an asynchronous load resumes it this way, so does a preemption): counted once.
+    request = Request("c", prompt)
+    external = b.ask(request, 0)
+    assert external == 40
+    for n in (external, 0):
+        b.scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([],)), n)
+    data = b.scheduler.get_kv_connector_stats().data
+    counted = {k.removeprefix("prompt_tokens_"): v for k, v in data.items() if k.startswith("prompt_tokens_") and v}
+    assert counted == {"vllm_cache": 16, "memory": 24 + external, "recomputed": 1 + 1}
+    _, params = b.scheduler.request_finished(request, [])
+    assert params == {"lmcache_prompt_sources": {"vllm_cache": 0, "memory": 40, "recomputed": 1}}
+    assert b.scheduler.request_finished(request, []) == (False, None)  # taken once
 
 
 def test_never_reports_the_whole_prompt(engines: Callable[..., Engine]) -> None:

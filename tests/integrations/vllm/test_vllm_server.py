@@ -121,9 +121,19 @@ def test_replica_b_first_request_is_served_from_a(stack: dict[str, Any]) -> None
     prompt = prompt_tokens(1100, seed=11)
     wait_for(lambda: complete(a, prompt) and counters(a).get("stored_chunks", 0) >= len(prompt) // CHUNK, 60)
     before = counters(b).get("loaded_tokens", 0)
-    answer_b = complete(b, prompt)
+    memory_before = b.vllm_metric("vllm:lmcache_server_prompt_tokens_total", source="memory")
+    out = b.post(
+        "/v1/completions",
+        {"model": server_model(b), "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+    )
+    answer_b = out["choices"][0]["text"].split()
     assert counters(b)["loaded_tokens"] - before == loadable(len(prompt), CHUNK)
     assert answer_b == complete(a, prompt)
+    # Where the prompt's tokens came from: in the response, and in B's Prometheus counter.
+    sources = out["kv_transfer_params"]["lmcache_prompt_sources"]
+    assert sources["memory"] == loadable(len(prompt), CHUNK) and sum(sources.values()) == len(prompt), sources
+    memory = b.vllm_metric("vllm:lmcache_server_prompt_tokens_total", source="memory")
+    assert memory - memory_before == sources["memory"]
     stack["shared"] = (prompt, answer_b)
 
 

@@ -62,6 +62,7 @@ from .compat import BASE_TAKES_KV_CACHE_CONFIG, KVConnectorBase_V1, KVConnectorT
 from .groups import SLIDING, check_groups, group_infos
 from .lanes import Lane
 from .meta import LMCacheServerConnectorMetadata
+from .params import PROMPT_SOURCES
 from .plumbing import Plumbing
 from .scheduler import CostGate, SchedulerSide
 from .settings import CONSUMER_WAIT_S, ROLES, ConnectorSettings
@@ -393,8 +394,12 @@ class LMCacheServerConnectorV1(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         return self._scheduler().build_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """True (vLLM holds the blocks) while the request's asynchronous saves run."""
-        return self._scheduler().finished(request.request_id), None
+        """True (vLLM holds the blocks) while the request's asynchronous saves run; and the
+        request's prompt tokens by source (scheduler/sources.py), which vLLM returns with its
+        outputs: ``{"lmcache_prompt_sources": {"recomputed": n, "vllm_cache": n, "memory": n, ...}}``."""
+        scheduler = self._scheduler()
+        sources = scheduler.prompt_sources(request.request_id)
+        return scheduler.finished(request.request_id), ({PROMPT_SOURCES: sources} if sources else None)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]

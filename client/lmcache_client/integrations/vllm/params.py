@@ -26,6 +26,12 @@ operator's settings cap what a request may ask.
   that asks is not stored at all (its load still runs) and a warning says
   why.  A bad value is ignored like any other.
 
+One name goes the other way: ``lmcache_prompt_sources`` is what the connector
+returns with a finished request's outputs (the OpenAI server's response carries
+it as ``kv_transfer_params``): its prompt tokens by source
+(scheduler/sources.py).  A proxy that forwards a response's params into the
+next request's is not warned about it; it is ignored on the way in.
+
 Primitives: :class:`RequestParams`, :func:`request_params`.
 """
 
@@ -49,7 +55,10 @@ KNOWN = (
     "lmcache_load_wait_s",
     "lmcache_ttl_s",
     "lmcache_retention",
+    "lmcache_prompt_sources",
 )
+PROMPT_SOURCES = "lmcache_prompt_sources"
+"""Returned with a request's outputs, not read: its prompt tokens by source."""
 REFUSED = ("lmcache_ttl_s", "lmcache_retention")
 """Known, validated, and not acted on: the daemon has no per-chunk TTL or retention
 class.  A request with a valid one is not stored (never kept longer than asked)."""
@@ -130,7 +139,9 @@ def request_params(request: Any, *, max_store_tokens: int = 0, load_deadline_ms:
             logger.warning("request %s: ignoring unknown kv_transfer_params %s (known: %s)", req_id, name, KNOWN)
             continue
         if name not in readers:
-            continue  # lmcache_load_wait_s: read where the wait is decided (scheduler/matcher.py)
+            # lmcache_load_wait_s: read where the wait is decided (scheduler/matcher.py);
+            # lmcache_prompt_sources: the connector's output, nothing to read.
+            continue
         field, read = readers[name]
         try:
             read_value = read(value)

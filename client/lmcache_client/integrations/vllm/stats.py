@@ -27,9 +27,11 @@ are plain counters (sums over the interval):
 | ``state_lookups_in_step`` | scheduler | Mamba state lookups inside vLLM's step (sync mode; TP ranks disagreeing) |
 | ``saves_out_of_window`` | scheduler | requests whose saves stopped (a sliding window freed a chunk's blocks) |
 | ``daemon_failures`` / ``short_circuited`` | both | calls finding the daemon down / misses from the breaker |
+| ``prompt_tokens_<source>`` | scheduler | admitted prompts' tokens by source (``scheduler/sources.py``) |
 
 In Prometheus they appear as ``vllm:lmcache_server_<counter>_total`` with
-vLLM's per-engine labels.
+vLLM's per-engine labels, except the prompt token sources: one counter
+``vllm:lmcache_server_prompt_tokens_total`` with a ``source`` label.
 
 Primitives: :class:`LMCacheServerConnectorStats`, :func:`prom_metrics_class`.
 """
@@ -40,6 +42,7 @@ import dataclasses
 from typing import Any
 
 from .compat import KVConnectorPromMetrics, KVConnectorStats
+from .scheduler.sources import SOURCES, STAT_PREFIX
 
 COUNTERS = {
     "lookups": "Prompts looked up in lmcache-server",
@@ -69,6 +72,11 @@ COUNTERS = {
     "daemon_failures": "lmcache-server calls that found the daemon down, slow or draining",
     "short_circuited": "lmcache-server calls answered as misses by the open circuit breaker",
 }
+
+PROMPT_TOKENS_DOC = (
+    "Prompt tokens of admitted requests by source: recomputed, vllm_cache (vLLM's prefix cache), "
+    "or the lmcache-server tier they were loaded from (memory, disk, redis)"
+)
 
 
 @dataclasses.dataclass
@@ -117,10 +125,24 @@ def prom_metrics_class() -> Any:
                 )
                 for engine, values in per_engine_labelvalues.items():
                     self._counters[(engine, name)] = counter.labels(*values)
+            self._values = per_engine_labelvalues
+            self._sources = self._counter_cls(
+                name="vllm:lmcache_server_prompt_tokens",
+                documentation=PROMPT_TOKENS_DOC,
+                labelnames=[*labelnames, "source"],
+            )
+            for engine, values in per_engine_labelvalues.items():
+                for source in SOURCES:  # present from the start, so rate() sees the first increase
+                    self._counters[(engine, STAT_PREFIX + source)] = self._sources.labels(*values, source)
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             for name, value in transfer_stats_data.items():
                 counter = self._counters.get((engine_idx, name))
+                if counter is None and name.startswith(STAT_PREFIX) and engine_idx in self._values:
+                    source = name.removeprefix(STAT_PREFIX)  # another daemon tier
+                    counter = self._counters[(engine_idx, name)] = self._sources.labels(
+                        *self._values[engine_idx], source
+                    )
                 if counter is not None and value:
                     counter.inc(value)
 

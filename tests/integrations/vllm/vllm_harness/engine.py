@@ -288,7 +288,9 @@ class Engine:
             )
             computed += 1 if token is not None else 0
         delay, params = self.scheduler.request_finished(request, blocks)
-        assert params is None and delay is (self.is_async and bool(self.saved(metas)))
+        assert delay is (self.is_async and bool(self.saved(metas)))
+        sources = params["lmcache_prompt_sources"]  # every admitted request has them
+        assert sum(sources.values()) == len(prompt), sources
         if delay:  # vLLM holds the blocks until every worker reports the saves done
             self.until(lambda: req_id in self.finished_sending, f"saves of {req_id}", finished={req_id})
         loads = [load for meta in self.log[log_start:] for load in meta.loads]
@@ -298,6 +300,7 @@ class Engine:
             "metas": metas,
             "loads": loads,
             "computed": list(self.computed_tokens),
+            "sources": sources,
         }
 
     def ask(self, request: Any, local_hit: int = 0, timeout_s: float = 60.0) -> int | None:

@@ -63,6 +63,7 @@ from .loadcosts import LoadCosts
 from .lookups import LookupService
 from .matcher import Matcher, key_root
 from .perrequest import PerRequest
+from .sources import PromptSources
 from .statescheduling import StateScheduling
 from .tracker import Tracker
 
@@ -152,6 +153,7 @@ class SchedulerSide:
         self._delayed: list[str] = []
         """Requests answered ``delay_free`` since the last metadata: the workers report them."""
         book = self.per_request
+        self._sources = PromptSources(self.stats)
         self._costs = LoadCosts(cost_gate, chunk_size, book, self.stats) if cost_gate is not None else None
         stats = self.stats
         self._state_scheduling = (
@@ -242,6 +244,7 @@ class SchedulerSide:
             self._parked.discard(request.request_id)
             self.stats["load_retries_refused"] += 1
             return 0
+        self._sources.asked(request.request_id, num_computed_tokens)
         n = self._matcher.num_new_matched_tokens(request, num_computed_tokens, self._idle)
         if n and self._state_scheduling is not None:
             n = self._state_scheduling.hit(request, num_computed_tokens)
@@ -262,6 +265,8 @@ class SchedulerSide:
         if self.lookups is not None:
             self.lookups.forget(req_id)  # used: a later ask (after a preemption) looks up anew
         hit = self.per_request.hits.get(req_id)
+        by_tier = self.hit_sources(req_id, num_external_tokens)
+        self._sources.admitted(request, num_external_tokens, by_tier)
         if hit is None or num_external_tokens <= 0:
             return
         self.per_request.loads[req_id] = (hit.local_tokens, hit.local_tokens + num_external_tokens)
@@ -275,7 +280,7 @@ class SchedulerSide:
             self._state_scheduling.plan_load(req_id, blocks.get_block_ids(), keys, n, hit.state_tokens)
         self.stats["lookup_hit_tokens"] += num_external_tokens
         if self._costs is not None:
-            self._costs.allocated(req_id, self.hit_sources(req_id, num_external_tokens))
+            self._costs.allocated(req_id, by_tier)
         if not self.async_load:
             return
         # The request waits in WAITING_FOR_REMOTE_KVS: its load goes out with the next
@@ -314,6 +319,11 @@ class SchedulerSide:
         if delay:
             self._delayed.append(req_id)
         return delay
+
+    def prompt_sources(self, req_id: str) -> dict[str, int] | None:
+        """The request's prompt tokens by source (:mod:`.sources`), taken once at its end;
+        None when it was never admitted."""
+        return self._sources.take(req_id)
 
     # -- build_connector_meta -------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> LMCacheServerConnectorMetadata:
@@ -385,6 +395,7 @@ class SchedulerSide:
         self._parked.discard(req_id)
         self._deadlines.pop(req_id, None)
         self.per_request.forget(req_id)
+        self._sources.take(req_id)
         if self._costs is not None:
             self._costs.forget(req_id)
         if self.lookups is not None:
