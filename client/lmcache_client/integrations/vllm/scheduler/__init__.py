@@ -9,6 +9,7 @@
   KV events by ``events`` (:class:`ConnectorEvents`);
 - ``statescheduling``: a Mamba hybrid's state hits, loads and saves;
 - ``loadcosts`` on ``costgate``: loads slower than computing them are cut;
+- ``sources``: where each admitted request's prompt tokens came from;
 - ``perrequest``: the per-request record the parts share; ``tracker``: the
   record of one scheduled request.
 
