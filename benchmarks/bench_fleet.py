@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", default="2", help="fleet sizes, comma-separated (e.g. 1,2,4)")
     p.add_argument("--configs", default="alone,lmcache-server,lmcache-mp,lmcache-mp-shm,offload")
     p.add_argument("--routers", default="round-robin", help="round-robin and/or prefix, comma-separated")
+    p.add_argument("--trace-path", type=Path, help="the trace file (default: the --trace's usual place)")
     p.add_argument("--sample-every", type=int, help="keep 1 in K conversations (conversation 60, agentic 16)")
     p.add_argument("--requests", type=int, help="keep the first N requests of the sample")
     p.add_argument("--block-tokens", type=int, default=128, help="tokens per trace hash block (trace: 512)")
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     raise_on_sigterm()
     path, default_k = TRACES[args.trace]
+    path = args.trace_path or path
     configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in configs if c not in CONFIGURATIONS]
     if unknown:

@@ -113,8 +113,9 @@ def ratios(rows: Sequence[dict[str, Any]], against: Sequence[str] = ("alone", "l
             )
             if base is None or base is r:
                 continue
-            parts = [f"{k.removesuffix('_s')} x{r[k] / base[k]:.2f}" for k in keys if base[k]]
-            lines.append(f"{r['configuration']} / {base_name} ({r['replicas']} replicas, {r['router']}): " + ", ".join(parts))
+            parts = [f"{k.removesuffix('_s').replace('_per', '/s')} x{r[k] / base[k]:.2f}" for k in keys if base[k]]
+            where = f"({r['replicas']} replicas, {r['router']})"
+            lines.append(f"{r['configuration']} / {base_name} {where}: " + ", ".join(parts))
     return "\n".join(lines)
 
 
