@@ -43,6 +43,8 @@ class ConfigResult:
     connector_sources: dict[str, float] = dataclasses.field(default_factory=dict)
     service_cpu_s: float | None = None
     service_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    serial_texts: list[str] = dataclasses.field(default_factory=list)
+    """With ``serial_check``: each request's output sent alone after the replay (same replica)."""
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -65,8 +67,9 @@ def _sum(dicts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def measure(stack: Stack, workload: Workload, router: str) -> ConfigResult:
-    """Replay ``workload`` on a started stack; the result with the counters' deltas."""
+def measure(stack: Stack, workload: Workload, router: str, serial_check: bool = False) -> ConfigResult:
+    """Replay ``workload`` on a started stack; the result with the counters' deltas (and,
+    with ``serial_check``, every request sent again alone after the counters were read)."""
     result = ConfigResult(stack.configuration.name, len(stack.replicas), router)
     warm_up(stack, block_tokens(WARMUP_HASH, 64))
     before = stack.replica_metrics()
@@ -91,16 +94,19 @@ def measure(stack: Stack, workload: Workload, router: str) -> ConfigResult:
         for what, metric in DAEMON_BYTES.items():
             if (metric, "") in service_after:
                 result.service_bytes[what] = service_after[(metric, "")] - service_before.get((metric, ""), 0.0)
+    if serial_check:
+        serial = replayer.run_serial(workload.requests, [o.replica for o in result.outcomes])
+        result.serial_texts = [o.text if o.ok else f"error: {o.error}" for o in serial]
     return result
 
 
 def run_configuration(
-    name: str, settings: FleetSettings, workload: Workload, router: str, workdir: Path
+    name: str, settings: FleetSettings, workload: Workload, router: str, workdir: Path, serial_check: bool = False
 ) -> ConfigResult:
     """Start configuration ``name`` fresh, replay, stop it; a configuration that cannot run
     here comes back with its ``error`` (the exception and the tail of its logs)."""
     try:
         with start_stack(name, settings, workdir / f"{name}-{router}-{settings.replicas}") as stack:
-            return measure(stack, workload, router)
+            return measure(stack, workload, router, serial_check)
     except Exception as err:  # reported per configuration; the others still run
         return ConfigResult(name, settings.replicas, router, error=f"{type(err).__name__}: {err}"[-3000:])

@@ -116,6 +116,17 @@ class Replayer:
             thread.join(self.timeout_s)
         return outcomes, time.monotonic() - t0
 
+    def run_serial(self, requests: Sequence[Request], replicas: Sequence[int]) -> list[Outcome]:
+        """Each request alone, in order, to ``replicas[i]`` (the replica the open-loop run sent
+        it to): greedy outputs without concurrent batching, whose numerics on a CPU depend on
+        the batch (two open-loop runs of vLLM alone differ in a few tokens)."""
+        outcomes = []
+        for request, replica in zip(requests, replicas):
+            out = Outcome(request.index, replica, 0.0)
+            stream_completion(self.urls[replica], self.model, request, self.timeout_s, time.monotonic(), out)
+            outcomes.append(out)
+        return outcomes
+
     def _send(self, request: Request, out: Outcome, scheduled: float) -> None:
         try:
             stream_completion(self.urls[out.replica], self.model, request, self.timeout_s, scheduled, out)

@@ -38,7 +38,7 @@ def runs(
     work = tmp_path_factory.mktemp("fleet")
     results = {}
     for name in ("alone", "lmcache-server"):
-        result = run_configuration(name, settings, workload, "round-robin", work)
+        result = run_configuration(name, settings, workload, "round-robin", work, serial_check=True)
         assert result.error is None, f"{name}: {result.error}"
         results[name] = result
     return workload, results
@@ -54,10 +54,14 @@ def test_every_request_is_answered(runs: tuple[Workload, dict[str, ConfigResult]
 
 
 def test_daemon_outputs_equal_vllm_alone(runs: tuple[Workload, dict[str, ConfigResult]]) -> None:
+    """Compared on the serial pass (each prompt alone, after the replay, on the replica the
+    replay used): vLLM's CPU kernels round differently with the batch's shape, so two
+    open-loop runs of vLLM alone already differ in a few greedy tokens (found on 12
+    requests of the conversation trace: one request diverged at its 9th token)."""
     _, results = runs
-    alone = {o.index: o.text for o in results["alone"].outcomes}
-    ours = {o.index: o.text for o in results["lmcache-server"].outcomes}
-    differ = [i for i in alone if alone[i] != ours[i]]
+    alone, ours = results["alone"].serial_texts, results["lmcache-server"].serial_texts
+    assert len(alone) == len(ours) == len(results["alone"].outcomes)
+    differ = [i for i in range(len(alone)) if alone[i] != ours[i]]
     assert not differ, [(i, alone[i], ours[i]) for i in differ[:3]]
 
 
