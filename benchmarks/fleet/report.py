@@ -10,6 +10,7 @@ time), the share of prompt tokens per source (vLLM's counters; our connector's f
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,14 +121,22 @@ def ratios(rows: Sequence[dict[str, Any]], against: Sequence[str] = ("alone", "l
 
 
 def ttft_cdf_svg(results: Sequence[ConfigResult], title: str) -> str:
-    """TTFT CDF per configuration (one line each; x: seconds, log-free linear up to the largest p99)."""
+    """TTFT CDF per configuration (one line each; x: seconds on a log scale, from the
+    decade below the fastest request to the decade above the slowest: the figures span
+    two or three decades between a cached fleet and an overloaded one)."""
     width, height, left, top, plot_w, plot_h = 720, 420, 60, 40, 620, 300
     curves = []
     for r in results:
         ttft = sorted(o.ttft_s for o in r.outcomes if o.ok and o.ttft_s is not None)
         if ttft:
             curves.append((f"{r.name} ({r.replicas}, {r.router})", ttft))
-    x_max = max((percentile(t, 99) for _, t in curves), default=1.0) * 1.05 or 1.0
+    everything = [t for _, ttft in curves for t in ttft if t > 0] or [1.0]
+    lo, hi = math.floor(math.log10(min(everything))), math.ceil(math.log10(max(everything)))
+    hi = max(hi, lo + 1)
+
+    def x_of(t: float) -> float:
+        return left + plot_w * (math.log10(max(t, 10.0**lo)) - lo) / (hi - lo)
+
     svg = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}">',
         "<style>text { font-family: sans-serif; font-size: 11px; fill: #333; } .t { font-size: 13px; "
@@ -136,18 +145,19 @@ def ttft_cdf_svg(results: Sequence[ConfigResult], title: str) -> str:
         f'<text x="{left}" y="22" class="t">{html.escape(title)}</text>',
     ]
     for i in range(6):
-        fx, fy = i / 5, i / 5
-        gx, gy = left + plot_w * fx, top + plot_h * (1 - fy)
-        svg.append(f'<line x1="{gx:.1f}" y1="{top}" x2="{gx:.1f}" y2="{top + plot_h}" class="grid"/>')
+        gy = top + plot_h * (1 - i / 5)
         svg.append(f'<line x1="{left}" y1="{gy:.1f}" x2="{left + plot_w}" y2="{gy:.1f}" class="grid"/>')
-        svg.append(f'<text x="{gx:.1f}" y="{top + plot_h + 14}" text-anchor="middle">{x_max * fx:.2f}</text>')
-        svg.append(f'<text x="{left - 6}" y="{gy + 4:.1f}" text-anchor="end">{fy:.0%}</text>')
-    svg.append(f'<text x="{left + plot_w / 2}" y="{top + plot_h + 30}" text-anchor="middle">TTFT (s)</text>')
+        svg.append(f'<text x="{left - 6}" y="{gy + 4:.1f}" text-anchor="end">{i / 5:.0%}</text>')
+    for decade in range(lo, hi + 1):
+        gx = x_of(10.0**decade)
+        svg.append(f'<line x1="{gx:.1f}" y1="{top}" x2="{gx:.1f}" y2="{top + plot_h}" class="grid"/>')
+        svg.append(f'<text x="{gx:.1f}" y="{top + plot_h + 14}" text-anchor="middle">{10.0**decade:g}</text>')
+    svg.append(f'<text x="{left + plot_w / 2}" y="{top + plot_h + 30}" text-anchor="middle">TTFT (s, log)</text>')
     for i, (name, ttft) in enumerate(curves):
         colour = COLOURS[i % len(COLOURS)]
-        points = [f"{left:.1f},{top + plot_h:.1f}"]
+        points = [f"{x_of(ttft[0]):.1f},{top + plot_h:.1f}"]
         for k, t in enumerate(ttft):
-            x = left + plot_w * min(t, x_max) / x_max
+            x = x_of(t)
             points.append(f"{x:.1f},{top + plot_h * (1 - k / len(ttft)):.1f}")
             points.append(f"{x:.1f},{top + plot_h * (1 - (k + 1) / len(ttft)):.1f}")
         svg.append(f'<polyline points="{" ".join(points)}" stroke="{colour}" class="line"/>')
