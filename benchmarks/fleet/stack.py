@@ -180,7 +180,9 @@ def _start_lmcache(shm: bool) -> Callable[[Processes, FleetSettings], Service]:
         if shm:
             argv += ["--shm-name", f"lmcache-fleet-{os.getpid()}-{port}"]
         if not settings.lmcache_python.exists():
-            raise FileNotFoundError(f"LMCache's venv is missing ({settings.lmcache_python})")
+            raise FileNotFoundError(
+                f"LMCache's venv is missing ({settings.lmcache_python}): `make setup-lmcache` builds it"
+            )
         name = "lmcache-mp-shm" if shm else "lmcache-mp"
         child = procs.start(name, argv, cwd=ROOT)
         wait_until(lambda: _port_open(port), 180, f"LMCache's server ({name})", child.check_alive)
