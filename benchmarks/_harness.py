@@ -347,6 +347,32 @@ class CpuMeter:
         return max(0.0, other / self._tick / elapsed) if elapsed > 0 else 0.0
 
 
+def descendants(pids: Sequence[int]) -> list[int]:
+    """``pids`` and every process below them (vLLM's engine core and workers, say)."""
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear between the nearest ranks (NaN for none)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
 def load_average() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])

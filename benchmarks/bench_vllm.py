@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import CpuMeter, free_port, raise_on_sigterm, workspace  # noqa: E402
+from benchmarks._harness import CpuMeter, descendants, free_port, raise_on_sigterm, workspace  # noqa: E402
 from tests.integrations.vllm.vllm_harness.fixtures import doc_command, vllm_cli  # noqa: E402
 
 VLLM_PYTHON = Path(os.environ.get("LMCACHE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -62,21 +62,6 @@ def build_model(out: Path) -> Path:
         f"build(Path(sys.argv[1]), 'llama', **{ {**MODEL, **MODEL_HEADS}!r})"
     )
     subprocess.run([str(VLLM_PYTHON), "-c", code, str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600)
-    return out
-
-
-def descendants(pids: list[int]) -> list[int]:
-    """``pids`` and every process below them (vLLM's engine core and workers)."""
-    out, todo = [], list(pids)
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
     return out
 
 

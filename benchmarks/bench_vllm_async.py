@@ -67,7 +67,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import CpuMeter, free_port, raise_on_sigterm, wait_until, workspace  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    CpuMeter,
+    free_port,
+    percentile,
+    raise_on_sigterm,
+    wait_until,
+    workspace,
+)
 
 VLLM_PYTHON = Path(os.environ.get("LMCACHE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 SERVER_PYTHON = Path(os.environ.get("LMCACHE_SERVER_PYTHON", ROOT / ".venv" / "bin" / "python"))
@@ -113,17 +120,6 @@ CHILD_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "TOKENIZERS_PARALLELISM": "false",
 }
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100), linear between the nearest ranks."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 # -- the child: one setting in one process of vLLM's venv ----------------------------------------

@@ -14,23 +14,14 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks._harness import percentile
+
 from .measure import ConfigResult
 from .trace import Workload
 
 GIB = 1024**3
 VLLM_SHORT = {"local_compute": "compute", "local_cache_hit": "local", "external_kv_transfer": "external"}
 COLOURS = ("#73bf69", "#f2cc0c", "#5794f2", "#ff780a", "#b877d9", "#f2495c")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100), linear between the nearest ranks."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def figures(result: ConfigResult, workload: Workload) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness import Child, Processes, cpu_seconds, free_port, wait_until
+from benchmarks._harness import Child, Processes, cpu_seconds, descendants, free_port, wait_until
 from tests.integrations.vllm.vllm_harness.fixtures import Server, doc_command, vllm_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,21 +89,6 @@ def scrape(url: str, timeout_s: float = 10) -> dict[tuple[str, str], float]:
     return out
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
-    return out
-
-
 @dataclasses.dataclass
 class Service:
     """The cache service of a configuration: its process, its address, its metrics page."""
@@ -114,7 +99,7 @@ class Service:
     metrics_url: str | None
 
     def cpu_seconds(self) -> float:
-        return sum(cpu_seconds(p) for p in descendants(self.child.proc.pid))
+        return sum(cpu_seconds(p) for p in descendants([self.child.proc.pid]))
 
     def metrics(self) -> dict[tuple[str, str], float]:
         return scrape(self.metrics_url) if self.metrics_url else {}
