@@ -9,6 +9,7 @@ before the first reading) of
   three sum to the prompt tokens vLLM admitted);
 - our connector's ``vllm:lmcache_server_prompt_tokens_total{source=recomputed|vllm_cache|
   memory|disk|redis}`` (``lmcache-server`` only);
+- vLLM's ``vllm:num_preemptions_total`` summed over the replicas;
 - the cache service's CPU seconds (``/proc``, the process and its children) and, for our
   daemon, its ``lmcache_sent_payload_bytes_total`` / ``lmcache_received_payload_bytes_total``.
 """
@@ -28,6 +29,7 @@ from .trace import Workload, block_tokens
 
 VLLM_SOURCES = "vllm:prompt_tokens_by_source_total"
 CONNECTOR_SOURCES = "vllm:lmcache_server_prompt_tokens_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
 DAEMON_BYTES = {"sent": "lmcache_sent_payload_bytes_total", "received": "lmcache_received_payload_bytes_total"}
 WARMUP_HASH = -1  # no trace block has a negative id: the warm-up prompt shares nothing with the workload
 
@@ -42,6 +44,9 @@ class ConfigResult:
     vllm_sources: dict[str, float] = dataclasses.field(default_factory=dict)
     per_replica_sources: list[dict[str, float]] = dataclasses.field(default_factory=list)
     connector_sources: dict[str, float] = dataclasses.field(default_factory=dict)
+    preemptions: float = 0.0
+    """vLLM's preemptions over the replay, every replica (a request pushed out of the KV
+    cache to make room recomputes what it had)."""
     service_cpu_s: float | None = None
     service_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     serial_texts: list[str] = dataclasses.field(default_factory=list)
@@ -86,6 +91,9 @@ def measure(stack: Stack, workload: Workload, router: str, serial_check: bool = 
         _delta(_by_source(a, VLLM_SOURCES), _by_source(b, VLLM_SOURCES)) for a, b in zip(after, before)
     ]
     result.vllm_sources = _sum(result.per_replica_sources)
+    result.preemptions = sum(
+        a.get((PREEMPTIONS, ""), 0.0) - b.get((PREEMPTIONS, ""), 0.0) for a, b in zip(after, before)
+    )
     result.connector_sources = _sum(
         [_delta(_by_source(a, CONNECTOR_SOURCES), _by_source(b, CONNECTOR_SOURCES)) for a, b in zip(after, before)]
     )

@@ -45,6 +45,10 @@ def figures(result: ConfigResult, workload: Workload) -> dict[str, Any]:
         "prompt_tokens_per_s": prompt_tokens / result.wall_s if result.wall_s else 0.0,
         "vllm_shares": {k: v / sources_total for k, v in result.vllm_sources.items()} if sources_total else {},
         "connector_shares": {},
+        "decode_p50_s": percentile(
+            [o.e2e_s - o.ttft_s for o in done if o.e2e_s is not None and o.ttft_s is not None], 50
+        ),
+        "preemptions": result.preemptions,
         "service_cpu_s_per_request": None,
         "service_cpu_s_per_gib_served": None,
     }
@@ -75,6 +79,10 @@ def table(rows: Sequence[dict[str, Any]], errors: Sequence[ConfigResult] = ()) -
             f"{r['ttft_p50_s']:>8.3f}s {r['ttft_p90_s']:>6.2f}s {r['ttft_p99_s']:>6.2f}s "
             f"{r['e2e_p50_s']:>7.2f}s {r['e2e_p99_s']:>6.2f}s {r['requests_per_s']:>6.2f} "
             f"{r['prompt_tokens_per_s']:>12.0f}  {_shares(r['vllm_shares'], VLLM_SHORT)}"
+        )
+        lines.append(
+            f"{'':<15}    decode (E2E - TTFT) p50 {r.get('decode_p50_s', float('nan')):.3f}s, "
+            f"preemptions {r.get('preemptions', 0):.0f}"
         )
         if r["connector_shares"]:
             lines.append(f"{'':<15}    connector's sources: {_shares(r['connector_shares'])}")

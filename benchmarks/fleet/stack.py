@@ -6,6 +6,8 @@ Configurations (:data:`CONFIGURATIONS`), each started fresh for its run:
 - ``lmcache-server``: our daemon (``python -m lmcache_server``, pool ``--max-local-cpu-size``,
   metrics on) and replicas started with docs/integrations.md's ``vllm-replica-command-cpu``
   block verbatim (async transfers, the connector's defaults) plus the fleet's engine flags;
+- ``lmcache-server-sync``: the same with ``async_transfers: false`` in the connector's
+  extra config (not in the default set: it shows what the asynchronous saves cost a CPU);
 - ``lmcache-mp``: LMCache's multiprocess server (``python -m lmcache.v1.multiprocess.server
   --chunk-size 256 --l1-size-gb N --eviction-policy LRU``, from the LMCache venv) and
   vLLM's ``LMCacheMPConnector`` with ``lmcache.mp.host`` / ``lmcache.mp.port``, LMCache's
@@ -156,6 +158,15 @@ def _ours(settings: FleetSettings, service: Service | None) -> str:
     return doc_command("vllm-replica-command-cpu").rstrip() + " " + settings.engine_flags()
 
 
+def _ours_sync(settings: FleetSettings, service: Service | None) -> str:
+    # The same with the connector's transfers inside vLLM's step (``async_transfers: false``):
+    # saves then hold no finished request's blocks (``delay_free``) and take no core during decodes.
+    line = _ours(settings, service)
+    tail = '"kv_load_failure_policy":"recompute"}'
+    assert tail in line, "docs/integrations.md's replica block changed its kv-transfer-config"
+    return line.replace(tail, tail[:-1] + ',"kv_connector_extra_config":{"async_transfers":false}}')
+
+
 def _start_lmcache(shm: bool) -> Callable[[Processes, FleetSettings], Service]:
     def start(procs: Processes, settings: FleetSettings) -> Service:
         port, metrics = free_port(), free_port()
@@ -195,6 +206,7 @@ CONFIGURATIONS: dict[str, Configuration] = {
     for c in (
         Configuration("alone", lambda s: s.vllm_python, _no_service, _alone),
         Configuration("lmcache-server", lambda s: s.vllm_python, _start_daemon, _ours),
+        Configuration("lmcache-server-sync", lambda s: s.vllm_python, _start_daemon, _ours_sync),
         Configuration("lmcache-mp", lambda s: s.lmcache_python, _start_lmcache(False), _lmcache),
         Configuration("lmcache-mp-shm", lambda s: s.lmcache_python, _start_lmcache(True), _lmcache),
         Configuration("offload", lambda s: s.vllm_python, _no_service, _offload),
