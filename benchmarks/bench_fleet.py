@@ -83,7 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pool-gib", type=int, default=2, help="the shared pool (daemon, LMCache L1), GiB")
     p.add_argument("--model", type=Path, help="a checkpoint (default: build the test llama)")
     p.add_argument("--json", type=Path, help="write every figure and outcome here")
-    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "fleet-ttft.svg")
+    p.add_argument(
+        "--plot", default=str(ROOT / "docs" / "images" / "fleet-ttft.svg"), help="the TTFT CDF's SVG ('': none)"
+    )
     return p.parse_args(argv)
 
 
@@ -139,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{table(rows, errors)}\n\n{ratios(rows)}")
     first = [r for r in results if r.error is None and r.replicas == results[0].replicas]
     if first and args.plot:
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot = Path(args.plot)
+        plot.parent.mkdir(parents=True, exist_ok=True)
         title = f"TTFT CDF, {args.trace} trace, {len(workload.requests)} requests"
-        args.plot.write_text(ttft_cdf_svg(first, title))
+        plot.write_text(ttft_cdf_svg(first, title))
         print(f"plot: {args.plot}")
     if args.json:
         out = {
