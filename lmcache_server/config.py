@@ -42,6 +42,7 @@ from lmcache_client.connection import ADDRESS_ENV
 
 from .configvalues import Refused
 from .configvalues import disk_path as disk_path  # re-exported: callers import these from here
+from .configvalues import is_mooncake as is_mooncake  # re-exported: the daemon picks the remote link with it
 from .configvalues import parse_listen_address as parse_listen_address
 from .configvalues import parse_size as parse_size
 from .configvalues import redact as redact
@@ -102,11 +103,35 @@ def check_across_keys(config: ServerConfig) -> None:
         for key in ("max_key_inflight_requests", "max_key_inflight_bytes"):
             if getattr(c, key):
                 raise ConfigError(key, getattr(c, key), "0 unless auth is curve (a client key names the client)")
+    _check_remote(c)
     if c.chunk_size % c.events_block_size:
         raise ConfigError("events_block_size", c.events_block_size, f"a divisor of chunk_size ({c.chunk_size})")
     for key in ("events_replay_endpoint", "events_snapshot_endpoint"):
         if getattr(c, key) is not None and c.events_endpoint is None:
             raise ConfigError(key, getattr(c, key), "unset unless events_endpoint is set")
+
+
+_REDIS_ONLY = {
+    "remote_ttl_s": "0: Mooncake has no per-object expiry (its master evicts above its watermark)",
+    "remote_username": "unset: Mooncake has no authentication (keep it on a private network)",
+    "remote_password": "unset: Mooncake has no authentication (keep it on a private network)",
+}
+
+
+def _check_remote(c: ServerConfig) -> None:
+    """The remote tier's keys against its kind: the Redis-only ones unset with Mooncake,
+    the Mooncake ones only with Mooncake, RDMA with its devices."""
+    defaults = {f.name: f.default for f in dataclasses.fields(c)}
+    if is_mooncake(c.remote_url):
+        for key, expected in _REDIS_ONLY.items():
+            if getattr(c, key) != defaults[key]:
+                raise ConfigError(key, getattr(c, key), f"{expected}, with remote_url mooncake://")
+        if c.mooncake_protocol == "rdma" and not c.mooncake_device_name:
+            raise ConfigError("mooncake_device_name", None, "the RDMA device names when mooncake_protocol is rdma")
+        return
+    for f in dataclasses.fields(c):
+        if f.name.startswith("mooncake_") and getattr(c, f.name) != f.default:
+            raise ConfigError(f.name, getattr(c, f.name), "unset unless remote_url is mooncake://HOST:PORT")
 
 
 def _parse_env_value(raw: str) -> Any:

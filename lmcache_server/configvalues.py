@@ -137,10 +137,25 @@ def disk_dir(value: Any) -> str:
     return value
 
 
+MOONCAKE_SCHEMES = ("mooncake", "mooncakestore")
+"""``remote_url`` schemes of a Mooncake Store master (``mooncakestore`` is LMCache's name for it)."""
+
+
+def is_mooncake(url: str | None) -> bool:
+    """Whether a ``remote_url`` names a Mooncake master (else Redis, or no remote tier)."""
+    return url is not None and urllib.parse.urlsplit(url).scheme in MOONCAKE_SCHEMES
+
+
 def redis_url(value: Any) -> str:
+    """A ``remote_url``: a Redis URL, or ``mooncake://HOST:PORT`` of a Mooncake master."""
     if not isinstance(value, str):
         raise ValueError
     parsed = urllib.parse.urlparse(value)
+    if parsed.scheme in MOONCAKE_SCHEMES:
+        if not parsed.hostname or parsed.username or parsed.password or parsed.path not in ("", "/"):
+            raise Refused("mooncake://HOST:PORT, the master's address and RPC port (nothing else)")
+        _ = parsed.port  # raises ValueError for a port that is not one
+        return value
     if parsed.scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         advice = remote_url_advice(parsed.scheme)
         if advice is not None:
@@ -151,6 +166,18 @@ def redis_url(value: Any) -> str:
     if parsed.scheme == "unix" and not parsed.path:
         raise ValueError
     if parsed.scheme != "unix" and not parsed.hostname:
+        raise ValueError
+    return value
+
+
+def mooncake_metadata(value: Any) -> str:
+    """Mooncake's metadata server: an http(s):// or etcd:// URL with a host, or P2PHANDSHAKE."""
+    if not isinstance(value, str):
+        raise ValueError
+    if value == "P2PHANDSHAKE":
+        return value
+    parsed = urllib.parse.urlparse(value)
+    if parsed.scheme not in ("http", "https", "etcd") or not parsed.hostname:
         raise ValueError
     return value
 

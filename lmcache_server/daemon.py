@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from lmcache_client.memtune import tune_malloc
 
-from .config import ConfigError, ServerConfig, disk_path
+from .config import ConfigError, ServerConfig, disk_path, is_mooncake
 from .events import Announcer, EventSettings, PublisherSettings, RemoteSettings, SnapshotSettings
 from .events.keep import keep_path
 from .metrics import (
@@ -53,7 +53,7 @@ from .storage.disk import DiskTier
 from .storage.memory import ALIGNMENT, Adoption, WarmStart, installation_id
 from .storage.offload import Offload
 from .storage.policy import make_policy
-from .storage.remote import RedisTier, state_path_for
+from .storage.remote import LinkFactory, MooncakeSettings, RemoteTier, mooncake_link, redis_link, state_path_for
 from .storage.sizing import Sizing
 from .storage.statefiles import StateDir
 from .storage.statefiles import resolve as resolve_state_dir
@@ -218,20 +218,38 @@ async def _disk(c: ServerConfig, supervisor: Supervisor, links: TierLinks) -> Di
 
 async def _remote(
     c: ServerConfig, offload: Offload, supervisor: Supervisor, links: TierLinks, state: StateDir | None
-) -> RedisTier | None:
-    """The Redis tier, opened (a Redis that is down is not a failed start); None without ``remote_url``."""
+) -> RemoteTier | None:
+    """The remote tier on Redis or Mooncake, opened (a store that is down is not a
+    failed start); None without ``remote_url``."""
     if c.remote_url is None:
         return None
-    remote = RedisTier(
-        c.remote_url,
-        key_prefix=c.remote_key_prefix,
+    if is_mooncake(c.remote_url):
+        settings = MooncakeSettings.from_url(
+            c.remote_url,
+            metadata_server=c.mooncake_metadata_server,
+            protocol=c.mooncake_protocol,
+            device_name=c.mooncake_device_name,
+            local_hostname=c.mooncake_local_hostname,
+            segment_size=c.mooncake_segment_size,
+            buffer_size=c.mooncake_buffer_size,
+        )
+        link: LinkFactory = mooncake_link(
+            c.remote_url, settings, key_prefix=c.remote_key_prefix, timeout_s=c.remote_timeout_s, supervisor=supervisor
+        )
+    else:
+        link = redis_link(
+            c.remote_url,
+            key_prefix=c.remote_key_prefix,
+            timeout_s=c.remote_timeout_s,
+            username=c.remote_username,
+            password=c.remote_password,
+            supervisor=supervisor,
+        )
+    remote = RemoteTier(
+        link,
         ttl_s=c.remote_ttl_s,
-        timeout_s=c.remote_timeout_s,
         max_queue_bytes=c.max_remote_queue_size,
-        username=c.remote_username,
-        password=c.remote_password,
         offload=offload,
-        supervisor=supervisor,
         state_path=state_path_for(state),
         links=links,
     )
@@ -239,7 +257,7 @@ async def _remote(
     return remote
 
 
-def _gate(c: ServerConfig, disk: DiskTier | None, remote: RedisTier | None) -> StoreGate | None:
+def _gate(c: ServerConfig, disk: DiskTier | None, remote: RemoteTier | None) -> StoreGate | None:
     """The lower tiers' gate (docs/storage.md); None when every tier takes every chunk."""
     disk_mode = c.disk_admission if disk is not None else "always"
     remote_mode = c.remote_admission if remote is not None else None
@@ -263,7 +281,7 @@ def _state_dir(c: ServerConfig) -> StateDir | None:
 
 
 def _events(
-    c: ServerConfig, context: zmq.asyncio.Context, state: StateDir | None, remote: RedisTier | None
+    c: ServerConfig, context: zmq.asyncio.Context, state: StateDir | None, remote: RemoteTier | None
 ) -> Announcer | None:
     """The KV-event announcer and its parts (docs/events.md), None when events are off."""
     if c.events_endpoint is None:

@@ -99,7 +99,7 @@ _LMCACHE_SCHEMES = {
 _OTHER_SCHEME = f"an LMCache engine-side connector this daemon does not serve: use {_TO_REDIS}, {_SERVE_ENGINES}"
 KNOWN_LMCACHE_SCHEMES = frozenset(
     {
-        "lm", "redis-sentinel", "valkey", "fs", "infinistore", "mooncakestore", "blackhole", "audit", "s3",
+        "lm", "redis-sentinel", "valkey", "fs", "infinistore", "blackhole", "audit", "s3",
         "mock", "external", "sagemaker-hyperpod", "gcs", "azure", "hf3fs", "eic", "bigtable", "couchbase",
         "shmfile", "benchmark", "nixl",
     }

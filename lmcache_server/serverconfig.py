@@ -51,8 +51,9 @@ class ServerConfig:
     remote_url: str | None = v.field(
         None,
         v.optional(v.redis_url),
-        "a redis://, rediss://, unix:// or redis+cluster:// URL",
-        "Redis uplink shared by every node; unset: no Redis tier.",
+        "a redis://, rediss://, unix:// or redis+cluster:// URL, or mooncake://HOST:PORT",
+        "The remote tier shared by every node: a Redis uplink, or a Mooncake Store master (mooncake://, "
+        "the mooncake_* keys; docs/storage.md); unset: no remote tier.",
     )
     remote_serde: str = v.field(
         "naive",
@@ -96,6 +97,39 @@ class ServerConfig:
     remote_username: str | None = v.field(None, v.optional(v.string), "a string", "Redis ACL user (or in remote_url).")
     remote_password: str | None = v.field(
         None, v.optional(v.secret), "a string", "Redis password (or in remote_url); prefer LMCACHE_REMOTE_PASSWORD."
+    )
+    mooncake_metadata_server: str | None = v.field(
+        None,
+        v.optional(v.mooncake_metadata),
+        "http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE",
+        "Mooncake's metadata server; unset: the master's built-in one, http://MASTER_HOST:8080/metadata.",
+    )
+    mooncake_protocol: str = v.field(
+        "tcp", v.choice("tcp", "rdma"), "tcp or rdma", "How Mooncake moves values between nodes."
+    )
+    mooncake_device_name: str | None = v.field(
+        None,
+        v.optional(v.string),
+        "RDMA device names, comma separated, e.g. mlx5_0,mlx5_1",
+        "The RDMA devices Mooncake uses (mooncake_protocol rdma).",
+    )
+    mooncake_local_hostname: str | None = v.field(
+        None,
+        v.optional(v.string),
+        "a host name or address, optionally with :PORT",
+        "Where other nodes reach this node's Mooncake segment; unset: this host's address.",
+    )
+    mooncake_segment_size: int = v.field(
+        1024**3,
+        v.size(),
+        'a size, e.g. "4GiB"; 0: contribute none',
+        "DRAM this node contributes to the Mooncake pool (besides max_local_cpu_size).",
+    )
+    mooncake_buffer_size: int = v.field(
+        256 * 1024**2,
+        v.size(16 << 20),
+        'a size of at least 16 MiB, e.g. "256MiB"',
+        "Mooncake's transfer buffer on this node: holds the values being put and read.",
     )
     disk_fsync: str = v.field(
         "none",

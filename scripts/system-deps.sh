@@ -5,7 +5,9 @@
 # g++ and libssl-dev (SGLang's page-hash extension, built by make setup-sglang),
 # podman, runc, debootstrap, uidmap and CNI's dnsname plugin (the images and the CPU
 # compose stack of tests/test_deploy_stack.py; scripts/local-base.sh makes their base),
-# kubectl (`kubectl kustomize` of deploy/k8s in tests/test_deploy_k8s.py).
+# kubectl (`kubectl kustomize` of deploy/k8s in tests/test_deploy_k8s.py), and the
+# libraries Mooncake's CPU build links without bundling (libibverbs1, libnuma1, libcurl4:
+# mooncake_master and the store client of the Mooncake tier tests).
 # Installs the missing ones with apt-get when run as root on Debian/Ubuntu;
 # otherwise says what to install and fails, so a test never silently skips.
 set -euo pipefail
@@ -31,6 +33,10 @@ done
 # a compiler and the OpenSSL headers.
 command -v g++ >/dev/null 2>&1 || missing+=(g++)
 [ -f /usr/include/openssl/sha.h ] || missing+=(libssl-dev)
+# Mooncake's binaries load these even over TCP.
+for lib in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
+  ldconfig -p 2>/dev/null | grep -q "${lib%%:*}" || missing+=("${lib##*:}")
+done
 # podman's CNI backend resolves service names on a compose network only with this plugin.
 [ -x /usr/lib/cni/dnsname ] || missing+=(golang-github-containernetworking-plugin-dnsname)
 [ ${#missing[@]} -eq 0 ] && exit 0

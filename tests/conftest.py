@@ -323,3 +323,74 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+# -- Mooncake Store -----------------------------------------------------------------------
+class MooncakeMaster:
+    """A real ``mooncake_master`` (with its built-in HTTP metadata server) on free loopback
+    ports, logging into its own temp dir.  ``daemon_config()`` is what a daemon needs to
+    use it as its remote tier (a 64 MiB segment of its own)."""
+
+    def __init__(self, workdir: Path):
+        binary = Path(sys.executable).with_name("mooncake_master")
+        found = str(binary) if binary.exists() else shutil.which("mooncake_master")
+        if found is None:  # fail loudly: the test extras install it (pyproject.toml)
+            raise RuntimeError(
+                "mooncake_master is not installed; the Mooncake tests need mooncake-transfer-engine-non-cuda"
+            )
+        self.binary = found
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.metadata_port = free_port()
+        self.metrics_port = free_port()
+        self.url = f"mooncake://127.0.0.1:{self.port}"
+        self.metadata_server = f"http://127.0.0.1:{self.metadata_port}/metadata"
+        self.log_path = workdir / "master.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> MooncakeMaster:
+        args = [self.binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.metadata_port}", f"--metrics_port={self.metrics_port}"]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                for port in (self.port, self.metadata_port):
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                        pass
+                return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"mooncake_master exited at start:\n{self.log()}") from None
+                time.sleep(0.05)
+        raise RuntimeError(f"mooncake_master did not start:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def daemon_config(self, **overrides: Any) -> dict[str, Any]:
+        return {
+            "remote_url": self.url,
+            "mooncake_metadata_server": self.metadata_server,
+            "mooncake_local_hostname": "127.0.0.1",
+            "mooncake_segment_size": "64MiB",
+            "mooncake_buffer_size": "32MiB",
+            **overrides,
+        }
+
+
+@pytest.fixture
+def mooncake_master(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    master = MooncakeMaster(tmp_path / "mooncake").start()
+    try:
+        yield master
+    finally:
+        master.stop()

@@ -126,7 +126,7 @@ def test_local_disk_refusals_say_what_to_write(value: str, fragment: str) -> Non
     [
         ("lm://localhost:65432", "point the engines at this daemon"),
         ("infinistore://127.0.0.1:12345?device=mlx5_0", "engine-side connector"),
-        ("mooncakestore://127.0.0.1:50051", "engine-side connector"),
+        ("infinistore://10.0.0.1:12345", "engine-side connector"),
         ("blackhole://", "engine-side connector"),
         ("redis-sentinel://s1:26379,s2:26379/mymaster", "Sentinel is not supported"),
         ("valkey://cache:6379", "speaks the Redis protocol"),

@@ -78,7 +78,7 @@ class Announced(Protocol):
 
 
 class Redis(Protocol):
-    """What the audit needs of the Redis tier (:class:`..storage.remote.RedisTier` is one)."""
+    """What the audit needs of the Redis tier (:class:`..storage.remote.RemoteTier` is one)."""
 
     @property
     def up(self) -> bool: ...

@@ -14,7 +14,7 @@ locality"), against the real daemon, a real redis-server and real ZeroMQ sockets
 - with ``events_encoding: array`` (no locality field) or ``events_remote: false``:
   a removal, as without Redis;
 - bad config values are refused with the key, the value and what was expected;
-- the memory of what Redis holds on its own (a real RedisTier and redis-server): the
+- the memory of what Redis holds on its own (a real RemoteTier and redis-server): the
   audit asks only about chunks announced REMOTE, at most ``AUDIT_BATCH`` keys a round
   trip, and withdraws each gone one once; TTLs and the bound forget, oldest first.
 """
@@ -40,7 +40,7 @@ from lmcache_client.protocol import PutStatus
 from lmcache_server.config import ConfigError, load_config
 from lmcache_server.events.remote import AUDIT_BATCH, REMOTE, RemoteHeld
 from lmcache_server.storage.base import ChunkKey
-from lmcache_server.storage.remote import RedisTier
+from lmcache_server.storage.remote import RemoteTier
 
 from ..conftest import Daemon, RedisServer, free_port, wait_for
 from ..integrations.vllm.vllm_harness.fixtures import vllm_python  # noqa: F401 - a fixture
@@ -346,7 +346,7 @@ def test_remote_event_settings_defaults() -> None:
     )
 
 
-# -- the memory of what Redis holds, on its own (a real redis-server, a real RedisTier) ----------
+# -- the memory of what Redis holds, on its own (a real redis-server, a real RemoteTier) ----------
 class Announcements:
     """The announcer's side of forgetting: every key announced REMOTE, and the removals."""
 
@@ -365,7 +365,7 @@ class Announcements:
 class CountedTier:
     """The Redis tier, with the size of each EXISTS round trip the audit asks recorded."""
 
-    def __init__(self, tier: RedisTier):
+    def __init__(self, tier: RemoteTier):
         self.tier = tier
         self.round_trips: list[int] = []
 
@@ -382,12 +382,12 @@ def test_the_audit_asks_in_bounded_round_trips_and_ttls_and_the_bound_forget(
     redis_server: RedisServer, r: redis.Redis
 ) -> None:
     async def main() -> None:
-        tier = RedisTier(redis_server.url)
+        tier = RemoteTier.redis(redis_server.url)
         await tier.open()
         try:
             keys = [ChunkKey(NS, os.urandom(32)) for _ in range(2500)]
             there = keys[::2]
-            r.mset({tier.redis_key(k): b"x" for k in there})
+            r.mset({tier.remote_key(k): b"x" for k in there})
             announced = Announcements(set(keys[:2400]))  # the last 100: known held, not announced REMOTE
             counted = CountedTier(tier)
             held = RemoteHeld(announced, counted, max_chunks=len(keys), ttl_s=0, audit_s=0.05)

@@ -27,7 +27,7 @@ from lmcache_server.storage import ChunkKey, MemoryPool, MemoryTier, TieredStore
 from lmcache_server.storage.disk import DiskTier
 from lmcache_server.storage.disk import tier as disk_module
 from lmcache_server.storage.disk.files import path_for, read_record
-from lmcache_server.storage.remote import RedisTier
+from lmcache_server.storage.remote import RemoteTier
 
 from ..conftest import Closer, RedisServer
 from ._slowlink import SlowLink
@@ -218,9 +218,9 @@ def command_calls(port: int) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
 
-async def redis_holding(url: str, data: list[bytes], links: TierLinks | None = None) -> tuple[RedisTier, list[bytes]]:
+async def redis_holding(url: str, data: list[bytes], links: TierLinks | None = None) -> tuple[RemoteTier, list[bytes]]:
     """An open Redis tier whose server holds ``data`` (written through the tier's own writer)."""
-    remote = RedisTier(url, links=links)
+    remote = RemoteTier.redis(url, links=links)
     await remote.open()
     digests = [os.urandom(32) for _ in data]
     for digest, payload in zip(digests, data):
@@ -353,11 +353,11 @@ def test_damaged_redis_values_in_a_batch_are_misses(
         links = TierLinks()
         remote, digests = await redis_holding(redis_server.url, data, links=links)
         r = redis.Redis(port=redis_server.port)
-        damaged = remote.redis_key(ChunkKey(NS, digests[2]))
+        damaged = remote.remote_key(ChunkKey(NS, digests[2]))
         value = bytearray(bytes(r.get(damaged)))  # type: ignore[arg-type]
         value[-1] ^= 0xFF
         r.set(damaged, bytes(value))
-        r.set(remote.redis_key(ChunkKey(NS, digests[3])), b"not a record")
+        r.set(remote.remote_key(ChunkKey(NS, digests[3])), b"not a record")
         memory = memory_tier(links=links)
         store = closed_at_end(TieredStore(memory, None, remote, links=links))
         chunks = await store.get_many(NS, digests)
@@ -379,7 +379,7 @@ def test_a_redis_key_of_another_type_is_a_miss_left_alone(
         links = TierLinks()
         remote, digests = await redis_holding(redis_server.url, data, links=links)
         r = redis.Redis(port=redis_server.port)
-        listed = remote.redis_key(ChunkKey(NS, digests[1]))
+        listed = remote.remote_key(ChunkKey(NS, digests[1]))
         r.delete(listed)
         r.rpush(listed, b"somebody else's list")  # GET answers WRONGTYPE
         memory = memory_tier(links=links)
@@ -406,7 +406,7 @@ def test_a_batch_of_big_values_on_a_slow_link_is_not_an_outage(redis_server: Red
         data = [os.urandom(512 * 1024) for _ in range(8)]
         writer, digests = await redis_holding(redis_server.url, data)
         await writer.close()
-        remote = RedisTier(f"redis://127.0.0.1:{link.port}", timeout_s=0.5)
+        remote = RemoteTier.redis(f"redis://127.0.0.1:{link.port}", timeout_s=0.5)
         try:  # closed before the link (a fixture's teardown would come after it)
             await remote.open()
             assert remote.up
@@ -432,7 +432,7 @@ def test_writes_over_a_slow_link_shrink_their_pipelines_instead_of_going_down(re
     link = SlowLink(redis_server.port, up_rate=8 * MiB)
 
     async def scenario() -> None:
-        remote = RedisTier(f"redis://127.0.0.1:{link.port}", timeout_s=0.5)
+        remote = RemoteTier.redis(f"redis://127.0.0.1:{link.port}", timeout_s=0.5)
         data = [os.urandom(MiB) for _ in range(16)]
         keys = [ChunkKey(NS, os.urandom(32)) for _ in data]
         try:  # closed before the link (a fixture's teardown would come after it)
@@ -444,7 +444,7 @@ def test_writes_over_a_slow_link_shrink_their_pipelines_instead_of_going_down(re
             assert remote.batch_bytes < 8 * MiB  # sized to the link
         finally:
             await remote.close()
-        direct = RedisTier(redis_server.url)
+        direct = RemoteTier.redis(redis_server.url)
         try:
             await direct.open()
             chunks = await direct.get_many(keys)

@@ -25,7 +25,7 @@ from lmcache_server.storage.disk import DiskTier
 from lmcache_server.storage.policy import LRUPolicy
 from lmcache_server.storage.policy.history import key_hash
 from lmcache_server.storage.policy.sketch import MAX_COUNT, FrequencySketch
-from lmcache_server.storage.remote import RedisTier
+from lmcache_server.storage.remote import RemoteTier
 from lmcache_server.storage.tiered.gate import (
     MODES,
     Accesses,
@@ -47,7 +47,7 @@ async def tiers(tmp_path: Path, url: str, admission: StoreGate | None) -> Tiered
     memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy(), links=links)
     disk = DiskTier(tmp_path / "spill", 64 * MiB, policy=LRUPolicy(), links=links)
     await disk.open()
-    remote = RedisTier(url, links=links)
+    remote = RemoteTier.redis(url, links=links)
     await remote.open()
     return TieredStore(memory, disk, remote, gate=admission, links=links)
 
@@ -76,7 +76,7 @@ async def written(store: TieredStore, digests: list[bytes]) -> tuple[set[bytes],
     assert store.disk is not None and store.remote is not None
     r = redis.Redis(port=int(store.remote.url.rsplit(":", 1)[1]))
     try:
-        in_redis = {d for d in digests if r.exists(store.remote.redis_key(ChunkKey(NS, d)))}
+        in_redis = {d for d in digests if r.exists(store.remote.remote_key(ChunkKey(NS, d)))}
     finally:
         r.close()
     on_disk = {d for d in digests if store.disk.peek(ChunkKey(NS, d))}
@@ -346,13 +346,13 @@ def test_with_a_redis_ttl_a_reused_chunk_goes_to_redis_again_after_it_expired(
     async def scenario() -> None:
         links = TierLinks()
         memory = MemoryTier(MemoryPool(POOL_CHUNKS * MiB, "off"), max_pinned_bytes=0, policy=LRUPolicy(), links=links)
-        remote = RedisTier(redis_server.url, ttl_s=1.0, links=links)
+        remote = RemoteTier.redis(redis_server.url, ttl_s=1.0, links=links)
         await remote.open()
         gate = StoreGate("always", "reused", remote_ttl_s=1.0)
         store = closed_at_end(TieredStore(memory, None, remote, gate=gate, links=links))
         digests, data = chunks(1)
         r = redis.Redis(port=int(redis_server.url.rsplit(":", 1)[1]))
-        key = remote.redis_key(ChunkKey(NS, digests[0]))
+        key = remote.remote_key(ChunkKey(NS, digests[0]))
         try:
             await put(store, digests, data)
             assert await read(store, digests) == data  # reused: queued for Redis

@@ -1,17 +1,23 @@
-"""The Redis tier: a write-behind uplink shared by every node of a deployment.
+"""The remote tier: a store shared by every node (Redis, or Mooncake Store), written
+behind and read through.
 
-- ``tier``: :class:`RedisTier`, its lifecycle, reads and removals;
-- ``writer``: the write-behind (the records built off the loop, the pipelines);
-- ``carryover``: what a clean stop owed Redis, taken over by the next start;
+- ``tier``: :class:`RemoteTier`, its lifecycle, reads and removals;
+- ``links``: what the tier needs of its store (:class:`.links.RemoteLink`);
 - ``link``: the connection to Redis or a Redis Cluster, retries, counters;
-- ``queue``: the bounded queue of writes owed to Redis;
-- ``pending``: removals and writes owed to Redis, saved across a clean stop
+- ``mooncake``: the connection to a Mooncake Store cluster (:class:`MooncakeSettings`);
+- ``writer``: the write-behind (the records built off the loop, the batches);
+- ``carryover``: what a clean stop owed the store, taken over by the next start;
+- ``queue``: the bounded queue of writes owed to the store;
+- ``pending``: removals and writes owed to the store, saved across a clean stop
   (in the file :func:`state_path_for` names).
 
 It imports the storage leaves only, never the memory or disk tier.
 Code outside this room imports the names below from ``storage.remote``.
 """
 
-from .tier import RedisTier, state_path_for
+from .link import redis_link
+from .links import LinkFactory
+from .mooncake import MooncakeSettings, mooncake_link
+from .tier import RemoteTier, state_path_for
 
-__all__ = ["RedisTier", "state_path_for"]
+__all__ = ["LinkFactory", "MooncakeSettings", "RemoteTier", "mooncake_link", "redis_link", "state_path_for"]

@@ -1,13 +1,13 @@
-"""What the Redis tier owed Redis at a clean stop, carried to the next start
-(:class:`RedisCarryover`, a part :class:`.tier.RedisTier` builds and holds).
+"""What the remote tier owed its store (Redis or Mooncake) at a clean stop, carried to the next start
+(:class:`RemoteCarryover`, a part :class:`.tier.RemoteTier` builds and holds).
 
 The tier's ``open`` calls ``load``: it takes over the removals and writes the
 last stop left in ``state_path`` (:mod:`.pending`): the removals are queued to
-be sent before anything else, the writes wait for :meth:`RedisCarryover.requeue`
+be sent before anything else, the writes wait for :meth:`RemoteCarryover.requeue`
 (after a warm restart adopted the chunks).  The tier's ``close`` calls ``save``:
 it saves what is still owed.
 
-Primitives: :class:`RedisCarryover` (``load``, ``requeue``, ``save``).
+Primitives: :class:`RemoteCarryover` (``load``, ``requeue``, ``save``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ...config import redact
 from ..base import ChunkKey
-from .link import RedisLink
+from .links import RemoteLink
 from .pending import Pending
 from .pending import load as load_pending
 from .pending import save as save_pending
@@ -27,11 +27,11 @@ from .queue import WriteQueue
 logger = logging.getLogger("lmcache_server.storage.remote.tier")  # the tier's log lines keep their logger name
 
 
-class RedisCarryover:
-    """The pending state of :class:`.tier.RedisTier` across a clean stop: what
+class RemoteCarryover:
+    """The pending state of :class:`.tier.RemoteTier` across a clean stop: what
     ``queue`` owes Redis (on ``link``), kept in ``state_path`` (None: not kept)."""
 
-    def __init__(self, link: RedisLink, queue: WriteQueue, state_path: Path | None):
+    def __init__(self, link: RemoteLink, queue: WriteQueue, state_path: Path | None):
         self._link = link
         self.queue = queue
         self.state_path = state_path
@@ -51,8 +51,8 @@ class RedisCarryover:
         for key in pending.deletes:
             self.queue.remember_delete(key)
         self.unwritten = pending.writes
-        logger.info("Redis uplink: the last stop left %d clears, %d deletes and %d writes pending; removals are"
-                    " sent first", len(pending.clears), len(pending.deletes), len(pending.writes))  # fmt: skip
+        logger.info("%s: the last stop left %d clears, %d deletes and %d writes pending; removals are sent first",
+                    self._link.label, len(pending.clears), len(pending.deletes), len(pending.writes))  # fmt: skip
 
     def requeue(self, enqueue: Callable[[ChunkKey], bool]) -> None:
         """Queue again the writes the last stop left pending, through ``enqueue``
@@ -64,8 +64,8 @@ class RedisCarryover:
         self._link.counters.dropped_writes += len(keys) - queued
         logger.log(
             logging.WARNING if queued < len(keys) else logging.INFO,
-            "Redis uplink: re-queued %d writes pending at the last stop; %d dropped (no longer held here)",
-            queued, len(keys) - queued,
+            "%s: re-queued %d writes pending at the last stop; %d dropped (no longer held here)",
+            self._link.label, queued, len(keys) - queued,
         )  # fmt: skip
 
     def save(self) -> None:
@@ -77,10 +77,10 @@ class RedisCarryover:
         try:
             save_pending(self.state_path, pending)
         except OSError as err:
-            logger.warning("Redis uplink: cannot save what is pending to %s (%s): %d clears, %d deletes"
-                           " and %d writes are lost", self.state_path, err, len(clears), len(deletes),
+            logger.warning("%s: cannot save what is pending to %s (%s): %d clears, %d deletes"
+                           " and %d writes are lost", self._link.label, self.state_path, err, len(clears), len(deletes),
                            len(writes))  # fmt: skip
             return
         if pending:
-            logger.warning("Redis uplink: %d clears, %d deletes and %d writes still pending; saved to %s for the"
-                           " next start", len(clears), len(deletes), len(writes), self.state_path)  # fmt: skip
+            logger.warning("%s: %d clears, %d deletes and %d writes still pending; saved to %s for the next start",
+                           self._link.label, len(clears), len(deletes), len(writes), self.state_path)  # fmt: skip

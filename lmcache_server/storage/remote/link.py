@@ -1,8 +1,8 @@
 """The connection side of the Redis uplink (:mod:`.remote`): one redis-py client
 (a single server, TLS, a unix socket, or a Redis Cluster), the daemon's key
 names, the up/down state with its background reconnect, and the raw removal
-commands.  :class:`.tier.RedisTier` holds one and hands it to its writer
-(:class:`.writer.RedisWriter`) and its carryover (:class:`.carryover.RedisCarryover`).
+commands.  :class:`.tier.RemoteTier` holds one and hands it to its writer
+(:class:`.writer.RemoteWriter`) and its carryover (:class:`.carryover.RemoteCarryover`).
 
 - Any Redis error a request or the writer meets marks the link down (logged
   once) and drops every pooled connection (they lead to the old server); a
@@ -10,12 +10,18 @@ commands.  :class:`.tier.RedisTier` holds one and hands it to its writer
   limit) brings it back and counts a reconnect.
 - Each command also retries on a fresh connection (redis-py's ``Retry``,
   COMMAND_RETRIES times) before it counts as a failure.
+
+It is one of the two links :class:`.tier.RemoteTier` runs on (the other is
+:class:`.mooncake.MooncakeLink`); both have the primitives the tier and its
+writer use: ``connect``, ``failed``, ``mark_down``, ``remote_key``, ``exists``,
+``sizes``, ``read``, ``write``, ``drop``, ``remove``, ``clear``, ``aclose``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import urllib.parse
@@ -27,6 +33,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...config import redact
 from ...supervisor import Supervisor
@@ -38,6 +45,8 @@ ERRORS = (RedisError, OSError, TimeoutError, asyncio.TimeoutError)
 """What a Redis or network failure raises."""
 COMMAND_RETRIES = 2
 """Retries of one command on a fresh connection (redis-py's Retry) before it counts as a failure."""
+TIMEOUTS = (TimeoutError, asyncio.TimeoutError, RedisTimeoutError)
+"""What a request that ran out of time raises (one of ERRORS)."""
 
 
 @dataclasses.dataclass
@@ -55,9 +64,17 @@ class RemoteCounters:
 class RedisLink:
     """A redis-py client with the daemon's key names and an up/down state.
 
+    ``errors`` are what an outage raises, ``timeouts`` the ones of them that a
+    request too big for the link in time raises too (the writer halves its batches).
+
     ``up`` is False from a failure until the background probe reaches Redis
     again; ``wake`` is set whenever the state changes (the tier's writer waits
     on it); ``on_down`` is called after each failure that marks it down."""
+
+    name = "redis"
+    label = "Redis uplink"  # how log lines name the tier
+    errors: tuple[type[BaseException], ...] = ERRORS
+    timeouts: tuple[type[BaseException], ...] = TIMEOUTS
 
     def __init__(
         self,
@@ -65,10 +82,10 @@ class RedisLink:
         *,
         key_prefix: str,
         timeout_s: float,
-        username: str | None,
-        password: str | None,
-        max_backoff_s: float,
-        supervisor: Supervisor | None,
+        username: str | None = None,
+        password: str | None = None,
+        max_backoff_s: float = 2.0,
+        supervisor: Supervisor | None = None,
         on_down: Callable[[], None] | None = None,
     ):
         self.url = url
@@ -101,7 +118,7 @@ class RedisLink:
             return RedisCluster.from_url(plain, **kwargs)
         return aioredis.Redis.from_url(url, **kwargs)
 
-    def redis_key(self, key: ChunkKey) -> bytes:
+    def remote_key(self, key: ChunkKey) -> bytes:
         ns_tag = hashlib.sha256(key.namespace.encode()).hexdigest()[:16]
         return f"{self.key_prefix}{ns_tag}:{key.digest.hex()}".encode()
 
@@ -167,13 +184,62 @@ class RedisLink:
         logger.info("Redis uplink %s restored", redact(self.url))
         self.wake.set()
 
-    async def delete_in_redis(self, keys: Sequence[ChunkKey]) -> int:
-        rkeys = [self.redis_key(k) for k in keys]
+    # -- the requests the tier and its writer send -------------------------------------
+    async def exists(self, rkeys: Sequence[bytes]) -> list[Any]:
+        """EXISTS of each key, in one round trip (what Redis answered: validated by the tier)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for rkey in rkeys:
+                pipe.exists(rkey)
+            return list(await asyncio.wait_for(pipe.execute(), self.timeout_s))
+
+    async def sizes(self, rkeys: Sequence[bytes]) -> list[Any]:
+        """STRLEN of each key in one round trip; an error Redis answers for a key comes back as it."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for rkey in rkeys:
+                pipe.strlen(rkey)
+            return list(await asyncio.wait_for(pipe.execute(raise_on_error=False), self.timeout_s))
+
+    async def read(self, rkeys: Sequence[bytes]) -> list[Any]:
+        """GET of each key in one round trip: the value, None (not stored), or the
+        error Redis answered for that key.  Bounded by ``timeout_s`` per key."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for rkey in rkeys:
+                pipe.get(rkey)
+            return list(await asyncio.wait_for(pipe.execute(raise_on_error=False), self.timeout_s * len(rkeys)))
+
+    async def write(self, records: Sequence[tuple[ChunkKey, memoryview]], ttl_ms: int | None) -> list[bool]:
+        """SET each record in one round trip; every one was stored (True) or this raises."""
+        # A memoryview goes out as its own chunk (redis-py's asyncio packer), uncopied.
+        if len(records) == 1:
+            key, record = records[0]
+            await self.client.set(self.remote_key(key), record, px=ttl_ms)
+        else:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key, record in records:
+                    pipe.set(self.remote_key(key), record, px=ttl_ms)
+                await pipe.execute()
+        return [True] * len(records)
+
+    async def drop(self, rkey: bytes) -> None:
+        """Delete one damaged value (best effort)."""
+        try:
+            await asyncio.wait_for(self.client.delete(rkey), self.timeout_s)
+        except ERRORS:
+            pass
+
+    async def aclose(self) -> None:
+        try:
+            await self.client.aclose()
+        except ERRORS:
+            pass
+
+    async def remove(self, keys: Sequence[ChunkKey]) -> int:
+        rkeys = [self.remote_key(k) for k in keys]
         if self._cluster:
             return await asyncio.wait_for(self._unlink(rkeys), self.timeout_s)
         return int(await asyncio.wait_for(self.client.delete(*rkeys), self.timeout_s))
 
-    async def clear_in_redis(self, namespace: str | None) -> int:
+    async def clear(self, namespace: str | None) -> int:
         pattern = self.key_prefix + (
             hashlib.sha256(namespace.encode()).hexdigest()[:16] + ":*" if namespace is not None else "*"
         )
@@ -198,3 +264,39 @@ class RedisLink:
             for k in keys:
                 pipe.delete(k)
             return sum(await pipe.execute())
+
+
+def redis_link(
+    url: str,
+    *,
+    key_prefix: str,
+    timeout_s: float,
+    username: str | None = None,
+    password: str | None = None,
+    max_backoff_s: float = 2.0,
+    supervisor: Supervisor | None = None,
+) -> Callable[[Callable[[], None]], RedisLink]:
+    """What makes the link of a :class:`.tier.RemoteTier` on Redis (given its ``on_down``)."""
+    return functools.partial(_redis_link, url, key_prefix, timeout_s, username, password, max_backoff_s, supervisor)
+
+
+def _redis_link(
+    url: str,
+    key_prefix: str,
+    timeout_s: float,
+    username: str | None,
+    password: str | None,
+    max_backoff_s: float,
+    supervisor: Supervisor | None,
+    on_down: Callable[[], None],
+) -> RedisLink:
+    return RedisLink(
+        url,
+        key_prefix=key_prefix,
+        timeout_s=timeout_s,
+        username=username,
+        password=password,
+        max_backoff_s=max_backoff_s,
+        supervisor=supervisor,
+        on_down=on_down,
+    )

@@ -1,53 +1,52 @@
-"""The Redis uplink: a tier shared by every node, written behind, read through.
+"""The remote tier: a store shared by every node, written behind, read through.
+It runs on one of two links (:mod:`.links`): Redis (the default) or Mooncake Store.
 
-- URLs: ``redis://``, ``rediss://`` (TLS), ``unix:///path.sock`` for one
+- Redis URLs: ``redis://``, ``rediss://`` (TLS), ``unix:///path.sock`` for one
   server; ``redis+cluster://`` / ``rediss+cluster://`` for Redis Cluster (any
   node's address; the rest are discovered).  User and password come from the
   URL or from ``remote_username`` / ``remote_password`` (e.g. the env var
-  ``LMCACHE_REMOTE_PASSWORD``), never logged.
+  ``LMCACHE_REMOTE_PASSWORD``), never logged.  Mooncake: ``mooncake://MASTER:PORT``
+  and the ``mooncake_*`` keys (:mod:`.mooncake`).
 - Keys: ``<prefix><16 hex of SHA-256(namespace)>:<64 hex key>``; values are
   :mod:`.chunkfile` records (header with namespace, key, length, CRC32C, then
   the payload), so a damaged or foreign value is a miss, never wrong bytes.
-  Optional TTL (``remote_ttl_s``).
+  Optional TTL (``remote_ttl_s``, Redis only).
 - Writes: every chunk stored in memory is queued (:mod:`.queue`,
   bounded by bytes; full -> drop and count), its record (checksum and copy)
   built off the event loop (:mod:`.offload`), and written by a background
-  task in pipelines sized to what the link sends within half of
-  ``remote_timeout_s``; a request never waits.  A write leaves the queue only once Redis
-  acknowledged it: one that failed is written again when Redis is back, and
+  task in batches sized to what the link sends within half of
+  ``remote_timeout_s``; a request never waits.  A write leaves the queue only once the
+  store acknowledged it: one that failed is written again when the store is back, and
   writes queued while it is down wait (up to the bound) instead of being dropped.
 - Removals: delete and clear take the chunks out of the queue too (a queued
-  write must not re-create them), and what Redis could not be told (it was
+  write must not re-create them), and what the store could not be told (it was
   down, or a write may still land) is sent before any later write.
 - Reads: only on a memory and disk miss; the misses of one batch are one
   round trip (a pipeline of GETs; on a cluster split per node by redis-py),
   each reply bounded by ``remote_timeout_s``; records are verified off the loop.
 - KV events: ``listener`` (:class:`..base.RemoteListener`, heard on the tier's
-  :class:`..base.TierLinks`) is told what Redis
+  :class:`..base.TierLinks`) is told what the store
   acknowledged (the writer), what reads and EXISTS found or missed, deletes,
   clears and outages, so that a chunk that leaves the local tiers can be
-  announced as held in Redis (docs/events.md, "Media and locality").
+  announced as held remotely (docs/events.md, "Media and locality").
 - Restarts: with ``state_path`` (in the private state directory,
   :mod:`..statefiles`), a clean stop saves the removals and the keys
-  of the writes Redis was not yet told about (:mod:`.pending`); the next
+  of the writes the store was not yet told about (:mod:`.pending`); the next
   start sends the removals before anything else (reads of the keys they cover
   are misses meanwhile) and re-queues the writes of chunks it still holds
   (:meth:`requeue`, after a warm restart), logging what is dropped.
-- Failure: any Redis error marks the uplink down (logged once, ``up`` metric
-  0) and drops every pooled connection (they lead to the old server); while
-  down, reads are misses.  Not an outage: a write pipeline of several writes
-  that timed out (the next ones are smaller), an error Redis answers for one
-  key of a read (a miss).  A background probe (redis-py's ``Retry`` with
-  exponential backoff and jitter) brings it back; each command also retries
-  on a fresh connection (redis-py's ``Retry``) before it counts as a failure.
-  The writer and the probe are supervised (:mod:`..supervisor`).
+- Failure: any error of the store marks the link down (logged once, ``up`` metric
+  0); while down, reads are misses.  Not an outage: a write batch of several writes
+  that timed out (the next ones are smaller), an error the store answers for one
+  key of a read (a miss).  A background probe with exponential backoff and jitter
+  brings it back.  The writer and the probe are supervised (:mod:`..supervisor`).
 
-:class:`RedisTier` is a front that builds and holds its parts: the client, the
-key names, the up/down state and its reconnect (``link``, :class:`.link.RedisLink`,
-which calls the tier back when it goes down); the write queue (``queue``,
-:class:`.queue.WriteQueue`); the writes (``writer``, :class:`.writer.RedisWriter`,
-on the link and the queue); what a stop owed Redis, carried to the next start
-(``carryover``, :class:`.carryover.RedisCarryover`, on the link and the queue).
+:class:`RemoteTier` is a front that holds its parts: the link (``link``, a
+:class:`.links.RemoteLink`: the client, the key names, the up/down state and its
+reconnect, which calls the tier back when it goes down); the write queue (``queue``,
+:class:`.queue.WriteQueue`); the writes (``writer``, :class:`.writer.RemoteWriter`,
+on the link and the queue); what a stop owed the store, carried to the next start
+(``carryover``, :class:`.carryover.RemoteCarryover`, on the link and the queue).
 The tier itself holds the lifecycle, the reads and the removals.
 
 Primitives: ``open``, ``get``, ``get_many``, ``enqueue``, ``requeue``, ``exists_many``, ``value_sizes``, ``deleting``,
@@ -72,48 +71,74 @@ from ..base import Chunk, ChunkKey, RemoteListener, TierLinks
 from ..chunkfile import CorruptRecord, decode_record
 from ..offload import Offload
 from ..statefiles import StateDir
-from .carryover import RedisCarryover
+from .carryover import RemoteCarryover
 from .link import COMMAND_RETRIES as COMMAND_RETRIES  # re-exported
-from .link import ERRORS, RedisLink
 from .link import RemoteCounters as RemoteCounters  # re-exported
+from .link import redis_link
+from .links import LinkFactory
 from .queue import WriteQueue
 from .writer import BATCH_WRITES as BATCH_WRITES  # re-exported
 from .writer import POISON_FAILURES as POISON_FAILURES  # re-exported
-from .writer import RedisWriter
+from .writer import RemoteWriter
 
 logger = logging.getLogger(__name__)
 
 
 def state_path_for(state: StateDir | None) -> Path | None:
-    """Where a daemon keeps what it owed Redis at a clean stop: in its private state
-    directory (:mod:`..statefiles`; never in the world-writable ``shm_dir``, where
-    another user could plant a file that clears the shared Redis); None: not kept."""
+    """Where a daemon keeps what it owed the remote store at a clean stop: in its private
+    state directory (:mod:`..statefiles`; never in the world-writable ``shm_dir``, where
+    another user could plant a file that clears the shared store); None: not kept."""
     return None if state is None else state.file("redis-pending", ".json")
 
 
-class RedisTier:
-    """The Redis uplink's front: builds and holds its parts (the link, the write
-    queue, the writer, the carryover) and does the reads and the removals itself."""
-
-    name = "redis"
+class RemoteTier:
+    """The remote tier's front: builds its link (Redis or Mooncake: ``link`` makes it,
+    given what to call when it goes down) and its parts (the write queue, the writer,
+    the carryover); does the reads and the removals itself.  :meth:`redis` builds
+    one on a Redis link."""
 
     def __init__(
         self,
-        url: str,
+        link: LinkFactory,
         *,
-        key_prefix: str = "lmcache:",
         ttl_s: float = 0.0,
-        timeout_s: float = 2.0,
         max_queue_bytes: int = 256 << 20,
-        username: str | None = None,
-        password: str | None = None,
-        max_backoff_s: float = 2.0,
         offload: Offload | None = None,
-        supervisor: Supervisor | None = None,
         state_path: Path | None = None,
         links: TierLinks | None = None,
     ):
-        self.link = RedisLink(
+        self.link = link(self._down)
+        self.name = self.link.name
+        self.ttl_ms = int(ttl_s * 1000) or None
+        self.max_queue_bytes = max_queue_bytes
+        self._offload = offload if offload is not None else Offload(1, f"lmcache-{self.name}")
+        self._own_offload = offload is None
+        self.queue = WriteQueue(max_queue_bytes)
+        self.links = links if links is not None else TierLinks()  # token ids for records (KV events)
+        self._stopped = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self.writer = RemoteWriter(self.link, self.queue, self._offload, self.links, self._listener, ttl_ms=self.ttl_ms)
+        self.carryover = RemoteCarryover(self.link, self.queue, state_path)
+
+    @classmethod
+    def redis(
+        cls,
+        url: str,
+        *,
+        key_prefix: str = "lmcache:",
+        timeout_s: float = 2.0,
+        username: str | None = None,
+        password: str | None = None,
+        max_backoff_s: float = 2.0,
+        supervisor: Supervisor | None = None,
+        ttl_s: float = 0.0,
+        max_queue_bytes: int = 256 << 20,
+        offload: Offload | None = None,
+        state_path: Path | None = None,
+        links: TierLinks | None = None,
+    ) -> RemoteTier:
+        """The tier on a Redis link."""
+        link = redis_link(
             url,
             key_prefix=key_prefix,
             timeout_s=timeout_s,
@@ -121,18 +146,10 @@ class RedisTier:
             password=password,
             max_backoff_s=max_backoff_s,
             supervisor=supervisor,
-            on_down=self._down,
         )
-        self.ttl_ms = int(ttl_s * 1000) or None
-        self.max_queue_bytes = max_queue_bytes
-        self._offload = offload if offload is not None else Offload(1, "lmcache-redis")
-        self._own_offload = offload is None
-        self.queue = WriteQueue(max_queue_bytes)
-        self.links = links if links is not None else TierLinks()  # token ids for records (KV events)
-        self._stopped = False
-        self._tasks: list[asyncio.Task[None]] = []
-        self.writer = RedisWriter(self.link, self.queue, self._offload, self.links, self._listener, ttl_ms=self.ttl_ms)
-        self.carryover = RedisCarryover(self.link, self.queue, state_path)
+        return cls(
+            link, ttl_s=ttl_s, max_queue_bytes=max_queue_bytes, offload=offload, state_path=state_path, links=links
+        )
 
     # -- the link's state, read by the store, the metrics and the tests --------------
     @property
@@ -155,8 +172,8 @@ class RedisTier:
     def batch_bytes(self) -> int:
         return self.writer.batch_bytes
 
-    def redis_key(self, key: ChunkKey) -> bytes:
-        return self.link.redis_key(key)
+    def remote_key(self, key: ChunkKey) -> Any:
+        return self.link.remote_key(key)
 
     # -- writes (:mod:`.writer`) and what a stop owed (:mod:`.carryover`) --------------
     def accepts(self, size: int) -> bool:
@@ -177,7 +194,7 @@ class RedisTier:
         last stop left pending (``state_path``) and start the writer."""
         self.carryover.load()
         await self.link.connect()
-        self._tasks.append(self.link.supervisor.spawn("redis_writer", self.writer.write_loop))
+        self._tasks.append(self.link.supervisor.spawn(f"{self.name}_writer", self.writer.write_loop))
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until queued writes and removals reached Redis (True) or the timeout passes."""
@@ -198,10 +215,7 @@ class RedisTier:
         self.carryover.save()  # after the writer put back what it had taken
         if self._own_offload:
             self._offload.close()
-        try:
-            await self.link.client.aclose()
-        except ERRORS:
-            pass
+        await self.link.aclose()
 
     def _down(self) -> None:
         """The link went down (its ``on_down``): nothing in Redis can be served now."""
@@ -226,10 +240,7 @@ class RedisTier:
                 it = iter(found)
                 return [False if h else next(it) for h in hidden]
         try:
-            async with self.link.client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.exists(self.redis_key(key))
-                found = await asyncio.wait_for(pipe.execute(), self.link.timeout_s)
+            found = await self.link.exists([self.remote_key(k) for k in keys])
         except Exception as err:
             self.link.counters.read_errors += 1
             self.link.failed("exists", err)
@@ -237,7 +248,7 @@ class RedisTier:
         if not isinstance(found, list) or len(found) != len(keys) or not all(isinstance(n, int) for n in found):
             # A server that speaks RESP but not Redis: answer misses, count it.
             self.link.counters.read_errors += 1
-            logger.warning("Redis uplink: EXISTS answered %.80r; treated as misses", found)
+            logger.warning("%s: EXISTS answered %.80r; treated as misses", self.link.label, found)
             return [False] * len(keys)
         if self.listener is not None:
             self.listener.gone([k for k, n in zip(keys, found) if not n])
@@ -254,17 +265,14 @@ class RedisTier:
         if not asked:
             return [0] * len(keys)
         try:
-            async with self.link.client.pipeline(transaction=False) as pipe:
-                for key in asked:
-                    pipe.strlen(self.redis_key(key))
-                found = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.link.timeout_s)
+            found = await self.link.sizes([self.remote_key(k) for k in asked])
         except Exception as err:
             self.link.counters.read_errors += 1
             self.link.failed("strlen", err)
             return [0] * len(keys)
         if not isinstance(found, list) or len(found) != len(asked):
             self.link.counters.read_errors += 1
-            logger.warning("Redis uplink: STRLEN answered %.80r; treated as misses", found)
+            logger.warning("%s: STRLEN answered %.80r; treated as misses", self.link.label, found)
             return [0] * len(keys)
         # An error Redis answers for one key (a value of another type): a miss.
         sizes = iter(n if isinstance(n, int) and n > 0 else 0 for n in found)
@@ -301,12 +309,9 @@ class RedisTier:
             rest = [k for k, h in zip(keys, hidden) if not h]
             found = iter(await self.get_many(rest) if rest else [])
             return [None if h else next(found) for h in hidden]
-        rkeys = [self.redis_key(k) for k in keys]
+        rkeys = [self.remote_key(k) for k in keys]
         try:
-            async with self.link.client.pipeline(transaction=False) as pipe:
-                for rkey in rkeys:
-                    pipe.get(rkey)
-                values = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.link.timeout_s * len(keys))
+            values = await self.link.read(rkeys)
         except Exception as err:
             self.link.counters.read_errors += 1
             self.link.failed("get", err)
@@ -316,14 +321,15 @@ class RedisTier:
             # A server that speaks RESP but not Redis: answer misses, count it.
             self.link.counters.read_errors += 1
             self.link.counters.misses += len(keys)
-            logger.warning("Redis uplink: a pipeline of %d GETs answered %.80r; treated as misses", len(keys), values)
+            logger.warning("%s: a batch of %d GETs answered %.80r; treated as misses", self.link.label, len(keys),
+                           values)  # fmt: skip
             return [None] * len(keys)
         refused = [v for v in values if isinstance(v, Exception)]
         if refused:
             self.link.counters.read_errors += 1
             self.link.counters.misses += len(refused)
-            logger.warning("Redis uplink: %d of %d GETs answered an error (%s); treated as misses",
-                           len(refused), len(keys), refused[0])  # fmt: skip
+            logger.warning("%s: %d of %d GETs answered an error (%s); treated as misses",
+                           self.link.label, len(refused), len(keys), refused[0])  # fmt: skip
         chunks = list(await asyncio.gather(*(self._decoded(k, rk, v) for k, rk, v in zip(keys, rkeys, values))))
         if self.listener is not None:  # what Redis holds (a key it answered with an error: unknown)
             self.listener.found([k for k, c in zip(keys, chunks) if c is not None])
@@ -331,24 +337,21 @@ class RedisTier:
             self.listener.gone(missed)
         return chunks
 
-    async def _decoded(self, key: ChunkKey, rkey: bytes, value: Any) -> Chunk | None:
+    async def _decoded(self, key: ChunkKey, rkey: Any, value: Any) -> Chunk | None:
         """The chunk in ``value`` (None: a miss), verified; a damaged value is deleted.
         An error Redis answered for the key is a miss get_many counted already."""
         if isinstance(value, Exception):
             return None
-        if value is None:
+        if value is None or not len(value):
             self.link.counters.misses += 1
             return None
         try:
             payload, tokens = await self._offload.run(decode_record, value, key.namespace, key.digest)
         except CorruptRecord as err:
-            logger.warning("Redis value %r is damaged (%s); deleted, answered as a miss", rkey, err)
+            logger.warning("%s: value %r is damaged (%s); deleted, answered as a miss", self.link.label, rkey, err)
             self.link.counters.corrupt += 1
             self.link.counters.misses += 1
-            try:
-                await asyncio.wait_for(self.link.client.delete(rkey), self.link.timeout_s)
-            except ERRORS:
-                pass
+            await self.link.drop(rkey)
             return None
         self.link.counters.hits += 1
         chunk = Chunk(payload, self.name)
@@ -380,7 +383,7 @@ class RedisTier:
             self.link.wake.set()
             return queued
         try:
-            removed = await self.link.delete_in_redis([key])
+            removed = await self.link.remove([key])
         except Exception as err:
             self.queue.remember_delete(key)
             self.link.failed("delete", err)
@@ -398,7 +401,7 @@ class RedisTier:
             self.link.wake.set()
             return queued
         try:
-            return max(await self.link.clear_in_redis(namespace), queued)
+            return max(await self.link.clear(namespace), queued)
         except Exception as err:
             self.queue.remember_clear(namespace)
             self.link.failed("clear", err)
@@ -414,6 +417,7 @@ class RedisTier:
         return {
             "up": self.up,
             "url": redact(self.url),
+            "engine": self.name,
             "queued_writes": len(self.queue),
             "queued_bytes": self.queue.nbytes,
             "pending_removals": self.queue.pending_removals + self.writer.removing,

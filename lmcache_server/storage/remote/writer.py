@@ -1,5 +1,6 @@
-"""The Redis tier's writes (:class:`RedisWriter`, a part :class:`.tier.RedisTier`
-builds and holds): write-behind, pipelined, on the tier's :class:`.link.RedisLink`.
+"""The remote tier's writes (:class:`RemoteWriter`, a part :class:`.tier.RemoteTier`
+builds and holds): write-behind, batched, on the tier's link (:class:`.links.RemoteLink`:
+Redis or Mooncake).
 
 - ``enqueue`` queues a chunk (:class:`.queue.WriteQueue`, bounded by bytes;
   full -> dropped and counted) and builds its record (checksum and copy, with
@@ -8,12 +9,14 @@ builds and holds): write-behind, pipelined, on the tier's :class:`.link.RedisLin
 - One background task (``write_loop``) first sends the removals Redis is owed,
   then the queued writes in pipelines of at most ``BATCH_WRITES`` writes and
   ``batch_bytes`` bytes, sized to what the link sends within half of
-  ``timeout_s``.  A write leaves the queue only once Redis acknowledged it; a
-  Redis failure marks the link down and the writes wait for it; a pipeline
-  that timed out is halved, not an outage; a write that keeps failing with an
-  unexpected error is dropped after ``POISON_FAILURES`` tries.
+  ``timeout_s``.  A write leaves the queue only once the store acknowledged it; a
+  failure of the store marks the link down and the writes wait for it; a batch
+  that timed out is halved, not an outage; a write the store has no room for now
+  (Mooncake's pool is full until it evicts, or a segment is being remounted) waits
+  and is tried again; a write that keeps failing with an unexpected error or for
+  lack of room is dropped after ``POISON_FAILURES`` tries.
 
-Primitives: :class:`RedisWriter` (``accepts``, ``enqueue``, ``put``, ``write_loop``, ``idle``).
+Primitives: :class:`RemoteWriter` (``accepts``, ``enqueue``, ``put``, ``write_loop``, ``idle``).
 """
 
 from __future__ import annotations
@@ -24,35 +27,34 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from ..base import ChunkKey, RemoteListener, TierLinks
 from ..chunkfile import encode_record
 from ..offload import Offload
-from .link import ERRORS, RedisLink
+from .links import RemoteLink
 from .queue import Write, WriteQueue
 
 logger = logging.getLogger("lmcache_server.storage.remote.tier")  # the tier's log lines keep their logger name
 
 POISON_FAILURES = 3
-"""A queued write that fails this many times with an unexpected error is dropped (counted)."""
+"""A queued write that fails this many times with an unexpected error (or for lack of room) is dropped (counted)."""
 BATCH_WRITES, BATCH_BYTES = 64, 32 << 20
-"""At most this many writes (and, past the first, bytes) per pipelined round trip to Redis."""
-_TIMEOUTS = (TimeoutError, asyncio.TimeoutError, RedisTimeoutError)
+"""At most this many writes (and, past the first, bytes) per round trip to the store."""
+NO_ROOM_WAIT_S = 0.2
+"""How long the writer waits, per failure, after the store had no room for a write."""
 
 
-class RedisWriter:
-    """The writes of :class:`.tier.RedisTier`: queued in ``queue``, records built on
+class RemoteWriter:
+    """The writes of :class:`.tier.RemoteTier`: queued in ``queue``, records built on
     ``offload`` (with the token ids ``links`` gives, KV events), sent over ``link``;
-    ``listener`` gives who is told what Redis acknowledged (None: nobody, e.g. once
+    ``listener`` gives who is told what the store acknowledged (None: nobody, e.g. once
     the tier stopped)."""
 
     def __init__(
         self,
-        link: RedisLink,
+        link: RemoteLink,
         queue: WriteQueue,
         offload: Offload,
         links: TierLinks,
@@ -66,7 +68,7 @@ class RedisWriter:
         self.links = links
         self._listener = listener
         self.ttl_ms = ttl_ms
-        self.batch_bytes = BATCH_BYTES  # bytes of SETs per pipeline: what the link sends within timeout_s / 2
+        self.batch_bytes = BATCH_BYTES  # bytes of writes per batch: what the link sends within timeout_s / 2
         self.building: set[asyncio.Task[None]] = set()  # records being built off the loop
         self.writing: list[Write] | None = None  # the batch being sent
         self.removing = 0  # removals taken from the queue and not yet acknowledged by Redis
@@ -80,7 +82,7 @@ class RedisWriter:
         return self.queue.fits(size)
 
     def enqueue(self, key: ChunkKey, data: Any, release: Callable[[], None] | None = None) -> bool:
-        """Queue a chunk for Redis; False (counted) if the queue is full.
+        """Queue a chunk for the store; False (counted) if the queue is full.
 
         The record is built off the event loop from ``data``, which must stay
         unchanged until ``release()`` is called (once, when it has been copied
@@ -109,7 +111,7 @@ class RedisWriter:
         try:
             record = await self._offload.run(encode_record, write.key.namespace, write.key.digest, data, tokens)
         except Exception as err:
-            logger.warning("Redis uplink: cannot build the record of a chunk (%s); not written", err)
+            logger.warning("%s: cannot build the record of a chunk (%s); not written", self._link.label, err)
             self._link.counters.dropped_writes += 1
             self.queue.done(write)
             return
@@ -131,17 +133,19 @@ class RedisWriter:
                 batch = self.queue.heads(BATCH_WRITES, self.batch_bytes)
                 if batch:
                     started = time.monotonic()
-                    await self._send(batch)
+                    refused = await self._send(batch)
                     self._fit_batches(sum(w.size for w in batch), time.monotonic() - started)
-            except ERRORS as err:
+                    if refused:  # no room in the store now: wait a little before trying them again
+                        await asyncio.sleep(NO_ROOM_WAIT_S * max(w.failures for w in refused))
+            except self._link.errors as err:
                 self._link.counters.write_errors += 1
-                if isinstance(err, _TIMEOUTS) and len(batch) > 1:  # too big for the link in time: not an outage
+                if isinstance(err, self._link.timeouts) and len(batch) > 1:  # too big for the link in time
                     sent = sum(w.size for w in batch)
                     self.batch_bytes = max(1, sent // 2)
-                    logger.info("Redis uplink: a pipeline of %d writes (%.1f MiB) timed out; sending at most"
-                                " %.1f MiB a pipeline", len(batch), sent / 2**20, self.batch_bytes / 2**20)  # fmt: skip
+                    logger.info("%s: a batch of %d writes (%.1f MiB) timed out; sending at most %.1f MiB a batch",
+                                self._link.label, len(batch), sent / 2**20, self.batch_bytes / 2**20)  # fmt: skip
                     continue
-                self._link.mark_down(err)  # the writes stay queued: sent again once Redis is back
+                self._link.mark_down(err)  # the writes stay queued: sent again once the store is back
             except Exception:
                 # Not a Redis failure: a bug or a reply nothing expects.  The
                 # supervisor logs, counts and restarts the loop; a write that
@@ -154,48 +158,52 @@ class RedisWriter:
                 raise
 
     def _fit_batches(self, sent: int, elapsed_s: float) -> None:
-        """Size the next pipelines to what the link sent lately within half the timeout
-        (redis-py bounds the write of a whole pipeline by ``timeout_s``): a slow link
-        gets smaller pipelines instead of timeouts, a fast one BATCH_BYTES."""
+        """Size the next batches to what the link sent lately within half the timeout
+        (a whole batch is bounded by ``timeout_s``): a slow link gets smaller batches
+        instead of timeouts, a fast one BATCH_BYTES."""
         rate = sent / max(elapsed_s, 1e-6)
         self.batch_bytes = int(min(BATCH_BYTES, max(1, rate * self._link.timeout_s / 2, self.batch_bytes // 2)))
 
-    async def _send(self, batch: list[Write]) -> None:
-        """SET a batch in one round trip (a pipeline); the writes leave the queue
-        only if every one was acknowledged (a SET is idempotent: a batch that
-        failed half-way is sent again whole)."""
+    async def _send(self, batch: list[Write]) -> list[Write]:
+        """Write a batch in one round trip; the writes leave the queue only once the store
+        acknowledged them (a write is idempotent: a batch that failed half-way is sent
+        again whole).  What the store had no room for stays queued (returned; dropped,
+        counted, after ``POISON_FAILURES`` tries)."""
         self.writing = batch
         sent_at = time.monotonic()
         for write in batch:
             write.attempted = True
         try:
-            # A memoryview goes out as its own chunk (redis-py's asyncio packer), uncopied.
-            if len(batch) == 1:
-                await self._link.client.set(self._link.redis_key(batch[0].key), batch[0].record, px=self.ttl_ms)
-            else:
-                async with self._link.client.pipeline(transaction=False) as pipe:
-                    for write in batch:
-                        pipe.set(self._link.redis_key(write.key), write.record, px=self.ttl_ms)
-                    await pipe.execute()
+            stored = await self._link.write([(w.key, w.record) for w in batch if w.record is not None], self.ttl_ms)
         finally:
             self.writing = None
-        for write in batch:
-            self._link.counters.stores += 1
-            self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
+        refused: list[Write] = []
+        for write, ok in zip(batch, stored):
+            if ok:
+                self._link.counters.stores += 1
+                self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
+                continue
+            write.failures += 1
+            if write.failures >= POISON_FAILURES:
+                self.queue.done(write)
+                self._link.counters.dropped_writes += 1
+            else:
+                refused.append(write)
         listener = self._listener()  # (none once the tier stopped)
-        if listener is not None and self._link.up:  # Redis holds them now (unless deleted meanwhile)
-            listener.written([w.key for w in batch if not w.cancelled], sent_at)
+        if listener is not None and self._link.up:  # the store holds them now (unless deleted meanwhile)
+            listener.written([w.key for w, ok in zip(batch, stored) if ok and not w.cancelled], sent_at)
+        return refused
 
     async def _send_removals(self) -> None:
         clears, deletes = self.queue.take_removals()
         self.removing = len(clears) + len(deletes)
         try:
             for namespace in list(clears):
-                await self._link.clear_in_redis(namespace)
+                await self._link.clear(namespace)
                 clears.remove(namespace)
             while deletes:
                 batch = deletes[-500:]
-                await self._link.delete_in_redis(batch)
+                await self._link.remove(batch)
                 del deletes[-len(batch) :]
         except BaseException:
             self.queue.put_back(clears, deletes)

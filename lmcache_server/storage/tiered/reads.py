@@ -12,7 +12,7 @@ The tiered store's ``get_many`` is written here (:class:`Reads`, a part of
 3. the lower tiers again, in order, for what is still missing: the disk (a
    hit there with no room in the pool is served from a copy), read
    concurrently; then Redis, every key in one round trip
-   (:meth:`..remote.RedisTier.get_many`), its hits promoted into the pool
+   (:meth:`..remote.RemoteTier.get_many`), its hits promoted into the pool
    concurrently (copies off the event loop).
 
 Results keep the keys' order.  A key repeated within the batch is read once

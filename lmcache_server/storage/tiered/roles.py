@@ -76,7 +76,7 @@ class SpillTarget(Tier, Protocol):
 
 
 class Uplink(Tier, Protocol):
-    """The shared tier every stored chunk is queued for (:class:`..remote.RedisTier` is one):
+    """The shared tier every stored chunk is queued for (:class:`..remote.RemoteTier` is one):
     a bounded write-behind queue, and batched reads, one round trip each."""
 
     def enqueue(self, key: ChunkKey, data: Any, release: Callable[[], None] | None = None) -> bool: ...

@@ -48,7 +48,7 @@ class Uplinking:
 
     def again(self, key: ChunkKey) -> bool:
         """Queue ``key`` for Redis if memory holds it (True); for writes a previous
-        daemon owed Redis (:meth:`..remote.RedisTier.requeue`)."""
+        daemon owed Redis (:meth:`..remote.RemoteTier.requeue`)."""
         if self._remote is None:
             return False
         return self._enqueue(key)

@@ -1,0 +1,152 @@
+"""The Mooncake tier through real daemons (two nodes on one host) and a real ``mooncake_master``
+with its HTTP metadata server: a chunk put through node A is a hit on node B with identical
+bytes; the master killed and restarted; a node that leaves; another installation's values."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from lmcache_client import PutStatus
+from lmcache_client.protocol import KEY_BYTES
+
+from ...conftest import Daemon, MooncakeMaster, wait_for
+
+MiB = 1 << 20
+
+
+def remote(c: Any) -> dict[str, Any]:
+    return c.stats()["tiers"]["mooncake"]  # type: ignore[no-any-return]
+
+
+def drained(daemon: Daemon) -> Callable[[], bool]:
+    def check() -> bool:
+        with daemon.client() as c:
+            stats = remote(c)
+            return bool(stats["up"] and stats["queued_writes"] == 0)
+
+    return check
+
+
+def nodes(daemon_factory: Callable[..., Daemon], master: MooncakeMaster, **config: Any) -> tuple[Daemon, Daemon]:
+    return daemon_factory(**master.daemon_config(**config)), daemon_factory(**master.daemon_config(**config))
+
+
+def put_through(daemon: Daemon, n: int, size: int = 300_000) -> tuple[list[bytes], list[bytes]]:
+    keys = [os.urandom(KEY_BYTES) for _ in range(n)]
+    data = [os.urandom(size) for _ in keys]
+    with daemon.client() as c:
+        assert c.put(keys, data) == [PutStatus.STORED] * n
+    wait_for(drained(daemon))
+    return keys, data
+
+
+def test_a_chunk_put_through_node_a_is_a_hit_on_node_b(daemon_factory, mooncake_master: MooncakeMaster) -> None:  # type: ignore[no-untyped-def]
+    a, b = nodes(daemon_factory, mooncake_master)
+    keys, data = put_through(a, 6)
+    with a.client() as ca, b.client() as cb:
+        assert remote(ca)["stores"] == 6 and remote(ca)["engine"] == "mooncake"
+        assert cb.lookup(keys).tiers == ["mooncake"] * 6
+        assert [bytes(g) for g in cb.get(keys)] == data
+        assert cb.lookup(keys).tiers == ["memory"] * 6  # promoted into B's pool
+        stats = remote(cb)
+        assert stats["hits"] == 6 and stats["promotions"] == 6 and stats["corrupt"] == 0
+        missing = os.urandom(KEY_BYTES)
+        assert cb.get([missing]) == [None]
+        assert remote(cb)["misses"] >= 1
+
+
+def test_another_installation_never_reads_these_chunks(daemon_factory, mooncake_master: MooncakeMaster) -> None:  # type: ignore[no-untyped-def]
+    a = daemon_factory(**mooncake_master.daemon_config(remote_key_prefix="team-a:"))
+    other = daemon_factory(**mooncake_master.daemon_config(remote_key_prefix="team-b:"))
+    keys, data = put_through(a, 3)
+    with other.client() as c:
+        assert c.lookup(keys).tiers == [None] * 3
+        assert c.get(keys) == [None] * 3
+        assert remote(c)["hits"] == 0
+        # The same keys under its own prefix are its own chunks, not team-a's.
+        mine = [os.urandom(200_000) for _ in keys]
+        assert c.put(keys, mine) == [PutStatus.STORED] * 3
+    wait_for(drained(other))
+    fresh = daemon_factory(**mooncake_master.daemon_config(remote_key_prefix="team-a:"))
+    with fresh.client() as c:
+        assert [bytes(g) for g in c.get(keys)] == data
+
+
+def test_clear_and_delete_remove_the_values_from_mooncake(daemon_factory, mooncake_master: MooncakeMaster) -> None:  # type: ignore[no-untyped-def]
+    a, b = nodes(daemon_factory, mooncake_master)
+    keys, data = put_through(a, 4)
+    with a.client() as ca:
+        assert ca.delete(keys[:1]) == [True]
+        ca.clear()
+    with b.client() as cb:
+        assert cb.lookup(keys).tiers == [None] * 4
+        assert cb.get(keys) == [None] * 4
+
+
+def test_the_master_killed_and_restarted(daemon_factory, mooncake_master: MooncakeMaster) -> None:  # type: ignore[no-untyped-def]
+    a, b = nodes(daemon_factory, mooncake_master, remote_timeout_s=1.0)
+    before, before_data = put_through(a, 3)
+    mooncake_master.stop()
+    # Puts keep being acknowledged from memory; reads of what only Mooncake held fail open.
+    during = [os.urandom(KEY_BYTES) for _ in range(3)]
+    during_data = [os.urandom(200_000) for _ in during]
+    with a.client() as ca, b.client() as cb:
+        assert ca.put(during, during_data) == [PutStatus.STORED] * 3
+        assert [bytes(g) for g in ca.get(during)] == during_data  # from A's memory
+        assert cb.get(before) == [None] * 3
+        wait_for(lambda: remote(ca)["up"] is False, timeout_s=30)  # its writes failed
+        assert cb.get(before) == [None] * 3 and cb.lookup(before).tiers == [None] * 3
+    mooncake_master.start()
+    # Both nodes come back by themselves; the new master knows nothing of the old values
+    # (misses, never errors), and what A queued while it was down is written now.
+    wait_for(drained(a), timeout_s=60)
+    wait_for(lambda: remote(b.client())["up"] is True, timeout_s=60)
+    with a.client() as ca, b.client() as cb:
+        assert remote(ca)["reconnects"] >= 1
+        assert cb.get(before) == [None] * 3
+        got = cb.get(during)
+        assert all(g is None or bytes(g) == d for g, d in zip(got, during_data))
+        # Writes after the restart are shared again.
+    after, after_data = put_through(a, 3)
+    with b.client() as cb:
+        wait_for(lambda: cb.lookup(after).tiers == ["mooncake"] * 3, timeout_s=30)
+        assert [bytes(g) for g in cb.get(after)] == after_data
+        assert remote(cb)["corrupt"] == 0
+
+
+def test_a_node_that_leaves_takes_its_values_along(daemon_factory, mooncake_master: MooncakeMaster) -> None:  # type: ignore[no-untyped-def]
+    # A contributes the only segment (B contributes none), so every value lives in A's DRAM.
+    a = daemon_factory(**mooncake_master.daemon_config())
+    b = daemon_factory(**mooncake_master.daemon_config(mooncake_segment_size=0))
+    keys, _ = put_through(a, 4)
+    with b.client() as cb:
+        assert cb.lookup(keys).tiers == ["mooncake"] * 4
+    a.stop()  # its segment is unmounted
+    with b.client() as cb:
+        wait_for(lambda: cb.lookup(keys).tiers == [None] * 4, timeout_s=30)
+        assert cb.get(keys) == [None] * 4
+        stats = remote(cb)
+        assert stats["corrupt"] == 0
+        # B keeps serving its own puts from memory (with no segment left, Mooncake has no room).
+        own = [os.urandom(KEY_BYTES)]
+        assert cb.put(own, [b"x" * 1000]) == [PutStatus.STORED]
+        assert [bytes(g) for g in cb.get(own)] == [b"x" * 1000]
+
+
+@pytest.mark.parametrize("timeout_s", [0.5])
+def test_the_daemon_starts_and_serves_with_the_master_down(daemon_factory, mooncake_master: MooncakeMaster, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+    mooncake_master.stop()
+    a = daemon_factory(**mooncake_master.daemon_config(remote_timeout_s=timeout_s))
+    keys = [os.urandom(KEY_BYTES)]
+    with a.client() as ca:
+        assert remote(ca)["up"] is False
+        assert ca.put(keys, [b"y" * 5000]) == [PutStatus.STORED]
+        assert [bytes(g) for g in ca.get(keys)] == [b"y" * 5000]
+    mooncake_master.start()
+    wait_for(drained(a), timeout_s=60)
+    with a.client() as ca:
+        assert remote(ca)["stores"] == 1
