@@ -264,7 +264,13 @@ def _gate(c: ServerConfig, disk: DiskTier | None, remote: RemoteTier | None) -> 
     if disk_mode == "always" and remote_mode in ("always", None):
         return None
     capacity = c.max_local_cpu_size + (c.max_local_disk_size if disk is not None else 0)
-    return StoreGate(disk_mode, remote_mode, sketch_width=sketch_width_for(capacity), remote_ttl_s=c.remote_ttl_s)
+    return StoreGate(
+        disk_mode,
+        remote_mode,
+        sketch_width=sketch_width_for(capacity),
+        remote_ttl_s=c.remote_ttl_s,
+        remote_name=remote.name if remote is not None else "redis",
+    )
 
 
 def _state_dir(c: ServerConfig) -> StateDir | None:

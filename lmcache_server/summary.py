@@ -50,13 +50,15 @@ class Snapshot:
     uplink_up: bool | None  # None: no remote tier
     dropped_writes: int  # to the remote tier
     clients: int
+    uplink: str = "redis"  # the remote tier's name (redis, mooncake)
 
 
 def take_snapshot(store: TieredStore, metrics: ServerMetrics, clients: int, at: float) -> Snapshot:
     stats = store.stats()
     tiers: dict[str, dict[str, Any]] = stats["tiers"]
     memory = tiers["memory"]
-    remote = tiers.get("redis")
+    uplink = "mooncake" if "mooncake" in tiers else "redis"
+    remote = tiers.get(uplink)
     return Snapshot(
         at=at,
         reads=int(memory.get("hits", 0)) + int(memory.get("misses", 0)),
@@ -71,6 +73,7 @@ def take_snapshot(store: TieredStore, metrics: ServerMetrics, clients: int, at: 
         memory_capacity_bytes=int(memory.get("capacity_bytes", 0)),
         uplink_up=None if remote is None else bool(remote.get("up")),
         dropped_writes=int(remote.get("dropped_writes", 0)) if remote is not None else 0,
+        uplink=uplink,
         clients=clients,
     )
 
@@ -114,9 +117,8 @@ def summary_line(prev: Snapshot, cur: Snapshot, chunk_size: int) -> str:
     )
     parts = [f"summary (last {elapsed:.0f}s): {get}; {lookup}", rates, memory]
     if cur.uplink_up is not None:
-        parts.append(
-            f"redis {'up' if cur.uplink_up else 'DOWN'}, {cur.dropped_writes - prev.dropped_writes} dropped writes"
-        )
+        state = "up" if cur.uplink_up else "DOWN"
+        parts.append(f"{cur.uplink} {state}, {cur.dropped_writes - prev.dropped_writes} dropped writes")
     parts.append(f"{cur.clients} client{'' if cur.clients == 1 else 's'}")
     return "; ".join(parts)
 

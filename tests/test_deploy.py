@@ -302,6 +302,20 @@ def test_pd_compose_file_is_valid_and_runs_the_documented_roles() -> None:
     assert roles == {"vllm-prefill": "kv_producer", "vllm-decode": "kv_consumer"}
 
 
+def test_mooncake_compose_file_is_valid_and_shares_only_mooncake() -> None:
+    out = run(*compose_command(), "-f", "deploy/compose.mooncake.yml", "config", "-q")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stderr.strip() == "", out.stderr
+    services = yaml.safe_load((DEPLOY / "compose.mooncake.yml").read_text())["services"]
+    assert {"mooncake-master", "node-a", "node-b"} <= set(services)
+    assert not any("redis" in name for name in services)
+    config = load_config(str(DEPLOY / "server.mooncake.yaml"), environ={})
+    assert config.remote_url is not None and config.remote_url.startswith("mooncake://mooncake-master:")
+    for node in ("node-a", "node-b"):
+        environment = services[node].get("environment", {})
+        assert environment.get("LMCACHE_MOONCAKE_LOCAL_HOSTNAME") == node, environment
+
+
 def test_container_config_is_valid_with_compose_environment() -> None:
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     env = {

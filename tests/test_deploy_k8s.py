@@ -20,11 +20,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from lmcache_server.config import load_config
+from lmcache_server.config import is_mooncake, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
-KUSTOMIZATIONS = ["base", "monitoring", "vllm", "overlays/pd", "overlays/curve"]
+KUSTOMIZATIONS = ["base", "monitoring", "vllm", "overlays/pd", "overlays/curve", "overlays/mooncake"]
 OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}  # Prometheus Operator CRDs: no schema here
 DAEMON_CONFIG = "/etc/lmcache/server.yaml"
 
@@ -219,15 +219,17 @@ def daemon_config(docs: list[dict[str, Any]], tmp_path: Path) -> Any:
 
 
 def process_overhead(config: Any) -> int:
-    """Memory the daemon holds besides its pool, at most: bytes in flight, the spill and Redis
-    queues, and ~0.5 GiB for the interpreter, ZeroMQ and the indexes."""
+    """Memory the daemon holds besides its pool, at most: bytes in flight, the spill and remote
+    queues, Mooncake's segment and transfer buffer, and ~0.5 GiB for the interpreter, ZeroMQ
+    and the indexes."""
     queues = (config.max_spill_queue_size if config.local_disk else 0) + (
         config.max_remote_queue_size if config.remote_url else 0
     )
-    return int(config.max_inflight_bytes + queues + 0.5 * 2**30)
+    mooncake = config.mooncake_segment_size + config.mooncake_buffer_size if is_mooncake(config.remote_url) else 0
+    return int(config.max_inflight_bytes + queues + mooncake + 0.5 * 2**30)
 
 
-@pytest.mark.parametrize("name", ["base", "overlays/curve"])
+@pytest.mark.parametrize("name", ["base", "overlays/curve", "overlays/mooncake"])
 def test_the_daemon_memory_limit_holds_its_pool(name: str, tmp_path: Path) -> None:
     """tmpfs pages are charged to the memory cgroup of the process that allocates them, and the
     daemon commits its pool's pages (posix_fallocate): a limit below the pool is an OOM kill
@@ -245,6 +247,19 @@ def test_the_daemon_memory_limit_holds_its_pool(name: str, tmp_path: Path) -> No
     for init in pod.get("initContainers", []):  # Guaranteed needs every container's requests = limits
         assert init["resources"]["requests"] == init["resources"]["limits"], init["name"]
         assert init["resources"]["limits"].keys() >= {"cpu", "memory"}, init["name"]
+
+
+def test_mooncake_overlay_runs_one_master_and_names_each_node_by_its_pod_ip(tmp_path: Path) -> None:
+    docs = render("overlays/mooncake")
+    config = daemon_config(docs, tmp_path)
+    assert is_mooncake(config.remote_url) and config.remote_url.startswith("mooncake://mooncake-master.")
+    master = one(docs, "Deployment", "mooncake-master")
+    assert master["spec"]["replicas"] == 1
+    service = one(docs, "Service", "mooncake-master")
+    assert {p["port"] for p in service["spec"]["ports"]} >= {50051, 8080}
+    [container] = one(docs, "DaemonSet", "lmcache-server")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert env["LMCACHE_MOONCAKE_LOCAL_HOSTNAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
 
 
 def test_the_disk_tier_directory_is_handed_to_the_daemon_user() -> None:

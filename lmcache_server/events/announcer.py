@@ -59,7 +59,7 @@ from .blocks import BlockIndex, Held, block_hashes, parent_hash
 from .keep import Kept
 from .publisher import EventPublisher, PublisherSettings
 from .remote import LOCAL as LOCAL  # re-exported
-from .remote import REMOTE, REMOTE_TIER, RemoteHeld, RemoteSettings, placement
+from .remote import REMOTE, REMOTE_TIERS, RemoteHeld, RemoteSettings, placement
 from .snapshot import SnapshotServer, SnapshotSettings
 from .wire import Event, Wire
 
@@ -278,7 +278,7 @@ class Announcer:
         """The fastest local tier holding the announced chunk ``key`` is now ``tier`` (the
         Redis tier: only Redis holds it, :mod:`.remote`)."""
         where = self._where.get(key)
-        medium = REMOTE if tier == REMOTE_TIER else MEDIUM.get(tier, tier.upper())
+        medium = REMOTE if tier in REMOTE_TIERS else MEDIUM.get(tier, tier.upper())
         if where is None or where[1] == medium:
             return
         self._where[key] = (where[0], medium)

@@ -53,8 +53,8 @@ LOCAL = "LOCAL"
 REMOTE = "REMOTE"
 """The medium label of chunks only Redis holds for this node: their own block index per
 topic, sent as ``medium: CPU, locality: REMOTE`` (:func:`placement`)."""
-REMOTE_TIER = "redis"
-"""The Redis tier's name: an announced chunk ``moved`` there is labelled :data:`REMOTE`."""
+REMOTE_TIERS = frozenset({"redis", "mooncake"})
+"""The remote tier's names (Redis, Mooncake): an announced chunk ``moved`` there is labelled :data:`REMOTE`."""
 
 
 def placement(medium: str) -> tuple[str, str]:

@@ -9,6 +9,7 @@ expression refers to).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import urllib.request
@@ -280,6 +281,8 @@ def test_summary_line_format() -> None:
         "lookup hit 75.0% of 20480 tokens; 2.0 req/s, in 1.00 MiB/s, out 2.00 MiB/s; "
         "memory 80.0% of 5.00 GiB, 12 evictions; redis DOWN, 4 dropped writes; 3 clients"
     )
+    mooncake = dataclasses.replace(cur, uplink="mooncake", uplink_up=True)
+    assert "; mooncake up, 4 dropped writes; " in summary_line(prev, mooncake, 256)
 
 
 def test_summary_interval_zero_starts_no_task() -> None:

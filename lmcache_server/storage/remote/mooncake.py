@@ -20,7 +20,8 @@ node contributes to a Mooncake cluster, instead of one Redis.
   bounded by ``timeout_s`` (a call that outlives it keeps its thread, the request
   gets its miss).  The transfers let go of the GIL (``batch_get_buffer`` rather than
   ``get_batch``, which holds it while it copies); the setup does not, so it is only
-  tried once the master and the metadata server accept connections.  Status codes: 0 is success; ``OBJECT_NOT_FOUND`` a miss;
+  tried once the master and the metadata server accept connections.
+- Status codes: 0 is success; ``OBJECT_NOT_FOUND`` a miss;
   ``NO_AVAILABLE_HANDLE`` / ``TRANSFER_FAIL`` on a write: no room now (the pool is
   full until the master evicts, or the holding node left), tried again; an RPC
   failure, an uninitialised client or a master that does not answer: an outage.

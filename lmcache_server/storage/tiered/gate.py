@@ -261,13 +261,20 @@ class StoreGate:
     """The tiered store's gates: the disk's and Redis' rules over shared
     :class:`Accesses`.  ``remote_mode`` None: no Redis tier."""
 
-    def __init__(self, disk_mode: str, remote_mode: str | None, sketch_width: int = 1 << 16, remote_ttl_s: float = 0.0):
+    def __init__(
+        self,
+        disk_mode: str,
+        remote_mode: str | None,
+        sketch_width: int = 1 << 16,
+        remote_ttl_s: float = 0.0,
+        remote_name: str = "redis",
+    ):
         modes = {disk_mode, remote_mode}
         sketch = FrequencySketch(sketch_width) if "frequency" in modes else None
         self._epochs = ClearEpochs()  # one namespace's clear forgets its keys in both histories
         self.accesses = Accesses(sketch, track_reuse="reused" in modes, epochs=self._epochs)
         self.disk = TierGate("disk", disk_mode, self.accesses)
-        self.remote = TierGate("redis", remote_mode, self.accesses) if remote_mode is not None else None
+        self.remote = TierGate(remote_name, remote_mode, self.accesses) if remote_mode is not None else None
         self._owed: dict[ChunkKey, int] = {}  # in memory, not (yet) admitted to Redis: key -> bytes
         self._sent = SentKeys(remote_ttl_s, epochs=self._epochs)  # queued for or read from Redis
 
@@ -346,7 +353,7 @@ class StoreGate:
         """Per tier name: its mode and counters (the sketch's size and agings with the disk's)."""
         out = {"disk": self.disk.stats()}
         if self.remote is not None:
-            out["redis"] = self.remote.stats()
+            out[self.remote.tier] = self.remote.stats()
         if self.accesses.sketch is not None:
             out["disk"].update(self.accesses.sketch.stats())
         return out

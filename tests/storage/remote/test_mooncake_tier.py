@@ -8,8 +8,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import pytest
-
 from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
 
@@ -137,10 +135,9 @@ def test_a_node_that_leaves_takes_its_values_along(daemon_factory, mooncake_mast
         assert [bytes(g) for g in cb.get(own)] == [b"x" * 1000]
 
 
-@pytest.mark.parametrize("timeout_s", [0.5])
-def test_the_daemon_starts_and_serves_with_the_master_down(daemon_factory, mooncake_master: MooncakeMaster, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+def test_the_daemon_starts_and_serves_with_the_master_down(daemon_factory, mooncake_master: MooncakeMaster) -> None:  # type: ignore[no-untyped-def]
     mooncake_master.stop()
-    a = daemon_factory(**mooncake_master.daemon_config(remote_timeout_s=timeout_s))
+    a = daemon_factory(**mooncake_master.daemon_config(remote_timeout_s=0.5))
     keys = [os.urandom(KEY_BYTES)]
     with a.client() as ca:
         assert remote(ca)["up"] is False
