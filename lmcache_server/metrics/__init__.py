@@ -196,6 +196,7 @@ class StoreCollector(Collector):
                     metric.add_metric([tier], float(values[field]))
             yield metric
         yield from _tenant_families(tiers)
+        yield from _remote_op_families(tiers)
         yield CounterMetricFamily(
             "lmcache_lookup_chunks", "Chunks asked about by lookups.", value=stats["lookup_chunks"]
         )
@@ -210,6 +211,24 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(
             "lmcache_inflight_bytes", "Payload bytes being handled or sent now.", value=self.inflight_bytes()
         )
+
+
+def _remote_op_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """Requests to the remote tier's store by operation: how many, and the seconds they took."""
+    calls = CounterMetricFamily(
+        "lmcache_tier_ops", "Requests to a remote tier's store, by operation (failed ones included).",
+        labels=["tier", "op"],
+    )  # fmt: skip
+    seconds = CounterMetricFamily(
+        "lmcache_tier_op_seconds", "Seconds spent in requests to a remote tier's store, by operation.",
+        labels=["tier", "op"],
+    )  # fmt: skip
+    for tier, values in tiers.items():
+        for op, n in values.get("op_calls", {}).items():
+            calls.add_metric([tier, op], float(n))
+            seconds.add_metric([tier, op], float(values["op_seconds"].get(op, 0.0)))
+    yield calls
+    yield seconds
 
 
 def _tenant_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +52,10 @@ TIMEOUTS = (TimeoutError, asyncio.TimeoutError, RedisTimeoutError)
 
 @dataclasses.dataclass
 class RemoteCounters:
+    """The remote tier's counters (``admin stats``, ``lmcache_tier_*``); ``op_calls`` and
+    ``op_seconds`` count each request to the store by operation (read, write, exists,
+    sizes, remove, clear), failed ones included."""
+
     hits: int = 0
     misses: int = 0
     stores: int = 0
@@ -59,6 +64,13 @@ class RemoteCounters:
     read_errors: int = 0
     corrupt: int = 0
     reconnects: int = 0
+    op_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    op_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def timed(self, op: str, started: float) -> None:
+        """One request of ``op`` that began at ``started`` (time.monotonic) ended now."""
+        self.op_calls[op] = self.op_calls.get(op, 0) + 1
+        self.op_seconds[op] = self.op_seconds.get(op, 0.0) + time.monotonic() - started
 
 
 class RedisLink:

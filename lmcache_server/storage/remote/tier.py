@@ -239,12 +239,15 @@ class RemoteTier:
                 found = await self.exists_many([k for k, h in zip(keys, hidden) if not h]) if not all(hidden) else []
                 it = iter(found)
                 return [False if h else next(it) for h in hidden]
+        started = time.monotonic()
         try:
             found = await self.link.exists([self.remote_key(k) for k in keys])
         except Exception as err:
             self.link.counters.read_errors += 1
             self.link.failed("exists", err)
             return [False] * len(keys)
+        finally:
+            self.link.counters.timed("exists", started)
         if not isinstance(found, list) or len(found) != len(keys) or not all(isinstance(n, int) for n in found):
             # A server that speaks RESP but not Redis: answer misses, count it.
             self.link.counters.read_errors += 1
@@ -264,12 +267,15 @@ class RemoteTier:
         asked = [k for k, h in zip(keys, hidden) if not h]  # removed here, not yet in Redis: a miss
         if not asked:
             return [0] * len(keys)
+        started = time.monotonic()
         try:
             found = await self.link.sizes([self.remote_key(k) for k in asked])
         except Exception as err:
             self.link.counters.read_errors += 1
             self.link.failed("strlen", err)
             return [0] * len(keys)
+        finally:
+            self.link.counters.timed("sizes", started)
         if not isinstance(found, list) or len(found) != len(asked):
             self.link.counters.read_errors += 1
             logger.warning("%s: STRLEN answered %.80r; treated as misses", self.link.label, found)
@@ -310,6 +316,7 @@ class RemoteTier:
             found = iter(await self.get_many(rest) if rest else [])
             return [None if h else next(found) for h in hidden]
         rkeys = [self.remote_key(k) for k in keys]
+        started = time.monotonic()
         try:
             values = await self.link.read(rkeys)
         except Exception as err:
@@ -317,6 +324,8 @@ class RemoteTier:
             self.link.failed("get", err)
             self.link.counters.misses += len(keys)
             return [None] * len(keys)
+        finally:
+            self.link.counters.timed("read", started)
         if not isinstance(values, list) or len(values) != len(keys):
             # A server that speaks RESP but not Redis: answer misses, count it.
             self.link.counters.read_errors += 1
@@ -382,12 +391,15 @@ class RemoteTier:
             self.queue.remember_delete(key)
             self.link.wake.set()
             return queued
+        started = time.monotonic()
         try:
             removed = await self.link.remove([key])
         except Exception as err:
             self.queue.remember_delete(key)
             self.link.failed("delete", err)
             return queued
+        finally:
+            self.link.counters.timed("remove", started)
         return bool(removed) or queued
 
     async def clear(self, namespace: str | None) -> int:
@@ -400,12 +412,15 @@ class RemoteTier:
             self.queue.remember_clear(namespace)
             self.link.wake.set()
             return queued
+        started = time.monotonic()
         try:
             return max(await self.link.clear(namespace), queued)
         except Exception as err:
             self.queue.remember_clear(namespace)
             self.link.failed("clear", err)
             return queued
+        finally:
+            self.link.counters.timed("clear", started)
 
     def keys(self) -> list[ChunkKey]:
         return []  # not enumerable cheaply; clear reports what it removed locally

@@ -177,6 +177,7 @@ class RemoteWriter:
             stored = await self._link.write([(w.key, w.record) for w in batch if w.record is not None], self.ttl_ms)
         finally:
             self.writing = None
+            self._link.counters.timed("write", sent_at)
         refused: list[Write] = []
         for write, ok in zip(batch, stored):
             if ok:

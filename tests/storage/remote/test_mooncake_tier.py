@@ -5,6 +5,7 @@ bytes; the master killed and restarted; a node that leaves; another installation
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
 
 from ...conftest import Daemon, MooncakeMaster, wait_for
+from ...metrics.test_metrics import scrape
 
 MiB = 1 << 20
 
@@ -55,6 +57,13 @@ def test_a_chunk_put_through_node_a_is_a_hit_on_node_b(daemon_factory, mooncake_
         missing = os.urandom(KEY_BYTES)
         assert cb.get([missing]) == [None]
         assert remote(cb)["misses"] >= 1
+    # Prometheus: the tier's state and its requests by operation.
+    text = scrape(b.metrics_port)
+    assert 'lmcache_tier_up{tier="mooncake"} 1.0' in text
+    assert 'lmcache_tier_hits_total{tier="mooncake"} 6.0' in text
+    reads = re.search(r'lmcache_tier_ops_total\{op="read",tier="mooncake"\} (\S+)', text)
+    assert reads is not None and float(reads.group(1)) >= 2, text
+    assert re.search(r'lmcache_tier_ops_total\{op="write",tier="mooncake"\}', scrape(a.metrics_port))
 
 
 def test_another_installation_never_reads_these_chunks(daemon_factory, mooncake_master: MooncakeMaster) -> None:  # type: ignore[no-untyped-def]
