@@ -119,7 +119,7 @@ class Daemon:
         )  # fmt: skip
         warm_leases = adoption.restore(memory) if adoption is not None else None
         disk = await _disk(c, supervisor, links)
-        remote = await _remote(c, offload, supervisor, links, state)
+        remote = await _remote(c, offload, supervisor, links, state, (pool.address, pool.size))
         sizing = Sizing(c.sizing_window_chunks) if c.sizing_window_chunks else None
         context = zmq.asyncio.Context(io_threads=c.zmq_io_threads)
         events = _events(c, context, state, remote)
@@ -217,7 +217,12 @@ async def _disk(c: ServerConfig, supervisor: Supervisor, links: TierLinks) -> Di
 
 
 async def _remote(
-    c: ServerConfig, offload: Offload, supervisor: Supervisor, links: TierLinks, state: StateDir | None
+    c: ServerConfig,
+    offload: Offload,
+    supervisor: Supervisor,
+    links: TierLinks,
+    state: StateDir | None,
+    pool_region: tuple[int, int] | None = None,
 ) -> RemoteTier | None:
     """The remote tier on Redis or Mooncake, opened (a store that is down is not a
     failed start); None without ``remote_url``."""
@@ -232,9 +237,15 @@ async def _remote(
             local_hostname=c.mooncake_local_hostname,
             segment_size=c.mooncake_segment_size,
             buffer_size=c.mooncake_buffer_size,
+            zero_copy=c.mooncake_zero_copy,
         )
         link: LinkFactory = mooncake_link(
-            c.remote_url, settings, key_prefix=c.remote_key_prefix, timeout_s=c.remote_timeout_s, supervisor=supervisor
+            c.remote_url,
+            settings,
+            key_prefix=c.remote_key_prefix,
+            timeout_s=c.remote_timeout_s,
+            supervisor=supervisor,
+            regions=[pool_region] if pool_region is not None else [],
         )
     else:
         link = redis_link(

@@ -131,6 +131,12 @@ class ServerConfig:
         'a size of at least 16 MiB, e.g. "256MiB"',
         "Mooncake's transfer buffer on this node: holds the values being put and read.",
     )
+    mooncake_zero_copy: bool = v.field(
+        True,
+        v.boolean,
+        "true or false",
+        "Mooncake puts read chunks straight from the memory pool (false: a copied record each, as for Redis).",
+    )
     disk_fsync: str = v.field(
         "none",
         v.choice("none", "data", "full"),

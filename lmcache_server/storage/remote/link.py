@@ -85,6 +85,7 @@ class RedisLink:
 
     name = "redis"
     label = "Redis uplink"  # how log lines name the tier
+    from_pool = False  # a SET sends one copied record
     errors: tuple[type[BaseException], ...] = ERRORS
     timeouts: tuple[type[BaseException], ...] = TIMEOUTS
 
@@ -219,7 +220,7 @@ class RedisLink:
                 pipe.get(rkey)
             return list(await asyncio.wait_for(pipe.execute(raise_on_error=False), self.timeout_s * len(rkeys)))
 
-    async def write(self, records: Sequence[tuple[ChunkKey, memoryview]], ttl_ms: int | None) -> list[bool]:
+    async def write(self, records: Sequence[tuple[ChunkKey, Any]], ttl_ms: int | None) -> list[bool]:
         """SET each record in one round trip; every one was stored (True) or this raises."""
         # A memoryview goes out as its own chunk (redis-py's asyncio packer), uncopied.
         if len(records) == 1:

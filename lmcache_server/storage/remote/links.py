@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 class RemoteLink(Protocol):
     name: str  # the tier's name (stats, metrics, lookups): "redis" or "mooncake"
     label: str  # how log lines name it: "Redis uplink", "Mooncake tier"
+    from_pool: bool  # writes are sent from the memory pool (header, payload), not as a copied record
     errors: tuple[type[BaseException], ...]
     timeouts: tuple[type[BaseException], ...]
     url: str
@@ -59,8 +60,9 @@ class RemoteLink(Protocol):
     async def read(self, rkeys: Sequence[Any]) -> list[Any]:
         """Each key's value: bytes-like, None (not stored) or the exception the store answered for it."""
 
-    async def write(self, records: Sequence[tuple[ChunkKey, memoryview]], ttl_ms: int | None) -> list[bool]:
-        """Store each record; True: stored, False: no room now (try again later)."""
+    async def write(self, records: Sequence[tuple[ChunkKey, Any]], ttl_ms: int | None) -> list[bool]:
+        """Store each record (a whole record, or (header, payload) with ``from_pool``);
+        True: stored, False: no room now (try again later)."""
 
     async def drop(self, rkey: Any) -> None:
         """Remove one damaged value (best effort, never raises)."""

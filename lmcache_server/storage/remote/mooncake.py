@@ -13,9 +13,18 @@ node contributes to a Mooncake cluster, instead of one Redis.
   :mod:`..chunkfile` records with namespace, key, token ids and CRC32C, so a torn
   value, one of another installation (another ``remote_key_prefix``) or of another
   namespace is a miss, never wrong bytes.
+- Writes go out of the memory pool (``zero_copy``, the default): the writer builds
+  only each record's header (the checksum) and the transfer engine reads the payload
+  straight from the pool (``batch_put_from_multi_buffers``: header, payload), the
+  pool's lease held until the write leaves the queue; no copy in Python, none into
+  the client's buffer.  The pool and the header area are registered with the client
+  (``register_buffer``; RDMA needs it, TCP does not).  ``zero_copy`` off: a copied
+  record per chunk, put from Python bytes (``put_batch``), as on Redis.
 - Reads take the values in the client's transfer buffer (``batch_get_buffer``) and
   verify them there; the chunk's bytes are read from that buffer until promotion
-  copies them into the pool (no copy into Python ``bytes``).
+  copies them into the pool (no copy into Python ``bytes``).  Mooncake never writes
+  into the pool itself: a transfer that outlived its call could still land in a
+  slot that was given to another chunk after it was verified.
 - Every call of the C++ client blocks: they run on the link's own threads, each
   bounded by ``timeout_s`` (a call that outlives it keeps its thread, the request
   gets its miss).  The transfers let go of the GIL (``batch_get_buffer`` rather than
@@ -68,6 +77,8 @@ TRANSFER_FAIL = -800  # the node that holds (or was to hold) the value did not a
 OUTAGE_CODES = frozenset({-900, -901, INVALID_PARAMS, -1010, -1011})
 """RPC_FAIL, RPC_TIMEOUT, the client not initialised, the master not serving: the link is down."""
 HEALTHY = 0  # health_check(): 1 not initialised or closed, 2 master unreachable
+HEADER_AREA = 256 << 10
+"""Bytes of the registered area the headers of one batch are put from (grown when short)."""
 THREADS = 4
 """Threads the blocking C++ calls run on (a call that hangs holds one until it returns)."""
 DEFAULT_METADATA_PORT = 8080
@@ -96,6 +107,15 @@ def _check(op: str, code: int) -> int:
     return code
 
 
+def _stored(op: str, code: int) -> bool:
+    """A put's status: stored (or there already), no room now (False), or it raises."""
+    if _check(op, code) in (OK, OBJECT_ALREADY_EXISTS):
+        return True
+    if code in (NO_AVAILABLE_HANDLE, TRANSFER_FAIL):
+        return False
+    raise MooncakeError(op, code)
+
+
 @dataclasses.dataclass(frozen=True)
 class MooncakeSettings:
     """Where the cluster is and what this node brings to it (the ``mooncake_*`` keys)."""
@@ -107,6 +127,7 @@ class MooncakeSettings:
     local_hostname: str = ""  # where other nodes reach this node's segment (host or host:port)
     segment_size: int = 1 << 30
     buffer_size: int = 256 << 20
+    zero_copy: bool = True  # writes from the pool (False: a copied record, as on Redis)
 
     @classmethod
     def from_url(
@@ -119,6 +140,7 @@ class MooncakeSettings:
         local_hostname: str | None = None,
         segment_size: int = 1 << 30,
         buffer_size: int = 256 << 20,
+        zero_copy: bool = True,
     ) -> MooncakeSettings:
         """Settings from ``mooncake://HOST:PORT`` (or LMCache's ``mooncakestore://``) and the keys;
         the metadata server defaults to the master's built-in one, the local host name to
@@ -138,6 +160,7 @@ class MooncakeSettings:
             local_hostname=local_hostname or _host_address(),
             segment_size=segment_size,
             buffer_size=buffer_size,
+            zero_copy=zero_copy,
         )
 
 
@@ -147,6 +170,11 @@ def _host_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def _address(buffer: Any) -> int:
+    """Where a writable buffer's bytes start."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
 def _view(handle: Any) -> memoryview:
@@ -160,7 +188,8 @@ def _view(handle: Any) -> memoryview:
 class MooncakeLink:
     """One Mooncake Store client with the daemon's key names and an up/down state
     (the :class:`.links.RemoteLink` protocol).  ``on_down`` is called after each
-    failure that marks it down."""
+    failure that marks it down; ``regions`` (address, size) are registered with the
+    client: the memory pool its writes are sent from."""
 
     name = "mooncake"
     label = "Mooncake tier"
@@ -177,9 +206,13 @@ class MooncakeLink:
         max_backoff_s: float = 2.0,
         supervisor: Supervisor | None = None,
         on_down: Callable[[], None] | None = None,
+        regions: Sequence[tuple[int, int]] = (),
     ):
         self.url = url
         self.settings = settings
+        self.from_pool = settings.zero_copy
+        self._regions = list(regions)
+        self._headers = bytearray(HEADER_AREA)  # the headers of the batch being put (registered)
         self.key_prefix = key_prefix
         self.timeout_s = timeout_s
         self.max_backoff_s = max_backoff_s
@@ -213,6 +246,10 @@ class MooncakeLink:
         )
         if code != OK:
             raise MooncakeUnavailable("setup", code)
+        for address, size in [*self._regions, (_address(self._headers), len(self._headers))]:
+            code = store.register_buffer(address, size)
+            if code != OK:
+                logger.warning("Mooncake tier: registering %d MiB at %#x answered %d", size >> 20, address, code)
         return store
 
     async def _reachable(self) -> None:
@@ -324,28 +361,49 @@ class MooncakeLink:
 
         return list(await self._call(read, timeout_s=self.timeout_s * max(len(rkeys), 1)))
 
-    async def write(self, records: Sequence[tuple[ChunkKey, memoryview]], ttl_ms: int | None) -> list[bool]:
+    async def write(self, records: Sequence[tuple[ChunkKey, Any]], ttl_ms: int | None) -> list[bool]:
         """Put the records; True: stored (or already there: keys name their bytes), False:
-        no room now.  A batch is one put; when it fails, each key is put alone to learn which."""
+        no room now.  From the pool: one ``batch_put_from_multi_buffers`` (header, payload
+        per key).  Copied records: one ``put_batch``; when it fails, each key alone."""
         store = self._client()
         keys = [self.remote_key(k) for k, _ in records]
         values = [v for _, v in records]
+        if any(isinstance(v, tuple) for v in values):
+            return list(await self._call(self._put_parts, store, keys, values, timeout_s=self._write_timeout(values)))
 
         def write() -> list[bool]:
             if _check("put_batch", store.put_batch(keys, values)) == OK:
                 return [True] * len(keys)
-            out = []
-            for rkey, value in zip(keys, values):
-                code = _check("put", store.put(rkey, value))
-                if code in (OK, OBJECT_ALREADY_EXISTS):
-                    out.append(True)
-                elif code in (NO_AVAILABLE_HANDLE, TRANSFER_FAIL):
-                    out.append(False)
-                else:
-                    raise MooncakeError("put", code)
-            return out
+            return [_stored("put", store.put(rkey, value)) for rkey, value in zip(keys, values)]
 
-        return list(await self._call(write, timeout_s=self.timeout_s * max(1, len(keys))))
+        return list(await self._call(write, timeout_s=self._write_timeout(values)))
+
+    def _write_timeout(self, values: Sequence[Any]) -> float:
+        return self.timeout_s * max(1, len(values))
+
+    def _put_parts(self, store: Any, keys: list[str], values: list[Any]) -> list[bool]:
+        """Put each value from where it lies (runs on a thread): a (header, payload) pair as
+        two buffers, the header copied into the registered header area; a record as one."""
+        need = sum(len(v[0]) for v in values if isinstance(v, tuple))
+        if need > len(self._headers):  # grow the area (registered again)
+            store.unregister_buffer(_address(self._headers))
+            self._headers = bytearray(max(need, 2 * len(self._headers)))
+            store.register_buffer(_address(self._headers), len(self._headers))
+        base, offset = _address(self._headers), 0
+        pointers: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for value in values:
+            if isinstance(value, tuple):
+                header, payload = value
+                self._headers[offset : offset + len(header)] = header
+                pointers.append([base + offset, _address(payload)])
+                sizes.append([len(header), payload.nbytes])
+                offset += len(header)
+            else:
+                pointers.append([_address(value)])
+                sizes.append([memoryview(value).nbytes])
+        codes = store.batch_put_from_multi_buffers(keys, pointers, sizes)
+        return [_stored("put_from", code) for code in codes]
 
     async def drop(self, rkey: str) -> None:
         try:
@@ -385,6 +443,7 @@ def mooncake_link(
     timeout_s: float,
     max_backoff_s: float = 2.0,
     supervisor: Supervisor | None = None,
+    regions: Sequence[tuple[int, int]] = (),
 ) -> Callable[[Callable[[], None]], MooncakeLink]:
     """What makes the link of a :class:`.tier.RemoteTier` on Mooncake (given its ``on_down``)."""
 
@@ -397,6 +456,7 @@ def mooncake_link(
             max_backoff_s=max_backoff_s,
             supervisor=supervisor,
             on_down=on_down,
+            regions=regions,
         )
 
     return link

@@ -5,6 +5,10 @@
   event loop; the writer takes the oldest built entry, and the entry leaves the
   queue only when Redis acknowledged it, so a write that failed (Redis went
   away) is written again once it is back, never dropped.
+- A write whose payload stays in the memory pool until it is sent (Mooncake's puts
+  from the pool, :mod:`.mooncake`) holds the pool's lease: ``release`` is called
+  once, when it leaves the queue (written, dropped, removed) and its header is
+  no longer being built.
 - Removals: deleting or clearing a queued chunk takes it out of the queue (a
   queued SET must not re-create a deleted chunk).  A chunk whose SET may
   already be on its way (the one being written, or one whose write failed
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from ..base import ChunkKey
 
@@ -33,7 +39,9 @@ MAX_PENDING_DELETES = 65536
 class Write:
     key: ChunkKey
     size: int
-    record: memoryview | None = None  # None until built
+    record: Any = None  # None until built: the record, or (header, payload in the pool)
+    release: Callable[[], None] | None = None  # the pool's lease of the payload, held until it leaves
+    building: bool = False  # its record (or header) is being built off the loop
     cancelled: bool = False  # deleted (or cleared) after it was queued
     attempted: bool = False  # a SET of it was sent at least once (it may have landed)
     failures: int = 0  # unexpected (non-Redis) errors while writing it
@@ -62,21 +70,34 @@ class WriteQueue:
         """Nothing to write and nothing to remove."""
         return not self._writes and not self._deletes and not self._clears
 
-    def add(self, key: ChunkKey, size: int) -> Write | None:
-        """Take room for a write of ``key`` (None: already queued)."""
+    def add(self, key: ChunkKey, size: int, release: Callable[[], None] | None = None) -> Write | None:
+        """Take room for a write of ``key`` (None: already queued); ``release``: the pool
+        lease the write holds until it leaves the queue."""
         if key in self._writes:
             return None
-        write = Write(key, size)
+        write = Write(key, size, release=release)
         self._writes[key] = write
         self.nbytes += size
         return write
 
-    def built(self, write: Write, record: memoryview) -> bool:
-        """The record of ``write`` is ready; False if it was removed meanwhile."""
+    def built(self, write: Write, record: Any) -> bool:
+        """The record of ``write`` is ready; False if it was removed meanwhile (its lease,
+        if it holds one, is released now)."""
+        write.building = False
         if self._writes.get(write.key) is not write:
+            self.released(write)
             return False
         write.record = record
         return True
+
+    @staticmethod
+    def released(write: Write) -> None:
+        """Give back the pool lease ``write`` holds (once; never while its header is built)."""
+        release, write.release = write.release, None
+        if release is not None and not write.building:
+            release()
+        elif release is not None:
+            write.release = release  # the builder gives it back when it is done (built)
 
     def head(self) -> Write | None:
         """The oldest write whose record is built (None if none is)."""
@@ -100,11 +121,13 @@ class WriteQueue:
         if self._writes.get(write.key) is write:
             del self._writes[write.key]
             self.nbytes -= write.size
+        self.released(write)
 
     def _remove(self, write: Write) -> None:
         write.cancelled = True
         del self._writes[write.key]
         self.nbytes -= write.size
+        self.released(write)
         if write.attempted:  # the SET may still land: delete after it
             self.remember_delete(write.key)
 
@@ -164,6 +187,11 @@ class WriteQueue:
         """Whether a removal Redis was not yet told about covers ``key`` (a read of
         it from Redis would bring back a deleted or cleared chunk)."""
         return key in self._deletes or None in self._clears or key.namespace in self._clears
+
+    def release_all(self) -> None:
+        """Give back every pool lease queued writes hold (the tier stops; they stay queued)."""
+        for write in self._writes.values():
+            self.released(write)
 
     def pending(self) -> tuple[list[str | None], list[ChunkKey], list[ChunkKey]]:
         """What Redis still has to be told: clears, deletes, and the keys of queued writes."""

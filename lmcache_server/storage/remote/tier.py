@@ -213,6 +213,7 @@ class RemoteTier:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.carryover.save()  # after the writer put back what it had taken
+        self.queue.release_all()  # the pool leases of writes sent from the pool
         if self._own_offload:
             self._offload.close()
         await self.link.aclose()

@@ -5,7 +5,9 @@ Redis or Mooncake).
 - ``enqueue`` queues a chunk (:class:`.queue.WriteQueue`, bounded by bytes;
   full -> dropped and counted) and builds its record (checksum and copy, with
   the chunk's token ids when the store knows them, ``links``) off the event loop
-  (:mod:`..offload`); a request never waits.
+  (:mod:`..offload`); a request never waits.  On a link that sends from the pool
+  (``link.from_pool``: Mooncake) only the header is built (the checksum, no copy)
+  and the write keeps the pool's lease until it leaves the queue.
 - One background task (``write_loop``) first sends the removals Redis is owed,
   then the queued writes in pipelines of at most ``BATCH_WRITES`` writes and
   ``batch_bytes`` bytes, sized to what the link sends within half of
@@ -31,7 +33,7 @@ from lmcache_client.keys import ChunkTokens
 from lmcache_client.protocol import PutStatus
 
 from ..base import ChunkKey, RemoteListener, TierLinks
-from ..chunkfile import encode_record
+from ..chunkfile import encode_header, encode_record
 from ..offload import Offload
 from .links import RemoteLink
 from .queue import Write, WriteQueue
@@ -94,13 +96,19 @@ class RemoteWriter:
             if release is not None:
                 release()
             return False
-        write = self.queue.add(key, size)
+        from_pool = self._link.from_pool and release is not None and not memoryview(data).readonly
+        write = self.queue.add(key, size, release if from_pool else None)
         if write is None:  # already queued
             if release is not None:
                 release()
             return True
         tokens = self.links.tokens_of(key)
-        task = asyncio.get_running_loop().create_task(self._build(write, data, release, tokens))
+        write.building = True
+        if from_pool:
+            build = self._build_header(write, memoryview(data).cast("B"), tokens)
+        else:
+            build = self._build(write, data, release, tokens)
+        task = asyncio.get_running_loop().create_task(build)
         self.building.add(task)
         task.add_done_callback(self.building.discard)
         return True
@@ -113,12 +121,27 @@ class RemoteWriter:
         except Exception as err:
             logger.warning("%s: cannot build the record of a chunk (%s); not written", self._link.label, err)
             self._link.counters.dropped_writes += 1
+            write.building = False
             self.queue.done(write)
             return
         finally:
             if release is not None:
                 release()
         if self.queue.built(write, record):
+            self._link.wake.set()
+
+    async def _build_header(self, write: Write, payload: memoryview, tokens: ChunkTokens | None) -> None:
+        """The header of a write sent from the pool (its checksum, off the loop); the
+        payload stays in the pool, leased, until the write leaves the queue."""
+        try:
+            header = await self._offload.run(encode_header, write.key.namespace, write.key.digest, payload, 0, tokens)
+        except Exception as err:
+            logger.warning("%s: cannot build the header of a chunk (%s); not written", self._link.label, err)
+            self._link.counters.dropped_writes += 1
+            write.building = False
+            self.queue.done(write)
+            return
+        if self.queue.built(write, (bytearray(header), payload)):
             self._link.wake.set()
 
     async def write_loop(self) -> None:

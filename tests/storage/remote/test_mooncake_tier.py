@@ -156,3 +156,38 @@ def test_the_daemon_starts_and_serves_with_the_master_down(daemon_factory, moonc
     wait_for(drained(a), timeout_s=60)
     with a.client() as ca:
         assert remote(ca)["stores"] == 1
+
+
+def leased(daemon: Daemon) -> int:
+    with daemon.client() as c:
+        return int(c.stats()["tiers"]["memory"]["leased_chunks"])
+
+
+def test_pool_writes_hold_their_chunks_until_written_or_removed(
+    daemon_factory, mooncake_master: MooncakeMaster
+) -> None:  # type: ignore[no-untyped-def]
+    # The master is down: the writes wait in the queue, each holding its chunk in the pool.
+    mooncake_master.stop()
+    a = daemon_factory(**mooncake_master.daemon_config(remote_timeout_s=0.5))
+    keys = [os.urandom(KEY_BYTES) for _ in range(4)]
+    data = [os.urandom(250_000) for _ in keys]
+    with a.client() as ca:
+        assert ca.put(keys, data) == [PutStatus.STORED] * 4
+        wait_for(lambda: leased(a) == 4)
+        assert ca.delete(keys[:1]) == [True]  # a removed write gives its chunk back
+        wait_for(lambda: leased(a) == 3)
+    mooncake_master.start()
+    wait_for(drained(a), timeout_s=60)
+    assert leased(a) == 0  # written: every lease given back
+    b = daemon_factory(**mooncake_master.daemon_config())
+    with b.client() as cb:
+        assert cb.get(keys[:1]) == [None]
+        assert [bytes(g) for g in cb.get(keys[1:])] == data[1:]
+
+
+def test_copied_records_when_zero_copy_is_off(daemon_factory, mooncake_master: MooncakeMaster) -> None:  # type: ignore[no-untyped-def]
+    a, b = nodes(daemon_factory, mooncake_master, mooncake_zero_copy=False)
+    keys, data = put_through(a, 3, size=2 * MiB)
+    assert leased(a) == 0
+    with b.client() as cb:
+        assert [bytes(g) for g in cb.get(keys)] == data
