@@ -4,6 +4,7 @@ bytes; the master killed and restarted; a node that leaves; another installation
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from typing import Any
 from lmcache_client import PutStatus
 from lmcache_client.protocol import KEY_BYTES
 
-from ...conftest import Daemon, MooncakeMaster, wait_for
+from ...conftest import NAMESPACE, Daemon, MooncakeMaster, wait_for
 from ...metrics.test_metrics import scrape
 
 MiB = 1 << 20
@@ -191,3 +192,29 @@ def test_copied_records_when_zero_copy_is_off(daemon_factory, mooncake_master: M
     assert leased(a) == 0
     with b.client() as cb:
         assert [bytes(g) for g in cb.get(keys)] == data
+
+
+def test_a_damaged_or_torn_value_is_a_miss_never_wrong_bytes(daemon_factory, mooncake_master: MooncakeMaster) -> None:  # type: ignore[no-untyped-def]
+    from mooncake.store import MooncakeDistributedStore
+
+    a, b = nodes(daemon_factory, mooncake_master)
+    keys, data = put_through(a, 3)
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", mooncake_master.metadata_server, 16 * MiB, 16 * MiB, "tcp", "",
+                     mooncake_master.url.removeprefix("mooncake://")) == 0  # fmt: skip
+    try:
+        names = [f"lmcache:{hashlib.sha256(NAMESPACE.encode()).hexdigest()[:16]}:{k.hex()}" for k in keys]
+        record = raw.get(names[0])
+        assert record[-len(data[0]) :] == data[0]  # the record ends with the payload
+        # A torn value (the record cut short), a value with one payload byte flipped, garbage.
+        flipped = bytearray(record)
+        flipped[-1] ^= 0xFF
+        for name, value in zip(names, (record[: len(record) // 2], bytes(flipped), b"not a record")):
+            assert raw.remove(name, True) == 0 and raw.put(name, value) == 0
+        with b.client() as cb:
+            assert cb.get(keys) == [None] * 3
+            stats = remote(cb)
+            assert stats["corrupt"] == 3 and stats["hits"] == 0
+        assert raw.batch_is_exist(names) == [0, 0, 0]  # removed: the next put writes them again
+    finally:
+        raw.close()
