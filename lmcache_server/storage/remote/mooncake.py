@@ -17,8 +17,9 @@ node contributes to a Mooncake cluster, instead of one Redis.
   only each record's header (the checksum) and the transfer engine reads the payload
   straight from the pool (``batch_put_from_multi_buffers``: header, payload), the
   pool's lease held until the write leaves the queue; no copy in Python, none into
-  the client's buffer.  The pool and the header area are registered with the client
-  (``register_buffer``; RDMA needs it, TCP does not).  ``zero_copy`` off: a copied
+  the client's buffer.  With RDMA the pool and the header area are registered with
+  the client (``register_buffer``: the NIC reads only registered memory, and peers can
+  then reach it); TCP reads any memory, so there only the header area is.  ``zero_copy`` off: a copied
   record per chunk, put from Python bytes (``put_batch``), as on Redis.
 - Reads take the values in the client's transfer buffer (``batch_get_buffer``) and
   verify them there; the chunk's bytes are read from that buffer until promotion
@@ -246,7 +247,11 @@ class MooncakeLink:
         )
         if code != OK:
             raise MooncakeUnavailable("setup", code)
-        for address, size in [*self._regions, (_address(self._headers), len(self._headers))]:
+        # RDMA reads only registered memory; TCP reads any.  A registered region is reachable
+        # by the cluster's peers (Mooncake authenticates no one), so the pool is registered
+        # only where the transport needs it.
+        regions = self._regions if s.protocol == "rdma" else []
+        for address, size in [*regions, (_address(self._headers), len(self._headers))]:
             code = store.register_buffer(address, size)
             if code != OK:
                 logger.warning("Mooncake tier: registering %d MiB at %#x answered %d", size >> 20, address, code)
