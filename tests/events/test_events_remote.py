@@ -42,7 +42,7 @@ from lmcache_server.events.remote import AUDIT_BATCH, REMOTE, RemoteHeld
 from lmcache_server.storage.base import ChunkKey
 from lmcache_server.storage.remote import RemoteTier
 
-from ..conftest import Daemon, RedisServer, free_port, wait_for
+from ..conftest import Daemon, MooncakeMaster, RedisServer, free_port, wait_for
 from ..integrations.vllm.vllm_harness.fixtures import vllm_python  # noqa: F401 - a fixture
 from ..server.events_router import RouterIndex, snapshot
 from .test_events import (
@@ -417,3 +417,31 @@ def test_the_audit_asks_in_bounded_round_trips_and_ttls_and_the_bound_forget(
             await tier.close()
 
     asyncio.run(main())
+
+
+def test_a_chunk_only_mooncake_holds_is_announced_remote(
+    daemon_factory: Callable[..., Daemon], mooncake_master: MooncakeMaster
+) -> None:
+    """The same as with Redis, on the Mooncake tier: evicted while Mooncake holds it, a chunk
+    is announced with locality REMOTE; a get brings it back LOCAL."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    daemon = events_daemon(
+        daemon_factory, max_local_cpu_size="4MiB", events_snapshot_endpoint=endpoint, events_remote_audit_s=0,
+        **mooncake_master.daemon_config(),
+    )  # fmt: skip
+    tokens = prompt(37, 2)
+    with daemon.client(namespace=NS) as c:
+        keys, toks = chunk_keys(tokens, CHUNK), chunk_tokens(tokens, CHUNK)
+        assert c.put(keys, [os.urandom(MiB) for _ in keys], tokens=toks) == [PutStatus.STORED] * 2
+        wait_for(lambda: c.stats()["tiers"]["mooncake"]["stores"] == 2)
+        wait_for(lambda: c.stats()["tiers"]["mooncake"]["queued_writes"] == 0)
+        for _ in range(6):
+            assert c.put([os.urandom(32)], [os.urandom(MiB)]) == [PutStatus.STORED]
+        wait_for(lambda: c.lookup(keys).tiers == ["mooncake"] * 2)
+        quiet(c, remote_moved_chunks=2)
+        _, frames = snapshot(endpoint)
+        assert list(PlacedIndex(BLOCK).apply(frames).state()) == [(TOPIC, "CPU/REMOTE")]
+        assert [len(d) for d in c.get(keys)] == [MiB, MiB]  # type: ignore[arg-type]
+        quiet(c, moved_chunks=4)
+        _, frames = snapshot(endpoint)
+        assert list(PlacedIndex(BLOCK).apply(frames).state()) == [(TOPIC, "CPU/LOCAL")]
