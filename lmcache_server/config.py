@@ -241,6 +241,7 @@ def load_config(
             unknown_env.append(name)
     for key, value in (overrides or {}).items():
         raw[key] = (value, "command line")
+    _mooncake_extra_config(raw)
 
     values: dict[str, Any] = {}
     engine_keys: list[tuple[str, str]] = []
@@ -262,6 +263,35 @@ def load_config(
     _warn_engine_keys(engine_keys)
     _warn_unknown_env(unknown_env)
     return config
+
+
+LMCACHE_MOONCAKE_KEYS = {
+    "metadata_server": "mooncake_metadata_server",
+    "protocol": "mooncake_protocol",
+    "device_name": "mooncake_device_name",
+    "local_hostname": "mooncake_local_hostname",
+    "global_segment_size": "mooncake_segment_size",
+    "local_buffer_size": "mooncake_buffer_size",
+}
+"""LMCache's Mooncake settings (in its ``extra_config``) and the keys that mean the same here."""
+
+
+def _mooncake_extra_config(raw: dict[str, tuple[Any, str]]) -> None:
+    """An LMCache config with ``remote_url: mooncakestore://`` carries its Mooncake settings
+    in ``extra_config``: read them as the ``mooncake_*`` keys (a key set directly wins).
+    LMCache's sizes are bytes (a bare number here is GB)."""
+    url, extra = raw.get("remote_url"), raw.get("extra_config")
+    if url is None or extra is None or not isinstance(extra[0], Mapping) or not is_mooncake(str(url[0])):
+        return
+    for theirs, ours in LMCACHE_MOONCAKE_KEYS.items():
+        value = extra[0].get(theirs)
+        if value is None or ours in raw:
+            continue
+        if ours in ("mooncake_segment_size", "mooncake_buffer_size") and isinstance(value, int):
+            value = f"{value}B"
+        if ours == "mooncake_device_name" and value == "":
+            continue
+        raw[ours] = (value, f"{extra[1]} (extra_config.{theirs})")
 
 
 def summary(c: ServerConfig) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmcache_server.config import ConfigError, load_config
+from lmcache_server.config import ConfigError, is_mooncake, load_config
 from lmcache_server.configvalues import disk_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,3 +183,39 @@ def test_the_daemon_starts_on_an_lmcache_config(daemon_factory, tmp_path: Path) 
     assert (tmp_path / "disk").is_dir()  # the bare path is the disk tier's directory
     warnings = [line for line in daemon.log().splitlines() if " WARNING " in line]
     assert any("LMCache engine-side" in line and "enable_pd" in line for line in warnings), warnings
+
+
+def test_an_lmcache_mooncake_config_is_read_with_its_extra_config(tmp_path: Path) -> None:
+    """LMCache's own Mooncake setup: ``mooncakestore://`` and the settings in extra_config."""
+    path = write(
+        tmp_path / "lmcache.yaml",
+        {
+            "chunk_size": 256,
+            "remote_url": "mooncakestore://10.0.0.5:50051/",
+            "remote_serde": "naive",
+            "extra_config": {
+                "local_hostname": "10.0.0.7",
+                "metadata_server": "http://10.0.0.5:8080/metadata",
+                "protocol": "tcp",
+                "device_name": "",
+                "master_server_address": "10.0.0.5:50051",
+                "global_segment_size": 3355443200,
+                "local_buffer_size": 1073741824,
+            },
+        },
+    )
+    config = load_config(str(path), {})
+    assert is_mooncake(config.remote_url)
+    assert config.mooncake_metadata_server == "http://10.0.0.5:8080/metadata"
+    assert config.mooncake_local_hostname == "10.0.0.7" and config.mooncake_protocol == "tcp"
+    assert config.mooncake_segment_size == 3355443200 and config.mooncake_buffer_size == 1 << 30
+    assert config.mooncake_device_name is None
+    # A key set directly wins over extra_config; without mooncake:// extra_config stays ignored.
+    assert load_config(str(path), {"LMCACHE_MOONCAKE_SEGMENT_SIZE": "2GiB"}).mooncake_segment_size == 2 << 30
+    redis = write(tmp_path / "redis.yaml", {"remote_url": "redis://r:6379", "extra_config": {"protocol": "rdma"}})
+    assert load_config(str(redis), {}).mooncake_protocol == "tcp"
+    # A bad value in extra_config is refused naming the key it stands for.
+    bad = write(tmp_path / "bad.yaml", {"remote_url": "mooncakestore://m:50051", "extra_config": {"protocol": "udp"}})
+    with pytest.raises(ConfigError) as info:
+        load_config(str(bad), {})
+    assert info.value.key == "mooncake_protocol" and "extra_config.protocol" in str(info.value)
