@@ -16,6 +16,7 @@ Primitives: :class:`Daemon` (``build``), :func:`warm_start` (also what
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from collections.abc import Callable
@@ -53,7 +54,7 @@ from .storage.disk import DiskTier
 from .storage.memory import ALIGNMENT, Adoption, WarmStart, installation_id
 from .storage.offload import Offload
 from .storage.policy import make_policy
-from .storage.remote import LinkFactory, MooncakeSettings, RemoteTier, mooncake_link, redis_link, state_path_for
+from .storage.remote import LinkFactory, MooncakeLink, MooncakeSettings, RedisLink, RemoteTier, state_path_for
 from .storage.sizing import Sizing
 from .storage.statefiles import StateDir
 from .storage.statefiles import resolve as resolve_state_dir
@@ -239,7 +240,8 @@ async def _remote(
             buffer_size=c.mooncake_buffer_size,
             zero_copy=c.mooncake_zero_copy,
         )
-        link: LinkFactory = mooncake_link(
+        link: LinkFactory = functools.partial(
+            MooncakeLink,
             c.remote_url,
             settings,
             key_prefix=c.remote_key_prefix,
@@ -248,7 +250,8 @@ async def _remote(
             regions=[pool_region] if pool_region is not None else [],
         )
     else:
-        link = redis_link(
+        link = functools.partial(
+            RedisLink,
             c.remote_url,
             key_prefix=c.remote_key_prefix,
             timeout_s=c.remote_timeout_s,

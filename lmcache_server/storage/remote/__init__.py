@@ -15,9 +15,9 @@ It imports the storage leaves only, never the memory or disk tier.
 Code outside this room imports the names below from ``storage.remote``.
 """
 
-from .link import redis_link
+from .link import RedisLink
 from .links import LinkFactory
-from .mooncake import MooncakeSettings, mooncake_link
+from .mooncake import MooncakeLink, MooncakeSettings
 from .tier import RemoteTier, state_path_for
 
-__all__ = ["LinkFactory", "MooncakeSettings", "RemoteTier", "mooncake_link", "redis_link", "state_path_for"]
+__all__ = ["LinkFactory", "MooncakeLink", "MooncakeSettings", "RedisLink", "RemoteTier", "state_path_for"]

@@ -61,7 +61,7 @@ class RemoteCarryover:
         if not keys:
             return
         queued = sum(1 for key in keys if not self.queue.removing(key) and enqueue(key))
-        self._link.counters.dropped_writes += len(keys) - queued
+        self._link.state.counters.dropped_writes += len(keys) - queued
         logger.log(
             logging.WARNING if queued < len(keys) else logging.INFO,
             "%s: re-queued %d writes pending at the last stop; %d dropped (no longer held here)",

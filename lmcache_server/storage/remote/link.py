@@ -20,11 +20,8 @@ writer use: ``connect``, ``failed``, ``mark_down``, ``remote_key``, ``exists``,
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import hashlib
 import logging
-import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +36,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ...config import redact
 from ...supervisor import Supervisor
 from ..base import ChunkKey
+from .links import LinkState
+from .links import RemoteCounters as RemoteCounters  # re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -50,34 +49,13 @@ TIMEOUTS = (TimeoutError, asyncio.TimeoutError, RedisTimeoutError)
 """What a request that ran out of time raises (one of ERRORS)."""
 
 
-@dataclasses.dataclass
-class RemoteCounters:
-    """The remote tier's counters (``admin stats``, ``lmcache_tier_*``); ``op_calls`` and
-    ``op_seconds`` count each request to the store by operation (read, write, exists,
-    sizes, remove, clear), failed ones included."""
-
-    hits: int = 0
-    misses: int = 0
-    stores: int = 0
-    dropped_writes: int = 0
-    write_errors: int = 0
-    read_errors: int = 0
-    corrupt: int = 0
-    reconnects: int = 0
-    op_calls: dict[str, int] = dataclasses.field(default_factory=dict)
-    op_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def timed(self, op: str, started: float) -> None:
-        """One request of ``op`` that began at ``started`` (time.monotonic) ended now."""
-        self.op_calls[op] = self.op_calls.get(op, 0) + 1
-        self.op_seconds[op] = self.op_seconds.get(op, 0.0) + time.monotonic() - started
-
-
 class RedisLink:
     """A redis-py client with the daemon's key names and an up/down state.
 
     ``errors`` are what an outage raises, ``timeouts`` the ones of them that a
     request too big for the link in time raises too (the writer halves its batches).
+    ``state`` (:class:`.links.LinkState`) is up or down; ``on_down`` is called after
+    each failure that marks it down.
 
     ``up`` is False from a failure until the background probe reaches Redis
     again; ``wake`` is set whenever the state changes (the tier's writer waits
@@ -105,13 +83,8 @@ class RedisLink:
         self.key_prefix = key_prefix
         self.timeout_s = timeout_s
         self.max_backoff_s = max_backoff_s
-        self.counters = RemoteCounters()
-        self.up = False
-        self.supervisor = supervisor if supervisor is not None else Supervisor()
-        self._on_down = on_down  # told after each failure that marks the link down
+        self.state = LinkState(self.name, self.label, redact(url), ERRORS, self._reconnect, supervisor, on_down)
         self.client = self._connect(url, username, password)
-        self.wake = asyncio.Event()  # the state (or, for the tier, its queue) changed
-        self.probing: asyncio.Task[None] | None = None
 
     def _connect(self, url: str, username: str | None, password: str | None) -> Any:
         kwargs: dict[str, Any] = {
@@ -140,30 +113,9 @@ class RedisLink:
         ``timeout_s``, else down (reconnecting in the background): never a failed start."""
         try:
             await asyncio.wait_for(self.client.ping(), self.timeout_s)
-            self.up = True
-            logger.info("Redis uplink %s connected", redact(self.url))
+            self.state.connected()
         except Exception as err:  # a client library surprised by the handshake too: down, never a failed start
-            self.failed("connect", err)
-
-    def mark_down(self, err: BaseException) -> None:
-        if self.up or self.probing is None:
-            logger.warning("Redis uplink %s down (%s: %s); serving from memory and disk, retrying",
-                           redact(self.url), type(err).__name__, err)  # fmt: skip
-        self.up = False
-        self.wake.set()
-        if self.probing is None or self.probing.done():
-            self.probing = self.supervisor.spawn("redis_reconnect", self._reconnect)
-        if self._on_down is not None:
-            self._on_down()
-
-    def failed(self, op: str, err: Exception) -> None:
-        """A request to Redis failed: the uplink is down.  An error that is not a
-        Redis or network error (a client library surprised by a reply, a bug) is
-        also logged with its traceback and counted as a task failure; the request
-        that asked still gets its miss, never INTERNAL."""
-        if not isinstance(err, ERRORS):
-            self.supervisor.failed(f"redis_{op}", err)
-        self.mark_down(err)
+            self.state.failed("connect", err)
 
     async def _drop_connections(self) -> None:
         """Close the idle pooled connections: after an outage they lead to the old
@@ -179,7 +131,7 @@ class RedisLink:
             pass
 
     async def _reconnect(self) -> None:
-        """Probe until Redis answers (redis-py's Retry: exponential backoff with jitter, no limit)."""
+        """The state's probe: until Redis answers (redis-py's Retry: exponential backoff with jitter, no limit)."""
         await self._drop_connections()
         # Any error is retried: a server that garbles its handshake is down, not a dead probe.
         probe = Retry(ExponentialWithJitterBackoff(cap=self.max_backoff_s, base=0.1), -1, (Exception,))
@@ -192,10 +144,6 @@ class RedisLink:
 
         await probe.call_with_retry(ping, failed)
         await self._drop_connections()  # whatever was opened while it was coming back starts afresh
-        self.up = True
-        self.counters.reconnects += 1
-        logger.info("Redis uplink %s restored", redact(self.url))
-        self.wake.set()
 
     # -- the requests the tier and its writer send -------------------------------------
     async def exists(self, rkeys: Sequence[bytes]) -> list[Any]:
@@ -277,39 +225,3 @@ class RedisLink:
             for k in keys:
                 pipe.delete(k)
             return sum(await pipe.execute())
-
-
-def redis_link(
-    url: str,
-    *,
-    key_prefix: str,
-    timeout_s: float,
-    username: str | None = None,
-    password: str | None = None,
-    max_backoff_s: float = 2.0,
-    supervisor: Supervisor | None = None,
-) -> Callable[[Callable[[], None]], RedisLink]:
-    """What makes the link of a :class:`.tier.RemoteTier` on Redis (given its ``on_down``)."""
-    return functools.partial(_redis_link, url, key_prefix, timeout_s, username, password, max_backoff_s, supervisor)
-
-
-def _redis_link(
-    url: str,
-    key_prefix: str,
-    timeout_s: float,
-    username: str | None,
-    password: str | None,
-    max_backoff_s: float,
-    supervisor: Supervisor | None,
-    on_down: Callable[[], None],
-) -> RedisLink:
-    return RedisLink(
-        url,
-        key_prefix=key_prefix,
-        timeout_s=timeout_s,
-        username=username,
-        password=password,
-        max_backoff_s=max_backoff_s,
-        supervisor=supervisor,
-        on_down=on_down,
-    )

@@ -44,7 +44,7 @@ node contributes to a Mooncake cluster, instead of one Redis.
   master and the nodes on a private network (docs/storage.md).
 
 Primitives: :class:`MooncakeSettings` (``from_url``), :class:`MooncakeLink`
-(the :class:`.links.RemoteLink` protocol), :func:`mooncake_link`.
+(the :class:`.links.RemoteLink` protocol).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from typing import Any
 
 from ...supervisor import Supervisor
 from ..base import ChunkKey
-from .link import RemoteCounters
+from .links import LinkState
 
 logger = logging.getLogger(__name__)
 
@@ -217,12 +217,7 @@ class MooncakeLink:
         self.key_prefix = key_prefix
         self.timeout_s = timeout_s
         self.max_backoff_s = max_backoff_s
-        self.counters = RemoteCounters()
-        self.up = False
-        self.supervisor = supervisor if supervisor is not None else Supervisor()
-        self._on_down = on_down
-        self.wake = asyncio.Event()
-        self.probing: asyncio.Task[None] | None = None
+        self.state = LinkState(self.name, self.label, settings.master, ERRORS, self._reconnect, supervisor, on_down)
         self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="lmcache-mooncake")
         self._store: Any = None  # the client, once set up
         self._setting_up: asyncio.Future[Any] | None = None  # a setup still running on a thread
@@ -286,34 +281,18 @@ class MooncakeLink:
         timeout, else down (reconnecting in the background): never a failed start."""
         try:
             await self._set_up()
-            self.up = True
+            self.state.connected()
             s = self.settings
-            logger.info("Mooncake tier %s connected (segment %d MiB at %s, %s)",
-                        s.master, s.segment_size >> 20, s.local_hostname, s.protocol)  # fmt: skip
+            logger.info("Mooncake tier: segment %d MiB at %s, %s, puts %s",
+                        s.segment_size >> 20, s.local_hostname, s.protocol,
+                        "from the pool" if s.zero_copy else "of copied records")  # fmt: skip
         except Exception as err:
-            self.failed("connect", err)
-
-    def mark_down(self, err: BaseException) -> None:
-        if self.up or self.probing is None:
-            logger.warning("Mooncake tier %s down (%s: %s); serving from memory and disk, retrying",
-                           self.settings.master, type(err).__name__, err)  # fmt: skip
-        self.up = False
-        self.wake.set()
-        if self.probing is None or self.probing.done():
-            self.probing = self.supervisor.spawn("mooncake_reconnect", self._reconnect)
-        if self._on_down is not None:
-            self._on_down()
-
-    def failed(self, op: str, err: Exception) -> None:
-        """A request failed: the link is down.  An error that is not an outage (a status
-        nothing expects, a bug) is also logged and counted as a task failure."""
-        if not isinstance(err, ERRORS):
-            self.supervisor.failed(f"mooncake_{op}", err)
-        self.mark_down(err)
+            self.state.failed("connect", err)
 
     async def _reconnect(self) -> None:
-        """Probe until the cluster answers: a new client when there is none, else the
-        client's health check (it remounts its segment by itself after a master restart)."""
+        """The state's probe: until the cluster answers: a new client when there is none,
+        else the client's health check (it remounts its segment by itself after a master
+        restart)."""
         delay = 0.1
         while True:
             try:
@@ -325,10 +304,6 @@ class MooncakeLink:
                 logger.debug("Mooncake tier: probe failed (%s)", err)
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, self.max_backoff_s)
-        self.up = True
-        self.counters.reconnects += 1
-        logger.info("Mooncake tier %s restored", self.settings.master)
-        self.wake.set()
 
     # -- keys ------------------------------------------------------------------------------
     def _tag(self, namespace: str) -> str:
@@ -438,30 +413,3 @@ class MooncakeLink:
             except Exception as err:
                 logger.warning("Mooncake tier: closing the client failed (%s)", err)
         self._threads.shutdown(wait=False, cancel_futures=True)
-
-
-def mooncake_link(
-    url: str,
-    settings: MooncakeSettings,
-    *,
-    key_prefix: str,
-    timeout_s: float,
-    max_backoff_s: float = 2.0,
-    supervisor: Supervisor | None = None,
-    regions: Sequence[tuple[int, int]] = (),
-) -> Callable[[Callable[[], None]], MooncakeLink]:
-    """What makes the link of a :class:`.tier.RemoteTier` on Mooncake (given its ``on_down``)."""
-
-    def link(on_down: Callable[[], None]) -> MooncakeLink:
-        return MooncakeLink(
-            url,
-            settings,
-            key_prefix=key_prefix,
-            timeout_s=timeout_s,
-            max_backoff_s=max_backoff_s,
-            supervisor=supervisor,
-            on_down=on_down,
-            regions=regions,
-        )
-
-    return link

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -73,8 +74,8 @@ from ..offload import Offload
 from ..statefiles import StateDir
 from .carryover import RemoteCarryover
 from .link import COMMAND_RETRIES as COMMAND_RETRIES  # re-exported
+from .link import RedisLink
 from .link import RemoteCounters as RemoteCounters  # re-exported
-from .link import redis_link
 from .links import LinkFactory
 from .queue import WriteQueue
 from .writer import BATCH_WRITES as BATCH_WRITES  # re-exported
@@ -107,7 +108,7 @@ class RemoteTier:
         state_path: Path | None = None,
         links: TierLinks | None = None,
     ):
-        self.link = link(self._down)
+        self.link = link(on_down=self._down)
         self.name = self.link.name
         self.ttl_ms = int(ttl_s * 1000) or None
         self.max_queue_bytes = max_queue_bytes
@@ -138,15 +139,10 @@ class RemoteTier:
         links: TierLinks | None = None,
     ) -> RemoteTier:
         """The tier on a Redis link."""
-        link = redis_link(
-            url,
-            key_prefix=key_prefix,
-            timeout_s=timeout_s,
-            username=username,
-            password=password,
-            max_backoff_s=max_backoff_s,
-            supervisor=supervisor,
-        )
+        link = functools.partial(
+            RedisLink, url, key_prefix=key_prefix, timeout_s=timeout_s, username=username, password=password,
+            max_backoff_s=max_backoff_s, supervisor=supervisor,
+        )  # fmt: skip
         return cls(
             link, ttl_s=ttl_s, max_queue_bytes=max_queue_bytes, offload=offload, state_path=state_path, links=links
         )
@@ -154,11 +150,11 @@ class RemoteTier:
     # -- the link's state, read by the store, the metrics and the tests --------------
     @property
     def up(self) -> bool:
-        return self.link.up
+        return self.link.state.up
 
     @property
     def counters(self) -> RemoteCounters:
-        return self.link.counters
+        return self.link.state.counters
 
     @property
     def url(self) -> str:
@@ -194,7 +190,7 @@ class RemoteTier:
         last stop left pending (``state_path``) and start the writer."""
         self.carryover.load()
         await self.link.connect()
-        self._tasks.append(self.link.supervisor.spawn(f"{self.name}_writer", self.writer.write_loop))
+        self._tasks.append(self.link.state.supervisor.spawn(f"{self.name}_writer", self.writer.write_loop))
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until queued writes and removals reached Redis (True) or the timeout passes."""
@@ -208,7 +204,7 @@ class RemoteTier:
 
     async def close(self) -> None:
         self._stopped = True  # a stop is no outage: nothing more to announce
-        tasks = [t for t in [*self._tasks, self.link.probing, *self.writer.building] if t is not None]
+        tasks = [t for t in [*self._tasks, self.link.state.probing, *self.writer.building] if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -244,14 +240,14 @@ class RemoteTier:
         try:
             found = await self.link.exists([self.remote_key(k) for k in keys])
         except Exception as err:
-            self.link.counters.read_errors += 1
-            self.link.failed("exists", err)
+            self.link.state.counters.read_errors += 1
+            self.link.state.failed("exists", err)
             return [False] * len(keys)
         finally:
-            self.link.counters.timed("exists", started)
+            self.link.state.counters.timed("exists", started)
         if not isinstance(found, list) or len(found) != len(keys) or not all(isinstance(n, int) for n in found):
             # A server that speaks RESP but not Redis: answer misses, count it.
-            self.link.counters.read_errors += 1
+            self.link.state.counters.read_errors += 1
             logger.warning("%s: EXISTS answered %.80r; treated as misses", self.link.label, found)
             return [False] * len(keys)
         if self.listener is not None:
@@ -272,13 +268,13 @@ class RemoteTier:
         try:
             found = await self.link.sizes([self.remote_key(k) for k in asked])
         except Exception as err:
-            self.link.counters.read_errors += 1
-            self.link.failed("strlen", err)
+            self.link.state.counters.read_errors += 1
+            self.link.state.failed("strlen", err)
             return [0] * len(keys)
         finally:
-            self.link.counters.timed("sizes", started)
+            self.link.state.counters.timed("sizes", started)
         if not isinstance(found, list) or len(found) != len(asked):
-            self.link.counters.read_errors += 1
+            self.link.state.counters.read_errors += 1
             logger.warning("%s: STRLEN answered %.80r; treated as misses", self.link.label, found)
             return [0] * len(keys)
         # An error Redis answers for one key (a value of another type): a miss.
@@ -307,12 +303,12 @@ class RemoteTier:
         if not keys:
             return []
         if not self.up:
-            self.link.counters.misses += len(keys)
+            self.link.state.counters.misses += len(keys)
             return [None] * len(keys)
         if self.queue.pending_removals and any(self.queue.removing(k) for k in keys):
             # Removed here but not yet in Redis (it was down, or the daemon restarted): a miss.
             hidden = [self.queue.removing(k) for k in keys]
-            self.link.counters.misses += sum(hidden)
+            self.link.state.counters.misses += sum(hidden)
             rest = [k for k, h in zip(keys, hidden) if not h]
             found = iter(await self.get_many(rest) if rest else [])
             return [None if h else next(found) for h in hidden]
@@ -321,23 +317,23 @@ class RemoteTier:
         try:
             values = await self.link.read(rkeys)
         except Exception as err:
-            self.link.counters.read_errors += 1
-            self.link.failed("get", err)
-            self.link.counters.misses += len(keys)
+            self.link.state.counters.read_errors += 1
+            self.link.state.failed("get", err)
+            self.link.state.counters.misses += len(keys)
             return [None] * len(keys)
         finally:
-            self.link.counters.timed("read", started)
+            self.link.state.counters.timed("read", started)
         if not isinstance(values, list) or len(values) != len(keys):
             # A server that speaks RESP but not Redis: answer misses, count it.
-            self.link.counters.read_errors += 1
-            self.link.counters.misses += len(keys)
+            self.link.state.counters.read_errors += 1
+            self.link.state.counters.misses += len(keys)
             logger.warning("%s: a batch of %d GETs answered %.80r; treated as misses", self.link.label, len(keys),
                            values)  # fmt: skip
             return [None] * len(keys)
         refused = [v for v in values if isinstance(v, Exception)]
         if refused:
-            self.link.counters.read_errors += 1
-            self.link.counters.misses += len(refused)
+            self.link.state.counters.read_errors += 1
+            self.link.state.counters.misses += len(refused)
             logger.warning("%s: %d of %d GETs answered an error (%s); treated as misses",
                            self.link.label, len(refused), len(keys), refused[0])  # fmt: skip
         chunks = list(await asyncio.gather(*(self._decoded(k, rk, v) for k, rk, v in zip(keys, rkeys, values))))
@@ -352,18 +348,18 @@ class RemoteTier:
         An error Redis answered for the key is a miss get_many counted already."""
         if isinstance(value, Exception):
             return None
-        if value is None or not len(value):
-            self.link.counters.misses += 1
+        if value is None or (isinstance(value, (bytes, bytearray, memoryview)) and not len(value)):
+            self.link.state.counters.misses += 1
             return None
         try:
             payload, tokens = await self._offload.run(decode_record, value, key.namespace, key.digest)
         except CorruptRecord as err:
             logger.warning("%s: value %r is damaged (%s); deleted, answered as a miss", self.link.label, rkey, err)
-            self.link.counters.corrupt += 1
-            self.link.counters.misses += 1
+            self.link.state.counters.corrupt += 1
+            self.link.state.counters.misses += 1
             await self.link.drop(rkey)
             return None
-        self.link.counters.hits += 1
+        self.link.state.counters.hits += 1
         chunk = Chunk(payload, self.name)
         chunk.tokens = tokens
         return chunk
@@ -390,17 +386,17 @@ class RemoteTier:
         queued = self.queue.cancel(key)
         if not self.up:
             self.queue.remember_delete(key)
-            self.link.wake.set()
+            self.link.state.wake.set()
             return queued
         started = time.monotonic()
         try:
             removed = await self.link.remove([key])
         except Exception as err:
             self.queue.remember_delete(key)
-            self.link.failed("delete", err)
+            self.link.state.failed("delete", err)
             return queued
         finally:
-            self.link.counters.timed("remove", started)
+            self.link.state.counters.timed("remove", started)
         return bool(removed) or queued
 
     async def clear(self, namespace: str | None) -> int:
@@ -411,17 +407,17 @@ class RemoteTier:
         queued = self.queue.cancel_namespace(namespace)
         if not self.up:
             self.queue.remember_clear(namespace)
-            self.link.wake.set()
+            self.link.state.wake.set()
             return queued
         started = time.monotonic()
         try:
             return max(await self.link.clear(namespace), queued)
         except Exception as err:
             self.queue.remember_clear(namespace)
-            self.link.failed("clear", err)
+            self.link.state.failed("clear", err)
             return queued
         finally:
-            self.link.counters.timed("clear", started)
+            self.link.state.counters.timed("clear", started)
 
     def keys(self) -> list[ChunkKey]:
         return []  # not enumerable cheaply; clear reports what it removed locally

@@ -92,7 +92,7 @@ class RemoteWriter:
         """
         size = memoryview(data).nbytes
         if not self.queue.fits(size):
-            self._link.counters.dropped_writes += 1
+            self._link.state.counters.dropped_writes += 1
             if release is not None:
                 release()
             return False
@@ -120,7 +120,7 @@ class RemoteWriter:
             record = await self._offload.run(encode_record, write.key.namespace, write.key.digest, data, tokens)
         except Exception as err:
             logger.warning("%s: cannot build the record of a chunk (%s); not written", self._link.label, err)
-            self._link.counters.dropped_writes += 1
+            self._link.state.counters.dropped_writes += 1
             write.building = False
             self.queue.done(write)
             return
@@ -128,7 +128,7 @@ class RemoteWriter:
             if release is not None:
                 release()
         if self.queue.built(write, record):
-            self._link.wake.set()
+            self._link.state.wake.set()
 
     async def _build_header(self, write: Write, payload: memoryview, tokens: ChunkTokens | None) -> None:
         """The header of a write sent from the pool (its checksum, off the loop); the
@@ -137,18 +137,18 @@ class RemoteWriter:
             header = await self._offload.run(encode_header, write.key.namespace, write.key.digest, payload, 0, tokens)
         except Exception as err:
             logger.warning("%s: cannot build the header of a chunk (%s); not written", self._link.label, err)
-            self._link.counters.dropped_writes += 1
+            self._link.state.counters.dropped_writes += 1
             write.building = False
             self.queue.done(write)
             return
         if self.queue.built(write, (bytearray(header), payload)):
-            self._link.wake.set()
+            self._link.state.wake.set()
 
     async def write_loop(self) -> None:
         while True:
-            if not self._link.up or (self.queue.head() is None and not self.queue.pending_removals):
-                self._link.wake.clear()
-                await self._link.wake.wait()
+            if not self._link.state.up or (self.queue.head() is None and not self.queue.pending_removals):
+                self._link.state.wake.clear()
+                await self._link.state.wake.wait()
                 continue
             batch: list[Write] = []
             try:
@@ -161,14 +161,14 @@ class RemoteWriter:
                     if refused:  # no room in the store now: wait a little before trying them again
                         await asyncio.sleep(NO_ROOM_WAIT_S * max(w.failures for w in refused))
             except self._link.errors as err:
-                self._link.counters.write_errors += 1
+                self._link.state.counters.write_errors += 1
                 if isinstance(err, self._link.timeouts) and len(batch) > 1:  # too big for the link in time
                     sent = sum(w.size for w in batch)
                     self.batch_bytes = max(1, sent // 2)
                     logger.info("%s: a batch of %d writes (%.1f MiB) timed out; sending at most %.1f MiB a batch",
                                 self._link.label, len(batch), sent / 2**20, self.batch_bytes / 2**20)  # fmt: skip
                     continue
-                self._link.mark_down(err)  # the writes stay queued: sent again once the store is back
+                self._link.state.mark_down(err)  # the writes stay queued: sent again once the store is back
             except Exception:
                 # Not a Redis failure: a bug or a reply nothing expects.  The
                 # supervisor logs, counts and restarts the loop; a write that
@@ -177,7 +177,7 @@ class RemoteWriter:
                     write.failures += 1
                     if write.failures >= POISON_FAILURES:
                         self.queue.done(write)
-                        self._link.counters.dropped_writes += 1
+                        self._link.state.counters.dropped_writes += 1
                 raise
 
     def _fit_batches(self, sent: int, elapsed_s: float) -> None:
@@ -200,21 +200,21 @@ class RemoteWriter:
             stored = await self._link.write([(w.key, w.record) for w in batch if w.record is not None], self.ttl_ms)
         finally:
             self.writing = None
-            self._link.counters.timed("write", sent_at)
+            self._link.state.counters.timed("write", sent_at)
         refused: list[Write] = []
         for write, ok in zip(batch, stored):
             if ok:
-                self._link.counters.stores += 1
+                self._link.state.counters.stores += 1
                 self.queue.done(write)  # if it was deleted meanwhile, its pending delete follows
                 continue
             write.failures += 1
             if write.failures >= POISON_FAILURES:
                 self.queue.done(write)
-                self._link.counters.dropped_writes += 1
+                self._link.state.counters.dropped_writes += 1
             else:
                 refused.append(write)
         listener = self._listener()  # (none once the tier stopped)
-        if listener is not None and self._link.up:  # the store holds them now (unless deleted meanwhile)
+        if listener is not None and self._link.state.up:  # the store holds them now (unless deleted meanwhile)
             listener.written([w.key for w, ok in zip(batch, stored) if ok and not w.cancelled], sent_at)
         return refused
 
