@@ -188,9 +188,18 @@ class WriteQueue:
         it from Redis would bring back a deleted or cleared chunk)."""
         return key in self._deletes or None in self._clears or key.namespace in self._clears
 
+    def abandoned(self, write: Write) -> None:
+        """The builder of ``write`` was cancelled (the tier stops): a write that left the
+        queue meanwhile gives its lease back now; a queued one at :meth:`release_all`."""
+        write.building = False
+        if self._writes.get(write.key) is not write:
+            self.released(write)
+
     def release_all(self) -> None:
-        """Give back every pool lease queued writes hold (the tier stops; they stay queued)."""
+        """Give back every pool lease queued writes hold (the tier stops, its builders
+        cancelled: no header is being built any more; the writes stay queued)."""
         for write in self._writes.values():
+            write.building = False
             self.released(write)
 
     def pending(self) -> tuple[list[str | None], list[ChunkKey], list[ChunkKey]]:

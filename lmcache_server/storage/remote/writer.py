@@ -135,6 +135,9 @@ class RemoteWriter:
         payload stays in the pool, leased, until the write leaves the queue."""
         try:
             header = await self._offload.run(encode_header, write.key.namespace, write.key.digest, payload, 0, tokens)
+        except asyncio.CancelledError:  # the tier stops
+            self.queue.abandoned(write)
+            raise
         except Exception as err:
             logger.warning("%s: cannot build the header of a chunk (%s); not written", self._link.label, err)
             self._link.state.counters.dropped_writes += 1
