@@ -4,7 +4,8 @@ Primitives:
 
 - :class:`Processes`: starts child processes (daemon, echo server, redis-server)
   in their own sessions with ``PR_SET_PDEATHSIG``, and stops every one of them
-  (SIGTERM, then SIGKILL) from a ``finally``, also on Ctrl-C or SIGTERM.
+  (SIGTERM, then SIGKILL) from a ``finally``, also on Ctrl-C or SIGTERM;
+  ``start_piped`` for a worker that answers on its stdout.
 - :func:`free_port`, :func:`wait_until`, :func:`start_daemon` (a daemon with
   ``--set`` settings, returned once it answers a ping).
 - :func:`measure` / :func:`measure_group`: warm-up calls, then ``reps`` timed
@@ -138,6 +139,26 @@ class Processes:
             env=self.env,
             start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
             preexec_fn=_die_with_parent,  # and they go if we are SIGKILLed
+        )
+        child = Child(name, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def start_piped(self, name: str, argv: Sequence[str], cwd: Path | None = None) -> Child:
+        """Like :meth:`start`, but with pipes to the child's stdin and stdout (a worker
+        answering requests line by line); only its stderr goes to the log."""
+        log_path = self.workdir / f"{name}.log"
+        log = open(log_path, "wb")  # noqa: SIM115 - closed in stop_all
+        self._logs.append(log)
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            cwd=cwd,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         child = Child(name, proc, log_path)
         self.children.append(child)
