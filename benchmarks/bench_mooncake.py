@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import hashlib
 import json
 import logging
 import mmap
@@ -200,7 +201,7 @@ class _Worker:
                 replicas = self.store.get_replica_desc(key)
                 ends = [r.get_memory_descriptor().buffer_descriptor.transport_endpoint
                         for r in replicas if r.is_memory_replica()]  # fmt: skip
-                local += self.hostname in ends
+                local += req.get("holder", self.hostname) in ends
             return {"local": local, "n": len(keys)}
         if op == "remove":
             self.store.batch_remove(keys, True)  # force: a value read a moment ago is still leased
@@ -336,6 +337,7 @@ class Node:
         from lmcache_client import CacheClient
 
         self.name, self.tier = name, tier
+        self.settings = settings
         home = workdir / name
         home.mkdir()
         self.ipc = f"ipc://{home}/lmcache.sock"
@@ -484,10 +486,13 @@ class RedisRaw(System):
 
 
 class Ours(System):
-    """Node A's and node B's daemons on one remote tier."""
+    """Node A's and node B's daemons on one remote tier.  ``probe``: a Mooncake client
+    on their master (no segment) that asks where the values are."""
 
-    def __init__(self, name: str, a: Node, b: Node, sources: list[memoryview]):
-        self.name, self.a, self.b, self.sources = name, a, b, sources
+    def __init__(
+        self, name: str, a: Node, b: Node, sources: list[memoryview], probe: MooncakeClientProcess | None = None
+    ):
+        self.name, self.a, self.b, self.sources, self.probe = name, a, b, sources, probe
         self._counter = 0
 
     def fresh_keys(self, n: int) -> list[bytes]:
@@ -510,6 +515,12 @@ class Ours(System):
         ack_s = time.perf_counter() - t0
         self.a.wait_flushed(stores, n)
         put_s = time.perf_counter() - t0
+        local_share = None
+        if self.probe is not None:  # the daemon's key names (the tier's default remote_key_prefix)
+            tag = hashlib.sha256(NAMESPACE.encode()).hexdigest()[:16]
+            where = self.probe.call(op="where", keys=[f"lmcache:{tag}:{k.hex()}" for k in keys],
+                                    holder=self.b.settings["mooncake_local_hostname"])  # fmt: skip
+            local_share = where["local"] / where["n"]
         get_s = 0.0
         for i in range(0, n, BATCH):
             t0 = time.perf_counter()
@@ -520,7 +531,7 @@ class Ours(System):
         if got != n:
             raise AssertionError(f"{self.name}: node B read {got} of {n} chunks from its {self.b.tier} tier")
         self._remove(keys)
-        return Sample(put_s, get_s, put_ack_s=ack_s)
+        return Sample(put_s, get_s, put_ack_s=ack_s, local_share=local_share)
 
     def prompt(self, tag: str, sizes: list[int], keys: list[bytes], namespace: str) -> tuple[float, float]:
         from lmcache_client import PutStatus
@@ -585,7 +596,7 @@ class Bench:
         o = self.opts
         want = set(o.systems)
         batch_bytes = BATCH * self.slot
-        segment = 2 * o.rep_bytes + 2 * batch_bytes
+        segment = o.rep_bytes + 2 * batch_bytes  # one repetition's values, all in one segment at worst
         buffer = 2 * batch_bytes
         pool = o.rep_bytes + 2 * batch_bytes
         redis_port = free_port()
@@ -638,7 +649,10 @@ class Bench:
                     "mooncake_buffer_size": f"{buffer}B",
                     "mooncake_protocol": "tcp",
                 }))  # fmt: skip
-            self.systems["ours-mc"] = Ours("ours-mc", nodes[0], nodes[1], self.sources)
+            probe = MooncakeClientProcess(self.procs, "mooncake-probe", o.mooncake_python)
+            probe.call(op="setup", hostname=probe.hostname, metadata=master.metadata, master=master.rpc,
+                       slot=MIB, segment=0, buffer=16 * MIB)  # fmt: skip
+            self.systems["ours-mc"] = Ours("ours-mc", nodes[0], nodes[1], self.sources, probe)
         if "ours-redis" in want:
             nodes = [Node(self.procs, self.workdir, f"ours-redis-{node}", "redis",
                           {**daemon_common, "remote_url": f"redis://127.0.0.1:{redis_port}"})
@@ -772,12 +786,13 @@ class Bench:
             print("put (acked): MiB/s until the daemon answered STORED, before its write-behind: " + "; ".join(
                 f"{n} " + ", ".join(f"{s} MiB {_fmt(self.rate(n, 'ack', s * MIB))}" for s in o.sizes_mib)
                 for n in ours))  # fmt: skip
-        raw = [n for n in names if n.startswith("mc-raw")]
-        if raw:
-            share = [s.local_share or 0.0 for n in raw for size in o.sizes_mib for s in self.samples[(n, size * MIB)]]
-            print(f"raw Mooncake: {statistics.mean(share):.0%} of the values node B got were in its own segment "
-                  "(placed there by the master: a local copy for B; the rest crossed TCP from A's "
-                  "segment)")  # fmt: skip
+        for group in (("mc-raw", "mc-raw-zc"), ("ours-mc",)):
+            share = [s.local_share for n in group if n in names for size in o.sizes_mib
+                     for s in self.samples[(n, size * MIB)] if s.local_share is not None]  # fmt: skip
+            if share:
+                print(f"{' and '.join(n for n in group if n in names)}: {statistics.mean(share):.0%} of the values "
+                      "node B got were in its own segment (a local copy for B; the rest crossed TCP from node A's "
+                      "segment)")  # fmt: skip
         return rows, ratios
 
     def _prompt_table(self) -> dict[str, Any]:
