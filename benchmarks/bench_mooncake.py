@@ -15,7 +15,13 @@ chunks of 1, 4, 16 and 32 MiB, ``BATCH`` = 8 chunks per request, about
                here, with its HTTP metadata server).
 ``mc-raw-zc``  the same two processes, the zero-copy API: ``batch_put_from``
                and ``batch_get_into`` on buffers registered with the client
-               (``register_buffer``), the engine's best path.
+               (``register_buffer``), the engine's best path.  In these two the
+               master places each value in a segment of its choice, as it does
+               for the daemons: about half land in node B's own segment, and
+               B's get of those is a local copy, not a network transfer.
+``mc-zc-far``  the zero-copy API with every value put into node A's segment
+               (``ReplicateConfig.preferred_segment``): every get of node B
+               crosses TCP, like every Redis get does.
 ``redis-raw``  a redis-server started here (free port, temp dir, no
                persistence), redis-py with the hiredis parser and the
                pure-Python serializer (``_harness.redis_client``): MSET of 8
@@ -37,11 +43,12 @@ chunks of 1, 4, 16 and 32 MiB, ``BATCH`` = 8 chunks per request, about
 After each repetition its keys are removed (untimed) from every system.  Ratios
 (per op and size): ``ours-mc / mc-raw-zc`` and ``ours-mc / mc-raw`` (our
 overhead on top of the engine), ``mc-raw-zc / redis-raw`` (Mooncake against
-Redis, both raw), ``ours-mc / ours-redis``.  ``put (acked)`` rates, until the
-daemon answered STORED (before the write-behind), are printed beside.  Where
-Mooncake's master placed the values (node A's or node B's segment: a value in
-B's own segment is a local copy for B, not a network transfer) is printed as the
-share of gets that found their value in B's segment.
+Redis, both raw; ``mc-zc-far / redis-raw`` with every byte over TCP),
+``ours-mc / ours-redis``, ``ours-redis / redis-raw``.  ``put (acked)`` rates,
+until the daemon answered STORED (before the write-behind), are printed
+beside.  Where Mooncake's master placed the values is printed as the share of
+node B's gets whose value was in B's own segment (for the daemons, asked by a
+probe client on their master, with no segment of its own, between put and get).
 
 (b) Cross-node hit latency for a 1,000-token prompt (``--prompt-tokens``) in a
 small model's KV layout (``--kv-model``, default Llama-3.2-1B: 16 layers, 8 KV
@@ -52,8 +59,8 @@ fresh random prompt, so B's memory never holds it: node A stores its chunks and
 (untimed) waits until they are in the remote tier; then node B's client does
 ``lookup`` (all must hit) and ``get`` of the prompt's keys, timed.  Reported:
 median (and p90) of ``--prompt-reps`` repetitions of B's lookup, get and
-lookup+get, for ours on Mooncake and on Redis, and for the raw clients
-(``batch_is_exist`` + ``batch_get_into``; EXISTS + MGET) beside.
+lookup+get, for ours on Mooncake and on Redis, and for the raw clients beside
+(``batch_is_exist`` + the get of each API above; EXISTS + MGET).
 
 Mooncake needs the package ``mooncake-transfer-engine-non-cuda`` (its
 ``mooncake_master`` console script beside the interpreter, or ``--mooncake-master``)
@@ -105,7 +112,7 @@ from _harness import (  # noqa: E402
 BATCH = 8
 REPO = Path(__file__).resolve().parent.parent
 NAMESPACE = "bench-mooncake"
-SYSTEMS = ("mc-raw", "mc-raw-zc", "redis-raw", "ours-mc", "ours-redis")
+SYSTEMS = ("mc-raw", "mc-raw-zc", "mc-zc-far", "redis-raw", "ours-mc", "ours-redis")
 OPS = ("put", "get")
 CHUNK_TOKENS = 256  # the daemon's default chunk_size
 # name: (model id, layers, KV heads, head dim); bfloat16 KV
@@ -134,7 +141,6 @@ class Options:
     redis_server: str
     mooncake_master: str
     mooncake_python: str
-    mc_placement: str
 
     @property
     def max_chunk(self) -> int:
@@ -175,7 +181,7 @@ class _Worker:
         self.src: mmap.mmap | None = None
         self.dst: mmap.mmap | None = None
         self.src_ptr = self.dst_ptr = 0
-        self.config: Any = None
+        self.configs: dict[str, Any] = {}
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req["op"]
@@ -184,7 +190,7 @@ class _Worker:
         keys: list[str] = req.get("keys", [])
         sizes: list[int] = req.get("sizes", [])
         if op == "put":
-            return {"s": self.put(keys, sizes, req["api"])}
+            return {"s": self.put(keys, sizes, req["api"], self.configs[req.get("prefer", "")])}
         if op == "get":
             return {"s": self.get(keys, sizes, req["api"], req.get("verify", False))}
         if op == "lookup_get":
@@ -211,9 +217,11 @@ class _Worker:
     def setup(self, req: dict[str, Any]) -> dict[str, Any]:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-        self.config = ReplicateConfig()
-        if req.get("prefer"):  # put every value into this segment (the writer's own)
-            self.config.preferred_segment = req["prefer"]
+        self.hostname = req["hostname"]
+
+        self.configs = {"": ReplicateConfig()}
+        self.configs[self.hostname] = ReplicateConfig()
+        self.configs[self.hostname].preferred_segment = self.hostname  # into this client's own segment
         self.slot = req["slot"]
         size = BATCH * self.slot
         self.src, self.dst = mmap.mmap(-1, size), mmap.mmap(-1, size)
@@ -223,7 +231,6 @@ class _Worker:
         self.src_ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.src))
         self.dst_ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.dst))
         self.store = MooncakeDistributedStore()
-        self.hostname = req["hostname"]
         t0 = time.perf_counter()
         rc = self.store.setup(self.hostname, req["metadata"], req["segment"], req["buffer"], "tcp", "", req["master"])
         if rc != 0:
@@ -235,7 +242,7 @@ class _Worker:
                 raise RuntimeError(f"register_buffer returned {rc}")
         return {"setup_s": setup_s}
 
-    def put(self, keys: list[str], sizes: list[int], api: str) -> float:
+    def put(self, keys: list[str], sizes: list[int], api: str, config: Any) -> float:
         assert self.src is not None
         view = memoryview(self.src)
         t0 = time.perf_counter()
@@ -243,12 +250,12 @@ class _Worker:
             ks, ss = keys[i : i + BATCH], sizes[i : i + BATCH]
             if api == "bytes":
                 values = [view[j * self.slot : j * self.slot + s] for j, s in enumerate(ss)]
-                rc = self.store.put_batch(ks, values, self.config)
+                rc = self.store.put_batch(ks, values, config)
                 if rc != 0:
                     raise RuntimeError(f"put_batch returned {rc}")
             else:
                 ptrs = [self.src_ptr + j * self.slot for j in range(len(ks))]
-                rcs = self.store.batch_put_from(ks, ptrs, ss, self.config)
+                rcs = self.store.batch_put_from(ks, ptrs, ss, config)
                 if any(rc != 0 for rc in rcs):
                     raise RuntimeError(f"batch_put_from returned {rcs}")
         return time.perf_counter() - t0
@@ -422,14 +429,15 @@ class System:
 
 
 class MooncakeRaw(System):
-    def __init__(self, a: MooncakeClientProcess, b: MooncakeClientProcess, api: str):
+    def __init__(self, a: MooncakeClientProcess, b: MooncakeClientProcess, api: str, far: bool = False):
         self.a, self.b, self.api = a, b, api
-        self.name = "mc-raw" if api == "bytes" else "mc-raw-zc"
+        self.name = "mc-raw" if api == "bytes" else "mc-zc-far" if far else "mc-raw-zc"
+        self.prefer = a.hostname if far else ""  # far: every value in node A's segment
 
     def run(self, tag: str, size: int, n: int, verify: bool) -> Sample:
         keys = [f"{self.name}/{tag}/{i}" for i in range(n)]
         sizes = [size] * n
-        put_s = self.a.call(op="put", keys=keys, sizes=sizes, api=self.api)["s"]
+        put_s = self.a.call(op="put", keys=keys, sizes=sizes, api=self.api, prefer=self.prefer)["s"]
         where = self.b.call(op="where", keys=keys)
         get_s = self.b.call(op="get", keys=keys, sizes=sizes, api=self.api, verify=verify)["s"]
         self.a.call(op="remove", keys=keys)
@@ -437,7 +445,7 @@ class MooncakeRaw(System):
 
     def prompt(self, tag: str, sizes: list[int], keys: list[bytes], namespace: str) -> tuple[float, float]:
         names = [f"{self.name}/{tag}/{k.hex()}" for k in keys]
-        self.a.call(op="put", keys=names, sizes=sizes, api=self.api)
+        self.a.call(op="put", keys=names, sizes=sizes, api=self.api, prefer=self.prefer)
         r = self.b.call(op="lookup_get", keys=names, sizes=sizes, api=self.api)
         self.a.call(op="remove", keys=names)
         return r["lookup_s"], r["get_s"]
@@ -617,17 +625,14 @@ class Bench:
             master = start_master(self.procs, o, "mooncake-master-raw", self.workdir)
             a = MooncakeClientProcess(self.procs, "mooncake-raw-A", o.mooncake_python)
             b = MooncakeClientProcess(self.procs, "mooncake-raw-B", o.mooncake_python)
-            prefer = a.hostname if o.mc_placement == "writer" else None
             for w in (a, b):
                 w.call(op="setup", hostname=w.hostname, metadata=master.metadata, master=master.rpc,
-                       slot=self.slot, prefer=prefer, **mc_settings)  # fmt: skip
-            for api in ("bytes", "zc"):
-                system = MooncakeRaw(a, b, api)
+                       slot=self.slot, **mc_settings)  # fmt: skip
+            for system in (MooncakeRaw(a, b, "bytes"), MooncakeRaw(a, b, "zc"), MooncakeRaw(a, b, "zc", far=True)):
                 if system.name in want:
                     self.systems[system.name] = system
-            placement = "node A's segment (preferred_segment)" if prefer else "where the master puts them"
             self.notes.append(f"raw Mooncake: 2 client processes, segments of {segment >> 20} MiB, local buffers "
-                              f"of {buffer >> 20} MiB, protocol tcp, one master; values {placement}")  # fmt: skip
+                              f"of {buffer >> 20} MiB, protocol tcp, one master")  # fmt: skip
         if "redis-raw" in want:
             self.systems["redis-raw"] = RedisRaw(redis_port, self.sources)
         daemon_common = {
@@ -750,7 +755,7 @@ class Bench:
         o = self.opts
         names = list(self.systems)
         ratio_defs = [("ours-mc", "mc-raw-zc"), ("ours-mc", "mc-raw"), ("mc-raw-zc", "redis-raw"),
-                      ("mc-raw", "redis-raw"), ("ours-mc", "ours-redis"), ("ours-redis", "redis-raw")]  # fmt: skip
+                      ("mc-zc-far", "redis-raw"), ("ours-mc", "ours-redis"), ("ours-redis", "redis-raw")]  # fmt: skip
         ratio_defs = [(x, y) for x, y in ratio_defs if x in names and y in names]
         print(f"\n(a) throughput, MiB/s, median of {o.reps} repetitions of about {o.rep_mib} MiB; {BATCH} chunks a "
               "request; put = until the bytes are in the remote tier (ours: write-behind flushed), "
@@ -786,7 +791,7 @@ class Bench:
             print("put (acked): MiB/s until the daemon answered STORED, before its write-behind: " + "; ".join(
                 f"{n} " + ", ".join(f"{s} MiB {_fmt(self.rate(n, 'ack', s * MIB))}" for s in o.sizes_mib)
                 for n in ours))  # fmt: skip
-        for group in (("mc-raw", "mc-raw-zc"), ("ours-mc",)):
+        for group in (("mc-raw", "mc-raw-zc"), ("mc-zc-far",), ("ours-mc",)):
             share = [s.local_share for n in group if n in names for size in o.sizes_mib
                      for s in self.samples[(n, size * MIB)] if s.local_share is not None]  # fmt: skip
             if share:
@@ -813,8 +818,8 @@ class Bench:
                                         "p90_ms": round(percentile(v, 90), 3),
                                         "samples_ms": [round(x, 3) for x in v]}
                                     for k, v in cols.items()}  # fmt: skip
-        pairs = [("ours-mc", "ours-redis"), ("mc-raw-zc", "redis-raw"), ("ours-mc", "mc-raw-zc"),
-                 ("ours-redis", "redis-raw")]  # fmt: skip
+        pairs = [("ours-mc", "ours-redis"), ("mc-raw-zc", "redis-raw"), ("mc-zc-far", "redis-raw"),
+                 ("ours-mc", "mc-raw-zc"), ("ours-redis", "redis-raw")]  # fmt: skip
         out["ratios"] = {}
         for x, y in pairs:
             if x in out["systems"] and y in out["systems"]:
@@ -861,9 +866,6 @@ def _parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--mooncake-master", default=_default_master(), help="the mooncake_master binary")
     p.add_argument("--mooncake-python", default=sys.executable,
                    help="interpreter of the raw Mooncake clients (needs mooncake; default this one)")  # fmt: skip
-    p.add_argument("--mc-placement", choices=("any", "writer"), default="any",
-                   help="where the raw Mooncake clients' values go: any (the master picks a segment, "
-                        "default) or writer (node A's own segment, so every get of node B crosses TCP)")  # fmt: skip
     a = p.parse_args(argv)
     sizes = tuple(int(s) for s in a.sizes.split(",") if s.strip())
     systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
@@ -886,7 +888,6 @@ def _parse_args(argv: Sequence[str] | None) -> Options:
         redis_server=a.redis_server,
         mooncake_master=a.mooncake_master,
         mooncake_python=a.mooncake_python,
-        mc_placement=a.mc_placement,
     )
 
 
