@@ -761,7 +761,6 @@ class Bench:
               "request; put = until the bytes are in the remote tier (ours: write-behind flushed), "
               "get = node B reads them (ours: from the remote tier)")  # fmt: skip
         head = f"{'op':3s} {'size':>6s} " + " ".join(f"{n:>10s}" for n in names)
-        head += " | " + " ".join(f"{x + '/' + y:>20s}" for x, y in ratio_defs)
         print(head)
         print("-" * len(head))
         rows: list[dict[str, Any]] = []
@@ -769,14 +768,13 @@ class Bench:
         for op in OPS:
             for size_mib in o.sizes_mib:
                 size = size_mib * MIB
-                line = f"{op:3s} {size_mib:3d} MiB " + " ".join(f"{_fmt(self.rate(n, op, size)):>10s}" for n in names)
-                line += " | " + " ".join(
-                    f"{_ratio(self.rate(x, op, size), self.rate(y, op, size)):>20s}" for x, y in ratio_defs
-                )
-                print(line)
+                print(f"{op:3s} {size_mib:3d} MiB " + " ".join(f"{_fmt(self.rate(n, op, size)):>10s}" for n in names))
+                n_mib = _chunks_per_rep(o, size) * size / MIB
                 for n in names:
                     samples = self.samples[(n, size)]
+                    times = [s.put_s if op == "put" else s.get_s for s in samples]
                     rows.append({"system": n, "op": op, "size_bytes": size, "mib_per_s": _round(self.rate(n, op, size)),
+                                 "rep_mib_per_s": [round(n_mib / t, 1) for t in times],
                                  "chunks_per_rep": _chunks_per_rep(o, size), "reps": len(samples)})  # fmt: skip
                     if op == "put" and samples[0].put_ack_s is not None:
                         rows[-1]["acked_mib_per_s"] = _round(self.rate(n, "ack", size))
@@ -786,6 +784,16 @@ class Bench:
                     rx, ry = self.rate(x, op, size), self.rate(y, op, size)
                     ratios.append({"op": op, "size_bytes": size, "of": x, "to": y,
                                    "ratio": round(rx / ry, 3) if rx and ry else None})  # fmt: skip
+        if ratio_defs:
+            print("\nratios of those medians (same run)")
+            head = f"{'op':3s} {'size':>6s} " + " ".join(f"{x + '/' + y:>20s}" for x, y in ratio_defs)
+            print(head)
+            print("-" * len(head))
+            for op in OPS:
+                for size_mib in o.sizes_mib:
+                    size = size_mib * MIB
+                    cells = [_ratio(self.rate(x, op, size), self.rate(y, op, size)) for x, y in ratio_defs]
+                    print(f"{op:3s} {size_mib:3d} MiB " + " ".join(f"{c:>20s}" for c in cells))
         ours = [n for n in names if n.startswith("ours")]
         if ours:
             print("put (acked): MiB/s until the daemon answered STORED, before its write-behind: " + "; ".join(
