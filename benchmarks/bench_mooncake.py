@@ -21,7 +21,8 @@ chunks of 1, 4, 16 and 32 MiB, ``BATCH`` = 8 chunks per request, about
                B's get of those is a local copy, not a network transfer.
 ``mc-zc-far``  the zero-copy API with every value put into node A's segment
                (``ReplicateConfig.preferred_segment``): every get of node B
-               crosses TCP, like every Redis get does.
+               crosses TCP, like every Redis get does (and every put is a
+               copy into A's own memory, which no other system's put is).
 ``redis-raw``  a redis-server started here (free port, temp dir, no
                persistence), redis-py with the hiredis parser and the
                pure-Python serializer (``_harness.redis_client``): MSET of 8
@@ -665,8 +666,9 @@ class Bench:
             self.systems["ours-redis"] = Ours("ours-redis", nodes[0], nodes[1], self.sources)
         if any(s.startswith("ours") for s in self.systems):
             self.notes.append(f"daemons: pool {pool >> 20} MiB each, max_remote_queue_size "
-                              f"{2 * o.rep_bytes >> 20} MiB; the bench's clients on the ipc endpoint, "
-                              "shared memory (same host)")  # fmt: skip
+                              f"{2 * o.rep_bytes >> 20} MiB, on Mooncake a segment of {segment >> 20} MiB and a "
+                              f"buffer of {buffer >> 20} MiB each (protocol tcp); the bench's clients on the ipc "
+                              "endpoint, shared memory (same host)")  # fmt: skip
         self.systems = {name: self.systems[name] for name in SYSTEMS if name in self.systems}
         self.cpu = CpuMeter(lambda: [c.proc.pid for c in self.procs.children if c.proc.poll() is None])
 
