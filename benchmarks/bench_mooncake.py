@@ -110,6 +110,8 @@ from _harness import (  # noqa: E402
     workspace,
 )
 
+from lmcache_client.memtune import tune_malloc  # noqa: E402
+
 BATCH = 8
 REPO = Path(__file__).resolve().parent.parent
 NAMESPACE = "bench-mooncake"
@@ -218,6 +220,9 @@ class _Worker:
     def setup(self, req: dict[str, Any]) -> dict[str, Any]:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
+        from lmcache_client.memtune import tune_malloc
+
+        tuned = tune_malloc()  # as the daemons (malloc_tuning: true) and the bench process run
         self.hostname = req["hostname"]
 
         self.configs = {"": ReplicateConfig()}
@@ -241,7 +246,7 @@ class _Worker:
             rc = self.store.register_buffer(ptr, size)
             if rc != 0:
                 raise RuntimeError(f"register_buffer returned {rc}")
-        return {"setup_s": setup_s}
+        return {"setup_s": setup_s, "tuned": tuned}
 
     def put(self, keys: list[str], sizes: list[int], api: str, config: Any) -> float:
         assert self.src is not None
@@ -593,6 +598,10 @@ class Bench:
         self.prompt_samples: dict[str, list[tuple[float, float]]] = {}
         self.prompt_layout: dict[str, Any] = {}
         self.cpu: CpuMeter | None = None
+        # Like every process here that receives large values (the daemons run with
+        # malloc_tuning: true, the Mooncake workers call it too): glibc keeps freed
+        # blocks instead of unmapping them and faulting them in again on the next reply.
+        self.tuned = tune_malloc()
         max_chunk = max(opts.max_chunk, self._prompt_chunk_bytes())
         self.slot = max_chunk
         self.sources = [memoryview(filled_buffer(max_chunk, i)) for i in range(BATCH)]
@@ -626,14 +635,14 @@ class Bench:
             master = start_master(self.procs, o, "mooncake-master-raw", self.workdir)
             a = MooncakeClientProcess(self.procs, "mooncake-raw-A", o.mooncake_python)
             b = MooncakeClientProcess(self.procs, "mooncake-raw-B", o.mooncake_python)
-            for w in (a, b):
-                w.call(op="setup", hostname=w.hostname, metadata=master.metadata, master=master.rpc,
-                       slot=self.slot, **mc_settings)  # fmt: skip
+            tuned = [w.call(op="setup", hostname=w.hostname, metadata=master.metadata, master=master.rpc,
+                            slot=self.slot, **mc_settings)["tuned"] for w in (a, b)]  # fmt: skip
             for system in (MooncakeRaw(a, b, "bytes"), MooncakeRaw(a, b, "zc"), MooncakeRaw(a, b, "zc", far=True)):
                 if system.name in want:
                     self.systems[system.name] = system
             self.notes.append(f"raw Mooncake: 2 client processes, segments of {segment >> 20} MiB, local buffers "
-                              f"of {buffer >> 20} MiB, protocol tcp, one master")  # fmt: skip
+                              f"of {buffer >> 20} MiB, protocol tcp, one master; glibc malloc tuning (tune_malloc) "
+                              f"applied in them: {tuned}, in the bench process: {self.tuned}")  # fmt: skip
         if "redis-raw" in want:
             self.systems["redis-raw"] = RedisRaw(redis_port, self.sources)
         daemon_common = {
