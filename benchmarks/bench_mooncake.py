@@ -91,6 +91,7 @@ import select
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -677,6 +678,7 @@ class Bench:
                      for node in ("A", "B")]  # fmt: skip
             self.systems["ours-redis"] = Ours("ours-redis", nodes[0], nodes[1], self.sources)
         if any(s.startswith("ours") for s in self.systems):
+            self.notes.append(f"daemons run this checkout's code: {_checkout()}")
             self.notes.append(f"daemons: pool {pool >> 20} MiB each, max_remote_queue_size "
                               f"{2 * o.rep_bytes >> 20} MiB, on Mooncake a segment of {segment >> 20} MiB and a "
                               f"buffer of {buffer >> 20} MiB each (protocol tcp); the bench's clients on the ipc "
@@ -850,6 +852,16 @@ class Bench:
                 print(f"  lookup+get time {x}/{y}: {r:.2f}x" + ("  (< 1: the first is faster)" if x == "ours-mc"
                                                                  and y == "ours-redis" else ""))  # fmt: skip
         return out
+
+
+def _checkout() -> str:
+    """The commit of the checkout the daemons run (``-dirty`` with uncommitted changes)."""
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10)  # fmt: skip
+        return out.stdout.strip() or "unknown (not a git checkout)"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
 
 
 def _round(v: float | None) -> float | None:
