@@ -266,13 +266,17 @@ class MooncakeLink:
             writer.close()
 
     async def _set_up(self) -> None:
-        """Set a client up (one at a time: a setup that outlived its timeout is awaited, not doubled)."""
+        """Set a client up, once the cluster is reachable; one setup at a time: one that
+        outlived its timeout is awaited by the next try, never started twice."""
         if self._setting_up is None:
             await self._reachable()
-        if self._setting_up is None or self._setting_up.done():
             self._setting_up = asyncio.get_running_loop().run_in_executor(self._threads, self._new_client)
-        store = await asyncio.wait_for(asyncio.shield(self._setting_up), max(self.timeout_s, 10.0))
-        self._setting_up = None
+        setting_up = self._setting_up
+        try:
+            store = await asyncio.wait_for(asyncio.shield(setting_up), max(self.timeout_s, 10.0))
+        finally:
+            if setting_up.done():  # succeeded or failed: the next try starts afresh (reachability first)
+                self._setting_up = None
         self._store = store
 
     # -- the up/down state ---------------------------------------------------------------
