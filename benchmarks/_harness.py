@@ -127,38 +127,27 @@ class Processes:
         self._logs: list[IO[bytes]] = []
 
     def start(self, name: str, argv: Sequence[str], cwd: Path | None = None) -> Child:
-        log_path = self.workdir / f"{name}.log"
-        log = open(log_path, "wb")  # noqa: SIM115 - closed in stop_all
-        self._logs.append(log)
-        proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            env=self.env,
-            start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
-            preexec_fn=_die_with_parent,  # and they go if we are SIGKILLed
-        )
-        child = Child(name, proc, log_path)
-        self.children.append(child)
-        return child
+        """A child whose stdout and stderr go to ``<workdir>/<name>.log``."""
+        return self._spawn(name, argv, cwd, piped=False)
 
     def start_piped(self, name: str, argv: Sequence[str], cwd: Path | None = None) -> Child:
         """Like :meth:`start`, but with pipes to the child's stdin and stdout (a worker
         answering requests line by line); only its stderr goes to the log."""
+        return self._spawn(name, argv, cwd, piped=True)
+
+    def _spawn(self, name: str, argv: Sequence[str], cwd: Path | None, piped: bool) -> Child:
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - closed in stop_all
         self._logs.append(log)
         proc = subprocess.Popen(
             list(argv),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
+            stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if piped else log,
+            stderr=log if piped else subprocess.STDOUT,
             cwd=cwd,
             env=self.env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
+            start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
+            preexec_fn=_die_with_parent,  # and they go if we are SIGKILLed
         )
         child = Child(name, proc, log_path)
         self.children.append(child)
@@ -397,6 +386,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 def load_average() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
+
+
+def announce_load() -> None:
+    """Print the load average a benchmark starts on (busy: its figures will be noisy)."""
+    load = load_average()
+    print(f"load average before start: {load:.2f}" + ("  (busy machine: expect noisy figures)" if load > 0.5 else ""))
 
 
 def filled_buffer(size: int, seed: int) -> bytearray:

@@ -104,9 +104,9 @@ from _harness import (  # noqa: E402
     Child,
     CpuMeter,
     Processes,
+    announce_load,
     filled_buffer,
     free_port,
-    load_average,
     percentile,
     raise_on_sigterm,
     redis_client,
@@ -929,8 +929,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = _parse_args(argv)
     raise_on_sigterm()
     started = time.perf_counter()
-    load = load_average()
-    print(f"load average before start: {load:.2f}" + ("  (busy machine: expect noisy figures)" if load > 0.5 else ""))
+    announce_load()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     with workspace("lmcache-bench-mc-", env) as (procs, workdir):
         bench: Bench | None = None

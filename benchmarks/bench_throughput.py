@@ -107,11 +107,11 @@ from _harness import (  # noqa: E402
     FaultProbe,
     Processes,
     Stats,
+    announce_load,
     cpu_seconds,
     filled_buffer,
     free_port,
     limit_malloc_arenas,
-    load_average,
     measure_group,
     minor_faults,
     raise_on_sigterm,
@@ -682,8 +682,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = _parse_args(argv)
     raise_on_sigterm()
     started = time.perf_counter()
-    load = load_average()
-    print(f"load average before start: {load:.2f}" + ("  (busy machine: expect noisy figures)" if load > 0.5 else ""))
+    announce_load()
     env = None
     if opts.malloc_arena_max is not None:
         env = {**os.environ, "MALLOC_ARENA_MAX": str(opts.malloc_arena_max)}

@@ -67,7 +67,7 @@ from lmcache_client import CacheClient
 from lmcache_client.integrations.hf import CachedPrefill, PrefillResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import free_port, load_average, raise_on_sigterm, wait_until, workspace  # noqa: E402
+from _harness import announce_load, free_port, load_average, raise_on_sigterm, wait_until, workspace  # noqa: E402
 
 VOCAB = 32000
 TARGET_RATIO_AT_4K = 0.2
@@ -291,8 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
     started = time.perf_counter()
-    load = load_average()
-    print(f"load average before start: {load:.2f}" + ("  (busy machine: expect noisy figures)" if load > 0.5 else ""))
+    announce_load()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunk_size {opts.chunk_size}")
     by_codec: dict[str, list[Row]] = {}
     try:

@@ -20,7 +20,6 @@ writer use: ``connect``, ``failed``, ``mark_down``, ``remote_key``, ``exists``,
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -36,7 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ...config import redact
 from ...supervisor import Supervisor
 from ..base import ChunkKey
-from .links import LinkState
+from .links import LinkState, key_name, key_scope
 from .links import RemoteCounters as RemoteCounters  # re-exported
 
 logger = logging.getLogger(__name__)
@@ -105,8 +104,7 @@ class RedisLink:
         return aioredis.Redis.from_url(url, **kwargs)
 
     def remote_key(self, key: ChunkKey) -> bytes:
-        ns_tag = hashlib.sha256(key.namespace.encode()).hexdigest()[:16]
-        return f"{self.key_prefix}{ns_tag}:{key.digest.hex()}".encode()
+        return key_name(self.key_prefix, key).encode()
 
     async def connect(self) -> None:
         """The first contact, at the tier's open: up when Redis answers a ping within
@@ -201,9 +199,7 @@ class RedisLink:
         return int(await asyncio.wait_for(self.client.delete(*rkeys), self.timeout_s))
 
     async def clear(self, namespace: str | None) -> int:
-        pattern = self.key_prefix + (
-            hashlib.sha256(namespace.encode()).hexdigest()[:16] + ":*" if namespace is not None else "*"
-        )
+        pattern = key_scope(self.key_prefix, namespace) + "*"
         removed = 0
         batch: list[bytes] = []
         async for rkey in self.client.scan_iter(match=pattern, count=1000):

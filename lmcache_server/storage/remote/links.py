@@ -11,13 +11,15 @@ on an outage (the tier then calls ``state.failed``, which marks the link down);
 
 Primitives: :class:`RemoteLink` (``connect``, ``remote_key``, ``exists``, ``sizes``,
 ``read``, ``write``, ``drop``, ``remove``, ``clear``, ``aclose``), :class:`LinkState`
-(``mark_down``, ``failed``, ``restored``), :data:`LinkFactory`.
+(``connected``, ``mark_down``, ``failed``), :data:`LinkFactory`, the key names both
+links use (:func:`key_name`, :func:`key_scope`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,6 +29,18 @@ from ...supervisor import Supervisor
 from ..base import ChunkKey
 
 logger = logging.getLogger(__name__)
+
+
+def key_scope(prefix: str, namespace: str | None) -> str:
+    """What every key of ``namespace`` (None: of every namespace) under ``prefix`` starts with."""
+    if namespace is None:
+        return prefix
+    return f"{prefix}{hashlib.sha256(namespace.encode()).hexdigest()[:16]}:"
+
+
+def key_name(prefix: str, key: ChunkKey) -> str:
+    """The name a chunk is stored under: ``<prefix><16 hex of SHA-256(namespace)>:<64 hex key>``."""
+    return key_scope(prefix, key.namespace) + key.digest.hex()
 
 
 @dataclasses.dataclass

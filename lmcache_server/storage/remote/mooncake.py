@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
-import hashlib
 import importlib
 import logging
 import random
@@ -65,7 +64,7 @@ from typing import Any
 
 from ...supervisor import Supervisor
 from ..base import ChunkKey
-from .links import LinkState
+from .links import LinkState, key_name, key_scope
 
 logger = logging.getLogger(__name__)
 
@@ -310,11 +309,8 @@ class MooncakeLink:
             delay = min(delay * 2, self.max_backoff_s)
 
     # -- keys ------------------------------------------------------------------------------
-    def _tag(self, namespace: str) -> str:
-        return hashlib.sha256(namespace.encode()).hexdigest()[:16]
-
     def remote_key(self, key: ChunkKey) -> str:
-        return f"{self.key_prefix}{self._tag(key.namespace)}:{key.digest.hex()}"
+        return key_name(self.key_prefix, key)
 
     # -- the requests the tier and its writer send -----------------------------------------
     async def exists(self, rkeys: Sequence[str]) -> list[Any]:
@@ -403,7 +399,7 @@ class MooncakeLink:
         return sum(1 for code in codes if code == OK)
 
     async def clear(self, namespace: str | None) -> int:
-        pattern = "^" + re.escape(self.key_prefix + (self._tag(namespace) + ":" if namespace is not None else ""))
+        pattern = "^" + re.escape(key_scope(self.key_prefix, namespace))
         removed = await self._call(self._client().remove_by_regex, pattern, True)
         return max(_check("remove_by_regex", removed), 0)
 

@@ -109,7 +109,7 @@ class RemoteTier:
         links: TierLinks | None = None,
     ):
         self.link = link(on_down=self._down)
-        self.name = self.link.name
+        self.name = self.link.name  # the tiers' protocol (roles.Uplink) reads it as an attribute
         self.ttl_ms = int(ttl_s * 1000) or None
         self.max_queue_bytes = max_queue_bytes
         self._offload = offload if offload is not None else Offload(1, f"lmcache-{self.name}")
