@@ -144,7 +144,7 @@ class RemoteWriter:
             write.building = False
             self.queue.done(write)
             return
-        if self.queue.built(write, (bytearray(header), payload)):
+        if self.queue.built(write, (header, payload)):  # the link copies the header where it sends it from
             self._link.state.wake.set()
 
     async def write_loop(self) -> None:
@@ -200,7 +200,7 @@ class RemoteWriter:
         for write in batch:
             write.attempted = True
         try:
-            stored = await self._link.write([(w.key, w.record) for w in batch if w.record is not None], self.ttl_ms)
+            stored = await self._link.write([(w.key, w.record) for w in batch], self.ttl_ms)  # all built (heads)
         finally:
             self.writing = None
             self._link.state.counters.timed("write", sent_at)
